@@ -1,0 +1,79 @@
+"""quiesce's one error hierarchy; import errors from here.
+
+    QuiesceError
+    ├── ConfigError        bad cluster config, raised before any server is contacted
+    ├── DiscoveryError     the cluster cannot take part (every reason listed)
+    ├── PhaseError         a phase failed: names phase, server and reason
+    ├── DeadlineExceeded   the attempt's absolute deadline passed
+    ├── SnapshotError      a snapshot on disk is incomplete, altered, or does not match the cluster
+    └── LedgerError        (from ledger) — FencedError: a newer coordinator owns the ledger
+
+CLI exit codes: ConfigError and DiscoveryError are 2 (usage / config / refused setup);
+every other QuiesceError is 1 (the operation failed).
+"""
+
+from __future__ import annotations
+
+from ledger.errors import FencedError, LedgerError, QuiesceError
+
+__all__ = [
+    "ConfigError",
+    "DeadlineExceeded",
+    "DiscoveryError",
+    "FencedError",
+    "LedgerError",
+    "PhaseError",
+    "QuiesceError",
+    "SnapshotError",
+]
+
+
+class ConfigError(QuiesceError):
+    """The cluster config is invalid; the message names the field."""
+
+
+class DiscoveryError(QuiesceError):
+    """Discovery refused the setup; `reasons` lists every offender as (server name, reason)."""
+
+    def __init__(self, message: str, reasons: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.reasons: list[tuple[str, str]] = list(reasons or [])
+
+
+class PhaseError(QuiesceError):
+    """A phase of an attempt failed. Carries what a caller needs to decide what to do next."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        phase: str,
+        server: str | None,
+        reason: str,
+        code: str | None = None,
+        checkpoint_id: str | None = None,
+        resumed: list[str] | None = None,
+        not_resumed: list[str] | None = None,
+        latest_snapshot: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.phase = phase
+        self.server = server
+        self.reason = reason
+        self.code = code
+        self.checkpoint_id = checkpoint_id
+        self.resumed: list[str] = list(resumed or [])
+        self.not_resumed: list[str] = list(not_resumed or [])
+        self.latest_snapshot = latest_snapshot
+
+
+class DeadlineExceeded(PhaseError):
+    """The attempt's absolute deadline passed before the phase was done."""
+
+
+class SnapshotError(QuiesceError):
+    """A snapshot is unusable; `differences` lists each problem found."""
+
+    def __init__(self, message: str, differences: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.differences: list[str] = list(differences or [])

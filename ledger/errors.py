@@ -1,0 +1,24 @@
+"""Errors raised by the ledger.
+
+`QuiesceError` is the root of quiesce's one error hierarchy. It lives here, in the
+lowest layer, because `ledger` imports nothing of ours; `coordinator/errors.py`
+re-exports it with the rest of the hierarchy, and that is where users import from.
+Every message says what was wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class QuiesceError(Exception):
+    """Root of every error quiesce raises on purpose."""
+
+
+class LedgerError(QuiesceError):
+    """The ledger cannot be used as asked: bad URL, schema behind or ahead, broken chain, refused kind."""
+
+
+class FencedError(LedgerError):
+    """Another writer owns the ledger (a newer epoch, or a concurrent append took our seq).
+
+    A coordinator that sees this must stop acting: it makes no further calls and no further appends.
+    """

@@ -1,0 +1,3 @@
+from tools.cli.main import main
+
+raise SystemExit(main())

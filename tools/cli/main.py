@@ -1,0 +1,68 @@
+"""The `quiesce` command line.
+
+Each file in `tools/cli/commands/` is one command (or one group of commands) and
+exposes `register(subparsers)`, which adds its parser and sets `handler` to a
+function taking the parsed namespace and returning the exit code. This file only
+dispatches and maps errors to exit codes:
+
+- 0 success; 1 the operation failed; 2 bad usage, bad config, or discovery refused.
+- A `QuiesceError` prints its message (no traceback unless `--debug`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from collections.abc import Callable, Sequence
+from typing import cast
+
+from coordinator.errors import ConfigError, DiscoveryError, QuiesceError
+from tools.cli import commands
+from tools.cli.output import print_error
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quiesce",
+        description="Checkpoint coordinator for NeMo Gym servers (control plane v1).",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{commands.__name__}.{info.name}")
+        module.register(sub)
+    return parser
+
+
+def exit_code_for(error: QuiesceError) -> int:
+    """Usage, config and refused-setup errors are 2; every other failure is 1."""
+    return 2 if isinstance(error, ConfigError | DiscoveryError) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = cast("Handler | None", getattr(args, "handler", None))
+    if handler is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return handler(args)
+    except QuiesceError as error:
+        if args.debug:
+            raise
+        print_error(error)
+        return exit_code_for(error)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print_error("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
