@@ -1,0 +1,477 @@
+"""Wire models of NeMo Gym's checkpoint control plane v1 — both sides speak through these.
+
+This is the only place the wire format is written down in code (see
+`gym-control-v1.md`). The coordinator sends requests built from these models and
+validates replies with them; the reference servers in `tools/gymsim` validate
+requests and build replies with them.
+
+Rules kept here:
+- Request bodies forbid extra fields (a server answers 422); replies allow them
+  (newer Gym adds fields) and keep them, so the coordinator can record them.
+- `checkpoint_id` is 1-128 chars of `^[A-Za-z0-9][A-Za-z0-9._-]*$`; `deadline_ts`
+  is a finite absolute Unix time; `schema_version` is 1 or omitted.
+- Artifact references name files relative to the checkpoint dir: never absolute,
+  never containing `..`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+SCHEMA_VERSION: Final = 1
+PREFIX: Final = "/ng-control/v1"
+
+# ---------------------------------------------------------------------------------------------
+# Names: components, phases, codes, headers
+# ---------------------------------------------------------------------------------------------
+
+Component = Literal["responses_api_models", "responses_api_agents", "resources_servers"]
+MODEL: Final = "responses_api_models"
+AGENT: Final = "responses_api_agents"
+RESOURCES: Final = "resources_servers"
+
+CheckpointMode = Literal["stateless", "export_restore"]
+ConcurrencyContract = Literal["stateless", "serialized_per_session", "transactional_parallel"]
+WorkerMode = Literal["single_worker", "coordinator", "unmanaged"]
+InstanceRole = Literal["policy", "auxiliary"]
+AdmissionState = Literal["accepting", "draining", "paused"]
+
+Phase = Literal[
+    "idle",
+    "preparing",
+    "prepared",
+    "committing",
+    "committed_paused",
+    "restoring",
+    "restore_failed_paused",
+    "restored_paused",
+]
+PHASES: Final[tuple[Phase, ...]] = (
+    "idle",
+    "preparing",
+    "prepared",
+    "committing",
+    "committed_paused",
+    "restoring",
+    "restore_failed_paused",
+    "restored_paused",
+)
+
+Operation = Literal["pause", "prepare", "status", "commit", "restore", "resume"]
+
+#: 401 body for a missing or wrong bearer token.
+UNAUTHORIZED_DETAIL: Final = "missing or invalid control-plane bearer token"
+
+# 409 error codes (`{"error": {"code", "detail"}}`).
+STALE_CHECKPOINT: Final = "stale_checkpoint"
+CHECKPOINT_CONFLICT: Final = "checkpoint_conflict"
+INVALID_PHASE: Final = "invalid_phase"
+NOT_A_POLICY_INSTANCE: Final = "not_a_policy_instance"
+CHECKPOINT_PARKED: Final = "checkpoint_parked"
+LEDGER_NOT_QUIESCENT: Final = "ledger_not_quiescent"
+LEDGER_MISMATCH: Final = "ledger_mismatch"
+AGENT_PREPARE_INCOMPLETE: Final = "agent_prepare_incomplete"
+RESOURCES_ADMISSION_CLOSED: Final = "resources_admission_closed"
+RESOURCES_CHECKPOINT_ERROR: Final = "resources_checkpoint_error"
+UNSAFE_RESOURCES_RESTORE: Final = "unsafe_resources_restore"
+
+# Data-plane headers.
+ROLLOUT_ID_HEADER: Final = "x-nemo-gym-rollout-id"
+ATTEMPT_INDEX_HEADER: Final = "x-nemo-gym-attempt-index"
+RESOURCE_REVISION_HEADER: Final = "x-nemo-gym-resource-state-revision"
+
+#: Model data-plane paths gated by admission (a request path ending in one of these).
+GATED_MODEL_PATH_SUFFIXES: Final = ("/v1/responses", "/v1/chat/completions", "/v1/messages")
+
+TOKEN_ENV: Final = "NEMO_GYM_CHECKPOINT_CONTROL_TOKEN"
+TOKEN_ENV_FALLBACK: Final = "NEMO_GYM_TOKEN_CAPTURE_CONTROL_TOKEN"
+
+CHECKPOINT_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+CheckpointId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=CHECKPOINT_ID_PATTERN)]
+Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+def capture_key(rollout_id: str, attempt_index: int) -> str:
+    """The model ledger key of a rollout attempt: the rollout id, plus `-a<n>` for attempt n > 0."""
+    return rollout_id if attempt_index == 0 else f"{rollout_id}-a{attempt_index}"
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# File layout inside a checkpoint dir (relative paths, POSIX separators)
+# ---------------------------------------------------------------------------------------------
+
+
+def model_ledger_dir(name: str) -> str:
+    return f"model-ledger/{name}"
+
+
+def agent_instance_dir(name: str) -> str:
+    """`agent/instance-<sha256hex(name)>` — the agent's folder inside a checkpoint dir."""
+    return f"agent/instance-{sha256_hex(name.encode('utf-8'))}"
+
+
+def resources_dir(name: str) -> str:
+    return f"resources/{name}"
+
+
+def manifest_path(component: str, name: str) -> str:
+    """Where a participant's `manifest.json` lives, relative to the checkpoint dir."""
+    if component == MODEL:
+        return f"{model_ledger_dir(name)}/manifest.json"
+    if component == AGENT:
+        return f"{agent_instance_dir(name)}/manifest.json"
+    if component == RESOURCES:
+        return f"{resources_dir(name)}/manifest.json"
+    raise ValueError(f"unknown component {component!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces
+# ---------------------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Reply(BaseModel):
+    """Replies keep unknown fields (`model_extra`) so they can be recorded."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def _relative_path_ok(value: str) -> str:
+    if not value or value.startswith("/") or "\\" in value:
+        raise ValueError("relative_path must be a non-empty relative POSIX path")
+    parts = PurePosixPath(value).parts
+    if any(part in ("..", "") for part in parts) or PurePosixPath(value).is_absolute():
+        raise ValueError("relative_path must not contain '..' or be absolute")
+    return value
+
+
+class ArtifactRef(BaseModel):
+    """A file written by a server inside the checkpoint dir, with its digest, record and byte counts."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    schema_version: Literal[1] = 1
+    relative_path: str
+    sha256: Sha256Hex
+    records: NonNegInt
+    bytes: NonNegInt
+
+    @field_validator("relative_path")
+    @classmethod
+    def _check_path(cls, value: str) -> str:
+        return _relative_path_ok(value)
+
+
+class Workers(_Reply):
+    acknowledged: NonNegInt
+    expected: NonNegInt
+
+
+class ControlErrorBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    code: str
+    detail: str | None = None
+    message: str | None = None
+
+
+class ControlError(BaseModel):
+    """A 409 rejection: `{"error": {"code", "detail"}}` (resources data plane: `message`)."""
+
+    model_config = ConfigDict(extra="allow")
+    error: ControlErrorBody
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------
+
+
+class CommonBody(_Request):
+    """The common POST body: schema version, checkpoint id, absolute deadline."""
+
+    schema_version: Literal[1] = 1
+    checkpoint_id: CheckpointId
+    deadline_ts: Annotated[float, Field(allow_inf_nan=False)]
+
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _exact_one(cls, value: Any) -> Any:
+        # Reject `true`, `1.0`, "1": the spec says `1`.
+        if type(value) is not int:
+            raise ValueError("schema_version must be the integer 1")
+        return value
+
+    def budget_s(self, now: float) -> float:
+        """Seconds left to the deadline; an expired deadline is 0 (no time to wait), not an error."""
+        return max(0.0, self.deadline_ts - now)
+
+
+class CheckpointDirBody(CommonBody):
+    """Common body plus the folder the server writes to (commit) or reads from (restore)."""
+
+    checkpoint_dir: Annotated[str, StringConstraints(min_length=1)]
+
+
+class ModelCommitBody(CheckpointDirBody):
+    """Model commit: the agents' continuation indexes say how far each rollout got."""
+
+    continuation_indexes: list[ArtifactRef] = Field(default_factory=list)
+
+
+class StatusQuery(BaseModel):
+    """Query of the status GETs. The model's long-poll also takes `wait_state` and `timeout_s`."""
+
+    model_config = ConfigDict(extra="ignore")
+    checkpoint_id: CheckpointId
+    deadline_ts: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    wait_state: Literal["paused"] | None = None
+    timeout_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Replies
+# ---------------------------------------------------------------------------------------------
+
+
+class MultiProcess(_Reply):
+    mode: WorkerMode
+    num_workers: Annotated[int, Field(ge=1)] = 1
+
+
+class Capabilities(_Reply):
+    """`GET /capabilities`: what the server is, and its fence state (phase, active id, deadline)."""
+
+    component: Component
+    name: str
+    schema_version: int
+    admission_states: list[str] = Field(default_factory=list)
+    checkpoint_mode: CheckpointMode
+    concurrency_contract: ConcurrencyContract = "stateless"
+    multi_process: MultiProcess = Field(default_factory=lambda: MultiProcess(mode="single_worker"))
+    instance_role: InstanceRole | None = None
+    features: list[str] = Field(default_factory=list)
+    phase: Phase = "idle"
+    active_checkpoint_id: str | None = None
+    deadline_ts: float | None = None
+
+
+# Model server -------------------------------------------------------------------------------
+
+
+class ModelPauseReply(_Reply):
+    state: Literal["draining", "paused"]
+    workers: Workers
+    inflight_total: NonNegInt
+    waiters_total: NonNegInt = 0
+
+
+class WorkerStatus(_Reply):
+    state: AdmissionState
+    inflight: NonNegInt
+
+
+class InflightEntry(_Reply):
+    rollout_id: str | None
+    attempt_index: int | None
+    plane: str
+    age_seconds: float
+
+
+class ModelStatusReply(_Reply):
+    checkpoint_id: str | None
+    state: AdmissionState
+    per_worker: dict[str, WorkerStatus] = Field(default_factory=dict)
+    inflight_total: NonNegInt
+    waiters_total: NonNegInt = 0
+    inflight: list[InflightEntry] = Field(default_factory=list)
+    tombstones: list[Any] = Field(default_factory=list)
+
+
+class ModelCommitReply(_Reply):
+    rollouts: NonNegInt
+    rows: NonNegInt
+    excluded_tombstoned: NonNegInt = 0
+    excluded_inactive: NonNegInt = 0
+    manifest_digest: Sha256Hex
+    storage_reference_index: ArtifactRef | None = None
+
+
+class ModelRestoreReply(_Reply):
+    rollouts: NonNegInt
+    rows: NonNegInt
+    checkpoint_id: str
+    tombstones: list[Any] | int = Field(default_factory=list)
+    source_attempts: list[Any] | dict[str, Any] | int = Field(default_factory=list)
+
+
+class ModelResumeReply(_Reply):
+    state: Literal["accepting"]
+    workers: Workers | None = None
+    released_waiters: NonNegInt = 0
+
+
+# Agent server -------------------------------------------------------------------------------
+
+
+class AgentCounters(_Reply):
+    """Counters of `prepare` and `status`."""
+
+    state: str
+    ready_to_commit: bool = False
+    running: NonNegInt = 0
+    parked: NonNegInt = 0
+    parked_with_boundary: NonNegInt = 0
+    parked_without_boundary: NonNegInt = 0
+    completed_unacknowledged: NonNegInt = 0
+    active: NonNegInt = 0
+    blocking_attempts: list[Any] = Field(default_factory=list)
+    completed_unacknowledged_attempts: list[Any] = Field(default_factory=list)
+    executions: list[Any] = Field(default_factory=list)
+
+
+class AgentPrepareReply(AgentCounters):
+    ready_to_commit: bool = True
+
+
+class AgentStatusReply(AgentCounters):
+    pass
+
+
+class AgentCommitReply(_Reply):
+    records: NonNegInt
+    manifest_digest: Sha256Hex
+    continuation_index: ArtifactRef
+
+
+class AgentRestoreReply(_Reply):
+    records: NonNegInt
+    source_checkpoint_id: str
+    continuation_index: ArtifactRef
+
+
+class AgentResumeReply(_Reply):
+    state: Literal["accepting"]
+    released: NonNegInt = 0
+
+
+class ContinuationRow(BaseModel):
+    """One line of `continuations.jsonl` (compact JSON, rows sorted by capture key)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    schema_version: Literal[1] = 1
+    rollout_id: str
+    attempt_index: NonNegInt
+    capture_key: str
+    last_committed_model_call_id: str | None
+    resource_state_revisions: dict[str, int] = Field(default_factory=dict)
+
+
+# Resources server ---------------------------------------------------------------------------
+
+
+class ResourcesPrepareReply(_Reply):
+    sessions: NonNegInt
+    state: Literal["prepared"]
+
+
+class SessionStatus(_Reply):
+    rollout_id: str
+    attempt_index: int
+    revision: NonNegInt
+    locked: bool
+
+
+class ResourcesStatusReply(_Reply):
+    checkpoint_id: str | None
+    state: str
+    admission_state: str
+    sessions: NonNegInt
+    per_session: list[SessionStatus] = Field(default_factory=list)
+
+
+class ResourcesCommitReply(_Reply):
+    sessions: NonNegInt
+    manifest_digest: Sha256Hex
+
+
+class ResourcesRestoreReply(_Reply):
+    sessions: NonNegInt
+    source_checkpoint_id: str
+
+
+class ResourcesResumeReply(_Reply):
+    state: Literal["accepting"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The route table: (component, operation) -> method, path, request model, reply model
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Route:
+    """One control route of one component. `request` is None for GETs (query from `StatusQuery`)."""
+
+    component: str
+    operation: Operation
+    method: Literal["GET", "POST"]
+    path: str
+    request: type[CommonBody] | None
+    reply: type[_Reply]
+
+    @property
+    def full_path(self) -> str:
+        return PREFIX + self.path
+
+
+CAPABILITIES_PATH: Final = PREFIX + "/capabilities"
+
+_ROUTE_LIST: Final[tuple[Route, ...]] = (
+    Route(MODEL, "pause", "POST", "/model-admission/pause", CommonBody, ModelPauseReply),
+    Route(MODEL, "status", "GET", "/model-admission/status", None, ModelStatusReply),
+    Route(MODEL, "commit", "POST", "/model-checkpoint/commit", ModelCommitBody, ModelCommitReply),
+    Route(MODEL, "restore", "POST", "/model-checkpoint/restore", CheckpointDirBody, ModelRestoreReply),
+    Route(MODEL, "resume", "POST", "/model-admission/resume", CommonBody, ModelResumeReply),
+    Route(AGENT, "prepare", "POST", "/agent-checkpoint/prepare", CommonBody, AgentPrepareReply),
+    Route(AGENT, "status", "GET", "/agent-checkpoint/status", None, AgentStatusReply),
+    Route(AGENT, "commit", "POST", "/agent-checkpoint/commit", CheckpointDirBody, AgentCommitReply),
+    Route(AGENT, "restore", "POST", "/agent-checkpoint/restore", CheckpointDirBody, AgentRestoreReply),
+    Route(AGENT, "resume", "POST", "/agent-checkpoint/resume", CommonBody, AgentResumeReply),
+    Route(RESOURCES, "prepare", "POST", "/resources-checkpoint/prepare", CommonBody, ResourcesPrepareReply),
+    Route(RESOURCES, "status", "GET", "/resources-checkpoint/status", None, ResourcesStatusReply),
+    Route(
+        RESOURCES, "commit", "POST", "/resources-checkpoint/commit", CheckpointDirBody, ResourcesCommitReply
+    ),
+    Route(
+        RESOURCES,
+        "restore",
+        "POST",
+        "/resources-checkpoint/restore",
+        CheckpointDirBody,
+        ResourcesRestoreReply,
+    ),
+    Route(RESOURCES, "resume", "POST", "/resources-checkpoint/resume", CommonBody, ResourcesResumeReply),
+)
+
+ROUTES: Final[Mapping[tuple[str, str], Route]] = {(r.component, r.operation): r for r in _ROUTE_LIST}
+
+
+def route(component: str, operation: str) -> Route:
+    """The route of `operation` on `component`; KeyError if the component has no such operation."""
+    return ROUTES[(component, operation)]
