@@ -1,0 +1,35 @@
+"""quiesce's ledger: an append-only, hash-chained event store on SQLite or PostgreSQL.
+
+The only package of quiesce that knows SQL; it imports nothing else of ours. See ``Ledger``.
+"""
+
+from __future__ import annotations
+
+from ledger.canonical import GENESIS_HASH, canonical, chain_hash, row_bytes
+from ledger.errors import FencedError, LedgerError, QuiesceError
+from ledger.events import KINDS, PAYLOADS, AppendItem, Event, Payload
+from ledger.projections import AttemptRow, fold
+from ledger.redact import BODY_CAP_BYTES, REDACTED
+from ledger.store import Durability, Ledger, utc_now
+
+__all__ = [
+    "BODY_CAP_BYTES",
+    "GENESIS_HASH",
+    "KINDS",
+    "PAYLOADS",
+    "REDACTED",
+    "AppendItem",
+    "AttemptRow",
+    "Durability",
+    "Event",
+    "FencedError",
+    "Ledger",
+    "LedgerError",
+    "Payload",
+    "QuiesceError",
+    "canonical",
+    "chain_hash",
+    "fold",
+    "row_bytes",
+    "utc_now",
+]

@@ -1,0 +1,132 @@
+"""What the ledger needs from a database, and the append transaction shared by every backend.
+
+A backend owns the connections. ``append`` runs ``apply_append`` inside one database transaction
+that is serialised with every other writer (SQLite ``BEGIN IMMEDIATE``; PostgreSQL
+``pg_advisory_xact_lock``), so commit order equals seq order, and returns only after the commit
+is durable at the configured level. Backends never interpret payloads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias
+
+from sqlalchemy import Connection
+
+from ledger.errors import FencedError
+from ledger.events import Event
+from ledger.projections import AttemptRow, fold, touched
+
+#: A stored events row, columns in ``ledger.schema.EVENT_COLUMNS`` order (``data`` as text).
+RawEvent: TypeAlias = tuple[int, str, str, str | None, str | None, str | None, int, str, str, str]
+
+#: Advisory lock keys (PostgreSQL): the writer's session claim, and the per-append lock.
+WRITER_LOCK_KEY = 0x7175_6965_7363_0001
+APPEND_LOCK_KEY = 0x7175_6965_7363_0002
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Events to append in one transaction; seq, chain hashes and projections precomputed.
+
+    ``expected_last`` is the writer's cached head seq and ``epoch`` the writer's epoch: the
+    transaction refuses (``FencedError``) when the stored head differs or carries a newer epoch.
+    """
+
+    rows: list[RawEvent]
+    events: list[Event]
+    expected_last: int
+    epoch: int
+    where: str  # the ledger URL without password, for messages
+
+
+class Tx(Protocol):
+    """The statements of an append, inside a transaction the backend opened."""
+
+    def head(self) -> tuple[int, int] | None: ...  # (seq, epoch) of the last row
+    def insert(self, rows: list[RawEvent]) -> None: ...
+    def get_attempt(self, checkpoint_id: str) -> AttemptRow | None: ...
+    def put_attempt(self, row: AttemptRow) -> None: ...
+
+
+def fenced_message(where: str, detail: str) -> str:
+    return (
+        f"ledger {where}: {detail}. Another coordinator or writer owns this ledger now; this one is fenced "
+        "and must stop making calls. Start a new coordinator (it takes a new epoch and recovers)."
+    )
+
+
+def apply_append(tx: Tx, batch: Batch) -> None:
+    """Check the head, insert the rows, fold the projection: the body of every append transaction."""
+    head = tx.head()
+    last, head_epoch = head if head is not None else (0, 0)
+    if last != batch.expected_last:
+        raise FencedError(
+            fenced_message(
+                batch.where,
+                f"its head is seq {last}, but this writer's last known seq is {batch.expected_last}",
+            )
+        )
+    if head_epoch > batch.epoch:
+        raise FencedError(
+            fenced_message(
+                batch.where, f"epoch {head_epoch} exists, newer than this writer's epoch {batch.epoch}"
+            )
+        )
+    tx.insert(batch.rows)
+    pending: dict[str, AttemptRow | None] = {}
+    for event in batch.events:
+        for cid in touched(event):
+            row = pending[cid] if cid in pending else tx.get_attempt(cid)
+            pending[cid] = fold(row, event, cid)
+    for row in pending.values():
+        if row is not None:
+            tx.put_attempt(row)
+
+
+class Backend(ABC):
+    """One open ledger database. Methods are called from one event loop; the Ledger serialises appends."""
+
+    where: str
+
+    @abstractmethod
+    async def claim_writer(self) -> None:
+        """Become the only writer for this process's lifetime, or raise ``FencedError``."""
+
+    @abstractmethod
+    async def run_schema(self, fn: Callable[[Connection], object]) -> object:
+        """Run ``fn`` on a SQLAlchemy connection inside one transaction (migrations, schema checks)."""
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Open the connections used for appends and reads (after the schema is at head)."""
+
+    @abstractmethod
+    async def append(self, batch: Batch) -> None:
+        """Commit ``batch`` in one transaction (see ``apply_append``); durable when it returns."""
+
+    @abstractmethod
+    async def head(self) -> RawEvent | None: ...
+
+    @abstractmethod
+    async def read_page(
+        self, after: int, checkpoint_id: str | None, kinds: Sequence[str] | None, limit: int
+    ) -> list[RawEvent]:
+        """Up to ``limit`` rows with seq > ``after`` (and the filters), in seq order."""
+
+    @abstractmethod
+    async def attempts(self, since: str | None, outcome: str | None) -> list[AttemptRow]:
+        """Projection rows started at or after ``since``, ordered by ``started_at`` then id."""
+
+    @abstractmethod
+    async def attempt(self, checkpoint_id: str) -> AttemptRow | None: ...
+
+    @abstractmethod
+    async def replace_attempts(self, rows: Sequence[AttemptRow]) -> None:
+        """Replace the whole ``attempts`` table with ``rows`` in one transaction (writer only)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Close connections and release the writer claim. Idempotent."""

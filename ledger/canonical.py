@@ -1,0 +1,83 @@
+"""Canonical encoding and the hash chain. An external auditor can reimplement this file alone.
+
+Canonical encoding of a JSON value ``v``::
+
+    json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+(object keys sorted by code point, no whitespace, non-ASCII characters kept as UTF-8, NaN and
+infinities refused).
+
+Each row of ``events`` carries ``prev_hash`` and ``hash``. With ``row_without_hash`` the JSON object
+of every other column of the row::
+
+    {"at": str, "call_id": str|null, "checkpoint_id": str|null, "data": <the payload object>,
+     "epoch": int, "kind": str, "prev_hash": str, "seq": int, "server": str|null}
+
+the chain is::
+
+    hash = sha256(prev_hash.encode("ascii") + canonical(row_without_hash)).hexdigest()
+
+where ``prev_hash`` is the ``hash`` of the row with seq - 1, and ``"0" * 64`` for seq 1 (genesis).
+Hashes are lowercase hex. ``seq`` starts at 1 and has no gaps.
+
+The ``data`` column stores ``canonical(payload)`` decoded as UTF-8 text. Because it is already
+canonical, ``canonical(row_without_hash)`` can be built by splicing the stored text in place of
+the payload (``row_bytes`` does that); a stored ``data`` text that is not canonical therefore fails
+verification, which is intended: the stored bytes are what the chain protects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from json.encoder import encode_basestring
+from typing import Any, Final
+
+GENESIS_HASH: Final = "0" * 64
+
+_dumps = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False, check_circular=True
+).encode
+_encode_str: Any = encode_basestring
+
+
+def canonical_text(value: Any) -> str:
+    """The canonical encoding of ``value`` as text; ``ValueError``/``TypeError`` if not plain JSON."""
+    return _dumps(value)
+
+
+def canonical(value: Any) -> bytes:
+    """The canonical encoding of ``value`` as bytes (UTF-8)."""
+    return _dumps(value).encode("utf-8")
+
+
+def _opt(value: str | None) -> str:
+    return "null" if value is None else _encode_str(value)
+
+
+def row_bytes(
+    *,
+    seq: int,
+    at: str,
+    kind: str,
+    checkpoint_id: str | None,
+    server: str | None,
+    call_id: str | None,
+    epoch: int,
+    data_text: str,
+    prev_hash: str,
+) -> bytes:
+    """``canonical(row_without_hash)`` given the stored (canonical) ``data`` text.
+
+    Equal to ``canonical({... "data": json.loads(data_text) ...})`` whenever ``data_text`` is canonical.
+    """
+    return (
+        f'{{"at":{_encode_str(at)},"call_id":{_opt(call_id)},"checkpoint_id":{_opt(checkpoint_id)},'
+        f'"data":{data_text},"epoch":{int(epoch)},"kind":{_encode_str(kind)},'
+        f'"prev_hash":{_encode_str(prev_hash)},"seq":{int(seq)},"server":{_opt(server)}}}'
+    ).encode()
+
+
+def chain_hash(prev_hash: str, row: bytes) -> str:
+    """``sha256(prev_hash ascii bytes + row).hexdigest()``."""
+    return hashlib.sha256(prev_hash.encode("ascii") + row).hexdigest()

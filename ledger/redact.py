@@ -1,0 +1,82 @@
+"""What is stored instead of secrets and oversized bodies. Applied to every payload before it is
+encoded, hashed and written, so neither the database file nor the chain ever contains them.
+
+1. Redaction: the value of any object key equal to ``authorization`` (any case) becomes
+   ``"<redacted>"``; every occurrence of a configured secret string inside any string, object
+   keys included, is replaced by ``"<redacted>"``.
+2. Body capping: the value under any key named ``body`` whose canonical encoding is longer than
+   ``BODY_CAP_BYTES`` becomes ``{"sha256": <hex of those bytes>, "bytes": <their length>,
+   "prefix": <the first 1024 characters of that canonical text>}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any, Final
+
+from ledger.canonical import canonical_text
+
+REDACTED: Final = "<redacted>"
+BODY_CAP_BYTES: Final = 64 * 1024
+PREFIX_CHARS: Final = 1024
+
+
+class Redactor:
+    """Applies the redaction and capping rules for one set of secrets. Pure: inputs are not mutated."""
+
+    __slots__ = ("_secrets",)
+
+    def __init__(self, secrets: Sequence[str] = ()) -> None:
+        # Longest first, so a secret containing another is replaced whole.
+        self._secrets: tuple[str, ...] = tuple(sorted({s for s in secrets if s}, key=len, reverse=True))
+
+    def _text(self, value: str) -> str:
+        for secret in self._secrets:
+            if secret in value:
+                value = value.replace(secret, REDACTED)
+        return value
+
+    def redact(self, value: Any) -> Any:
+        """A copy of ``value`` with authorization values and secret strings replaced."""
+        if isinstance(value, dict):
+            out: dict[Any, Any] = {}
+            for key, item in value.items():
+                if isinstance(key, str):
+                    if key.lower() == "authorization":
+                        out[self._text(key)] = REDACTED
+                        continue
+                    key = self._text(key)
+                out[key] = self.redact(item)
+            return out
+        if isinstance(value, list | tuple):
+            return [self.redact(item) for item in value]
+        if isinstance(value, str):
+            return self._text(value) if self._secrets else value
+        return value
+
+    def apply(self, value: Any) -> Any:
+        """Redaction, then body capping: what gets stored for payload ``value``."""
+        return cap_bodies(self.redact(value))
+
+
+def cap_body(body: Any) -> Any:
+    """``body`` itself, or its digest form when its canonical encoding exceeds the cap."""
+    if body is None or isinstance(body, bool | int | float):
+        return body
+    text = canonical_text(body)
+    if len(text) * 4 <= BODY_CAP_BYTES:  # cannot exceed the cap even if every char is 4 bytes
+        return body
+    raw = text.encode("utf-8")
+    if len(raw) <= BODY_CAP_BYTES:
+        return body
+    return {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw), "prefix": text[:PREFIX_CHARS]}
+
+
+def cap_bodies(value: Any) -> Any:
+    """A copy of ``value`` where every value under a ``body`` key is capped (see ``cap_body``)."""
+    if isinstance(value, dict):
+        return {k: (cap_body(v) if k == "body" else cap_bodies(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [cap_bodies(item) for item in value]
+    return value

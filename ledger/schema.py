@@ -1,0 +1,70 @@
+"""SQLAlchemy Core definitions of the ledger's tables, at the head revision.
+
+The tables are created and changed only by alembic (``migrations/``); this module describes them
+for queries. ``tests/ledger/test_schema.py`` checks the two agree.
+
+``events.data`` is the payload's canonical JSON *text* (not JSONB), so the hash chain can be
+recomputed from the stored bytes on every backend.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from sqlalchemy import BigInteger, Column, Float, Index, Integer, MetaData, String, Table, Text
+
+metadata = MetaData()
+
+#: Alembic's version table for quiesce (a database may be shared with an application).
+VERSION_TABLE: Final = "quiesce_alembic_version"
+
+# INTEGER PRIMARY KEY on SQLite makes seq the rowid (no second index); BIGINT elsewhere.
+_SeqType = BigInteger().with_variant(Integer(), "sqlite")
+
+events = Table(
+    "events",
+    metadata,
+    Column("seq", _SeqType, primary_key=True, autoincrement=False),
+    Column("at", String(32), nullable=False),
+    Column("kind", String(64), nullable=False),
+    Column("checkpoint_id", String(128), nullable=True),
+    Column("server", String(256), nullable=True),
+    Column("call_id", String(128), nullable=True),
+    Column("epoch", BigInteger(), nullable=False),
+    Column("data", Text(), nullable=False),
+    Column("prev_hash", String(64), nullable=False),
+    Column("hash", String(64), nullable=False),
+)
+Index("ix_events_checkpoint_id", events.c.checkpoint_id, events.c.seq)
+Index("ix_events_kind", events.c.kind, events.c.seq)
+
+attempts = Table(
+    "attempts",
+    metadata,
+    Column("checkpoint_id", String(128), primary_key=True),
+    Column("kind", String(16), nullable=False),
+    Column("state", String(64), nullable=False),
+    Column("outcome", String(32), nullable=True),
+    Column("started_at", String(32), nullable=False),
+    Column("ended_at", String(32), nullable=True),
+    Column("deadline_ts", Float(), nullable=True),
+    Column("participants", Text(), nullable=False),
+    Column("epoch", BigInteger(), nullable=False),
+    Column("calls", BigInteger(), nullable=False),
+    Column("failures", BigInteger(), nullable=False),
+    Column("recovered_by", BigInteger(), nullable=True),
+    Column("last_seq", BigInteger(), nullable=False),
+)
+
+EVENT_COLUMNS: Final = (
+    "seq",
+    "at",
+    "kind",
+    "checkpoint_id",
+    "server",
+    "call_id",
+    "epoch",
+    "data",
+    "prev_hash",
+    "hash",
+)

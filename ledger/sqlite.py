@@ -1,0 +1,248 @@
+"""The SQLite backend: the embedded default.
+
+- WAL journal. ``durability="full"``: ``synchronous=FULL``, an append is on disk when it returns.
+  ``durability="process"``: ``synchronous=NORMAL``, which survives a process crash, not power loss.
+- Writership: an exclusive ``flock`` on ``<file>.writer-lock`` held for the ledger's lifetime
+  (the kernel releases it when the process dies), plus ``BEGIN IMMEDIATE`` around each append.
+- Connections: the standard library's ``sqlite3`` — one held connection for the writer, one for
+  reads — each used by one worker thread at a time. An append is one hop to a worker thread that
+  runs the whole transaction (check, insert, projection, commit).
+- Schema work (alembic) goes through SQLAlchemy's ``sqlite+aiosqlite`` engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sqlite3
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+from sqlalchemy import Connection
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from ledger.backend import Backend, Batch, RawEvent, apply_append
+from ledger.errors import FencedError, LedgerError
+from ledger.projections import COLUMNS, AttemptRow, from_columns, to_columns
+from ledger.schema import EVENT_COLUMNS
+
+_EV_COLS = ", ".join(EVENT_COLUMNS)
+_AT_COLS = ", ".join(COLUMNS)
+_INSERT_EVENT = f"INSERT INTO events ({_EV_COLS}) VALUES ({', '.join('?' * len(EVENT_COLUMNS))})"
+_PUT_ATTEMPT = f"INSERT OR REPLACE INTO attempts ({_AT_COLS}) VALUES ({', '.join('?' * len(COLUMNS))})"
+_GET_ATTEMPT = f"SELECT {_AT_COLS} FROM attempts WHERE checkpoint_id = ?"
+_HEAD_SEQ_EPOCH = "SELECT seq, epoch FROM events ORDER BY seq DESC LIMIT 1"
+_HEAD_ROW = f"SELECT {_EV_COLS} FROM events ORDER BY seq DESC LIMIT 1"
+
+
+class _SqliteTx:
+    __slots__ = ("_c",)
+
+    def __init__(self, connection: sqlite3.Connection) -> None:
+        self._c = connection
+
+    def head(self) -> tuple[int, int] | None:
+        row = self._c.execute(_HEAD_SEQ_EPOCH).fetchone()
+        return (row[0], row[1]) if row is not None else None
+
+    def insert(self, rows: list[RawEvent]) -> None:
+        if len(rows) == 1:
+            self._c.execute(_INSERT_EVENT, rows[0])
+        else:
+            self._c.executemany(_INSERT_EVENT, rows)
+
+    def get_attempt(self, checkpoint_id: str) -> AttemptRow | None:
+        row = self._c.execute(_GET_ATTEMPT, (checkpoint_id,)).fetchone()
+        return from_columns(row) if row is not None else None
+
+    def put_attempt(self, row: AttemptRow) -> None:
+        self._c.execute(_PUT_ATTEMPT, tuple(to_columns(row).values()))
+
+
+class SqliteBackend(Backend):
+    def __init__(self, url: URL, *, where: str, durability: str, readonly: bool) -> None:
+        assert url.database is not None
+        self.where = where
+        self._url = url
+        self._path = Path(url.database)
+        self._durability = durability
+        self._readonly = readonly
+        self._lock_fd: int | None = None
+        self._w: sqlite3.Connection | None = None
+        self._r: sqlite3.Connection | None = None
+        self._wlimiter = anyio.CapacityLimiter(1)
+        self._rlimiter = anyio.CapacityLimiter(1)
+        if readonly and not self._path.exists():
+            raise LedgerError(f"no ledger at {where}: the file {self._path} does not exist")
+
+    # -- writership ---------------------------------------------------------------------------
+
+    @property
+    def lock_path(self) -> Path:
+        return self._path.with_name(self._path.name + ".writer-lock")
+
+    async def claim_writer(self) -> None:
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise FencedError(
+                f"ledger {self.where} already has a writer (process {holder} holds {self.lock_path}); "
+                "only one coordinator may write a ledger: stop the other one, or open this ledger readonly"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode("ascii"), 0)
+        self._lock_fd = fd
+
+    def _release_writer(self) -> None:
+        if self._lock_fd is not None:
+            fd, self._lock_fd = self._lock_fd, None
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    # -- schema --------------------------------------------------------------------------------
+
+    async def run_schema(self, fn: Callable[[Connection], object]) -> object:
+        engine = create_async_engine(self._url)
+        try:
+            async with engine.begin() as conn:
+                return await conn.run_sync(fn)
+        finally:
+            await engine.dispose()
+
+    # -- connections ---------------------------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=10.0)
+        return conn
+
+    async def start(self) -> None:
+        def open_all() -> None:
+            if not self._readonly:
+                w = self._connect()
+                mode = w.execute("PRAGMA journal_mode=WAL").fetchone()
+                if mode is None or str(mode[0]).lower() != "wal":
+                    w.close()
+                    raise LedgerError(f"could not put {self.where} in WAL mode (journal_mode={mode})")
+                w.execute(f"PRAGMA synchronous={'FULL' if self._durability == 'full' else 'NORMAL'}")
+                self._w = w
+            r = self._connect()
+            r.execute("PRAGMA query_only=ON")
+            self._r = r
+
+        await anyio.to_thread.run_sync(open_all)
+
+    async def close(self) -> None:
+        w, r = self._w, self._r
+        self._w = self._r = None
+
+        def close_all() -> None:
+            for conn in (r, w):
+                if conn is not None:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.close()
+
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(close_all)
+        self._release_writer()
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def _append_sync(self, batch: Batch) -> None:
+        conn = self._w
+        if conn is None:
+            raise LedgerError(f"ledger {self.where} is not open for writing")
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            apply_append(_SqliteTx(conn), batch)
+            conn.execute("COMMIT")
+        except BaseException as error:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            if isinstance(error, sqlite3.IntegrityError):
+                raise FencedError(
+                    f"ledger {self.where}: seq {batch.rows[0][0]} was taken by another writer; this "
+                    "writer is fenced and must stop making calls"
+                ) from None
+            if isinstance(error, sqlite3.Error):
+                raise LedgerError(f"ledger {self.where}: append failed: {error}") from error
+            raise
+
+    async def append(self, batch: Batch) -> None:
+        await anyio.to_thread.run_sync(self._append_sync, batch, limiter=self._wlimiter)
+
+    async def replace_attempts(self, rows: Sequence[AttemptRow]) -> None:
+        def swap() -> None:
+            conn = self._w
+            if conn is None:
+                raise LedgerError(f"ledger {self.where} is not open for writing")
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                conn.execute("DELETE FROM attempts")
+                conn.executemany(_PUT_ATTEMPT, [tuple(to_columns(r).values()) for r in rows])
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(swap, limiter=self._wlimiter)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    async def _query(self, sql: str, params: Sequence[object]) -> list[tuple[object, ...]]:
+        def run() -> list[tuple[object, ...]]:
+            conn = self._r
+            if conn is None:
+                raise LedgerError(f"ledger {self.where} is closed")
+            try:
+                return conn.execute(sql, params).fetchall()
+            except sqlite3.Error as error:
+                raise LedgerError(f"ledger {self.where}: read failed: {error}") from error
+
+        return await anyio.to_thread.run_sync(run, limiter=self._rlimiter)
+
+    async def head(self) -> RawEvent | None:
+        rows = await self._query(_HEAD_ROW, ())
+        return rows[0] if rows else None  # type: ignore[return-value]
+
+    async def read_page(
+        self, after: int, checkpoint_id: str | None, kinds: Sequence[str] | None, limit: int
+    ) -> list[RawEvent]:
+        where = ["seq > ?"]
+        params: list[object] = [after]
+        if checkpoint_id is not None:
+            where.append("checkpoint_id = ?")
+            params.append(checkpoint_id)
+        if kinds is not None:
+            where.append(f"kind IN ({', '.join('?' * len(kinds))})")
+            params.extend(kinds)
+        params.append(limit)
+        sql = f"SELECT {_EV_COLS} FROM events WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?"
+        return await self._query(sql, params)  # type: ignore[return-value]
+
+    async def attempts(self, since: str | None, outcome: str | None) -> list[AttemptRow]:
+        where, params = ["1 = 1"], []
+        if since is not None:
+            where.append("started_at >= ?")
+            params.append(since)
+        if outcome is not None:
+            where.append("outcome = ?")
+            params.append(outcome)
+        sql = (
+            f"SELECT {_AT_COLS} FROM attempts WHERE {' AND '.join(where)} ORDER BY started_at, checkpoint_id"
+        )
+        return [from_columns(row) for row in await self._query(sql, params)]
+
+    async def attempt(self, checkpoint_id: str) -> AttemptRow | None:
+        rows = await self._query(_GET_ATTEMPT, (checkpoint_id,))
+        return from_columns(rows[0]) if rows else None
