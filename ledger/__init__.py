@@ -10,7 +10,8 @@ from ledger.errors import FencedError, LedgerError, QuiesceError
 from ledger.events import KINDS, PAYLOADS, AppendItem, Event, Payload
 from ledger.projections import AttemptRow, fold
 from ledger.redact import BODY_CAP_BYTES, REDACTED
-from ledger.store import Durability, Ledger, utc_now
+from ledger.replay import ReplayReport, replay
+from ledger.store import Durability, Ledger, downgrade_schema, upgrade_schema, utc_now
 
 __all__ = [
     "BODY_CAP_BYTES",
@@ -27,9 +28,13 @@ __all__ = [
     "LedgerError",
     "Payload",
     "QuiesceError",
+    "ReplayReport",
     "canonical",
     "chain_hash",
+    "downgrade_schema",
     "fold",
+    "replay",
     "row_bytes",
+    "upgrade_schema",
     "utc_now",
 ]

@@ -64,6 +64,45 @@ def event_from_raw(raw: RawEvent | Sequence[Any]) -> Event:
     )
 
 
+def make_backend(url: str, *, durability: Durability = "full", readonly: bool = False) -> Backend:
+    """The backend for ``url`` (not yet connected)."""
+    backend_name, parsed = parse(url)
+    where = safe(parsed)
+    if backend_name == "sqlite":
+        from ledger.sqlite import SqliteBackend
+
+        return SqliteBackend(parsed, where=where, durability=durability, readonly=readonly)
+    from ledger.postgres import PostgresBackend
+
+    return PostgresBackend(parsed, where=where, durability=durability, readonly=readonly)
+
+
+async def upgrade_schema(url: str) -> tuple[str | None, str]:
+    """``quiesce db upgrade``: bring the schema to head; returns (revision before, revision after).
+
+    Claims writership for the duration, so no coordinator writes while the schema changes.
+    A schema ahead of this code is refused (``LedgerError``).
+    """
+    backend = make_backend(url)
+    try:
+        await backend.claim_writer()
+        result = await backend.run_schema(migrate.upgrade_sync)
+    finally:
+        await backend.close()
+    before, after = result  # type: ignore[misc]
+    return before, after
+
+
+async def downgrade_schema(url: str, revision: str) -> None:
+    """Downgrade the schema to ``revision`` (``"base"`` drops the ledger's tables). Tests and emergencies."""
+    backend = make_backend(url)
+    try:
+        await backend.claim_writer()
+        await backend.run_schema(lambda conn: migrate.downgrade_sync(conn, revision))
+    finally:
+        await backend.close()
+
+
 def _format_validation(kind: str, error: ValidationError) -> str:
     # Never include the input: it may hold a secret the redactor has not seen yet.
     problems = "; ".join(
@@ -130,17 +169,8 @@ class Ledger:
         """
         if durability not in ("full", "process"):
             raise LedgerError(f"durability must be 'full' or 'process', not {durability!r}")
-        backend_name, parsed = parse(url)
-        where = safe(parsed)
-        backend: Backend
-        if backend_name == "sqlite":
-            from ledger.sqlite import SqliteBackend
-
-            backend = SqliteBackend(parsed, where=where, durability=durability, readonly=readonly)
-        else:
-            from ledger.postgres import PostgresBackend
-
-            backend = PostgresBackend(parsed, where=where, durability=durability, readonly=readonly)
+        backend = make_backend(url, durability=durability, readonly=readonly)
+        where = backend.where
         ledger = cls(backend, where=where, secrets=secrets, readonly=readonly)
         try:
             if not readonly:
@@ -178,6 +208,11 @@ class Ledger:
         if not self._closed:
             self._closed = True
             await self._backend.close()
+
+    @property
+    def backend(self) -> Backend:
+        """The database backend (for ``ledger.replay``; not for callers outside ``ledger``)."""
+        return self._backend
 
     async def _load_head(self) -> None:
         raw = await self._backend.head()

@@ -47,7 +47,9 @@ def find_bindir() -> Path:
         match = re.search(r"/postgresql/([\d.]+)/bin", path)
         return tuple(int(p) for p in match.group(1).split(".")) if match else ()
 
-    candidates.extend(Path(p) for p in sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=version, reverse=True))
+    candidates.extend(
+        Path(p) for p in sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=version, reverse=True)
+    )
     for folder in candidates:
         if (folder / "initdb").exists() and (folder / "pg_ctl").exists():
             return folder
@@ -66,7 +68,9 @@ def free_port() -> int:
 class TempPostgres:
     """A PostgreSQL cluster that lives as long as this object is started."""
 
-    def __init__(self, *, base_dir: str | Path | None = None, fsync: bool = True, os_user: str = "postgres") -> None:
+    def __init__(
+        self, *, base_dir: str | Path | None = None, fsync: bool = True, os_user: str = "postgres"
+    ) -> None:
         self.bindir = find_bindir()
         self.fsync = fsync
         self._base_dir = base_dir
@@ -110,8 +114,8 @@ class TempPostgres:
             with contextlib.suppress(OSError):
                 log = self.logfile.read_text()[-2000:]
             raise RuntimeError(
-                f"{Path(args[0]).name} failed ({result.returncode}): {result.stderr.strip() or result.stdout.strip()}"
-                + (f"\nserver log:\n{log}" if log else "")
+                f"{Path(args[0]).name} failed ({result.returncode}): "
+                f"{result.stderr.strip() or result.stdout.strip()}" + (f"\nserver log:\n{log}" if log else "")
             )
         return result
 
@@ -171,7 +175,16 @@ class TempPostgres:
         if self.root is None:
             return
         if (self.datadir / "postmaster.pid").exists():
-            self._run(str(self.bindir / "pg_ctl"), "-D", str(self.datadir), "-m", "immediate", "-w", "stop", check=False)
+            self._run(
+                str(self.bindir / "pg_ctl"),
+                "-D",
+                str(self.datadir),
+                "-m",
+                "immediate",
+                "-w",
+                "stop",
+                check=False,
+            )
         shutil.rmtree(self.root, ignore_errors=True)
         self.root = None
 

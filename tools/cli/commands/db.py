@@ -1,0 +1,46 @@
+"""`quiesce db upgrade --ledger URL` — bring a ledger's schema to the head revision.
+
+Exit 0 when the schema is at head afterwards, 1 when it cannot be (a schema newer than this
+quiesce, an unreachable database, another writer holding the ledger).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import anyio
+
+from ledger import upgrade_schema
+from ledger.urls import safe
+from tools.cli.output import console, emit_json
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "db", help="ledger database administration", description="Ledger database administration."
+    )
+    sub = parser.add_subparsers(dest="db_command", metavar="SUBCOMMAND", required=True)
+    upgrade = sub.add_parser(
+        "upgrade",
+        help="upgrade the ledger schema to the head revision",
+        description=(
+            "Apply the ledger's alembic migrations up to head. Creates the tables in an empty database. "
+            "Takes the ledger's writer lock while it runs, so stop the coordinator first."
+        ),
+    )
+    upgrade.add_argument("--ledger", metavar="URL", required=True, help="ledger database URL")
+    upgrade.add_argument("--json", action="store_true", help="print one JSON document")
+    upgrade.set_defaults(handler=handle_upgrade)
+
+
+def handle_upgrade(args: argparse.Namespace) -> int:
+    before, after = anyio.run(upgrade_schema, args.ledger)
+    where = safe(args.ledger)
+    if args.json:
+        emit_json({"ledger": where, "before": before, "after": after, "changed": before != after})
+    elif before == after:
+        console.print(f"ledger {where} is already at revision {after}")
+    else:
+        console.print(f"ledger {where} upgraded: {before or 'empty'} -> {after}")
+    return 0
