@@ -1,0 +1,381 @@
+"""The protocol check: from the events alone, did each attempt obey the protocol?
+
+`ProtocolChecker` is fed events in seq order (the whole ledger, or the events of one attempt plus
+every `coordinator.started`) and keeps only a small state per attempt (open calls and a summary per
+server), so it streams over ledgers of any size. `finish()` returns a `CheckReport`.
+
+Rules (each `Violation` names the seq of the offending event):
+
+- `order` — within one run of a phase (from its `phase.started`; calls made by another epoch are
+  another run), calls follow the step order of `coordinator.phases.ORDER` (rollback and recovery
+  follow the resume order and may only resume; recovery may also read capabilities): a call of an
+  earlier step after a later one, a call of an operation the phase does not have, and a call sent
+  while a call of an earlier step of the same run has no outcome yet are violations.
+- `unsettled` — when a save attempt has ended (a terminal event), every server it touched (sent
+  anything but a resume, outside rollback/recovery) was either committed and then resumed, or
+  compensated: resumed in rollback or recovery after its last touch (a 409 `invalid_phase` to such a
+  resume means it never paused, which settles it too). A touched server that was never sent such a
+  resume is a violation at the terminal event; one that was sent resumes none of which settled it is
+  only a warning (`left_paused`: the coordinator did its part, the server did not answer). A save
+  attempt resumed in its `resume` phase without an acknowledged commit is a violation at that resume.
+  Restore attempts stay paused by design unless their outcome is `resumed`; then every touched
+  server must have been resumed. Attempts with no terminal event are reported as open, not judged.
+- `deadline` — no call is sent (by `at`) after the attempt's `deadline_ts`, except rollback and
+  recovery resumes and recovery's capabilities reads.
+- `epoch` — no event carries an epoch lower than one already seen at a smaller seq.
+- `pairing` — every outcome follows its `call.sent`, once (a second `call.sent` with one id too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from coordinator.phases import ORDER, Role, resume_order
+from coordinator.protocol import AGENT, INVALID_PHASE, MODEL, RESOURCES
+from ledger.events import Event
+from tools.audit.attempts import COMPENSATING_PHASES, classify_path, parse_at
+
+Rule = Literal["order", "unsettled", "deadline", "epoch", "pairing"]
+RULES: Final[tuple[Rule, ...]] = ("order", "unsettled", "deadline", "epoch", "pairing")
+
+_ROLE_OF_COMPONENT: Final[dict[str, Role]] = {MODEL: "policy", AGENT: "agent", RESOURCES: "resources"}
+#: phase -> (role, operation) -> step index, from the coordinator's order table.
+_RANKS: Final[dict[str, dict[tuple[str, str], int]]] = {
+    phase: {(step.role, step.operation): i for i, step in enumerate(order)} for phase, order in ORDER.items()
+}
+_RESUME_RANK: Final[dict[str, int]] = {role: i for i, role in enumerate(resume_order())}
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One breach of a rule, at the seq of the event that shows it."""
+
+    seq: int
+    rule: str
+    checkpoint_id: str | None
+    server: str | None
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "rule": self.rule,
+            "checkpoint_id": self.checkpoint_id,
+            "server": self.server,
+            "message": self.message,
+        }
+
+
+@dataclass(slots=True)
+class CheckReport:
+    """The result of a check. `ok` is true when there is no violation (warnings do not count)."""
+
+    violations: list[Violation] = field(default_factory=list)
+    warnings: list[Violation] = field(default_factory=list)
+    attempts: dict[str, str] = field(default_factory=dict)  # checkpoint id -> "judged" | "open"
+    events: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def for_attempt(self, checkpoint_id: str) -> CheckReport:
+        return CheckReport(
+            violations=[v for v in self.violations if v.checkpoint_id == checkpoint_id],
+            warnings=[v for v in self.warnings if v.checkpoint_id == checkpoint_id],
+            attempts={k: v for k, v in self.attempts.items() if k == checkpoint_id},
+            events=self.events,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "events": self.events,
+            "attempts": dict(sorted(self.attempts.items())),
+            "violations": [v.to_json() for v in self.violations],
+            "warnings": [v.to_json() for v in self.warnings],
+        }
+
+
+@dataclass(slots=True)
+class _Open:
+    """A sent call still waiting for its outcome."""
+
+    server: str
+    phase: str
+    operation: str | None
+    run: tuple[str, int, int]
+    rank: int | None
+    sent_seq: int
+
+
+@dataclass(slots=True)
+class _Server:
+    last_touch_seq: int | None = None
+    commit_ack_seq: int | None = None  # sent seq of the last acknowledged commit
+    last_resume_sent_seq: int | None = None
+    settle_seq: int | None = None  # sent seq of the last resume that settled the server
+    settle_compensating: bool = False
+
+
+@dataclass(slots=True)
+class _Attempt:
+    checkpoint_id: str
+    kind: str | None = None
+    deadline_ts: float | None = None
+    terminal_seq: int | None = None
+    outcome: str | None = None
+    open: dict[str, _Open] = field(default_factory=dict)
+    closed: set[str] = field(default_factory=set)
+    # (phase, epoch) -> number of the current run of that phase (bumped by each phase.started)
+    runs: dict[tuple[str, int], int] = field(default_factory=dict)
+    # (phase, epoch, run) -> highest step rank sent in that run
+    run_max: dict[tuple[str, int, int], int] = field(default_factory=dict)
+    servers: dict[str, _Server] = field(default_factory=dict)
+
+    def server(self, name: str) -> _Server:
+        found = self.servers.get(name)
+        if found is None:
+            found = self.servers[name] = _Server()
+        return found
+
+
+def _rank(phase: str, component: str | None, operation: str | None) -> int | None:
+    """The step index of a call within its phase; None when the phase has no such step."""
+    role = _ROLE_OF_COMPONENT.get(component or "")
+    if role is None or operation is None:
+        return None
+    if phase in COMPENSATING_PHASES:
+        return _RESUME_RANK.get(role) if operation == "resume" else None
+    return _RANKS.get(phase, {}).get((role, operation))
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class ProtocolChecker:
+    """Streams events (seq order) and reports protocol violations; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._report = CheckReport()
+        self._attempts: dict[str, _Attempt] = {}
+        self._max_epoch: int | None = None
+        self._max_epoch_seq: int | None = None
+
+    def _violation(self, seq: int, rule: Rule, attempt: str | None, server: str | None, msg: str) -> None:
+        self._report.violations.append(Violation(seq, rule, attempt, server, msg))
+
+    def feed(self, event: Event) -> None:
+        self._report.events += 1
+        self._check_epoch(event)
+        cid = event.checkpoint_id
+        if event.kind == "recovery.completed":
+            outcomes = event.data.get("outcomes")
+            if isinstance(outcomes, dict):
+                for key, value in outcomes.items():
+                    found = self._attempts.get(str(key))
+                    if found is not None and value == "abandoned" and found.terminal_seq is None:
+                        found.terminal_seq, found.outcome = event.seq, "abandoned"
+        if cid is None:
+            return
+        attempt = self._attempts.get(cid)
+        if attempt is None:
+            attempt = self._attempts[cid] = _Attempt(cid)
+        kind = event.kind
+        if kind == "attempt.started" and attempt.kind is None:
+            data = event.data
+            attempt.kind = data.get("kind") if isinstance(data.get("kind"), str) else None
+            deadline = data.get("deadline_ts")
+            if isinstance(deadline, int | float) and not isinstance(deadline, bool):
+                attempt.deadline_ts = float(deadline)
+        elif kind == "phase.started":
+            key = (str(event.data.get("phase", "")), event.epoch)
+            attempt.runs[key] = attempt.runs.get(key, 0) + 1
+        elif kind == "call.sent":
+            self._sent(attempt, event)
+        elif kind in ("call.replied", "call.failed"):
+            self._outcome(attempt, event)
+        elif kind in ("attempt.aborted", "attempt.completed") and attempt.terminal_seq is None:
+            attempt.terminal_seq = event.seq
+            outcome = event.data.get("outcome") if kind == "attempt.completed" else "aborted"
+            attempt.outcome = outcome if isinstance(outcome, str) else None
+
+    def _check_epoch(self, event: Event) -> None:
+        if self._max_epoch is not None and event.epoch < self._max_epoch:
+            self._violation(
+                event.seq,
+                "epoch",
+                event.checkpoint_id,
+                event.server,
+                f"{event.kind} written by epoch {event.epoch} after epoch {self._max_epoch} "
+                f"appeared (seq {self._max_epoch_seq})",
+            )
+        elif self._max_epoch is None or event.epoch > self._max_epoch:
+            self._max_epoch, self._max_epoch_seq = event.epoch, event.seq
+
+    def _sent(self, attempt: _Attempt, event: Event) -> None:
+        data = event.data
+        call_id = event.call_id or f"seq-{event.seq}"
+        server = event.server or "?"
+        cid = attempt.checkpoint_id
+        if call_id in attempt.open or call_id in attempt.closed:
+            self._violation(event.seq, "pairing", cid, server, f"call_id {call_id} sent twice")
+            return
+        phase = str(data.get("phase", ""))
+        component, operation = classify_path(str(data.get("path", "")))
+        rank = _rank(phase, component, operation)
+        run = (phase, event.epoch, attempt.runs.get((phase, event.epoch), 0))
+        compensating = phase in COMPENSATING_PHASES
+
+        # order
+        if rank is None:
+            allowed = phase == "recovery" and operation == "capabilities"
+            if not allowed:
+                what = f"{operation or data.get('path')} on {component or 'an unknown component'}"
+                self._violation(event.seq, "order", cid, server, f"{what} is not a step of phase {phase!r}")
+        else:
+            highest = attempt.run_max.get(run)
+            if highest is not None and rank < highest:
+                self._violation(
+                    event.seq, "order", cid, server, f"{operation} sent after a later step of phase {phase!r}"
+                )
+            else:
+                attempt.run_max[run] = rank
+            for other_id, other in attempt.open.items():
+                if other.run == run and other.rank is not None and other.rank < rank:
+                    self._violation(
+                        event.seq,
+                        "order",
+                        cid,
+                        server,
+                        f"{operation} sent while {other.operation} to {other.server} (call {other_id}, "
+                        f"seq {other.sent_seq}) of an earlier step of phase {phase!r} had no outcome",
+                    )
+                    break
+
+        # deadline
+        exempt = compensating and operation in ("resume", "capabilities")
+        if attempt.deadline_ts is not None and not exempt:
+            sent_ts = parse_at(event.at)
+            if sent_ts > attempt.deadline_ts:
+                self._violation(
+                    event.seq,
+                    "deadline",
+                    cid,
+                    server,
+                    f"{phase} {operation} sent {sent_ts - attempt.deadline_ts:.3f}s after the deadline",
+                )
+
+        # settlement bookkeeping
+        state = attempt.server(server)
+        if operation == "resume":
+            state.last_resume_sent_seq = event.seq
+        elif not compensating and operation is not None and operation != "capabilities":
+            state.last_touch_seq = event.seq
+        attempt.open[call_id] = _Open(server, phase, operation, run, rank, event.seq)
+
+    def _outcome(self, attempt: _Attempt, event: Event) -> None:
+        call_id = event.call_id or ""
+        call = attempt.open.pop(call_id, None)
+        if call is None:
+            why = "a second outcome" if call_id in attempt.closed else "an outcome with no call.sent"
+            self._violation(event.seq, "pairing", attempt.checkpoint_id, event.server, f"{why} for {call_id}")
+            return
+        attempt.closed.add(call_id)
+        status = _int(event.data.get("status"))
+        acknowledged = event.kind == "call.replied" and status is not None and 200 <= status < 300
+        code = event.data.get("code")
+        if event.kind == "call.replied":
+            body = event.data.get("body")
+            error = body.get("error") if isinstance(body, dict) else None
+            code = error.get("code") if isinstance(error, dict) else None
+        state = attempt.server(call.server)
+        if call.operation == "commit" and acknowledged:
+            state.commit_ack_seq = call.sent_seq
+        settles = call.operation == "resume" and (acknowledged or (status == 409 and code == INVALID_PHASE))
+        if settles and (state.settle_seq is None or call.sent_seq > state.settle_seq):
+            state.settle_seq = call.sent_seq
+            state.settle_compensating = call.phase in COMPENSATING_PHASES
+
+    def finish(self) -> CheckReport:
+        """Judge every attempt with everything fed so far and return the report."""
+        report = self._report
+        for cid, attempt in self._attempts.items():
+            if attempt.kind is None:
+                continue  # events naming an id that never started: nothing to judge
+            if attempt.terminal_seq is None:
+                report.attempts[cid] = "open"
+                continue
+            report.attempts[cid] = "judged"
+            if attempt.kind == "save":
+                self._judge_save(attempt)
+            elif attempt.outcome == "resumed":
+                self._judge_resumed_restore(attempt)
+        report.violations.sort(key=lambda v: (v.seq, v.rule))
+        report.warnings.sort(key=lambda v: (v.seq, v.rule))
+        return report
+
+    def _unsettled(self, attempt: _Attempt, name: str, state: _Server) -> None:
+        assert attempt.terminal_seq is not None
+        touched = state.last_touch_seq
+        tried = (
+            state.last_resume_sent_seq is not None
+            and touched is not None
+            and (state.last_resume_sent_seq > touched)
+        )
+        if tried:
+            self._report.warnings.append(
+                Violation(
+                    attempt.terminal_seq,
+                    "unsettled",
+                    attempt.checkpoint_id,
+                    name,
+                    f"left paused: resumed (last at seq {state.last_resume_sent_seq}) but no resume "
+                    "was acknowledged",
+                )
+            )
+        else:
+            self._violation(
+                attempt.terminal_seq,
+                "unsettled",
+                attempt.checkpoint_id,
+                name,
+                f"touched at seq {touched}, never resumed afterwards",
+            )
+
+    def _judge_save(self, attempt: _Attempt) -> None:
+        for name, state in attempt.servers.items():
+            touched = state.last_touch_seq
+            if touched is None:
+                continue
+            settled = state.settle_seq is not None and state.settle_seq > touched
+            if not settled:
+                self._unsettled(attempt, name, state)
+                continue
+            assert state.settle_seq is not None
+            committed = state.commit_ack_seq is not None and state.commit_ack_seq < state.settle_seq
+            if not state.settle_compensating and not committed:
+                self._violation(
+                    state.settle_seq,
+                    "unsettled",
+                    attempt.checkpoint_id,
+                    name,
+                    "resumed in the resume phase without an acknowledged commit (should be a rollback)",
+                )
+
+    def _judge_resumed_restore(self, attempt: _Attempt) -> None:
+        for name, state in attempt.servers.items():
+            touched = state.last_touch_seq
+            if touched is not None and not (state.settle_seq is not None and state.settle_seq > touched):
+                self._unsettled(attempt, name, state)
+
+
+def check_events(events: Iterable[Event]) -> CheckReport:
+    """Run the protocol check over `events` (seq order)."""
+    checker = ProtocolChecker()
+    for event in events:
+        checker.feed(event)
+    return checker.finish()

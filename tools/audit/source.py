@@ -1,0 +1,67 @@
+"""The reads the audit tools make, all through `ledger.Ledger` opened read-only.
+
+Opening read-only claims no writership and never appends, so every tool here can run beside a
+live coordinator, on SQLite or PostgreSQL. Reads use the ledger's indexes: events of one
+checkpoint id (`checkpoint_id, seq`) and events of a few kinds (`kind, seq`); history reads only
+the `attempts` projection.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from ledger import Ledger, LedgerError
+from ledger.events import Event
+from tools.audit.attempts import AttemptView, build_attempt
+
+#: Coordinator-level events that give an attempt's events their context: who wrote them (epochs)
+#: and how recovery ended them.
+CONTEXT_KINDS: tuple[str, ...] = ("coordinator.started", "recovery.completed")
+
+
+@asynccontextmanager
+async def open_readonly(url: str) -> AsyncIterator[Ledger]:
+    """`Ledger.open(url, readonly=True)`."""
+    async with Ledger.open(url, readonly=True) as ledger:
+        yield ledger
+
+
+async def attempt_events(ledger: Ledger, checkpoint_id: str, *, head_seq: int | None = None) -> list[Event]:
+    """The events of one attempt plus its context, in seq order, up to `head_seq` (if given).
+
+    Context: every `coordinator.started` (so an epoch check knows every newer epoch) and each
+    `recovery.completed` naming the attempt. Raises `LedgerError` when no event names the id.
+    """
+    own = [e async for e in ledger.read(checkpoint_id=checkpoint_id)]
+    if not own:
+        raise LedgerError(
+            f"no attempt {checkpoint_id!r} in ledger {ledger.url}; `quiesce history` lists them"
+        )
+    context: list[Event] = []
+    async for event in ledger.read(kinds=CONTEXT_KINDS):
+        if event.checkpoint_id == checkpoint_id:
+            continue  # already in `own`
+        if event.kind == "recovery.completed":
+            outcomes = event.data.get("outcomes")
+            if not (isinstance(outcomes, dict) and checkpoint_id in outcomes):
+                continue
+        context.append(event)
+    merged = list(heapq.merge(own, context, key=lambda e: e.seq))
+    if head_seq is not None:
+        merged = [e for e in merged if e.seq <= head_seq]
+    return merged
+
+
+async def load_attempt(ledger: Ledger, checkpoint_id: str) -> tuple[AttemptView, list[Event]]:
+    """The `AttemptView` of one attempt and the events it was built from (with context)."""
+    events = await attempt_events(ledger, checkpoint_id)
+    return build_attempt(checkpoint_id, events), events
+
+
+async def recent_attempt_ids(ledger: Ledger, limit: int) -> list[str]:
+    """Ids of the `limit` most recently started attempts, oldest first (from the projection)."""
+    rows = await ledger.attempts()
+    rows.sort(key=lambda r: (r.started_at, r.last_seq))
+    return [r.checkpoint_id for r in rows[-limit:]] if limit > 0 else []
