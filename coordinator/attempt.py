@@ -1,0 +1,1192 @@
+"""One checkpoint attempt (save) or restore: phases, the deadline, rollback — all recorded in the ledger.
+
+Ledger sequence of a save attempt (every call is `call.sent` → `call.replied | call.failed`, see calls.py):
+
+    attempt.started {kind: save, deadline_ts, participants, staging_dir}
+    phase.started prepare  … calls …  phase.completed prepare
+    phase.started commit   … calls …  phase.completed commit
+    phase.started publish  attempt.publishing (before the rename)  attempt.published (after)  phase.completed
+    phase.started resume   … calls …  phase.completed resume   attempt.completed {outcome: published}
+
+On a failure before publication: `phase.failed`, `attempt.aborting`, resume calls (call.sent with
+phase "rollback") to every *touched* server (a request was sent, answered or not) in resume order,
+then `attempt.aborted {resumed, left_paused, not_paused}`; the staging folder is removed and a
+`PhaseError` (or `DeadlineExceeded`) is raised naming the phase, the server, the reason, who was
+resumed, who could not be, and the latest snapshot still in place.
+
+A restore: `attempt.started {kind: restore, snapshot_dir, source_checkpoint_id}`, phase restore
+(policy → agents → resources), `attempt.completed {outcome: restored}`; the servers stay paused until
+`resume`, which appends phase resume and `attempt.completed {outcome: resumed}`. A failed restore
+is not rolled back (half-restored state must not run): `attempt.aborted` lists every touched server
+as `left_paused`; an explicit `resume` resumes them.
+
+Deadline: one absolute `deadline_ts` per attempt. Every call's timeout is the time left to it, and
+each phase runs inside an anyio cancel scope whose deadline is `deadline_ts` converted to anyio's
+clock. Rollback and the resume after publication use `max(deadline_ts, now + control_timeout_s)`.
+
+Everything a later coordinator needs is in the ledger: `load_attempt` rebuilds an `Attempt`
+(participants, touched servers, publication) from events alone; `FencedError` is never caught here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal, TypeVar
+
+import anyio
+import anyio.to_thread
+from pydantic import BaseModel, ValidationError
+
+from coordinator.calls import Caller, CallResult
+from coordinator.config import ClusterConfig
+from coordinator.discovery import Discovery, Member
+from coordinator.errors import DeadlineExceeded, PhaseError, QuiesceError, SnapshotError
+from coordinator.phases import Role, resume_order
+from coordinator.protocol import (
+    AGENT,
+    INVALID_PHASE,
+    MODEL,
+    RESOURCES,
+    AgentCommitReply,
+    AgentPrepareReply,
+    AgentRestoreReply,
+    ArtifactRef,
+    CheckpointDirBody,
+    CommonBody,
+    ModelCommitBody,
+    ModelCommitReply,
+    ModelPauseReply,
+    ModelRestoreReply,
+    ModelStatusReply,
+    ResourcesCommitReply,
+    ResourcesPrepareReply,
+    ResourcesRestoreReply,
+    StatusQuery,
+    Workers,
+    manifest_path,
+    route,
+)
+from coordinator.protocol import (
+    AGENT_PREPARE_INCOMPLETE as _AGENT_PREPARE_INCOMPLETE,
+)
+from coordinator.publish import (
+    MANIFEST,
+    Snapshot,
+    apply_retention,
+    build_manifest,
+    file_digest,
+    load_snapshot,
+    make_staging,
+    read_latest,
+    remove_tree,
+    rename_into_place,
+    sweep_staging,
+    verify_artifact,
+    write_json_durably,
+    write_latest,
+)
+from ledger import Event, Ledger, utc_now
+
+__all__ = [
+    "Attempt",
+    "Context",
+    "Outcome",
+    "Progress",
+    "ProgressCallback",
+    "commit",
+    "find_paused",
+    "finish_resume",
+    "load_attempt",
+    "prepare",
+    "publish",
+    "restore",
+    "roll_back",
+    "start_attempt",
+]
+
+T = TypeVar("T")
+
+#: Longest single status long-poll while draining (so progress is reported at least this often).
+DRAIN_POLL_S: Final = 1.0
+#: The long-poll's own timeout stays this far below the time left, so its reply beats the deadline.
+POLL_MARGIN_S: Final = 0.2
+#: How often `agent_prepare_incomplete` is retried (at most).
+AGENT_RETRY_S: Final = 0.1
+
+AttemptKind = Literal["save", "restore"]
+AttemptState = Literal[
+    "started", "prepared", "committed", "publishing", "published", "completed", "restored", "aborted"
+]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A progress report for a caller's display. `inflight` is set while draining the policy model."""
+
+    checkpoint_id: str
+    phase: str
+    server: str | None = None
+    inflight: int | None = None
+    state: str | None = None
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a resume, abort or restore did: the servers in call order and where each one ended."""
+
+    checkpoint_id: str | None
+    outcome: str
+    servers: tuple[str, ...] = ()
+    resumed: tuple[str, ...] = ()
+    not_paused: tuple[str, ...] = ()
+    left_paused: tuple[str, ...] = ()
+
+    def as_json(self) -> dict[str, Any]:
+        """The `--json` document of `quiesce restore | resume | abort`."""
+        return {"checkpoint_id": self.checkpoint_id, "outcome": self.outcome, "servers": list(self.servers)}
+
+
+@dataclass
+class Context:
+    """What an attempt needs from its coordinator."""
+
+    config: ClusterConfig
+    ledger: Ledger
+    caller: Caller
+    on_progress: ProgressCallback | None = None
+
+    def progress(self, report: Progress) -> None:
+        if self.on_progress is not None:
+            self.on_progress(report)
+
+
+@dataclass
+class Attempt:
+    """One save or restore attempt.
+
+    `staging_dir` is where servers write and where the caller adds its own half (save only);
+    `snapshot` is the published folder (save: set after publish; restore: the source snapshot).
+    `touched` lists, in first-contact order, every server a control request was sent to.
+    """
+
+    checkpoint_id: str
+    kind: AttemptKind
+    deadline_ts: float
+    participants: tuple[Member, ...]
+    staging_dir: Path | None = None
+    snapshot: Path | None = None
+    source_checkpoint_id: str | None = None
+    state: AttemptState = "started"
+    touched: list[str] = field(default_factory=list)
+    commits: dict[str, dict[str, Any]] = field(default_factory=dict)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    inflight: int | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.participants]
+
+    def group(self, role: Role) -> tuple[Member, ...]:
+        return tuple(m for m in self.participants if m.role == role)
+
+    def member(self, name: str) -> Member | None:
+        return next((m for m in self.participants if m.name == name), None)
+
+    def touch(self, name: str) -> None:
+        if name not in self.touched:
+            self.touched.append(name)
+
+
+class _Failed(Exception):
+    """Internal: a phase failed at `server` (None: not one server's fault)."""
+
+    def __init__(
+        self, phase: str, server: str | None, reason: str, code: str | None = None, *, deadline: bool = False
+    ) -> None:
+        super().__init__(reason)
+        self.phase = phase
+        self.server = server
+        self.reason = reason
+        self.code = code
+        self.deadline = deadline
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _anyio_deadline(deadline_ts: float) -> float:
+    """A wall-clock deadline (Unix seconds) on anyio's clock."""
+    return anyio.current_time() + (deadline_ts - time.time())
+
+
+def _common(attempt: Attempt, deadline_ts: float | None = None) -> CommonBody:
+    return CommonBody(checkpoint_id=attempt.checkpoint_id, deadline_ts=deadline_ts or attempt.deadline_ts)
+
+
+async def _call(
+    ctx: Context,
+    attempt: Attempt,
+    member: Member,
+    operation: str,
+    phase: str,
+    *,
+    body: BaseModel | None = None,
+    params: dict[str, Any] | None = None,
+    deadline_ts: float | None = None,
+) -> CallResult:
+    """Send one control call for `attempt` (marks the server touched first)."""
+    spec = route(member.component, operation)
+    if spec.method == "POST":
+        attempt.touch(member.name)
+    return await ctx.caller.call(
+        member.target,
+        spec,
+        phase=phase,
+        checkpoint_id=attempt.checkpoint_id,
+        deadline_ts=deadline_ts or attempt.deadline_ts,
+        body=body,
+        params=params,
+    )
+
+
+def _expect(result: CallResult, model: type[T], phase: str, what: str) -> T:
+    """The validated reply, or `_Failed` describing the call's failure."""
+    if result.ok and isinstance(result.reply, model):
+        return result.reply
+    raise _Failed(
+        phase,
+        result.server,
+        f"{what} failed: {result.describe()}",
+        result.code,
+        deadline=result.error == "timeout",
+    )
+
+
+async def _each(
+    ctx: Context, members: Sequence[Member], fn: Callable[[Member], Awaitable[T]]
+) -> dict[str, T]:
+    """Run `fn` over one role group: one at a time, or concurrently with `fanout: parallel`.
+
+    Sequential: stops at the first failure. Parallel: every call runs to its own end, then the
+    first failure (in config order) is raised — siblings are never cancelled mid-call.
+    """
+    results: dict[str, T] = {}
+    if ctx.config.fanout == "sequential" or len(members) <= 1:
+        for member in members:
+            results[member.name] = await fn(member)
+        return results
+    failures: dict[str, _Failed] = {}
+
+    async def one(member: Member) -> None:
+        try:
+            results[member.name] = await fn(member)
+        except _Failed as failure:
+            failures[member.name] = failure
+
+    async with anyio.create_task_group() as tg:
+        for member in members:
+            tg.start_soon(one, member)
+    for member in members:
+        if member.name in failures:
+            raise failures[member.name]
+    return results
+
+
+async def _run_phase(
+    ctx: Context, attempt: Attempt, phase: str, body: Callable[[], Awaitable[dict[str, Any]]]
+) -> dict[str, Any]:
+    """Run one phase inside the attempt's deadline scope, with phase.started / phase.completed.
+
+    Raises `_Failed` (deadline=True when the scope expired) — the caller rolls back.
+    """
+    await ctx.ledger.append("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": phase})
+    ctx.progress(Progress(attempt.checkpoint_id, phase))
+    summary: dict[str, Any] | None = None
+    with anyio.CancelScope(deadline=_anyio_deadline(attempt.deadline_ts)) as scope:
+        summary = await body()
+    if scope.cancelled_caught or summary is None:
+        reason = "the attempt's deadline passed"
+        if phase == "prepare" and attempt.inflight:
+            reason += f" while draining: {attempt.inflight} requests still in flight"
+        raise _Failed(phase, None, reason, deadline=True)
+    await ctx.ledger.append(
+        "phase.completed", checkpoint_id=attempt.checkpoint_id, data={"phase": phase, "summary": summary}
+    )
+    return summary
+
+
+async def _next_checkpoint_id(ledger: Ledger) -> str:
+    """`e<epoch>-<seq>`: the seq its `attempt.started` will get (single writer), zero-padded."""
+    head = await ledger.head()
+    return f"e{ledger.epoch}-{(head.seq if head else 0) + 1:06d}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Save: start, prepare, commit, publish
+# ---------------------------------------------------------------------------------------------
+
+
+async def start_attempt(ctx: Context, discovery: Discovery, *, deadline_s: float | None = None) -> Attempt:
+    """Append `attempt.started` for a new save attempt and return it (nothing is called yet)."""
+    checkpoint_id = await _next_checkpoint_id(ctx.ledger)
+    deadline_ts = time.time() + (deadline_s if deadline_s is not None else ctx.config.deadline_s)
+    staging = ctx.config.staging_root / checkpoint_id
+    attempt = Attempt(
+        checkpoint_id=checkpoint_id,
+        kind="save",
+        deadline_ts=deadline_ts,
+        participants=discovery.participants,
+        staging_dir=staging,
+        skipped=[{"name": n, "reason": r} for n, r in discovery.skipped],
+    )
+    await ctx.ledger.append(
+        "attempt.started",
+        checkpoint_id=checkpoint_id,
+        data={
+            "kind": "save",
+            "deadline_ts": deadline_ts,
+            "participants": attempt.names,
+            "staging_dir": str(staging),
+        },
+    )
+    return attempt
+
+
+async def prepare(ctx: Context, attempt: Attempt) -> None:
+    """Prepare: policy pause → agents prepare → resources prepare → policy drain. Rolls back on failure."""
+    _require(attempt, ("started",), "prepare")
+    try:
+        await _run_phase(ctx, attempt, "prepare", lambda: _prepare_body(ctx, attempt))
+    except _Failed as failure:
+        raise await roll_back(ctx, attempt, failure) from None
+    attempt.state = "prepared"
+
+
+async def _prepare_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
+    phase = "prepare"
+
+    async def pause(m: Member) -> ModelPauseReply:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        result = await _call(ctx, attempt, m, "pause", phase, body=_common(attempt))
+        return _expect(result, ModelPauseReply, phase, "policy pause")
+
+    async def agent(m: Member) -> AgentPrepareReply:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        while True:
+            result = await _call(ctx, attempt, m, "prepare", phase, body=_common(attempt))
+            if result.error == "http" and result.status == 409 and result.code == _AGENT_PREPARE_INCOMPLETE:
+                left = attempt.deadline_ts - time.time()
+                if left <= 0:
+                    raise _Failed(
+                        phase,
+                        m.name,
+                        "agent never became ready to commit before the deadline (agent_prepare_incomplete)",
+                        result.code,
+                        deadline=True,
+                    )
+                await anyio.sleep(min(AGENT_RETRY_S, left))
+                continue
+            reply = _expect(result, AgentPrepareReply, phase, "agent prepare")
+            if not reply.ready_to_commit:
+                raise _Failed(phase, m.name, "agent prepare answered but is not ready_to_commit")
+            return reply
+
+    async def resources(m: Member) -> ResourcesPrepareReply:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        result = await _call(ctx, attempt, m, "prepare", phase, body=_common(attempt))
+        return _expect(result, ResourcesPrepareReply, phase, "resources prepare")
+
+    pauses = await _each(ctx, attempt.group("policy"), pause)
+    agents = await _each(ctx, attempt.group("agent"), agent)
+    res = await _each(ctx, attempt.group("resources"), resources)
+    drained = await _each(
+        ctx, attempt.group("policy"), lambda m: _drain(ctx, attempt, m, pauses[m.name].workers)
+    )
+    return {
+        "policy": {name: {"inflight_at_pause": p.inflight_total} for name, p in pauses.items()},
+        "drain": drained,
+        "agents": {name: {"parked": a.parked, "active": a.active} for name, a in agents.items()},
+        "resources": {name: {"sessions": r.sessions} for name, r in res.items()},
+    }
+
+
+async def _drain(ctx: Context, attempt: Attempt, m: Member, workers: Workers) -> dict[str, Any]:
+    """Repeat the status long-poll (each ≤ the time left) until paused, nothing in flight, all workers."""
+    phase = "prepare"
+    polls = 0
+    while True:
+        left = attempt.deadline_ts - time.time()
+        wait = max(0.0, min(DRAIN_POLL_S, left - POLL_MARGIN_S))
+        query = StatusQuery(
+            checkpoint_id=attempt.checkpoint_id,
+            deadline_ts=attempt.deadline_ts,
+            wait_state="paused",
+            timeout_s=wait,
+        )
+        started = time.monotonic()
+        result = await _call(ctx, attempt, m, "status", phase, params=query.model_dump(exclude_none=True))
+        polls += 1
+        reply = _expect(result, ModelStatusReply, phase, "policy status")
+        attempt.inflight = reply.inflight_total
+        ctx.progress(
+            Progress(attempt.checkpoint_id, phase, m.name, inflight=reply.inflight_total, state=reply.state)
+        )
+        workers_paused = all(w.state == "paused" for w in reply.per_worker.values())
+        acknowledged = workers.acknowledged >= workers.expected or (
+            len(reply.per_worker) >= workers.expected and workers_paused
+        )
+        if reply.state == "paused" and reply.inflight_total == 0 and workers_paused and acknowledged:
+            return {"polls": polls, "state": reply.state}
+        if time.time() >= attempt.deadline_ts:
+            raise _Failed(
+                phase,
+                m.name,
+                f"the drain did not finish before the deadline: {reply.inflight_total} requests"
+                f" still in flight (state {reply.state})",
+                deadline=True,
+            )
+        if wait == 0.0 or time.monotonic() - started < 0.01:
+            await anyio.sleep(min(0.05, max(0.0, attempt.deadline_ts - time.time())))
+
+
+async def commit(ctx: Context, attempt: Attempt) -> None:
+    """Commit: agents → policy (with every agent's continuation index) → resources; verify digests.
+
+    The staging folder is created (durably) first; a failure rolls back and removes it.
+    """
+    _require(attempt, ("prepared",), "commit")
+    assert attempt.staging_dir is not None
+    try:
+        try:
+            await anyio.to_thread.run_sync(make_staging, attempt.staging_dir)
+        except OSError as error:
+            raise _Failed(
+                "commit", None, f"cannot create the staging folder {attempt.staging_dir}: {error}"
+            ) from None
+        await _run_phase(ctx, attempt, "commit", lambda: _commit_body(ctx, attempt))
+    except _Failed as failure:
+        raise await roll_back(ctx, attempt, failure) from None
+    attempt.state = "committed"
+
+
+async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
+    phase = "commit"
+    staging = attempt.staging_dir
+    assert staging is not None
+    checkpoint_dir = str(staging)
+
+    def dir_body() -> CheckpointDirBody:
+        return CheckpointDirBody(
+            checkpoint_id=attempt.checkpoint_id,
+            deadline_ts=attempt.deadline_ts,
+            checkpoint_dir=checkpoint_dir,
+        )
+
+    async def record(m: Member, reply: BaseModel, digest: str, refs: dict[str, ArtifactRef | None]) -> None:
+        entry: dict[str, Any] = {
+            "name": m.name,
+            "component": m.component,
+            "role": m.role,
+            "manifest": manifest_path(m.component, m.name),
+            "manifest_digest": digest,
+            "reply": reply.model_dump(mode="json"),
+        }
+        for key, ref in refs.items():
+            if ref is not None:
+                entry[key] = ref.model_dump(mode="json")
+        problems = await anyio.to_thread.run_sync(_verify_entry, staging, entry)
+        if problems:
+            raise _Failed(phase, m.name, "; ".join(problems))
+        attempt.commits[m.name] = entry
+
+    async def agent(m: Member) -> AgentCommitReply:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        result = await _call(ctx, attempt, m, "commit", phase, body=dir_body())
+        reply = _expect(result, AgentCommitReply, phase, "agent commit")
+        await record(m, reply, reply.manifest_digest, {"continuation_index": reply.continuation_index})
+        return reply
+
+    agents = await _each(ctx, attempt.group("agent"), agent)
+    indexes = [agents[m.name].continuation_index for m in attempt.group("agent")]
+
+    async def policy(m: Member) -> ModelCommitReply:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        body = ModelCommitBody(
+            checkpoint_id=attempt.checkpoint_id,
+            deadline_ts=attempt.deadline_ts,
+            checkpoint_dir=checkpoint_dir,
+            continuation_indexes=indexes,
+        )
+        result = await _call(ctx, attempt, m, "commit", phase, body=body)
+        reply = _expect(result, ModelCommitReply, phase, "model commit")
+        await record(
+            m, reply, reply.manifest_digest, {"storage_reference_index": reply.storage_reference_index}
+        )
+        return reply
+
+    async def resources(m: Member) -> ResourcesCommitReply:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        result = await _call(ctx, attempt, m, "commit", phase, body=dir_body())
+        reply = _expect(result, ResourcesCommitReply, phase, "resources commit")
+        await record(m, reply, reply.manifest_digest, {})
+        return reply
+
+    models = await _each(ctx, attempt.group("policy"), policy)
+    res = await _each(ctx, attempt.group("resources"), resources)
+    return {
+        "agents": {n: {"records": a.records} for n, a in agents.items()},
+        "policy": {n: {"rollouts": p.rollouts, "rows": p.rows} for n, p in models.items()},
+        "resources": {n: {"sessions": r.sessions} for n, r in res.items()},
+    }
+
+
+def _verify_entry(staging: Path, entry: dict[str, Any]) -> list[str]:
+    """A participant's manifest digest and artifact references against the files in `staging`."""
+    name = entry["name"]
+    problems: list[str] = []
+    rel = entry["manifest"]
+    path = staging / rel
+    if not path.is_file():
+        problems.append(f"{name}: its manifest {rel} is missing")
+    else:
+        _, digest = file_digest(path)
+        if digest != entry["manifest_digest"]:
+            problems.append(
+                f"{name}: manifest_digest {entry['manifest_digest'][:12]}… does not match the sha256 of {rel}"
+                f" ({digest[:12]}…)"
+            )
+    for key in ("continuation_index", "storage_reference_index"):
+        if key in entry:
+            try:
+                ref = ArtifactRef.model_validate(entry[key])
+            except ValidationError:
+                problems.append(f"{name}: {key} is not a valid artifact reference")
+                continue
+            problem = verify_artifact(staging, ref, what=f"{name} {key}")
+            if problem:
+                problems.append(problem)
+    return problems
+
+
+async def publish(ctx: Context, attempt: Attempt) -> Path:
+    """Verify, write the manifest, rename into place (the commit point), point LATEST, retention.
+
+    `attempt.publishing` is durable before the rename and `attempt.published` after it (and its
+    fsync). A failure before the rename rolls back like a failed commit; after it, the snapshot is
+    published whatever happens next.
+    """
+    _require(attempt, ("committed",), "publish")
+    staging = attempt.staging_dir
+    assert staging is not None
+    final = ctx.config.snapshots / attempt.checkpoint_id
+    await ctx.ledger.append("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "publish"})
+    ctx.progress(Progress(attempt.checkpoint_id, "publish"))
+    try:
+        problems: list[str] = []
+        for entry in attempt.commits.values():
+            problems += await anyio.to_thread.run_sync(_verify_entry, staging, entry)
+        if problems:
+            first = next(iter(attempt.commits))
+            server = next(
+                (e["name"] for e in attempt.commits.values() if problems[0].startswith(e["name"])), first
+            )
+            raise _Failed("publish", server, "; ".join(problems))
+        head = await ctx.ledger.head()
+        try:
+            manifest = await anyio.to_thread.run_sync(
+                lambda: build_manifest(
+                    staging,
+                    checkpoint_id=attempt.checkpoint_id,
+                    created=utc_now(),
+                    epoch=ctx.ledger.epoch,
+                    ledger_seq=head.seq if head else 0,
+                    participants=list(attempt.commits.values()),
+                    skipped=attempt.skipped,
+                )
+            )
+            data = await anyio.to_thread.run_sync(write_json_durably, staging / MANIFEST, manifest)
+        except OSError as error:
+            raise _Failed(
+                "publish", None, f"cannot write the snapshot manifest in {staging}: {error}"
+            ) from None
+        await ctx.ledger.append(
+            "attempt.publishing",
+            checkpoint_id=attempt.checkpoint_id,
+            data={"staging_dir": str(staging), "final_dir": str(final)},
+        )
+        attempt.state = "publishing"
+        try:
+            await anyio.to_thread.run_sync(rename_into_place, staging, final)
+        except (OSError, SnapshotError) as error:
+            raise _Failed("publish", None, f"cannot rename {staging} to {final}: {error}") from None
+    except _Failed as failure:
+        raise await roll_back(ctx, attempt, failure) from None
+    await ctx.ledger.append(
+        "attempt.published",
+        checkpoint_id=attempt.checkpoint_id,
+        data={"final_dir": str(final), "manifest_sha256": hashlib.sha256(data).hexdigest()},
+    )
+    attempt.state = "published"
+    attempt.snapshot = final
+    await anyio.to_thread.run_sync(write_latest, ctx.config.snapshots, final.name)
+    removed = await anyio.to_thread.run_sync(
+        lambda: apply_retention(ctx.config.snapshots, ctx.config.keep_latest, protect=[final])
+    )
+    finished = {row.checkpoint_id for row in await ctx.ledger.attempts() if row.outcome is not None}
+    swept = await anyio.to_thread.run_sync(sweep_staging, ctx.config.staging_root, finished)
+    await ctx.ledger.append(
+        "phase.completed",
+        checkpoint_id=attempt.checkpoint_id,
+        data={
+            "phase": "publish",
+            "summary": {
+                "final_dir": str(final),
+                "files": len(manifest["files"]),
+                "retention_removed": [p.name for p in removed],
+                "staging_swept": [p.name for p in swept],
+            },
+        },
+    )
+    return final
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume and rollback
+# ---------------------------------------------------------------------------------------------
+
+
+async def _resume_members(
+    ctx: Context, attempt: Attempt, names: Sequence[str], *, phase: str, deadline_ts: float
+) -> tuple[list[str], list[str], list[str], list[str], list[tuple[str, CallResult]]]:
+    """Resume `names` in resume order (fan-out within a group). Never stops early.
+
+    Returns (called in order, resumed, not_paused, left_paused, failures).
+    """
+    wanted = set(names)
+    called: list[str] = []
+    resumed: list[str] = []
+    not_paused: list[str] = []
+    left: list[str] = []
+    failures: list[tuple[str, CallResult]] = []
+
+    async def one(m: Member) -> None:
+        called.append(m.name)
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        body = CommonBody(checkpoint_id=attempt.checkpoint_id, deadline_ts=deadline_ts)
+        result = await _call(ctx, attempt, m, "resume", phase, body=body, deadline_ts=deadline_ts)
+        if result.ok:
+            resumed.append(m.name)
+        elif result.error == "http" and result.status == 409 and result.code == INVALID_PHASE:
+            not_paused.append(m.name)
+        else:
+            left.append(m.name)
+            failures.append((m.name, result))
+
+    with anyio.CancelScope(deadline=_anyio_deadline(deadline_ts)):
+        for role in resume_order():
+            members = [m for m in attempt.group(role) if m.name in wanted]
+            if ctx.config.fanout == "parallel" and len(members) > 1:
+                async with anyio.create_task_group() as tg:
+                    for m in members:
+                        tg.start_soon(one, m)
+            else:
+                for m in members:
+                    await one(m)
+    unknown = [n for n in names if attempt.member(n) is None]
+    for n in names:
+        if n not in called and n not in unknown:
+            left.append(n)  # the budget ran out before its turn
+    left.extend(unknown)
+    return called, resumed, not_paused, left, failures
+
+
+def _recovery_budget(ctx: Context, attempt: Attempt) -> float:
+    return max(attempt.deadline_ts, time.time() + ctx.config.control_timeout_s)
+
+
+async def roll_back(
+    ctx: Context, attempt: Attempt, failure: _Failed | None, *, reason: str | None = None
+) -> PhaseError:
+    """Resume every touched server (resume order), remove staging, record; return the error to raise.
+
+    Save attempts only (a failed restore is recorded by `restore` and left paused). The budget is
+    `max(deadline_ts, now + control_timeout_s)`; 409 `invalid_phase` means the server never paused.
+    """
+    text = reason or (
+        f"{failure.phase} failed at {failure.server or 'the coordinator'}: {failure.reason}"
+        if failure
+        else "aborted"
+    )
+    if failure is not None:
+        await ctx.ledger.append(
+            "phase.failed",
+            checkpoint_id=attempt.checkpoint_id,
+            server=failure.server,
+            data={
+                "phase": failure.phase,
+                "server": failure.server,
+                "reason": failure.reason,
+                "code": failure.code,
+            },
+        )
+    await ctx.ledger.append("attempt.aborting", checkpoint_id=attempt.checkpoint_id, data={"reason": text})
+    budget = _recovery_budget(ctx, attempt)
+    _, resumed, not_paused, left, _ = await _resume_members(
+        ctx, attempt, list(attempt.touched), phase="rollback", deadline_ts=budget
+    )
+    if attempt.staging_dir is not None:
+        await anyio.to_thread.run_sync(remove_tree, attempt.staging_dir)
+    await ctx.ledger.append(
+        "attempt.aborted",
+        checkpoint_id=attempt.checkpoint_id,
+        data={"reason": text, "resumed": resumed, "left_paused": left, "not_paused": not_paused},
+    )
+    attempt.state = "aborted"
+    latest = read_latest(ctx.config.snapshots)
+    phase = failure.phase if failure else "abort"
+    message = (
+        f"checkpoint {attempt.checkpoint_id} rolled back: {text}."
+        f" Resumed: {', '.join(resumed) or 'none'}."
+        + (f" Never paused: {', '.join(not_paused)}." if not_paused else "")
+        + (
+            f" Could not resume: {', '.join(left)} — run `quiesce resume` once they are reachable."
+            if left
+            else " Every server is accepting again."
+        )
+        + f" Latest snapshot: {latest if latest else 'none'}."
+    )
+    cls = DeadlineExceeded if failure is not None and failure.deadline else PhaseError
+    return cls(
+        message,
+        phase=phase,
+        server=failure.server if failure else None,
+        reason=failure.reason if failure else text,
+        code=failure.code if failure else None,
+        checkpoint_id=attempt.checkpoint_id,
+        resumed=resumed + not_paused,
+        not_resumed=left,
+        latest_snapshot=str(latest) if latest else None,
+    )
+
+
+async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
+    """Resume every participant of a published save, or of a restore; then `attempt.completed`.
+
+    Servers that cannot be resumed leave the attempt without a terminal event (so the same id's
+    resume can be retried) and raise `PhaseError` naming them.
+    """
+    budget = _recovery_budget(ctx, attempt)
+    await ctx.ledger.append("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"})
+    called, resumed, not_paused, left, failures = await _resume_members(
+        ctx, attempt, attempt.names, phase="resume", deadline_ts=budget
+    )
+    if left:
+        name = left[0]
+        detail = next((r.describe() for n, r in failures if n == name), "no time left to call it")
+        code = next((r.code for n, r in failures if n == name), None)
+        await ctx.ledger.append(
+            "phase.failed",
+            checkpoint_id=attempt.checkpoint_id,
+            server=name,
+            data={"phase": "resume", "server": name, "reason": detail, "code": code},
+        )
+        latest = read_latest(ctx.config.snapshots)
+        raise PhaseError(
+            f"resume of {attempt.checkpoint_id} failed at {name}: {detail}."
+            f" Resumed: {', '.join(resumed) or 'none'}; still paused: {', '.join(left)}."
+            " Run `quiesce resume` again once they are reachable."
+            f" Latest snapshot: {latest if latest else 'none'}.",
+            phase="resume",
+            server=name,
+            reason=detail,
+            code=code,
+            checkpoint_id=attempt.checkpoint_id,
+            resumed=resumed + not_paused,
+            not_resumed=left,
+            latest_snapshot=str(latest) if latest else None,
+        )
+    await ctx.ledger.append(
+        "phase.completed",
+        checkpoint_id=attempt.checkpoint_id,
+        data={"phase": "resume", "summary": {"resumed": resumed, "not_paused": not_paused}},
+    )
+    outcome: Literal["published", "resumed"] = "published" if attempt.kind == "save" else "resumed"
+    await ctx.ledger.append(
+        "attempt.completed", checkpoint_id=attempt.checkpoint_id, data={"servers": called, "outcome": outcome}
+    )
+    attempt.state = "completed"
+    return Outcome(attempt.checkpoint_id, outcome, tuple(called), tuple(resumed), tuple(not_paused), ())
+
+
+def _require(attempt: Attempt, states: tuple[str, ...], step: str) -> None:
+    if attempt.state not in states:
+        raise QuiesceError(
+            f"cannot {step} checkpoint {attempt.checkpoint_id}: it is {attempt.state}"
+            f" (expected {' or '.join(states)})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Restore
+# ---------------------------------------------------------------------------------------------
+
+
+async def restore(
+    ctx: Context, discovery: Discovery, snapshot: Snapshot, *, deadline_s: float | None = None
+) -> Attempt:
+    """Restore a verified snapshot: policy → agents → resources under a new id; servers stay paused.
+
+    The caller verifies the snapshot first (`publish.verify_snapshot`) — before any call. Replies are
+    checked against the snapshot: source checkpoint id, and each agent's continuation index.
+    """
+    checkpoint_id = await _next_checkpoint_id(ctx.ledger)
+    deadline_ts = time.time() + (deadline_s if deadline_s is not None else ctx.config.deadline_s)
+    attempt = Attempt(
+        checkpoint_id=checkpoint_id,
+        kind="restore",
+        deadline_ts=deadline_ts,
+        participants=discovery.participants,
+        snapshot=snapshot.path,
+        source_checkpoint_id=snapshot.checkpoint_id,
+    )
+    await ctx.ledger.append(
+        "attempt.started",
+        checkpoint_id=checkpoint_id,
+        data={
+            "kind": "restore",
+            "deadline_ts": deadline_ts,
+            "participants": attempt.names,
+            "snapshot_dir": str(snapshot.path),
+            "source_checkpoint_id": snapshot.checkpoint_id,
+        },
+    )
+    try:
+        await _run_phase(ctx, attempt, "restore", lambda: _restore_body(ctx, attempt, snapshot))
+    except _Failed as failure:
+        await ctx.ledger.append(
+            "phase.failed",
+            checkpoint_id=checkpoint_id,
+            server=failure.server,
+            data={
+                "phase": "restore",
+                "server": failure.server,
+                "reason": failure.reason,
+                "code": failure.code,
+            },
+        )
+        reason = f"restore failed at {failure.server or 'the coordinator'}: {failure.reason}"
+        await ctx.ledger.append(
+            "attempt.aborted",
+            checkpoint_id=checkpoint_id,
+            data={"reason": reason, "resumed": [], "left_paused": list(attempt.touched), "not_paused": []},
+        )
+        attempt.state = "aborted"
+        cls = DeadlineExceeded if failure.deadline else PhaseError
+        raise cls(
+            f"restore {checkpoint_id} of snapshot {snapshot.path} failed: {reason}. Servers contacted stay"
+            f" paused (half-restored state must not run): {', '.join(attempt.touched) or 'none'}."
+            " Restart them and restore again, or run `quiesce resume` to run them as they are.",
+            phase="restore",
+            server=failure.server,
+            reason=failure.reason,
+            code=failure.code,
+            checkpoint_id=checkpoint_id,
+            resumed=[],
+            not_resumed=list(attempt.touched),
+            latest_snapshot=str(read_latest(ctx.config.snapshots) or "") or None,
+        ) from None
+    await ctx.ledger.append(
+        "attempt.completed",
+        checkpoint_id=checkpoint_id,
+        data={"servers": attempt.touched, "outcome": "restored"},
+    )
+    attempt.state = "restored"
+    return attempt
+
+
+async def _restore_body(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> dict[str, Any]:
+    phase = "restore"
+    source = snapshot.checkpoint_id
+    body = CheckpointDirBody(
+        checkpoint_id=attempt.checkpoint_id,
+        deadline_ts=attempt.deadline_ts,
+        checkpoint_dir=str(snapshot.path),
+    )
+
+    async def policy(m: Member) -> dict[str, Any]:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        reply = _expect(
+            await _call(ctx, attempt, m, "restore", phase, body=body),
+            ModelRestoreReply,
+            phase,
+            "model restore",
+        )
+        if reply.checkpoint_id != source:
+            raise _Failed(
+                phase, m.name, f"restored checkpoint {reply.checkpoint_id!r}, the snapshot is {source!r}"
+            )
+        return {"rollouts": reply.rollouts, "rows": reply.rows}
+
+    async def agent(m: Member) -> dict[str, Any]:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        reply = _expect(
+            await _call(ctx, attempt, m, "restore", phase, body=body),
+            AgentRestoreReply,
+            phase,
+            "agent restore",
+        )
+        if reply.source_checkpoint_id != source:
+            raise _Failed(
+                phase,
+                m.name,
+                f"restored checkpoint {reply.source_checkpoint_id!r}, the snapshot is {source!r}",
+            )
+        committed = (snapshot.participant(m.name) or {}).get("continuation_index")
+        got = reply.continuation_index.model_dump(mode="json")
+        keys = ("relative_path", "sha256", "records", "bytes")
+        if not isinstance(committed, dict) or any(committed.get(k) != got.get(k) for k in keys):
+            raise _Failed(
+                phase, m.name, "its continuation index differs from the one committed in the snapshot"
+            )
+        return {"records": reply.records}
+
+    async def resources(m: Member) -> dict[str, Any]:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        reply = _expect(
+            await _call(ctx, attempt, m, "restore", phase, body=body),
+            ResourcesRestoreReply,
+            phase,
+            "resources restore",
+        )
+        if reply.source_checkpoint_id != source:
+            raise _Failed(
+                phase,
+                m.name,
+                f"restored checkpoint {reply.source_checkpoint_id!r}, the snapshot is {source!r}",
+            )
+        return {"sessions": reply.sessions}
+
+    return {
+        "policy": await _each(ctx, attempt.group("policy"), policy),
+        "agents": await _each(ctx, attempt.group("agent"), agent),
+        "resources": await _each(ctx, attempt.group("resources"), resources),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Rebuilding from the ledger (another process: `quiesce resume | abort`)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Recorded:
+    """What the ledger says about one attempt."""
+
+    attempt: Attempt
+    events: list[Event]
+    publishing: dict[str, Any] | None = None
+    published: dict[str, Any] | None = None
+    terminal: list[Event] = field(default_factory=list)
+
+    @property
+    def paused(self) -> list[str]:
+        """Servers this attempt may have left paused, by the last terminal event (empty if none)."""
+        if not self.terminal:
+            return list(self.attempt.touched)
+        last = self.terminal[-1]
+        if last.kind == "attempt.completed" and last.data.get("outcome") == "restored":
+            return self.attempt.names
+        if last.kind == "attempt.aborted":
+            value = last.data.get("left_paused")
+            return [str(v) for v in value] if isinstance(value, list) else []
+        return []
+
+
+async def load_attempt(ctx: Context, checkpoint_id: str) -> Recorded:
+    """Rebuild an attempt from its events.
+
+    Components come from the discovery before it; URLs from the config.
+    """
+    events = [ev async for ev in ctx.ledger.read(checkpoint_id=checkpoint_id)]
+    started = next((ev for ev in events if ev.kind == "attempt.started"), None)
+    if started is None:
+        raise QuiesceError(f"the ledger has no attempt {checkpoint_id}")
+    discovered: dict[str, dict[str, Any]] = {}
+    async for ev in ctx.ledger.read(kinds=["discovery.completed"]):
+        if ev.seq > started.seq:
+            break
+        discovered = {str(p["name"]): p for p in ev.data.get("participants", []) if isinstance(p, dict)}
+    members: list[Member] = []
+    for name in started.data.get("participants", []):
+        info = discovered.get(name, {})
+        configured = ctx.config.server(name)
+        component = str(info.get("component", ""))
+        role = info.get("role")
+        url = configured.url if configured else str(info.get("url", ""))
+        if component in (MODEL, AGENT, RESOURCES) and role in ("policy", "agent", "resources") and url:
+            members.append(
+                Member(
+                    name,
+                    component,
+                    str(info.get("mode", "")),
+                    "policy" if role == "policy" else None,
+                    role,
+                    url,
+                )
+            )
+    data = started.data
+    attempt = Attempt(
+        checkpoint_id=checkpoint_id,
+        kind="restore" if data.get("kind") == "restore" else "save",
+        deadline_ts=float(data.get("deadline_ts", 0.0)),
+        participants=tuple(members),
+        staging_dir=Path(data["staging_dir"]) if data.get("staging_dir") else None,
+        snapshot=Path(data["snapshot_dir"]) if data.get("snapshot_dir") else None,
+        source_checkpoint_id=data.get("source_checkpoint_id"),
+    )
+    recorded = Recorded(attempt, events)
+    for ev in events:
+        if ev.kind == "call.sent" and ev.server is not None and ev.data.get("method") == "POST":
+            attempt.touch(ev.server)
+        elif ev.kind == "attempt.publishing":
+            recorded.publishing = ev.data
+        elif ev.kind == "attempt.published":
+            recorded.published = ev.data
+            attempt.snapshot = Path(ev.data["final_dir"])
+        elif ev.kind in ("attempt.completed", "attempt.aborted"):
+            recorded.terminal.append(ev)
+    if recorded.terminal:
+        last = recorded.terminal[-1]
+        attempt.state = "aborted" if last.kind == "attempt.aborted" else "completed"
+        if last.kind == "attempt.completed" and last.data.get("outcome") == "restored":
+            attempt.state = "restored"
+    elif recorded.published is not None:
+        attempt.state = "published"
+    elif recorded.publishing is not None:
+        attempt.state = "publishing"
+    return recorded
+
+
+async def find_paused(ctx: Context, *, in_progress_only: bool = False) -> Recorded | None:
+    """The newest attempt that may have left servers paused.
+
+    That is an attempt without a terminal event; or (unless `in_progress_only`) a restore completed
+    but not resumed, or an attempt whose rollback left servers paused.
+    """
+    rows = await ctx.ledger.attempts()
+    for row in sorted(rows, key=lambda r: r.last_seq, reverse=True):
+        if row.outcome is None:
+            return await load_attempt(ctx, row.checkpoint_id)
+        if in_progress_only or row.outcome not in ("restored", "aborted"):
+            continue
+        recorded = await load_attempt(ctx, row.checkpoint_id)
+        if recorded.paused:
+            return recorded
+    return None
+
+
+async def settle_publication(ctx: Context, recorded: Recorded) -> bool:
+    """An attempt interrupted between `attempt.publishing` and `attempt.published`: the filesystem decides.
+
+    The final folder with a manifest naming this checkpoint id means published (recorded now,
+    LATEST updated); otherwise not. Returns whether it is published.
+    """
+    attempt = recorded.attempt
+    if recorded.published is not None:
+        return True
+    if recorded.publishing is None:
+        return False
+    final = Path(recorded.publishing["final_dir"])
+    try:
+        snapshot = await anyio.to_thread.run_sync(load_snapshot, final)
+    except SnapshotError:
+        return False
+    if snapshot.checkpoint_id != attempt.checkpoint_id:
+        return False
+    _, digest = await anyio.to_thread.run_sync(file_digest, final / MANIFEST)
+    await ctx.ledger.append(
+        "attempt.published",
+        checkpoint_id=attempt.checkpoint_id,
+        data={"final_dir": str(final), "manifest_sha256": digest},
+    )
+    await anyio.to_thread.run_sync(write_latest, final.parent, final.name)
+    recorded.published = {"final_dir": str(final), "manifest_sha256": digest}
+    attempt.snapshot = final
+    attempt.state = "published"
+    return True
+
+
+async def resume_recorded(ctx: Context, recorded: Recorded, *, reason: str) -> Outcome:
+    """Resume what a recorded attempt left paused (another process's, or this one's).
+
+    - published save (or publication found on disk): resume every participant → `published`;
+    - otherwise in progress: roll back (resume touched) → `aborted`;
+    - restore completed, or rolled back leaving servers paused: resume them → `resumed`.
+    """
+    attempt = recorded.attempt
+    if not recorded.terminal:
+        if attempt.kind == "save" and await settle_publication(ctx, recorded):
+            return await finish_resume(ctx, attempt)
+        error = await roll_back(ctx, attempt, None, reason=reason)
+        return Outcome(
+            attempt.checkpoint_id,
+            "aborted",
+            tuple(n for n in _resume_sorted(attempt, attempt.touched)),
+            tuple(n for n in error.resumed),
+            (),
+            tuple(error.not_resumed),
+        )
+    paused = recorded.paused
+    if not paused:
+        return Outcome(attempt.checkpoint_id, "none")
+    last = recorded.terminal[-1]
+    if last.kind == "attempt.completed" and last.data.get("outcome") == "restored":
+        return await finish_resume(ctx, attempt)
+    budget = _recovery_budget(ctx, attempt)
+    await ctx.ledger.append("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"})
+    called, resumed, not_paused, left, failures = await _resume_members(
+        ctx, attempt, paused, phase="resume", deadline_ts=budget
+    )
+    if left:
+        name = left[0]
+        detail = next((r.describe() for n, r in failures if n == name), "no time left to call it")
+        await ctx.ledger.append(
+            "phase.failed",
+            checkpoint_id=attempt.checkpoint_id,
+            server=name,
+            data={"phase": "resume", "server": name, "reason": detail, "code": None},
+        )
+        raise PhaseError(
+            f"resume of {attempt.checkpoint_id} failed at {name}: {detail}. Still paused: {', '.join(left)}.",
+            phase="resume",
+            server=name,
+            reason=detail,
+            checkpoint_id=attempt.checkpoint_id,
+            resumed=resumed + not_paused,
+            not_resumed=left,
+        )
+    await ctx.ledger.append(
+        "phase.completed",
+        checkpoint_id=attempt.checkpoint_id,
+        data={"phase": "resume", "summary": {"resumed": resumed, "not_paused": not_paused}},
+    )
+    await ctx.ledger.append(
+        "attempt.completed",
+        checkpoint_id=attempt.checkpoint_id,
+        data={"servers": called, "outcome": "resumed"},
+    )
+    return Outcome(attempt.checkpoint_id, "resumed", tuple(called), tuple(resumed), tuple(not_paused), ())
+
+
+def _resume_sorted(attempt: Attempt, names: Sequence[str]) -> list[str]:
+    order = {role: i for i, role in enumerate(resume_order())}
+    return sorted(names, key=lambda n: order.get(m.role, 99) if (m := attempt.member(n)) else 99)

@@ -1,0 +1,204 @@
+"""The cluster config: a YAML file validated into `ClusterConfig` before any server is contacted.
+
+Invariants:
+- Unknown keys are refused (`extra="forbid"`) at every level; a bad value is a `ConfigError`
+  whose message names the file and the field path (e.g. `servers[2].url: ...`).
+- Relative paths (`snapshots`, and the file of a `sqlite` ledger URL) are resolved against the
+  folder of the config file, so a config means the same thing from any working directory.
+- The control token is never in the config: only the *name* of the environment variable that
+  holds it (`token_env`, default `NEMO_GYM_CHECKPOINT_CONTROL_TOKEN`, falling back to
+  `NEMO_GYM_TOKEN_CAPTURE_CONTROL_TOKEN` when the named variable is unset).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from coordinator.errors import ConfigError
+from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK, InstanceRole
+
+__all__ = [
+    "DEFAULT_LEDGER",
+    "ClusterConfig",
+    "ServerConfig",
+    "load_config",
+    "parse_config",
+    "resolve_token",
+]
+
+DEFAULT_LEDGER = "sqlite+aiosqlite:///quiesce.db"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class ServerConfig(BaseModel):
+    """One Gym server: its name (as its capabilities report it), base URL, and optionally its role."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    url: str
+    instance_role: InstanceRole | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError("must start with a letter or digit and use only letters, digits, '.', '_', '-'")
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _url_ok(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{value!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:8001")
+        try:
+            parts.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError as error:
+            raise ValueError(f"{value!r} has an invalid port") from error
+        if parts.query or parts.fragment:
+            raise ValueError(f"{value!r} must not have a query or fragment")
+        return value.rstrip("/")
+
+
+class ClusterConfig(BaseModel):
+    """The whole cluster config. Build with `load_config(path)` or `parse_config(mapping, base_dir)`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ledger: Annotated[str, Field(min_length=1)] = DEFAULT_LEDGER
+    snapshots: Path = Path("checkpoints")
+    deadline_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 60.0
+    control_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 10.0
+    token_env: Annotated[str, Field(min_length=1)] = TOKEN_ENV
+    fanout: Literal["sequential", "parallel"] = "sequential"
+    keep_latest: Annotated[int, Field(ge=1)] = 3
+    durability: Literal["full", "process"] = "full"
+    servers: Annotated[list[ServerConfig], Field(min_length=1)]
+
+    @field_validator("ledger")
+    @classmethod
+    def _ledger_ok(cls, value: str) -> str:
+        scheme = value.split("://", 1)[0] if "://" in value else ""
+        if not (scheme.startswith("sqlite") or scheme.startswith("postgresql")):
+            raise ValueError(
+                f"{value!r} is not a ledger URL; use sqlite+aiosqlite:///FILE or postgresql+asyncpg://USER@HOST/DB"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ClusterConfig:
+        seen: dict[str, int] = {}
+        for index, server in enumerate(self.servers):
+            if server.name in seen:
+                raise ValueError(
+                    f"servers[{index}].name: {server.name!r} is already used by servers[{seen[server.name]}]"
+                )
+            seen[server.name] = index
+        return self
+
+    def server(self, name: str) -> ServerConfig | None:
+        """The configured server called `name`, if any."""
+        return next((s for s in self.servers if s.name == name), None)
+
+    @property
+    def staging_root(self) -> Path:
+        """`<snapshots>/.staging`: where attempts stage their checkpoint dirs."""
+        return self.snapshots / ".staging"
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + part
+    return out or "(top level)"
+
+
+def _describe(error: ValidationError) -> list[str]:
+    lines = []
+    for item in error.errors():
+        loc = tuple(p for p in item["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key (not part of the config)"
+        elif item["type"] == "missing":
+            message = "required"
+        message = message.removeprefix("Value error, ")
+        if item["type"] == "value_error" and not loc and ": " in message:
+            lines.append(message)  # model-level check that names its own field
+        else:
+            lines.append(f"{_field_path(loc)}: {message}")
+    return lines
+
+
+def _resolve_ledger(url: str, base_dir: Path) -> str:
+    """Make the file of a relative SQLite URL relative to `base_dir`. Other URLs are unchanged."""
+    if not url.startswith("sqlite"):
+        return url
+    scheme, _, rest = url.partition(":///")
+    if not rest or rest.startswith("/") or rest.startswith(":memory:") or rest.startswith("file:"):
+        return url
+    path, sep, query = rest.partition("?")
+    return f"{scheme}:///{(base_dir / path).resolve()}{sep}{query}"
+
+
+def parse_config(data: Any, *, base_dir: Path, source: str = "config") -> ClusterConfig:
+    """Validate a mapping (already parsed YAML) into a `ClusterConfig`.
+
+    Relative paths resolve against `base_dir`. Raises `ConfigError` naming `source` and every bad field.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: the config must be a mapping with at least a 'servers' list")
+    try:
+        config = ClusterConfig.model_validate(dict(data))
+    except ValidationError as error:
+        details = _describe(error)
+        raise ConfigError(f"{source}: invalid config:\n  " + "\n  ".join(details)) from None
+    snapshots = config.snapshots if config.snapshots.is_absolute() else base_dir / config.snapshots
+    return config.model_copy(
+        update={
+            "snapshots": snapshots.resolve(),
+            "ledger": _resolve_ledger(config.ledger, base_dir),
+        }
+    )
+
+
+def load_config(path: str | os.PathLike[str]) -> ClusterConfig:
+    """Read and validate the YAML config at `path` (relative paths inside resolve against its folder)."""
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"{file}: cannot read the config: {error.strerror or error}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{file}: not valid YAML: {error}") from None
+    return parse_config(data, base_dir=file.resolve().parent, source=str(file))
+
+
+def resolve_token(config: ClusterConfig, environ: Mapping[str, str] | None = None) -> str:
+    """The control token from `config.token_env`, else `NEMO_GYM_TOKEN_CAPTURE_CONTROL_TOKEN`.
+
+    Raises `ConfigError` (naming the variables, never a value) when neither is set.
+    """
+    env = os.environ if environ is None else environ
+    for name in (config.token_env, TOKEN_ENV_FALLBACK):
+        value = env.get(name)
+        if value:
+            return value
+    raise ConfigError(
+        f"no control token: set the environment variable {config.token_env}"
+        f" (or {TOKEN_ENV_FALLBACK}) to the Gym servers' control-plane bearer token"
+    )

@@ -1,0 +1,303 @@
+"""`Coordinator`: the embedded async API an RL trainer (or the CLI) drives.
+
+    async with Coordinator.open(config) as coord:          # opens the ledger, takes an epoch
+        await coord.discover()
+        async with coord.save(deadline_s=60) as attempt:   # prepare + commit on entry
+            write_trainer_state(attempt.staging_dir)       # the caller's own half
+        # leaving the block publishes, then resumes; an exception inside rolls back and re-raises
+        await coord.restore(attempt.snapshot)              # servers stay paused
+        await coord.resume()
+
+Step-wise, for an actor that calls one method per RPC: `prepare()` → `commit()` → `publish()` →
+`resume()`, or `abort()` at any point before publication; `restore(snapshot)` then `resume()`.
+
+Invariants:
+- `open` appends `coordinator.started` with a new epoch (fencing any older coordinator) before
+  anything else; every later append of an older coordinator raises `FencedError`, and this class
+  never catches it: a fenced coordinator stops acting.
+- One attempt at a time: a new `prepare` or `restore` while an attempt awaits its next step is
+  refused (`QuiesceError`) — finish it (`resume`) or `abort` it first.
+- Every control request goes through `calls.Caller` (recorded before and after).
+- `resume()` / `abort()` without an attempt in this process act on what the ledger says was left
+  paused (the newest attempt without a terminal event, a restore not yet resumed, or a rollback
+  that left servers paused), so they work from a separate process.
+
+Recovery of a dead coordinator's attempts (issue 5) plugs in at `open`, after the epoch is taken;
+`attempt.load_attempt` rebuilds any attempt from the ledger alone.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _dist_version
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+
+from coordinator import attempt as _attempt
+from coordinator.attempt import Attempt, Context, Outcome, ProgressCallback
+from coordinator.calls import Caller
+from coordinator.config import ClusterConfig, load_config, resolve_token
+from coordinator.discovery import Discovery, discover
+from coordinator.errors import QuiesceError
+from coordinator.publish import read_latest, resolve_snapshot, verify_snapshot
+from ledger import AttemptRow, Ledger
+
+__all__ = ["Coordinator", "quiesce_version", "read_history"]
+
+
+def quiesce_version() -> str:
+    try:
+        return _dist_version("quiesce")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def _as_config(config: ClusterConfig | str | os.PathLike[str]) -> ClusterConfig:
+    if isinstance(config, ClusterConfig):
+        if config.snapshots.is_absolute():
+            return config
+        return config.model_copy(update={"snapshots": config.snapshots.resolve()})
+    return load_config(config)
+
+
+class Coordinator:
+    """One coordinator: one ledger writer with one epoch. Create with `Coordinator.open(...)`."""
+
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+        self._discovery: Discovery | None = None
+        self._current: Attempt | None = None
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        config: ClusterConfig | str | os.PathLike[str],
+        *,
+        token: str | None = None,
+        on_progress: ProgressCallback | None = None,
+    ) -> AsyncIterator[Coordinator]:
+        """Load the config (a `ClusterConfig` or a YAML path), open the ledger, take a new epoch.
+
+        The token defaults to the environment (`config.token_env`, then the fallback variable); it
+        is given to the ledger as a secret, so it is redacted from everything stored.
+        """
+        cfg = _as_config(config)
+        secret = token if token is not None else resolve_token(cfg)
+        async with Ledger.open(cfg.ledger, durability=cfg.durability, secrets=(secret,)) as ledger:
+            await ledger.start_epoch(
+                {
+                    "coordinator": {
+                        "host": socket.gethostname(),
+                        "pid": os.getpid(),
+                        "uuid": str(uuid.uuid4()),
+                    },
+                    "version": quiesce_version(),
+                }
+            )
+            caller = Caller(ledger, secret, epoch=ledger.epoch)
+            try:
+                yield cls(Context(cfg, ledger, caller, on_progress))
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await caller.aclose()
+
+    # -- properties ----------------------------------------------------------------------------
+
+    @property
+    def config(self) -> ClusterConfig:
+        return self._ctx.config
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._ctx.ledger
+
+    @property
+    def epoch(self) -> int:
+        return self._ctx.ledger.epoch
+
+    @property
+    def discovery(self) -> Discovery | None:
+        """The last successful discovery, if any."""
+        return self._discovery
+
+    @property
+    def current(self) -> Attempt | None:
+        """The attempt awaiting its next step in this process, if any."""
+        return self._current
+
+    @property
+    def latest_snapshot(self) -> Path | None:
+        """The snapshot folder `LATEST` names, if any."""
+        return read_latest(self._ctx.config.snapshots)
+
+    def set_progress(self, callback: ProgressCallback | None) -> None:
+        self._ctx.on_progress = callback
+
+    # -- discovery -----------------------------------------------------------------------------
+
+    async def discover(self) -> Discovery:
+        """Capabilities of every configured server → participants (see `discovery.py`).
+
+        Raises `DiscoveryError` listing every refusal (recorded in `discovery.completed` first).
+        """
+        self._discovery = await discover(self._ctx.config, self._ctx.caller, self._ctx.ledger)
+        return self._discovery
+
+    async def _discovered(self) -> Discovery:
+        return self._discovery if self._discovery is not None else await self.discover()
+
+    def _idle(self, what: str) -> None:
+        current = self._current
+        if current is not None and current.state not in ("completed", "aborted"):
+            raise QuiesceError(
+                f"cannot {what}: attempt {current.checkpoint_id} is {current.state}; resume or abort it first"
+            )
+
+    def _pick(self, attempt: Attempt | None, what: str) -> Attempt:
+        chosen = attempt or self._current
+        if chosen is None:
+            raise QuiesceError(f"cannot {what}: no attempt in progress; call prepare() first")
+        return chosen
+
+    # -- save, step-wise -----------------------------------------------------------------------
+
+    async def prepare(self, *, deadline_s: float | None = None) -> Attempt:
+        """Start a save attempt and prepare it (pause, prepare, drain). Rolls back and raises on failure."""
+        self._idle("prepare")
+        discovery = await self._discovered()
+        attempt = await _attempt.start_attempt(self._ctx, discovery, deadline_s=deadline_s)
+        self._current = attempt
+        await _attempt.prepare(self._ctx, attempt)
+        return attempt
+
+    async def commit(self, attempt: Attempt | None = None) -> Attempt:
+        """Commit a prepared attempt into its staging folder; verifies every digest. Rolls back on failure."""
+        chosen = self._pick(attempt, "commit")
+        await _attempt.commit(self._ctx, chosen)
+        return chosen
+
+    async def publish(self, attempt: Attempt | None = None) -> Path:
+        """Publish a committed attempt (manifest, rename, LATEST, retention); returns the snapshot folder."""
+        chosen = self._pick(attempt, "publish")
+        return await _attempt.publish(self._ctx, chosen)
+
+    async def abort(self, attempt: Attempt | None = None, *, reason: str = "aborted by request") -> Outcome:
+        """Roll back an attempt before publication: resume every touched server, remove staging.
+
+        Without an attempt in this process, acts on the newest attempt in progress in the ledger.
+        An attempt already published cannot be rolled back: it is resumed instead (outcome published).
+        """
+        chosen = attempt or (
+            self._current
+            if self._current is not None and self._current.state not in ("completed", "aborted")
+            else None
+        )
+        if chosen is None:
+            recorded = await _attempt.find_paused(self._ctx, in_progress_only=True)
+            if recorded is None:
+                return Outcome(None, "none")
+            return await _attempt.resume_recorded(self._ctx, recorded, reason=reason)
+        if chosen.state in ("published", "restored"):
+            return await _attempt.finish_resume(self._ctx, chosen)
+        if chosen.state in ("completed", "aborted"):
+            return Outcome(chosen.checkpoint_id, "none")
+        error = await _attempt.roll_back(self._ctx, chosen, None, reason=reason)
+        return Outcome(
+            chosen.checkpoint_id,
+            "aborted",
+            tuple(_attempt._resume_sorted(chosen, chosen.touched)),
+            tuple(error.resumed),
+            (),
+            tuple(error.not_resumed),
+        )
+
+    async def resume(self, attempt: Attempt | None = None) -> Outcome:
+        """Resume the servers an attempt left paused (a published save, or a restore).
+
+        With no attempt awaiting resume in this process, acts on what the ledger says was left
+        paused (see the class docstring). Returns outcome `none` when nothing is paused.
+        """
+        chosen = attempt or self._current
+        if chosen is not None and chosen.state in ("published", "restored"):
+            return await _attempt.finish_resume(self._ctx, chosen)
+        if chosen is not None and chosen.state not in ("completed", "aborted"):
+            raise QuiesceError(
+                f"cannot resume attempt {chosen.checkpoint_id}: it is {chosen.state}; publish it first,"
+                " or abort() it to roll back"
+            )
+        recorded = await _attempt.find_paused(self._ctx)
+        if recorded is None:
+            return Outcome(None, "none")
+        return await _attempt.resume_recorded(
+            self._ctx, recorded, reason="resumed by request before publication"
+        )
+
+    # -- save, whole ---------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def save(self, *, deadline_s: float | None = None) -> AsyncIterator[Attempt]:
+        """Prepare and commit on entry; yield the attempt (write into `attempt.staging_dir`).
+
+        Normal exit publishes, then resumes (`attempt.snapshot` is then the published folder). An
+        exception inside the block rolls back (every touched server resumed, staging removed) and
+        is re-raised unchanged; what the rollback did is in the ledger and in a note on the error.
+        """
+        attempt = await self.prepare(deadline_s=deadline_s)
+        await self.commit(attempt)
+        try:
+            yield attempt
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                error = await _attempt.roll_back(
+                    self._ctx, attempt, None, reason=f"the caller's block raised {type(exc).__name__}"
+                )
+            exc.add_note(str(error))
+            raise
+        await self.publish(attempt)
+        await self.resume(attempt)
+
+    async def checkpoint(self, *, deadline_s: float | None = None) -> Attempt:
+        """prepare → commit → publish → resume, with nothing added by the caller."""
+        async with self.save(deadline_s=deadline_s) as attempt:
+            pass
+        return attempt
+
+    # -- restore -------------------------------------------------------------------------------
+
+    async def restore(
+        self, snapshot: str | os.PathLike[str] | None = None, *, deadline_s: float | None = None
+    ) -> Attempt:
+        """Restore a snapshot (a folder, a checkpoint id under `snapshots`, or None/"latest").
+
+        The snapshot is verified — every file and checksum, and its participant set against
+        discovery — before any server is contacted (`SnapshotError` lists every difference).
+        The servers stay paused until `resume()`.
+        """
+        self._idle("restore")
+        discovery = await self._discovered()
+        path = resolve_snapshot(self._ctx.config.snapshots, snapshot)
+        expected = {m.name: m.component for m in discovery.participants}
+        verified = await anyio.to_thread.run_sync(lambda: verify_snapshot(path, participants=expected))
+        attempt = await _attempt.restore(self._ctx, discovery, verified, deadline_s=deadline_s)
+        self._current = attempt
+        return attempt
+
+    # -- history -------------------------------------------------------------------------------
+
+    async def history(self) -> list[AttemptRow]:
+        """The `attempts` projection, oldest first."""
+        return await self._ctx.ledger.attempts()
+
+
+async def read_history(ledger_url: str) -> list[AttemptRow]:
+    """The `attempts` projection of a ledger, read-only (takes no epoch, fences nobody)."""
+    async with Ledger.open(ledger_url, readonly=True) as ledger:
+        return await ledger.attempts()

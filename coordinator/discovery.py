@@ -1,0 +1,240 @@
+"""Discovery: the capabilities of every configured server → participants, skipped, refused, warnings.
+
+Rules (gym-control-v1 §6 and DESIGN.md), applied by the pure function `classify`:
+- skipped (recorded with the reason, never called again): auxiliary models, stateless agents and
+  stateless resources servers;
+- refused — the whole setup fails with a `DiscoveryError` listing every offender: a server that
+  cannot be reached or whose capabilities do not validate, `schema_version` ≠ 1, `unmanaged`
+  multiple workers, a name differing from the configured one, a model with no instance role
+  (unless the config gives one), a config `instance_role` contradicting the server's own or set on
+  a non-model, no policy model at all, a policy model that cannot reach `paused`;
+- warning: more than one model claims the policy role (they are all paused, as one role group),
+  naming them and the config key that fixes it (`instance_role: auxiliary`).
+
+`discover` fetches capabilities through `Caller` (so each GET is in the ledger), classifies, and
+appends `discovery.completed` — refusals included — before raising or returning.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from coordinator.calls import Caller, CallResult, Target
+from coordinator.config import ClusterConfig
+from coordinator.errors import DiscoveryError
+from coordinator.phases import Role, role_of
+from coordinator.protocol import MODEL, SCHEMA_VERSION, Capabilities
+from ledger import Ledger
+
+__all__ = ["CLUSTER", "Discovery", "Member", "classify", "discover"]
+
+#: The name used for refusals that concern the cluster as a whole (e.g. no policy model).
+CLUSTER = "(cluster)"
+
+
+@dataclass(frozen=True)
+class Member:
+    """A participating server: identity, what it is, and its role group."""
+
+    name: str
+    component: str
+    checkpoint_mode: str
+    instance_role: str | None
+    role: Role
+    url: str
+
+    @property
+    def target(self) -> Target:
+        return Target(self.name, self.component, self.url)
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """The result of discovery. `participants` keep the config's order."""
+
+    participants: tuple[Member, ...]
+    skipped: tuple[tuple[str, str], ...]
+    refused: tuple[tuple[str, str], ...]
+    warnings: tuple[str, ...]
+
+    def group(self, role: Role) -> tuple[Member, ...]:
+        """The participants of one role group, in config order."""
+        return tuple(m for m in self.participants if m.role == role)
+
+    def member(self, name: str) -> Member | None:
+        return next((m for m in self.participants if m.name == name), None)
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.participants]
+
+    def payload(self) -> dict[str, Any]:
+        """The `discovery.completed` payload."""
+        return {
+            "participants": [
+                {
+                    "name": m.name,
+                    "component": m.component,
+                    "mode": m.checkpoint_mode,
+                    "role": m.role,
+                    "url": m.url,
+                }
+                for m in self.participants
+            ],
+            "skipped": [{"name": n, "reason": r} for n, r in self.skipped],
+            "refused": [{"name": n, "reason": r} for n, r in self.refused],
+            "warnings": list(self.warnings),
+        }
+
+    def as_json(self) -> dict[str, Any]:
+        """The `quiesce discover --json` document."""
+        return {
+            "participants": [
+                {
+                    "name": m.name,
+                    "component": m.component,
+                    "checkpoint_mode": m.checkpoint_mode,
+                    "instance_role": m.instance_role,
+                }
+                for m in self.participants
+            ],
+            "skipped": [{"name": n, "reason": r} for n, r in self.skipped],
+            "refused": [{"name": n, "reason": r} for n, r in self.refused],
+            "warnings": list(self.warnings),
+        }
+
+
+def classify(config: ClusterConfig, found: Mapping[str, Capabilities | str]) -> Discovery:
+    """Apply the discovery rules. `found[name]` is the server's capabilities, or why they are missing."""
+    participants: list[Member] = []
+    skipped: list[tuple[str, str]] = []
+    refused: list[tuple[str, str]] = []
+    warnings: list[str] = []
+    policy: list[str] = []
+
+    for server in config.servers:
+        caps = found.get(server.name, "was not asked for its capabilities")
+        if isinstance(caps, str):
+            refused.append((server.name, caps))
+            continue
+        reasons: list[str] = []
+        if caps.schema_version != SCHEMA_VERSION:
+            reasons.append(f"speaks control-plane schema_version {caps.schema_version}; quiesce speaks 1")
+        if caps.name != server.name:
+            reasons.append(
+                f"reports its name as {caps.name!r}; name it {caps.name!r} in the config (servers write"
+                " their files under their own name)"
+            )
+        if caps.multi_process.mode == "unmanaged":
+            reasons.append(
+                f"runs {caps.multi_process.num_workers} unmanaged workers; run it with a single worker or"
+                " a worker coordinator"
+            )
+        role = caps.instance_role
+        if server.instance_role is not None:
+            if caps.component != MODEL:
+                reasons.append(
+                    "instance_role is set in the config but applies to model servers only; remove it"
+                )
+            elif caps.instance_role is not None and caps.instance_role != server.instance_role:
+                reasons.append(
+                    f"declares instance_role {caps.instance_role!r} but the config says"
+                    f" {server.instance_role!r}; the config may only add a role the server does not declare"
+                )
+            elif caps.instance_role is None:
+                role = server.instance_role
+        if caps.component == MODEL and role is None:
+            reasons.append(
+                "is a model server that declares no instance_role; set `instance_role: policy` (or"
+                " `auxiliary` for a judge) for it in the config"
+            )
+        if caps.component == MODEL and role == "policy" and "paused" not in caps.admission_states:
+            reasons.append(
+                f"is the policy model but cannot reach the paused admission state (admission_states:"
+                f" {caps.admission_states})"
+            )
+        if reasons:
+            refused.extend((server.name, reason) for reason in reasons)
+            continue
+        group = role_of(caps.component, caps.checkpoint_mode, role)
+        if group is None:
+            if caps.component == MODEL:
+                skipped.append((server.name, "auxiliary model (instance_role: auxiliary): never paused"))
+            else:
+                kind = "agent" if caps.component.endswith("agents") else "resources server"
+                skipped.append(
+                    (server.name, f"stateless {kind} (checkpoint_mode: stateless): nothing to save")
+                )
+            continue
+        if group == "policy":
+            policy.append(server.name)
+        participants.append(
+            Member(
+                name=server.name,
+                component=caps.component,
+                checkpoint_mode=caps.checkpoint_mode,
+                instance_role=role,
+                role=group,
+                url=server.url,
+            )
+        )
+
+    claimed = policy + [n for n, _ in refused if _claims_policy(found.get(n))]
+    if not claimed:
+        refused.append(
+            (
+                CLUSTER,
+                "no policy model: one model server must have instance_role policy (declared by the server,"
+                " or `instance_role: policy` in the config)",
+            )
+        )
+    if len(policy) > 1:
+        warnings.append(
+            f"more than one model claims the policy role: {', '.join(policy)}; all of them will be paused."
+            " If one is a judge or reward model, set `instance_role: auxiliary` for it in the config"
+        )
+    return Discovery(tuple(participants), tuple(skipped), tuple(refused), tuple(warnings))
+
+
+def _claims_policy(caps: Capabilities | str | None) -> bool:
+    return isinstance(caps, Capabilities) and caps.component == MODEL and caps.instance_role == "policy"
+
+
+async def discover(config: ClusterConfig, caller: Caller, ledger: Ledger) -> Discovery:
+    """Ask every configured server for its capabilities, classify, record `discovery.completed`.
+
+    Raises `DiscoveryError` (after recording) when anything is refused. The capabilities GETs run
+    concurrently; each is bounded by `control_timeout_s`.
+    """
+    deadline_ts = time.time() + config.control_timeout_s
+    results: dict[str, CallResult] = {}
+
+    async def fetch(name: str, url: str) -> None:
+        results[name] = await caller.capabilities(name, url, deadline_ts=deadline_ts)
+
+    async with anyio.create_task_group() as tg:
+        for server in config.servers:
+            tg.start_soon(fetch, server.name, server.url)
+
+    found: dict[str, Capabilities | str] = {}
+    for server in config.servers:
+        result = results[server.name]
+        if result.ok and isinstance(result.reply, Capabilities):
+            found[server.name] = result.reply
+        elif result.error == "protocol":
+            found[server.name] = f"capabilities reply is invalid: {result.detail}"
+        else:
+            found[server.name] = f"cannot be reached at {server.url}: {result.describe()}"
+    discovery = classify(config, found)
+    await ledger.append("discovery.completed", data=discovery.payload())
+    if discovery.refused:
+        lines = [f"{name}: {reason}" for name, reason in discovery.refused]
+        raise DiscoveryError(
+            "discovery refused the setup:\n  " + "\n  ".join(lines), reasons=list(discovery.refused)
+        )
+    return discovery

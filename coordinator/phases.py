@@ -1,0 +1,93 @@
+"""The order of calls and the participation rule, as data (gym-control-v1 §6, DESIGN.md).
+
+Roles: a participant is in exactly one role group — `policy` (the policy model), `agent`, or
+`resources`. Each phase is a sequence of steps `(role, operation)` run left to right; within one
+step the role group's servers are called one at a time, or concurrently with `fanout: parallel`.
+The order *between* steps never changes.
+
+Participation:
+- a model server whose instance role is `policy` always takes part (pause, status, commit,
+  restore, resume) whatever its `checkpoint_mode`;
+- a model with role `auxiliary` (a judge) never does — it is skipped;
+- agents and resources take part only when their `checkpoint_mode` is `export_restore`.
+
+Rollback uses the `resume` order over the servers *touched* by the attempt (a request was sent,
+answered or not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from coordinator.protocol import AGENT, MODEL, RESOURCES, Operation
+
+__all__ = [
+    "COMPONENT_OF_ROLE",
+    "ORDER",
+    "ROLES",
+    "PhaseName",
+    "Role",
+    "Step",
+    "resume_order",
+    "role_of",
+    "steps",
+]
+
+Role = Literal["policy", "agent", "resources"]
+ROLES: Final[tuple[Role, ...]] = ("policy", "agent", "resources")
+PhaseName = Literal["prepare", "commit", "resume", "restore"]
+
+COMPONENT_OF_ROLE: Final[dict[Role, str]] = {"policy": MODEL, "agent": AGENT, "resources": RESOURCES}
+
+
+@dataclass(frozen=True)
+class Step:
+    """Call `operation` on every participant of role group `role`."""
+
+    role: Role
+    operation: Operation
+
+
+ORDER: Final[dict[PhaseName, tuple[Step, ...]]] = {
+    # policy pause -> agents prepare (retry agent_prepare_incomplete) -> resources prepare
+    # -> policy status long-poll, repeated until paused with nothing in flight
+    "prepare": (
+        Step("policy", "pause"),
+        Step("agent", "prepare"),
+        Step("resources", "prepare"),
+        Step("policy", "status"),
+    ),
+    # agents first: the model needs every agent's continuation index
+    "commit": (Step("agent", "commit"), Step("policy", "commit"), Step("resources", "commit")),
+    "resume": (Step("resources", "resume"), Step("policy", "resume"), Step("agent", "resume")),
+    # all stay paused until resume
+    "restore": (Step("policy", "restore"), Step("agent", "restore"), Step("resources", "restore")),
+}
+
+
+def steps(phase: PhaseName) -> tuple[Step, ...]:
+    """The steps of `phase`, in order."""
+    return ORDER[phase]
+
+
+def resume_order() -> tuple[Role, ...]:
+    """Role groups in the order they are resumed (also the rollback order)."""
+    return tuple(step.role for step in ORDER["resume"])
+
+
+def role_of(component: str, checkpoint_mode: str, instance_role: str | None) -> Role | None:
+    """The role group of a server, or None when it does not take part (auxiliary, stateless, no role).
+
+    `instance_role` is the effective role (capabilities', else the config's). Callers decide what a
+    model without a role means (discovery refuses it); here it simply does not take part.
+    """
+    if component == MODEL:
+        return "policy" if instance_role == "policy" else None
+    if checkpoint_mode != "export_restore":
+        return None
+    if component == AGENT:
+        return "agent"
+    if component == RESOURCES:
+        return "resources"
+    return None

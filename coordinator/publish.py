@@ -1,0 +1,384 @@
+"""Publication on the filesystem: staging, verification, manifest, atomic rename, `LATEST`, retention.
+
+Layout (DESIGN.md "Publication"):
+
+    <snapshots>/.staging/<checkpoint_id>/      servers write here; the caller adds its half
+    <snapshots>/<checkpoint_id>/manifest.json  written last (files, sizes, sha256, participants, ...)
+    <snapshots>/LATEST                         the name of the latest snapshot, replaced atomically
+
+Invariants:
+- Every file and folder is fsynced before the staging folder is renamed; the rename (then an
+  fsync of `<snapshots>`) is the commit point. A crash before it leaves the previous snapshot latest.
+- `LATEST` is written to a temporary file, fsynced, renamed over the old one, then the folder is
+  fsynced: a reader sees the old or the new name, never a torn one.
+- Retention never deletes the snapshot `LATEST` names, nor anything that is not a snapshot of ours
+  (a folder with a `quiesce-snapshot` manifest).
+- The ledger side (`attempt.publishing` before the rename, `attempt.published` after) is the
+  caller's job (`attempt.py`); this module only touches files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from coordinator.errors import SnapshotError
+from coordinator.protocol import ArtifactRef
+
+__all__ = [
+    "LATEST",
+    "MANIFEST",
+    "SNAPSHOT_FORMAT",
+    "Snapshot",
+    "apply_retention",
+    "build_manifest",
+    "file_digest",
+    "fsync_dir",
+    "list_snapshots",
+    "load_snapshot",
+    "make_staging",
+    "read_latest",
+    "remove_tree",
+    "rename_into_place",
+    "resolve_snapshot",
+    "sweep_staging",
+    "verify_artifact",
+    "verify_snapshot",
+    "write_json_durably",
+    "write_latest",
+]
+
+MANIFEST: Final = "manifest.json"
+LATEST: Final = "LATEST"
+SNAPSHOT_FORMAT: Final = "quiesce-snapshot"
+_CHUNK: Final = 1 << 20
+_ID: Final = re.compile(r"^e(\d+)-(\d+)")
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of a file."""
+    digest = hashlib.sha256()
+    size = 0
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder so renames and new entries in it are durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_staging(staging: Path) -> None:
+    """Create `<snapshots>/.staging/<id>/` (and its parents), durably."""
+    staging.mkdir(parents=True, exist_ok=True)
+    fsync_dir(staging.parent)
+    fsync_dir(staging.parent.parent)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a folder if it exists (used for staging folders of rolled-back attempts)."""
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            fsync_dir(path.parent)
+
+
+def write_json_durably(path: Path, document: Any) -> bytes:
+    """Write JSON via a temp file + fsync + rename + fsync of the folder. Returns the bytes written."""
+    data = (json.dumps(document, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return data
+
+
+def verify_artifact(root: Path, ref: ArtifactRef, *, what: str) -> str | None:
+    """Check one artifact reference against the file it names: bytes, sha256, record count.
+
+    Returns a description of the first mismatch, or None. Records are the file's non-empty lines.
+    """
+    path = root / ref.relative_path
+    if not path.is_file():
+        return f"{what}: {ref.relative_path} is missing"
+    size, digest = file_digest(path)
+    if size != ref.bytes:
+        return f"{what}: {ref.relative_path} has {size} bytes, the reply says {ref.bytes}"
+    if digest != ref.sha256:
+        return (
+            f"{what}: {ref.relative_path} sha256 {digest[:12]}… differs from the reply's {ref.sha256[:12]}…"
+        )
+    with path.open("rb") as handle:
+        records = sum(1 for line in handle if line.strip())
+    if records != ref.records:
+        return f"{what}: {ref.relative_path} has {records} records, the reply says {ref.records}"
+    return None
+
+
+def _walk(root: Path) -> list[Path]:
+    return sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
+
+
+def build_manifest(
+    staging: Path,
+    *,
+    checkpoint_id: str,
+    created: str,
+    epoch: int,
+    ledger_seq: int,
+    participants: list[dict[str, Any]],
+    skipped: list[dict[str, str]],
+) -> dict[str, Any]:
+    """Describe every file under `staging` (size, sha256), fsyncing each file and folder on the way."""
+    files: list[dict[str, Any]] = []
+    folders: set[Path] = {staging}
+    for path in _walk(staging):
+        rel = path.relative_to(staging).as_posix()
+        if rel == MANIFEST or path.is_symlink():
+            continue
+        _fsync_file(path)
+        folders.update(p for p in path.parents if staging in p.parents or p == staging)
+        size, digest = file_digest(path)
+        files.append({"path": rel, "bytes": size, "sha256": digest})
+    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        fsync_dir(folder)
+    return {
+        "format": SNAPSHOT_FORMAT,
+        "version": 1,
+        "checkpoint_id": checkpoint_id,
+        "created": created,
+        "epoch": epoch,
+        "ledger_seq": ledger_seq,
+        "participants": participants,
+        "skipped": skipped,
+        "files": files,
+    }
+
+
+def rename_into_place(staging: Path, final: Path) -> None:
+    """The commit point: rename the staging folder to its final name, then fsync both parents."""
+    if final.exists():
+        raise SnapshotError(f"{final} already exists; refusing to overwrite a snapshot")
+    os.rename(staging, final)
+    fsync_dir(final.parent)
+    fsync_dir(staging.parent)
+
+
+def write_latest(snapshots: Path, name: str) -> None:
+    """Point `LATEST` at `<snapshots>/<name>` atomically (temp + fsync + rename + fsync folder)."""
+    tmp = snapshots / f".{LATEST}.{name}.tmp"
+    with tmp.open("wb") as handle:
+        handle.write((name + "\n").encode("utf-8"))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, snapshots / LATEST)
+    fsync_dir(snapshots)
+
+
+def read_latest(snapshots: Path) -> Path | None:
+    """The snapshot folder `LATEST` names, or None when there is none (or it names nothing)."""
+    try:
+        name = (snapshots / LATEST).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    if not name or "/" in name or name.startswith("."):
+        return None
+    path = snapshots / name
+    return path if path.is_dir() else None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A published snapshot: its folder and parsed manifest."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def checkpoint_id(self) -> str:
+        return str(self.manifest.get("checkpoint_id", self.path.name))
+
+    @property
+    def participants(self) -> list[dict[str, Any]]:
+        value = self.manifest.get("participants", [])
+        return [p for p in value if isinstance(p, dict)] if isinstance(value, list) else []
+
+    def participant(self, name: str) -> dict[str, Any] | None:
+        return next((p for p in self.participants if p.get("name") == name), None)
+
+    def order_key(self) -> tuple[int, int, str]:
+        epoch = self.manifest.get("epoch")
+        seq = self.manifest.get("ledger_seq")
+        if isinstance(epoch, int) and isinstance(seq, int):
+            return (epoch, seq, self.path.name)
+        match = _ID.match(self.path.name)
+        if match:
+            return (int(match.group(1)), int(match.group(2)), self.path.name)
+        return (-1, -1, self.path.name)
+
+
+def load_snapshot(path: Path) -> Snapshot:
+    """Read a snapshot's manifest. Raises `SnapshotError` when it is missing or not ours."""
+    manifest_file = path / MANIFEST
+    if not path.is_dir():
+        raise SnapshotError(f"{path} is not a snapshot folder", [f"{path}: no such folder"])
+    try:
+        manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise SnapshotError(
+            f"{path} has no readable {MANIFEST}: it is not a complete snapshot",
+            [f"{MANIFEST}: {error}"],
+        ) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != SNAPSHOT_FORMAT:
+        raise SnapshotError(
+            f"{path}/{MANIFEST} is not a quiesce snapshot manifest",
+            [f"{MANIFEST}: format is not {SNAPSHOT_FORMAT}"],
+        )
+    return Snapshot(path, manifest)
+
+
+def list_snapshots(snapshots: Path) -> list[Snapshot]:
+    """Every readable snapshot under `snapshots`, oldest first."""
+    found: list[Snapshot] = []
+    if not snapshots.is_dir():
+        return found
+    for child in snapshots.iterdir():
+        if child.name.startswith(".") or not child.is_dir() or not (child / MANIFEST).is_file():
+            continue
+        try:
+            found.append(load_snapshot(child))
+        except SnapshotError:
+            continue
+    return sorted(found, key=Snapshot.order_key)
+
+
+def resolve_snapshot(snapshots: Path, which: str | os.PathLike[str] | None) -> Path:
+    """`None` / "latest" → the folder `LATEST` names; a bare id → `<snapshots>/<id>`; else the path."""
+    if which is None or str(which) == "latest":
+        latest = read_latest(snapshots)
+        if latest is None:
+            raise SnapshotError(
+                f"no latest snapshot under {snapshots} (no {LATEST} file); take a checkpoint first or name"
+                " a snapshot folder",
+                [f"{snapshots / LATEST}: missing"],
+            )
+        return latest
+    path = Path(which)
+    if not path.is_absolute() and not path.exists() and (snapshots / path).is_dir():
+        return snapshots / path
+    return path.resolve()
+
+
+def verify_snapshot(path: Path, *, participants: Mapping[str, str]) -> Snapshot:
+    """Check a snapshot before any server is contacted; raise `SnapshotError` listing every difference.
+
+    Checks: every listed file exists with its size and sha256; no unlisted files; each participant's
+    own manifest has the digest its commit reply gave; the participant set (name → component)
+    equals `participants` (the cluster's current discovery).
+    """
+    snapshot = load_snapshot(path)
+    differences: list[str] = []
+    listed: dict[str, dict[str, Any]] = {}
+    for entry in snapshot.manifest.get("files", []):
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str):
+            listed[entry["path"]] = entry
+    for rel, entry in sorted(listed.items()):
+        file = path / rel
+        if not file.is_file():
+            differences.append(f"{rel}: missing")
+            continue
+        size, digest = file_digest(file)
+        if size != entry.get("bytes"):
+            differences.append(f"{rel}: {size} bytes, the manifest says {entry.get('bytes')}")
+        elif digest != entry.get("sha256"):
+            differences.append(f"{rel}: sha256 differs from the manifest")
+    for file in _walk(path):
+        rel = file.relative_to(path).as_posix()
+        if rel != MANIFEST and rel not in listed:
+            differences.append(f"{rel}: not listed in the manifest")
+    recorded = {str(p.get("name")): str(p.get("component")) for p in snapshot.participants}
+    for name in sorted(set(recorded) - set(participants)):
+        differences.append(f"participant {name}: in the snapshot but not a participant of this cluster")
+    for name in sorted(set(participants) - set(recorded)):
+        differences.append(f"participant {name}: a participant of this cluster but not in the snapshot")
+    for name in sorted(set(recorded) & set(participants)):
+        if recorded[name] != participants[name]:
+            differences.append(
+                f"participant {name}: is a {participants[name]} now, the snapshot has a {recorded[name]}"
+            )
+    for entry in snapshot.participants:
+        own = entry.get("manifest")
+        own_digest = entry.get("manifest_own_digest")
+        if (
+            isinstance(own, str)
+            and isinstance(own_digest, str)
+            and own in listed
+            and listed[own].get("sha256") != own_digest
+        ):
+            differences.append(f"participant {entry.get('name')}: {own} does not match its commit own_digest")
+    if differences:
+        raise SnapshotError(
+            f"snapshot {path} cannot be restored into this cluster:\n  " + "\n  ".join(differences),
+            differences,
+        )
+    return snapshot
+
+
+def apply_retention(snapshots: Path, keep: int, *, protect: Iterable[Path] = ()) -> list[Path]:
+    """Delete all but the newest `keep` snapshots (never a protected one, never LATEST's). Returns removed."""
+    protected = {p.resolve() for p in protect}
+    latest = read_latest(snapshots)
+    if latest is not None:
+        protected.add(latest.resolve())
+    all_snapshots = list_snapshots(snapshots)
+    doomed = all_snapshots[: max(0, len(all_snapshots) - keep)]
+    removed: list[Path] = []
+    for snapshot in doomed:
+        if snapshot.path.resolve() in protected:
+            continue
+        shutil.rmtree(snapshot.path, ignore_errors=True)
+        removed.append(snapshot.path)
+    if removed:
+        fsync_dir(snapshots)
+    return removed
+
+
+def sweep_staging(staging_root: Path, finished: Iterable[str]) -> list[Path]:
+    """Remove the staging folders of finished attempts (by checkpoint id). Returns what was removed."""
+    if not staging_root.is_dir():
+        return []
+    done = set(finished)
+    removed: list[Path] = []
+    for child in staging_root.iterdir():
+        if child.is_dir() and child.name in done:
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    if removed:
+        fsync_dir(staging_root)
+    return removed
