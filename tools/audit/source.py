@@ -9,12 +9,15 @@ the `attempts` projection.
 from __future__ import annotations
 
 import heapq
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
-from ledger import Ledger, LedgerError
+from ledger import GENESIS_HASH, Ledger, LedgerError
 from ledger.events import Event
 from tools.audit.attempts import AttemptView, build_attempt
+from tools.audit.bundle import ExportSummary, write_bundle
 
 #: Coordinator-level events that give an attempt's events their context: who wrote them (epochs)
 #: and how recovery ended them.
@@ -65,3 +68,36 @@ async def recent_attempt_ids(ledger: Ledger, limit: int) -> list[str]:
     rows = await ledger.attempts()
     rows.sort(key=lambda r: (r.started_at, r.last_seq))
     return [r.checkpoint_id for r in rows[-limit:]] if limit > 0 else []
+
+
+async def export_bundle(url: str, out: Path, checkpoint_id: str | None) -> ExportSummary:
+    """Write the audit bundle of the ledger at `url` (or of one attempt) to `out`.
+
+    The head is read first and nothing after it is exported, so a bundle is a consistent prefix
+    even while a coordinator appends. Written to a temporary file beside `out`, then renamed:
+    a failed export leaves no partial bundle.
+    """
+    async with open_readonly(url) as ledger:
+        head = await ledger.head()
+        head_seq, head_hash = (head.seq, head.hash) if head is not None else (0, GENESIS_HASH)
+        if checkpoint_id is None:
+            events: AsyncIterator[Event] = ledger.read()
+        else:
+            events = _aiter(await attempt_events(ledger, checkpoint_id, head_seq=head_seq))
+        tmp = out.with_name(f".{out.name}.tmp")
+        try:
+            with tmp.open("w", encoding="utf-8") as stream:
+                summary = await write_bundle(
+                    stream, events, head_seq=head_seq, head_hash=head_hash, checkpoint=checkpoint_id
+                )
+                stream.flush()
+                os.fsync(stream.fileno())
+            tmp.replace(out)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return summary
+
+
+async def _aiter(events: list[Event]) -> AsyncIterator[Event]:
+    for event in events:
+        yield event

@@ -4,7 +4,8 @@ Always recomputes the hash chain and rebuilds the projections in memory, compari
 the live tables. Exit codes:
 
 - plain: 1 when the chain is broken, else 0 (projection differences are reported);
-- ``--verify``: 1 when the chain is broken or any projection differs;
+- ``--verify``: 1 when the chain is broken, any projection differs, or the protocol check
+  (``tools/audit/check.py``) finds a violation;
 - ``--rebuild``: replaces the live projections with the rebuilt ones (needs the writer lock;
   refused, exit 1, when the chain is broken), then 0.
 """
@@ -20,6 +21,8 @@ from rich.table import Table
 
 from ledger import ReplayReport, replay
 from ledger.urls import safe
+from tools.audit.cli import check_ledger
+from tools.audit.present import print_check
 from tools.cli.output import console, emit_json
 
 MAX_SHOWN = 50
@@ -36,7 +39,11 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--ledger", metavar="URL", required=True, help="ledger database URL")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--verify", action="store_true", help="exit 1 on any problem, projections included")
+    mode.add_argument(
+        "--verify",
+        action="store_true",
+        help="exit 1 on any problem: chain, projections, and the protocol check (see `quiesce check`)",
+    )
     mode.add_argument(
         "--rebuild",
         action="store_true",
@@ -74,12 +81,16 @@ def _print(report: ReplayReport, where: str) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     report = anyio.run(lambda: replay(args.ledger, rebuild=args.rebuild))
+    # --verify adds the protocol check (tools/audit/check.py) once the chain is known good.
+    protocol = anyio.run(check_ledger, args.ledger) if args.verify and report.chain_ok else None
     if args.json:
-        emit_json(report.to_json())
+        emit_json({**report.to_json(), **({"protocol": protocol.to_json()} if protocol else {})})
     else:
         _print(report, safe(args.ledger))
+        if protocol is not None:
+            print_check(console, protocol)
     if not report.chain_ok:
         return 1
-    if args.verify and not report.projections_ok:
+    if args.verify and not (report.projections_ok and protocol is not None and protocol.ok):
         return 1
     return 0

@@ -1,0 +1,47 @@
+"""`quiesce show ID --ledger URL [--json]` — one attempt, explained from the ledger alone.
+
+Prints every call in seq order (seq sent / seq of the outcome, phase, server, route, status or
+error code, elapsed), the participant × phase matrix (intended, sent, acknowledged, failed,
+unknown, compensated), the recovery evidence if any, and a compact timeline. Exit 0 when the
+attempt exists, 1 when the ledger has no such attempt.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import anyio
+
+from tools.audit.attempts import AttemptView
+from tools.audit.cli import add_ledger_arguments
+from tools.audit.present import print_attempt
+from tools.audit.source import load_attempt, open_readonly
+from tools.cli.output import console, emit_json
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "show",
+        help="one attempt: every call in order, with timing and outcome",
+        description="Explain one checkpoint attempt from the ledger: calls, participant × phase "
+        "matrix, recovery evidence and a timeline.",
+    )
+    parser.add_argument("checkpoint_id", metavar="ID", help="checkpoint id of the attempt")
+    add_ledger_arguments(parser)
+    parser.set_defaults(handler=handle)
+
+
+async def _load(url: str, checkpoint_id: str) -> AttemptView:
+    async with open_readonly(url) as ledger:
+        view, _ = await load_attempt(ledger, checkpoint_id)
+    return view
+
+
+def handle(args: argparse.Namespace) -> int:
+    view = anyio.run(_load, args.ledger, args.checkpoint_id)
+    if args.json:
+        emit_json(view.to_json())
+    else:
+        print_attempt(console, view)
+    return 0
