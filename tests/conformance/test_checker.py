@@ -1,0 +1,146 @@
+"""The checker against `FakeGym`: all green on a correct server, one clear red row per broken rule.
+
+Each fault of the fake breaks exactly one spec rule; the checker must name it in
+the matching row, and must still leave the server idle afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from coordinator.protocol import AGENT, MODEL, RESOURCES
+from tests.conformance.conftest import TOKEN, StartFake
+from tools.conformance import ConformanceReport, ServerUnreachable, run_conformance
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+
+def statuses(report: ConformanceReport) -> dict[str, str]:
+    names = [r.name for r in report.results]
+    assert len(names) == len(set(names)), f"duplicate rows: {names}"
+    return {r.name: r.status for r in report.results}
+
+
+CYCLE_ROWS = (
+    "cycle.prepare",
+    "capabilities.fence_state_prepared",
+    "fence.replay_prepare",
+    "fence.conflict",
+    "cycle.status",
+    "cycle.commit",
+    "artifacts.manifest_digest",
+    "capabilities.fence_state_committed",
+    "fence.replay_commit",
+    "cycle.resume",
+    "fence.replay_resume",
+    "fence.stale_after_resume",
+)
+
+
+@pytest.mark.parametrize(
+    ("component", "role", "index_status"),
+    [(MODEL, "policy", "skip"), (AGENT, None, "pass"), (RESOURCES, None, "skip")],
+)
+async def test_correct_server_passes(
+    start_fake: StartFake, component: str, role: str | None, index_status: str
+) -> None:
+    fake, url = start_fake(component, role=role)
+    report = await run_conformance(url, TOKEN, timeout_s=10)
+    rows = statuses(report)
+    failed = [r for r in report.results if r.status != "pass" and r.name != "artifacts.index"]
+    assert failed == []
+    assert rows["artifacts.index"] == index_status
+    for name in (*CYCLE_ROWS, "auth.post_wrong_token", "validation.deadline_ts", "phase.resume_at_idle"):
+        assert rows[name] == "pass"
+    assert report.passed
+    assert (report.component, report.name) == (component, "fake")
+    assert (fake.phase, fake.active) == ("idle", None)
+
+
+async def test_auxiliary_model_gets_its_own_rows(start_fake: StartFake) -> None:
+    _, url = start_fake(MODEL, name="judge", role="auxiliary")
+    report = await run_conformance(url, TOKEN, timeout_s=10)
+    rows = statuses(report)
+    assert report.passed
+    assert rows["auxiliary.not_a_policy_instance"] == "pass"
+    assert rows["auxiliary.status_allowed"] == "pass"
+    assert rows["auth.post_missing_token"] == "pass"
+    assert all(rows[name] == "skip" for name in CYCLE_ROWS)
+    skipped = {r.detail for r in report.results if r.name == "cycle.prepare"}
+    assert skipped == {"auxiliary model: never paused by the coordinator"}
+    assert rows["cleanup.idle"] == "pass"
+
+
+async def test_policy_model_answering_not_a_policy_instance_fails(start_fake: StartFake) -> None:
+    # Declares itself policy, behaves as auxiliary: the cycle must fail, not be skipped.
+    fake, url = start_fake(MODEL, role="policy")
+    fake.role = "auxiliary"  # its control routes refuse, while capabilities still say policy
+    report = await run_conformance(url, TOKEN, timeout_s=10)
+    bad = {r.name: r.detail for r in report.results if r.status == "fail"}
+    assert "cycle.prepare" in bad
+    assert "not_a_policy_instance" in bad["cycle.prepare"]
+    assert not report.passed
+
+
+@pytest.mark.parametrize(
+    ("component", "fault", "row", "words"),
+    [
+        (RESOURCES, "no_auth", "auth.post_missing_token", "expected 401, got HTTP 200"),
+        (MODEL, "no_auth", "auth.status_wrong_token", "expected 401"),
+        (AGENT, "accept_extra", "validation.extra_field", "extra field: HTTP 200"),
+        (RESOURCES, "wrong_digest", "artifacts.manifest_digest", "reply says"),
+        (MODEL, "no_replay", "fence.replay_prepare", "invalid_phase"),
+        (AGENT, "never_retire", "fence.stale_after_resume", "expected 409 stale_checkpoint"),
+        (RESOURCES, "bad_caps", "capabilities.shape", "fence fields missing"),
+        (AGENT, "index_bytes", "artifacts.index", "bytes"),
+        (MODEL, "no_conflict", "fence.conflict", "checkpoint_conflict, got HTTP 409 invalid_phase"),
+    ],
+)
+async def test_broken_server_fails_with_a_clear_row(
+    start_fake: StartFake, component: str, fault: str, row: str, words: str
+) -> None:
+    role = "policy" if component == MODEL else None
+    fake, url = start_fake(component, role=role, faults=frozenset({fault}))
+    report = await run_conformance(url, TOKEN, timeout_s=10)
+    result = next(r for r in report.results if r.name == row)
+    assert result.status == "fail", result
+    assert words in result.detail
+    assert not report.passed
+    assert TOKEN not in json.dumps(report.to_json())
+    # Whatever broke, the checker resumed what it touched.
+    assert (fake.phase, fake.active) == ("idle", None)
+    if fault != "bad_caps":
+        assert statuses(report)["cleanup.idle"] == "pass"
+
+
+async def test_wrong_token_given_to_checker_fails_the_cycle_and_leaves_server_idle(
+    start_fake: StartFake,
+) -> None:
+    fake, url = start_fake(RESOURCES)
+    report = await run_conformance(url, "not-the-token", timeout_s=10)
+    rows = statuses(report)
+    assert rows["cycle.prepare"] == "fail"
+    assert rows["cycle.resume"] == "skip"
+    assert not report.passed
+    assert fake.phase == "idle"
+
+
+async def test_server_busy_at_start_is_not_touched(start_fake: StartFake) -> None:
+    fake, url = start_fake(RESOURCES)
+    fake.phase, fake.active, fake.deadline_ts = "prepared", "someone-else", 1.0e10
+    report = await run_conformance(url, TOKEN, timeout_s=10)
+    rows = statuses(report)
+    assert rows["capabilities.idle_at_start"] == "fail"
+    assert rows["cycle.prepare"] == "skip"
+    assert (fake.phase, fake.active) == ("prepared", "someone-else")
+
+
+async def test_unreachable_url_raises_usage_error() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(ServerUnreachable, match="cannot reach"):
+        await run_conformance(f"http://127.0.0.1:{port}", TOKEN, timeout_s=5)

@@ -1,0 +1,84 @@
+"""`quiesce conformance`: exit codes, the table, `--json`, token handling."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from coordinator.protocol import AGENT, MODEL, RESOURCES, TOKEN_ENV, TOKEN_ENV_FALLBACK
+from tests.conformance.conftest import TOKEN, StartFake
+from tools.cli.main import main
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def _no_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv(TOKEN_ENV_FALLBACK, raising=False)
+
+
+def test_json_output_and_exit_0_on_a_conformant_server(
+    start_fake: StartFake, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, url = start_fake(AGENT)
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    assert main(["conformance", url, "--json", "--timeout", "10"]) == 0
+    out = capsys.readouterr().out
+    document = json.loads(out)
+    assert document["passed"] is True
+    assert document["component"] == AGENT
+    assert document["summary"]["fail"] == 0
+    rows = {c["name"]: c for c in document["checks"]}
+    assert rows["cycle.commit"]["status"] == "pass"
+    assert set(rows["cycle.commit"]) == {"name", "status", "detail"}
+    assert TOKEN not in out
+
+
+def test_table_and_exit_1_on_a_broken_server(
+    start_fake: StartFake, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, url = start_fake(RESOURCES, faults=frozenset({"wrong_digest"}))
+    monkeypatch.setenv(TOKEN_ENV_FALLBACK, TOKEN)  # the fallback variable is read too
+    assert main(["conformance", url, "--timeout", "10"]) == 1
+    out = capsys.readouterr().out
+    assert "artifacts.manifest_digest" in out
+    assert "FAIL" in out
+    assert "not conformant" in out
+    assert TOKEN not in out
+
+
+def test_token_env_option_names_the_variable(
+    start_fake: StartFake, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, url = start_fake(MODEL, role="policy")
+    monkeypatch.setenv("MY_GYM_TOKEN", TOKEN)
+    monkeypatch.setenv(TOKEN_ENV, "a-wrong-token-that-must-not-be-used")
+    assert main(["conformance", url, "--token-env", "MY_GYM_TOKEN", "--json", "--timeout", "10"]) == 0
+    assert json.loads(capsys.readouterr().out)["passed"] is True
+
+
+def test_exit_2_when_the_token_variable_is_unset(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["conformance", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert TOKEN_ENV in err
+    assert TOKEN_ENV_FALLBACK in err
+    assert main(["conformance", "http://127.0.0.1:9", "--token-env", "NOPE_UNSET"]) == 2
+    assert "NOPE_UNSET" in capsys.readouterr().err
+
+
+def test_exit_2_when_the_url_is_unreachable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    assert main(["conformance", f"http://127.0.0.1:{port}", "--timeout", "5"]) == 2
+    captured = capsys.readouterr()
+    assert "cannot reach" in captured.err
+    assert TOKEN not in captured.err + captured.out
+    assert main(["conformance", "not-a-url", "--timeout", "5"]) == 2
+    assert "cannot reach" in capsys.readouterr().err

@@ -1,0 +1,100 @@
+"""`quiesce conformance URL` — probe one Gym server for control plane v1 compliance.
+
+Prints one row per check (pass / fail with a short reason / skip with why), or one
+JSON document with `--json`. Exit codes: 0 every check passed (skips allowed),
+1 at least one failed, 2 bad usage (token variable unset, URL unreachable).
+The token is read from an environment variable and never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import anyio
+from rich.markup import escape
+from rich.table import Table
+
+from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
+from tools.cli.output import console, emit_json, print_error
+from tools.conformance import DEFAULT_TIMEOUT_S, ConformanceReport, ServerUnreachable, run_conformance
+
+_STYLE = {"pass": "[green]pass[/]", "fail": "[bold red]FAIL[/]", "skip": "[yellow]skip[/]"}
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "conformance",
+        help="check one Gym server against control plane v1",
+        description=(
+            "Probe a Gym server (policy model, agent or resources) for compliance with the "
+            "checkpoint control plane v1: capabilities, auth, validation, the fence rules and a "
+            "full prepare/commit/resume cycle into a temp dir. The server is left idle afterwards."
+        ),
+    )
+    parser.add_argument("url", metavar="URL", help="the server's base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument(
+        "--token-env",
+        metavar="NAME",
+        default=None,
+        help=f"variable holding the control token (default {TOKEN_ENV}, then {TOKEN_ENV_FALLBACK})",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds to wait for a reply; also each control call's budget (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.set_defaults(handler=handle)
+
+
+def read_token(token_env: str | None) -> tuple[str | None, str]:
+    """The token and where it came from; None with a message naming what to set when unset."""
+    names = [token_env] if token_env else [TOKEN_ENV, TOKEN_ENV_FALLBACK]
+    for name in names:
+        value = os.environ.get(name)
+        if value:
+            return value, name
+    wanted = " or ".join(names)
+    return None, f"no control-plane token: set {wanted} (or name another variable with --token-env)"
+
+
+def handle(args: argparse.Namespace) -> int:
+    token, source = read_token(args.token_env)
+    if token is None:
+        print_error(source)
+        return 2
+    if args.timeout <= 0:
+        print_error("--timeout must be positive")
+        return 2
+    try:
+        report = anyio.run(lambda: run_conformance(args.url, token, timeout_s=args.timeout))
+    except ServerUnreachable as error:
+        print_error(error)
+        return 2
+    if args.json:
+        emit_json(report.to_json())
+    else:
+        print_report(report)
+    return 0 if report.passed else 1
+
+
+def print_report(report: ConformanceReport) -> None:
+    what = " ".join(
+        escape(str(part))
+        for part in (report.component, repr(report.name) if report.name else None, report.instance_role)
+        if part
+    )
+    table = Table(title=f"conformance of {escape(report.url)}" + (f" ({what})" if what else ""))
+    table.add_column("check", no_wrap=True)
+    table.add_column("result", no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    for result in report.results:
+        table.add_row(escape(result.name), _STYLE[result.status], escape(result.detail))
+    console.print(table)
+    counts = report.counts()
+    verdict = "[green]conformant[/]" if report.passed else "[bold red]not conformant[/]"
+    console.print(f"{verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped")

@@ -1,0 +1,1006 @@
+"""Conformance checker: probes one Gym server for compliance with control plane v1.
+
+For authors of real Gym servers (and for our own reference servers): point it at a
+server's base URL and it runs a fixed list of probes over plain HTTP (httpx, not the
+coordinator), each giving one `CheckResult` (pass, fail with a short reason, or skip
+with why). The wire format, routes and codes come from `coordinator.protocol`.
+
+What it drives, in order (each probe uses a fresh checkpoint id of this run,
+`qc-<hex>-<label>`, so a retired id of an earlier run never collides):
+
+1. capabilities (no token) — shape, schema version, fence snapshot, idle at start;
+2. auth — 401 without a token and with a wrong one, on a POST and on the status GET;
+3. validation — 422 on an extra body field, bad checkpoint ids, bad deadlines, schema_version 2;
+   and that `schema_version` may be omitted;
+4. phases — `invalid_phase` where the table says so (commit before prepare, ...);
+5. one full cycle for the component — prepare/pause → status → commit into a temp dir →
+   resume — with the fence rules checked on the way (idempotent replay, conflict,
+   stale after resume, a repeated resume replaying its result) and the files written
+   checked against the reply (manifest digest, continuation index).
+
+An auxiliary model gets the `not_a_policy_instance` probes instead of 3-5; a
+`stateless` agent or resources server is not driven at all (the coordinator never
+drives it) and its control rows are skipped with the reason.
+
+The checker leaves the server where it found it: everything it paused is resumed
+in a `finally`, shielded from cancellation, even when a check fails; the last row
+says whether the server is back at idle. The token never appears in any result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import secrets
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import anyio
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from coordinator.errors import ConfigError
+from coordinator.protocol import (
+    AGENT,
+    AGENT_PREPARE_INCOMPLETE,
+    CAPABILITIES_PATH,
+    CHECKPOINT_CONFLICT,
+    INVALID_PHASE,
+    MODEL,
+    NOT_A_POLICY_INSTANCE,
+    RESOURCES,
+    SCHEMA_VERSION,
+    STALE_CHECKPOINT,
+    UNAUTHORIZED_DETAIL,
+    AgentCommitReply,
+    ArtifactRef,
+    Capabilities,
+    ContinuationRow,
+    ModelCommitReply,
+    ModelStatusReply,
+    Route,
+    agent_instance_dir,
+    manifest_path,
+    route,
+)
+
+__all__ = [
+    "CheckResult",
+    "CheckStatus",
+    "ConformanceReport",
+    "ServerUnreachable",
+    "run_conformance",
+]
+
+CheckStatus = Literal["pass", "fail", "skip"]
+
+#: A token no server should accept (the real one is never printed).
+WRONG_TOKEN: Final = "quiesce-conformance-wrong-token"
+#: How long a probe waits for one reply, and the budget (`deadline_ts - now`) it sends.
+DEFAULT_TIMEOUT_S: Final = 30.0
+#: The spec's retry period for `agent_prepare_incomplete`.
+AGENT_PREPARE_RETRY_S: Final = 0.1
+#: One model status long-poll asks for at most this long (repeated until paused).
+STATUS_POLL_S: Final = 2.0
+_BODY_PREVIEW: Final = 160
+
+
+class ServerUnreachable(ConfigError):
+    """The URL does not answer at all (bad URL, nothing listening, connection refused): a usage error."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One row of the report: a check's stable dotted name, its status, and a short reason."""
+
+    name: str
+    status: CheckStatus
+    detail: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        return {"name": self.name, "status": self.status, "detail": self.detail}
+
+
+@dataclass
+class ConformanceReport:
+    """Every check run against one server, and what the server said it is."""
+
+    url: str
+    results: list[CheckResult] = field(default_factory=list)
+    component: str | None = None
+    name: str | None = None
+    instance_role: str | None = None
+    checkpoint_mode: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        """True when no check failed (skips do not count against the server)."""
+        return all(r.status != "fail" for r in self.results)
+
+    def counts(self) -> dict[str, int]:
+        out = {"pass": 0, "fail": 0, "skip": 0}
+        for r in self.results:
+            out[r.status] += 1
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "component": self.component,
+            "name": self.name,
+            "instance_role": self.instance_role,
+            "checkpoint_mode": self.checkpoint_mode,
+            "passed": self.passed,
+            "summary": self.counts(),
+            "checks": [r.to_json() for r in self.results],
+        }
+
+
+async def run_conformance(
+    url: str,
+    token: str,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    work_dir: Path | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> ConformanceReport:
+    """Probe the Gym server at `url` (its base URL, without `/ng-control/v1`) and report every check.
+
+    `token` is the control-plane bearer token. Commits are written into a fresh
+    folder under `work_dir` (default: a temp dir removed afterwards), so the server
+    must share this machine's filesystem for the artifact checks. Raises
+    `ServerUnreachable` when the URL cannot be reached at all; every other problem
+    is a failed row, never an exception.
+    """
+    if not token:
+        raise ConfigError("the control-plane token is empty")
+    base = url.rstrip("/")
+    client = httpx.AsyncClient(timeout=timeout_s, transport=transport)
+    with _work_dir(work_dir) as folder:
+        async with client:
+            checker = _Checker(client, base, token, timeout_s, folder)
+            await checker.run()
+            return checker.report
+
+
+@contextmanager
+def _work_dir(parent: Path | None) -> Iterator[Path]:
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+        yield Path(tempfile.mkdtemp(prefix="conformance-", dir=parent))
+        return
+    with tempfile.TemporaryDirectory(prefix="quiesce-conformance-") as tmp:
+        yield Path(tmp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plumbing
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Reply:
+    status: int
+    body: Any
+    text: str
+
+    @property
+    def code(self) -> str | None:
+        """The 409 rejection code (`{"error": {"code": ...}}`), if the body has one."""
+        if isinstance(self.body, dict):
+            error = self.body.get("error")
+            if isinstance(error, dict) and isinstance(error.get("code"), str):
+                return str(error["code"])
+        return None
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    def describe(self) -> str:
+        """`HTTP 409 stale_checkpoint` or `HTTP 200 {"state": ...}` — short, for a row's detail."""
+        if self.code is not None:
+            return f"HTTP {self.status} {self.code}"
+        text = self.text if len(self.text) <= _BODY_PREVIEW else self.text[:_BODY_PREVIEW] + "…"
+        return f"HTTP {self.status} {text}".rstrip()
+
+
+class _Fail(Exception):
+    """Raised inside a check: the check failed with this reason."""
+
+
+class _Skip(Exception):
+    """Raised inside a check: the check does not apply, with this reason."""
+
+
+def _expect(reply: _Reply, status: int, code: str | None = None) -> None:
+    if reply.status != status or (code is not None and reply.code != code):
+        wanted = f"{status} {code}" if code else str(status)
+        raise _Fail(f"expected {wanted}, got {reply.describe()}")
+
+
+def _validate(model: type[BaseModel], reply: _Reply, what: str) -> Any:
+    _expect(reply, 200)
+    try:
+        return model.model_validate(reply.body)
+    except ValidationError as exc:
+        raise _Fail(f"{what} reply does not match {model.__name__}: {_first_error(exc)}") from exc
+
+
+def _first_error(exc: ValidationError) -> str:
+    errors = exc.errors()
+    if not errors:
+        return str(exc)
+    first = errors[0]
+    loc = ".".join(str(p) for p in first.get("loc", ())) or "<root>"
+    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{loc}: {first.get('msg', '')}{more}"
+
+
+def _sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _check_artifact(folder: Path, ref: ArtifactRef, what: str) -> bytes:
+    """The file `ref` names exists under `folder` and matches its sha256, bytes and line count."""
+    path = folder / ref.relative_path
+    if not path.is_file():
+        raise _Fail(f"{what} {ref.relative_path!r} not found under the checkpoint dir")
+    data = path.read_bytes()
+    problems: list[str] = []
+    if hashlib.sha256(data).hexdigest() != ref.sha256:
+        problems.append("sha256 differs from the file's")
+    if len(data) != ref.bytes:
+        problems.append(f"bytes {ref.bytes} but the file has {len(data)}")
+    lines = [line for line in data.splitlines() if line.strip()]
+    if len(lines) != ref.records:
+        problems.append(f"records {ref.records} but the file has {len(lines)} lines")
+    if problems:
+        raise _Fail(f"{what}: " + "; ".join(problems))
+    return data
+
+
+#: The model's POST routes; an auxiliary instance refuses each with `not_a_policy_instance`.
+_MODEL_POSTS: Final = ("pause", "commit", "restore", "resume")
+
+
+class _Checker:
+    """One run against one server. Checks append to `report.results` in order."""
+
+    def __init__(
+        self, client: httpx.AsyncClient, base: str, token: str, timeout_s: float, folder: Path
+    ) -> None:
+        self.client = client
+        self.base = base
+        self.token = token
+        self.timeout_s = timeout_s
+        self.folder = folder
+        self.report = ConformanceReport(url=base)
+        self.run_id = f"qc-{secrets.token_hex(4)}"
+        self._serial = 0
+        # Ids a POST may have activated on the server, not yet resumed: resumed in `_cleanup`.
+        self._maybe_active: list[str] = []
+        self.caps: Capabilities | None = None
+
+    # -- ids, bodies, requests ----------------------------------------------------------------
+
+    def new_id(self, label: str) -> str:
+        self._serial += 1
+        return f"{self.run_id}-{self._serial}-{label}"
+
+    def deadline(self) -> float:
+        return time.time() + self.timeout_s
+
+    def body(self, checkpoint_id: str, **extra: Any) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "checkpoint_id": checkpoint_id,
+            "deadline_ts": self.deadline(),
+            **extra,
+        }
+
+    def headers(self, token: str | None) -> dict[str, str]:
+        return {} if token is None else {"Authorization": f"Bearer {token}"}
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        token: str | None,
+        json_body: Any = None,
+        raw_body: bytes | None = None,
+        params: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> _Reply:
+        headers = self.headers(token)
+        content: bytes | None = raw_body
+        if raw_body is None and json_body is not None:
+            content = json.dumps(json_body, allow_nan=True).encode("utf-8")
+        if content is not None:
+            headers["Content-Type"] = "application/json"
+        response = await self.client.request(
+            method,
+            self.base + path,
+            headers=headers,
+            content=content,
+            params=params,
+            timeout=timeout_s if timeout_s is not None else self.timeout_s,
+        )
+        try:
+            parsed: Any = response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            parsed = None
+        return _Reply(response.status_code, parsed, response.text)
+
+    async def post(
+        self,
+        op: str,
+        body: Any = None,
+        *,
+        token: str | Literal["default"] | None = "default",
+        raw_body: bytes | None = None,
+    ) -> _Reply:
+        """POST to `op` of this server's component; a 2xx for a non-resume op marks its id for cleanup."""
+        r = self._route(op)
+        reply = await self.request(
+            "POST",
+            r.full_path,
+            token=self.token if token == "default" else token,
+            json_body=body,
+            raw_body=raw_body,
+        )
+        checkpoint_id = body.get("checkpoint_id") if isinstance(body, dict) else None
+        if isinstance(checkpoint_id, str):
+            if op == "resume":
+                if reply.ok and checkpoint_id in self._maybe_active:
+                    self._maybe_active.remove(checkpoint_id)
+            elif reply.ok and checkpoint_id not in self._maybe_active:
+                self._maybe_active.append(checkpoint_id)
+        return reply
+
+    async def status(
+        self,
+        checkpoint_id: str,
+        *,
+        token: str | Literal["default"] | None = "default",
+        poll_s: float | None = None,
+    ) -> _Reply:
+        params = {"checkpoint_id": checkpoint_id}
+        component = self.component
+        if component in (MODEL, RESOURCES):
+            params["deadline_ts"] = repr(self.deadline())
+        if component == MODEL and poll_s is not None:
+            params["wait_state"] = "paused"
+            params["timeout_s"] = repr(poll_s)
+        return await self.request(
+            "GET",
+            self._route("status").full_path,
+            token=self.token if token == "default" else token,
+            params=params,
+            timeout_s=(poll_s or 0.0) + self.timeout_s,
+        )
+
+    async def capabilities(self) -> _Reply:
+        return await self.request("GET", CAPABILITIES_PATH, token=None)
+
+    def _route(self, op: str) -> Route:
+        return route(self.component, op)
+
+    @property
+    def component(self) -> str:
+        assert self.caps is not None
+        return self.caps.component
+
+    @property
+    def first_op(self) -> str:
+        """The operation that opens a checkpoint: model pause, agent/resources prepare."""
+        return "pause" if self.component == MODEL else "prepare"
+
+    # -- rows -------------------------------------------------------------------------------------
+
+    def _add(self, name: str, status: CheckStatus, detail: str = "") -> CheckResult:
+        detail = detail.replace(self.token, "***") if self.token else detail
+        result = CheckResult(name, status, detail)
+        self.report.results.append(result)
+        return result
+
+    def skip(self, names: Iterable[str], why: str) -> None:
+        for name in names:
+            self._add(name, "skip", why)
+
+    async def check(self, name: str, fn: Callable[[], Awaitable[str | None]]) -> bool:
+        """Run one check; True when it passed. Exceptions become a failed row, never escape."""
+        try:
+            detail = await fn()
+        except _Fail as exc:
+            self._add(name, "fail", str(exc))
+            return False
+        except _Skip as exc:
+            self._add(name, "skip", str(exc))
+            return False
+        except httpx.TimeoutException as exc:
+            self._add(name, "fail", f"no reply within {self.timeout_s:g}s ({type(exc).__name__})")
+            return False
+        except httpx.HTTPError as exc:
+            self._add(name, "fail", f"request failed: {type(exc).__name__}: {exc}")
+            return False
+        self._add(name, "pass", detail or "")
+        return True
+
+    # -- the run ----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            reply = await self.capabilities()
+        except (httpx.TransportError, httpx.InvalidURL) as exc:
+            raise ServerUnreachable(
+                f"cannot reach {self.base}{CAPABILITIES_PATH}: {type(exc).__name__}: {exc}. "
+                "Is the server running, and is URL its base (without /ng-control/v1)?"
+            ) from exc
+        await self.check("capabilities.shape", lambda: self._check_capabilities(reply))
+        caps = self.caps
+        if caps is None:
+            self.skip(_ALL_AFTER_CAPABILITIES, "capabilities did not validate: component unknown")
+            return
+        self.report.component = caps.component
+        self.report.name = caps.name
+        self.report.instance_role = caps.instance_role
+        self.report.checkpoint_mode = caps.checkpoint_mode
+
+        if caps.checkpoint_mode == "stateless" and caps.component in (AGENT, RESOURCES):
+            why = "checkpoint_mode stateless: the coordinator never drives its control routes"
+            self.skip(_ALL_AFTER_CAPABILITIES, why)
+            return
+
+        idle = await self.check("capabilities.idle_at_start", self._check_idle_at_start)
+        try:
+            await self._check_auth()
+            if caps.component == MODEL and caps.instance_role == "auxiliary":
+                await self._check_auxiliary()
+            elif not idle:
+                self.skip(
+                    _VALIDATION + _PHASES + _CYCLE,
+                    "server not idle at start: not touching another checkpoint",
+                )
+            else:
+                await self._check_validation()
+                await self._check_phases()
+                await self._check_cycle()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._cleanup()
+
+    # -- capabilities -------------------------------------------------------------------------
+
+    async def _check_capabilities(self, reply: _Reply) -> str:
+        caps = _validate(Capabilities, reply, "capabilities")
+        assert isinstance(caps, Capabilities)
+        problems: list[str] = []
+        if caps.schema_version != SCHEMA_VERSION:
+            problems.append(f"schema_version {caps.schema_version}, expected {SCHEMA_VERSION}")
+        missing = [k for k in ("phase", "active_checkpoint_id", "deadline_ts") if k not in reply.body]
+        if missing:
+            problems.append(f"fence fields missing: {', '.join(missing)}")
+        if caps.component == MODEL and caps.instance_role is None:
+            problems.append("a model server must set instance_role (policy or auxiliary)")
+        self.caps = caps  # usable even with problems: the other checks still run
+        if problems:
+            raise _Fail("; ".join(problems))
+        role = f", role {caps.instance_role}" if caps.instance_role else ""
+        return f"{caps.component} {caps.name!r}, {caps.checkpoint_mode}{role}"
+
+    async def _check_idle_at_start(self) -> str:
+        caps = self.caps
+        assert caps is not None
+        if caps.phase != "idle" or caps.active_checkpoint_id is not None:
+            raise _Fail(
+                f"phase {caps.phase}, active id {caps.active_checkpoint_id!r}: another checkpoint "
+                "is in progress; the cycle checks are skipped"
+            )
+        return "phase idle, no active checkpoint"
+
+    async def _fresh_caps(self) -> Capabilities:
+        reply = await self.capabilities()
+        caps = _validate(Capabilities, reply, "capabilities")
+        assert isinstance(caps, Capabilities)
+        return caps
+
+    # -- auth -----------------------------------------------------------------------------------
+
+    async def _check_auth(self) -> None:
+        op = self.first_op
+
+        async def post_with(token: str | None) -> str:
+            checkpoint_id = self.new_id("auth")
+            reply = await self.post(op, self.body(checkpoint_id), token=token)
+            await self._repair(reply, checkpoint_id)
+            return self._expect_401(reply, f"POST {op}")
+
+        async def status_with(token: str | None) -> str:
+            reply = await self.status(self.new_id("auth"), token=token)
+            return self._expect_401(reply, "GET status")
+
+        await self.check("auth.post_missing_token", lambda: post_with(None))
+        await self.check("auth.post_wrong_token", lambda: post_with(WRONG_TOKEN))
+        await self.check("auth.status_missing_token", lambda: status_with(None))
+        await self.check("auth.status_wrong_token", lambda: status_with(WRONG_TOKEN))
+
+    def _expect_401(self, reply: _Reply, what: str) -> str:
+        if reply.status != 401:
+            raise _Fail(f"{what}: expected 401, got {reply.describe()}")
+        detail = reply.body.get("detail") if isinstance(reply.body, dict) else None
+        if detail != UNAUTHORIZED_DETAIL:
+            raise _Fail(
+                f"{what}: 401 body should be {{'detail': {UNAUTHORIZED_DETAIL!r}}}, got {reply.text!r}"
+            )
+        return f"{what} → 401"
+
+    async def _repair(self, reply: _Reply, checkpoint_id: str | None) -> None:
+        """A probe that should have been refused was accepted: resume it at once so later checks run."""
+        if reply.ok and checkpoint_id is not None:
+            await self._resume_quietly(checkpoint_id)
+
+    async def _resume_quietly(self, checkpoint_id: str) -> _Reply | None:
+        try:
+            return await self.post("resume", self.body(checkpoint_id))
+        except httpx.HTTPError:
+            return None
+
+    # -- auxiliary model --------------------------------------------------------------------------
+
+    async def _check_auxiliary(self) -> None:
+        self.skip(_VALIDATION + _PHASES + _CYCLE, "auxiliary model: never paused by the coordinator")
+
+        async def refused() -> str:
+            bad: list[str] = []
+            for op in _MODEL_POSTS:
+                checkpoint_id = self.new_id("aux")
+                extra: dict[str, Any] = {}
+                if op in ("commit", "restore"):
+                    target = self.folder / f"aux-{op}"
+                    target.mkdir(parents=True, exist_ok=True)
+                    extra["checkpoint_dir"] = str(target)
+                if op == "commit":
+                    extra["continuation_indexes"] = []
+                reply = await self.post(op, self.body(checkpoint_id, **extra))
+                if reply.status != 409 or reply.code != NOT_A_POLICY_INSTANCE:
+                    bad.append(f"{op}: {reply.describe()}")
+                await self._repair(reply, checkpoint_id if op != "resume" else None)
+            if bad:
+                raise _Fail(f"expected 409 {NOT_A_POLICY_INSTANCE} on every control POST; " + "; ".join(bad))
+            return "pause, commit, restore, resume → 409 " + NOT_A_POLICY_INSTANCE
+
+        async def status_allowed() -> str:
+            reply = await self.status(self.new_id("aux"))
+            if reply.code == NOT_A_POLICY_INSTANCE:
+                raise _Fail(f"status must not answer {NOT_A_POLICY_INSTANCE} on an auxiliary instance")
+            if reply.status in (401, 404, 405) or reply.status >= 500:
+                raise _Fail(f"status route: {reply.describe()}")
+            return f"status answers {reply.describe()}"
+
+        await self.check("auxiliary.not_a_policy_instance", refused)
+        await self.check("auxiliary.status_allowed", status_allowed)
+
+    # -- validation (422) -------------------------------------------------------------------------
+
+    async def _expect_422_cases(self, cases: list[tuple[str, Any, bytes | None, str | None]]) -> str:
+        """Each case (label, json body, raw body, id to resume if accepted) must answer 422."""
+        bad: list[str] = []
+        for label, body, raw, repair_id in cases:
+            reply = await self.post(self.first_op, body, raw_body=raw)
+            if reply.status != 422:
+                bad.append(f"{label}: {reply.describe()}")
+            await self._repair(reply, repair_id)
+        if bad:
+            raise _Fail("expected 422; " + "; ".join(bad))
+        return f"{len(cases)} case(s) → 422"
+
+    async def _check_validation(self) -> None:
+        async def extra_field() -> str:
+            checkpoint_id = self.new_id("extra")
+            return await self._expect_422_cases(
+                [("extra field", self.body(checkpoint_id, unexpected_field=1), None, checkpoint_id)]
+            )
+
+        async def bad_ids() -> str:
+            long_id = (self.new_id("long") + "x" * 129)[:129]
+            cases: list[tuple[str, Any, bytes | None, str | None]] = [
+                (repr(bad), self.body(bad), None, bad) for bad in ("-x", "", "a b", ".x", "x/y")
+            ]
+            cases.append(("129 chars", self.body(long_id), None, long_id))
+            cases.append(("missing", {"schema_version": 1, "deadline_ts": self.deadline()}, None, None))
+            return await self._expect_422_cases(cases)
+
+        async def bad_deadlines() -> str:
+            checkpoint_id = self.new_id("deadline")
+            prefix = f'{{"schema_version": 1, "checkpoint_id": "{checkpoint_id}", "deadline_ts": '
+            cases: list[tuple[str, Any, bytes | None, str | None]] = [
+                ("missing", {"schema_version": 1, "checkpoint_id": checkpoint_id}, None, checkpoint_id),
+                ("NaN", None, (prefix + "NaN}").encode(), checkpoint_id),
+                ("Infinity", None, (prefix + "Infinity}").encode(), checkpoint_id),
+                ("1e999", None, (prefix + "1e999}").encode(), checkpoint_id),
+                ("a string", self.body(checkpoint_id, deadline_ts="soon"), None, checkpoint_id),
+            ]
+            return await self._expect_422_cases(cases)
+
+        async def schema_two() -> str:
+            checkpoint_id = self.new_id("schema")
+            return await self._expect_422_cases(
+                [
+                    ("schema_version 2", self.body(checkpoint_id, schema_version=2), None, checkpoint_id),
+                    ("schema_version 0", self.body(checkpoint_id, schema_version=0), None, checkpoint_id),
+                ]
+            )
+
+        async def schema_omitted() -> str:
+            checkpoint_id = self.new_id("noschema")
+            body = {"checkpoint_id": checkpoint_id, "deadline_ts": self.deadline()}
+            reply = await self._open(body)
+            if not reply.ok:
+                raise _Fail(f"{self.first_op} without schema_version: expected 200, got {reply.describe()}")
+            resumed = await self.post("resume", dict(body))
+            if not resumed.ok:
+                raise _Fail(f"resume without schema_version: expected 200, got {resumed.describe()}")
+            return f"{self.first_op} and resume accepted without schema_version"
+
+        await self.check("validation.extra_field", extra_field)
+        await self.check("validation.checkpoint_id", bad_ids)
+        await self.check("validation.deadline_ts", bad_deadlines)
+        await self.check("validation.schema_version", schema_two)
+        await self.check("validation.schema_version_optional", schema_omitted)
+
+    async def _open(self, body: dict[str, Any]) -> _Reply:
+        """Model pause, agent prepare (retrying `agent_prepare_incomplete`), or resources prepare."""
+        op = self.first_op
+        give_up = time.monotonic() + self.timeout_s
+        while True:
+            reply = await self.post(op, body)
+            if not (
+                self.component == AGENT and reply.status == 409 and reply.code == AGENT_PREPARE_INCOMPLETE
+            ):
+                return reply
+            if time.monotonic() >= give_up:
+                return reply
+            await anyio.sleep(AGENT_PREPARE_RETRY_S)
+
+    # -- phases (invalid_phase where the table says so) -------------------------------------------
+
+    async def _check_phases(self) -> None:
+        async def commit_at_idle() -> str:
+            checkpoint_id = self.new_id("early")
+            reply = await self.post("commit", self._commit_body(checkpoint_id, "early-commit"))
+            await self._repair(reply, checkpoint_id)
+            _expect(reply, 409, INVALID_PHASE)
+            return f"commit at idle → 409 {INVALID_PHASE}"
+
+        async def status_at_idle() -> str:
+            if self.component == AGENT:
+                reply = await self.status(self.new_id("idle"))
+                _expect(reply, 200)
+                return "agent status at idle → 200 (allowed from any phase)"
+            reply = await self.status(self.new_id("idle"))
+            _expect(reply, 409, INVALID_PHASE)
+            return f"status at idle → 409 {INVALID_PHASE}"
+
+        async def resume_at_idle() -> str:
+            checkpoint_id = self.new_id("idle")
+            reply = await self.post("resume", self.body(checkpoint_id))
+            if self.component == MODEL:
+                _expect(reply, 409, INVALID_PHASE)
+                return f"model resume at idle → 409 {INVALID_PHASE}"
+            _expect(reply, 200)
+            caps = await self._fresh_caps()
+            if caps.phase != "idle" or caps.active_checkpoint_id is not None:
+                raise _Fail(f"after resume at idle: phase {caps.phase}, active {caps.active_checkpoint_id!r}")
+            return "resume at idle → 200 (allowed from idle), server still idle"
+
+        await self.check("phase.commit_before_prepare", commit_at_idle)
+        await self.check("phase.status_at_idle", status_at_idle)
+        await self.check("phase.resume_at_idle", resume_at_idle)
+
+    def _commit_body(self, checkpoint_id: str, folder: str) -> dict[str, Any]:
+        target = self.folder / folder
+        target.mkdir(parents=True, exist_ok=True)
+        extra: dict[str, Any] = {"checkpoint_dir": str(target)}
+        if self.component == MODEL:
+            extra["continuation_indexes"] = []
+        return self.body(checkpoint_id, **extra)
+
+    # -- the cycle ---------------------------------------------------------------------------------
+
+    async def _check_cycle(self) -> None:
+        checkpoint_id = self.new_id("cycle")
+        open_body = self.body(checkpoint_id)
+        commit_body = self._commit_body(checkpoint_id, "commit")
+        resume_body = self.body(checkpoint_id)
+        state: dict[str, Any] = {}
+
+        async def open_() -> str:
+            reply = await self._open(open_body)
+            model = self._route(self.first_op).reply
+            parsed = _validate(model, reply, self.first_op)
+            if self.component == AGENT and not parsed.ready_to_commit:
+                raise _Fail("prepare answered 200 without ready_to_commit")
+            state["open"] = reply.body
+            return f"{self.first_op} → 200 " + _summary(reply.body, ("state", "ready_to_commit", "sessions"))
+
+        if not await self.check("cycle.prepare", open_):
+            self.skip(_CYCLE[1:], "needs cycle.prepare")
+            return
+
+        async def fence_after_open() -> str:
+            caps = await self._fresh_caps()
+            allowed = ("preparing", "prepared") if self.component == MODEL else ("prepared",)
+            return _fence_snapshot(caps, allowed, checkpoint_id, open_body["deadline_ts"])
+
+        async def replay_open() -> str:
+            reply = await self.post(self.first_op, open_body)
+            return _same_reply(reply, state["open"], self.first_op)
+
+        async def conflict() -> str:
+            other = self.new_id("other")
+            reply = await self.post(self.first_op, self.body(other))
+            _expect(reply, 409, CHECKPOINT_CONFLICT)
+            return f"{self.first_op} of a second id → 409 {CHECKPOINT_CONFLICT}"
+
+        async def status() -> str:
+            return await self._cycle_status(checkpoint_id)
+
+        async def commit() -> str:
+            reply = await self.post("commit", commit_body)
+            parsed = _validate(self._route("commit").reply, reply, "commit")
+            state["commit"] = reply.body
+            state["commit_parsed"] = parsed
+            return "commit → 200 " + _summary(reply.body, ("records", "rows", "rollouts", "sessions"))
+
+        try:
+            await self.check("capabilities.fence_state_prepared", fence_after_open)
+            await self.check("fence.replay_prepare", replay_open)
+            await self.check("fence.conflict", conflict)
+            await self.check("cycle.status", status)
+            committed = await self.check("cycle.commit", commit)
+            if committed:
+                await self._check_artifacts(state["commit_parsed"], Path(commit_body["checkpoint_dir"]))
+
+                async def fence_after_commit() -> str:
+                    caps = await self._fresh_caps()
+                    return _fence_snapshot(
+                        caps, ("committed_paused",), checkpoint_id, open_body["deadline_ts"]
+                    )
+
+                async def replay_commit() -> str:
+                    reply = await self.post("commit", commit_body)
+                    return _same_reply(reply, state["commit"], "commit")
+
+                await self.check("capabilities.fence_state_committed", fence_after_commit)
+                await self.check("fence.replay_commit", replay_commit)
+            else:
+                self.skip(
+                    (
+                        "artifacts.manifest_digest",
+                        "artifacts.index",
+                        "capabilities.fence_state_committed",
+                        "fence.replay_commit",
+                    ),
+                    "needs cycle.commit",
+                )
+        finally:
+
+            async def resume() -> str:
+                reply = await self.post("resume", resume_body)
+                _validate(self._route("resume").reply, reply, "resume")
+                state["resume"] = reply.body
+                return "resume → 200 " + _summary(reply.body, ("state", "released", "released_waiters"))
+
+            with anyio.CancelScope(shield=True):
+                resumed = await self.check("cycle.resume", resume)
+
+        if not resumed:
+            self.skip(("fence.replay_resume", "fence.stale_after_resume"), "needs cycle.resume")
+            return
+
+        async def replay_resume() -> str:
+            reply = await self.post("resume", resume_body)
+            return _same_reply(reply, state["resume"], "resume of the retired id")
+
+        async def stale() -> str:
+            reply = await self.post(self.first_op, self.body(checkpoint_id))
+            await self._repair(reply, checkpoint_id)
+            _expect(reply, 409, STALE_CHECKPOINT)
+            return f"{self.first_op} with the retired id → 409 {STALE_CHECKPOINT}"
+
+        await self.check("fence.replay_resume", replay_resume)
+        await self.check("fence.stale_after_resume", stale)
+
+    async def _cycle_status(self, checkpoint_id: str) -> str:
+        if self.component != MODEL:
+            reply = await self.status(checkpoint_id)
+            parsed = _validate(self._route("status").reply, reply, "status")
+            if self.component == RESOURCES:
+                if parsed.checkpoint_id != checkpoint_id:
+                    raise _Fail(f"status checkpoint_id {parsed.checkpoint_id!r}, expected {checkpoint_id!r}")
+                if parsed.state != "prepared":
+                    raise _Fail(f"status state {parsed.state!r} after prepare, expected 'prepared'")
+            elif not parsed.ready_to_commit:
+                raise _Fail("agent status after prepare: ready_to_commit is false")
+            return "status → 200 " + _summary(reply.body, ("state", "admission_state", "ready_to_commit"))
+        # Model: long-poll until paused with nothing in flight (the spec: never an error for "not yet").
+        give_up = time.monotonic() + self.timeout_s
+        polls = 0
+        while True:
+            polls += 1
+            reply = await self.status(checkpoint_id, poll_s=STATUS_POLL_S)
+            parsed = _validate(ModelStatusReply, reply, "status")
+            assert isinstance(parsed, ModelStatusReply)
+            if parsed.checkpoint_id != checkpoint_id:
+                raise _Fail(f"status checkpoint_id {parsed.checkpoint_id!r}, expected {checkpoint_id!r}")
+            if parsed.state == "paused" and parsed.inflight_total == 0:
+                return f"status long-poll → paused, 0 in flight ({polls} poll(s))"
+            if time.monotonic() >= give_up:
+                raise _Fail(
+                    f"not paused within {self.timeout_s:g}s: state {parsed.state}, "
+                    f"{parsed.inflight_total} in flight"
+                )
+
+    async def _check_artifacts(self, reply: Any, folder: Path) -> None:
+        caps = self.caps
+        assert caps is not None
+
+        async def manifest() -> str:
+            rel = manifest_path(caps.component, caps.name)
+            path = folder / rel
+            if not path.is_file():
+                raise _Fail(
+                    f"{rel} not found under the checkpoint dir (the server must share this filesystem)"
+                )
+            digest = _sha256_file(path)
+            if digest != reply.manifest_digest:
+                raise _Fail(f"sha256 of {rel} is {digest[:12]}…, reply says {reply.manifest_digest[:12]}…")
+            try:
+                json.loads(path.read_bytes())
+            except ValueError as exc:
+                raise _Fail(f"{rel} is not JSON: {exc}") from exc
+            return f"sha256({rel}) = manifest_digest"
+
+        async def index() -> str:
+            if isinstance(reply, AgentCommitReply):
+                ref = reply.continuation_index
+                expected = f"{agent_instance_dir(caps.name)}/continuations.jsonl"
+                if ref.relative_path != expected:
+                    raise _Fail(f"continuation_index path {ref.relative_path!r}, expected {expected!r}")
+                if ref.records != reply.records:
+                    raise _Fail(f"continuation_index records {ref.records}, reply records {reply.records}")
+                data = _check_artifact(folder, ref, "continuation_index")
+                _check_continuation_rows(data)
+                return f"continuation_index matches the file ({ref.records} records, {ref.bytes} bytes)"
+            if isinstance(reply, ModelCommitReply):
+                if reply.storage_reference_index is None:
+                    raise _Skip("the reply has no storage_reference_index (optional)")
+                ref = reply.storage_reference_index
+                _check_artifact(folder, ref, "storage_reference_index")
+                return f"storage_reference_index matches the file ({ref.records} records)"
+            raise _Skip("a resources commit names no index file")
+
+        await self.check("artifacts.manifest_digest", manifest)
+        await self.check("artifacts.index", index)
+
+    # -- cleanup ------------------------------------------------------------------------------------
+
+    async def _cleanup(self) -> None:
+        """Resume whatever this run may have left active, then say whether the server is idle."""
+        for checkpoint_id in list(self._maybe_active):
+            await self._resume_quietly(checkpoint_id)
+        try:
+            caps = await self._fresh_caps()
+            active = caps.active_checkpoint_id
+            if active is not None and active.startswith(self.run_id):
+                await self._resume_quietly(active)
+        except (_Fail, httpx.HTTPError):
+            pass
+
+        async def idle() -> str:
+            caps = await self._fresh_caps()
+            if caps.phase != "idle" or caps.active_checkpoint_id is not None:
+                raise _Fail(
+                    f"server left at phase {caps.phase}, active id {caps.active_checkpoint_id!r}"
+                    + (f"; could not resume {', '.join(self._maybe_active)}" if self._maybe_active else "")
+                )
+            return "server back at idle, no active checkpoint"
+
+        await self.check("cleanup.idle", idle)
+
+
+def _summary(body: Any, keys: tuple[str, ...]) -> str:
+    if not isinstance(body, dict):
+        return ""
+    parts = [f"{k}={body[k]}" for k in keys if k in body]
+    return f"({', '.join(parts)})" if parts else ""
+
+
+def _same_reply(reply: _Reply, first: Any, what: str) -> str:
+    _expect(reply, 200)
+    if reply.body != first:
+        changed = sorted(
+            k
+            for k in set(first or {}) | set(reply.body or {})
+            if (first or {}).get(k) != (reply.body or {}).get(k)
+        )
+        raise _Fail(f"repeated {what} replied a different body (fields {', '.join(changed) or '?'})")
+    return f"repeated {what} → the recorded reply, unchanged"
+
+
+def _fence_snapshot(
+    caps: Capabilities, phases: tuple[str, ...], checkpoint_id: str, deadline_ts: float
+) -> str:
+    problems: list[str] = []
+    if caps.phase not in phases:
+        problems.append(f"phase {caps.phase}, expected {' or '.join(phases)}")
+    if caps.active_checkpoint_id != checkpoint_id:
+        problems.append(f"active_checkpoint_id {caps.active_checkpoint_id!r}, expected {checkpoint_id!r}")
+    if caps.deadline_ts is None or not math.isclose(caps.deadline_ts, deadline_ts, abs_tol=1e-3):
+        problems.append(f"deadline_ts {caps.deadline_ts!r}, expected {deadline_ts!r}")
+    if problems:
+        raise _Fail("capabilities fence snapshot: " + "; ".join(problems))
+    return f"capabilities: phase {caps.phase}, active id and deadline as sent"
+
+
+def _check_continuation_rows(data: bytes) -> None:
+    keys: list[str] = []
+    for number, line in enumerate(data.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = ContinuationRow.model_validate_json(line)
+        except ValidationError as exc:
+            raise _Fail(f"continuations.jsonl line {number}: {_first_error(exc)}") from exc
+        if line != json.dumps(json.loads(line), separators=(",", ":")).encode():
+            raise _Fail(f"continuations.jsonl line {number} is not compact JSON")
+        keys.append(row.capture_key)
+    if keys != sorted(keys):
+        raise _Fail("continuations.jsonl rows are not sorted by capture key")
+
+
+_VALIDATION: Final = (
+    "validation.extra_field",
+    "validation.checkpoint_id",
+    "validation.deadline_ts",
+    "validation.schema_version",
+    "validation.schema_version_optional",
+)
+_PHASES: Final = ("phase.commit_before_prepare", "phase.status_at_idle", "phase.resume_at_idle")
+_CYCLE: Final = (
+    "cycle.prepare",
+    "capabilities.fence_state_prepared",
+    "fence.replay_prepare",
+    "fence.conflict",
+    "cycle.status",
+    "cycle.commit",
+    "artifacts.manifest_digest",
+    "artifacts.index",
+    "capabilities.fence_state_committed",
+    "fence.replay_commit",
+    "cycle.resume",
+    "fence.replay_resume",
+    "fence.stale_after_resume",
+)
+_AUTH: Final = (
+    "auth.post_missing_token",
+    "auth.post_wrong_token",
+    "auth.status_missing_token",
+    "auth.status_wrong_token",
+)
+_ALL_AFTER_CAPABILITIES: Final = (
+    "capabilities.idle_at_start",
+    *_AUTH,
+    *_VALIDATION,
+    *_PHASES,
+    *_CYCLE,
+    "cleanup.idle",
+)
