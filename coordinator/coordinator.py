@@ -143,13 +143,16 @@ class Coordinator:
 
     # -- discovery -----------------------------------------------------------------------------
 
-    async def discover(self) -> Discovery:
+    async def discover(self, *, strict: bool = True) -> Discovery:
         """Capabilities of every configured server → participants (see `discovery.py`).
 
-        Raises `DiscoveryError` listing every refusal (recorded in `discovery.completed` first).
+        Raises `DiscoveryError` listing every refusal (recorded in `discovery.completed` first);
+        with `strict=False` returns the refusals instead (and the result is not used for attempts).
         """
-        self._discovery = await discover(self._ctx.config, self._ctx.caller, self._ctx.ledger)
-        return self._discovery
+        found = await discover(self._ctx.config, self._ctx.caller, self._ctx.ledger, strict=strict)
+        if not found.refused:
+            self._discovery = found
+        return found
 
     async def _discovered(self) -> Discovery:
         return self._discovery if self._discovery is not None else await self.discover()

@@ -205,10 +205,13 @@ def _claims_policy(caps: Capabilities | str | None) -> bool:
     return isinstance(caps, Capabilities) and caps.component == MODEL and caps.instance_role == "policy"
 
 
-async def discover(config: ClusterConfig, caller: Caller, ledger: Ledger) -> Discovery:
+async def discover(
+    config: ClusterConfig, caller: Caller, ledger: Ledger, *, strict: bool = True
+) -> Discovery:
     """Ask every configured server for its capabilities, classify, record `discovery.completed`.
 
-    Raises `DiscoveryError` (after recording) when anything is refused. The capabilities GETs run
+    Raises `DiscoveryError` (after recording) when anything is refused, unless `strict` is False
+    (then the caller inspects `refused`). The capabilities GETs run
     concurrently; each is bounded by `control_timeout_s`.
     """
     deadline_ts = time.time() + config.control_timeout_s
@@ -232,7 +235,7 @@ async def discover(config: ClusterConfig, caller: Caller, ledger: Ledger) -> Dis
             found[server.name] = f"cannot be reached at {server.url}: {result.describe()}"
     discovery = classify(config, found)
     await ledger.append("discovery.completed", data=discovery.payload())
-    if discovery.refused:
+    if discovery.refused and strict:
         lines = [f"{name}: {reason}" for name, reason in discovery.refused]
         raise DiscoveryError(
             "discovery refused the setup:\n  " + "\n  ".join(lines), reasons=list(discovery.refused)

@@ -1,0 +1,77 @@
+"""`quiesce checkpoint --config C [--deadline-s N] [--json]` — prepare → commit → publish → resume.
+
+Prints the published snapshot. On failure the attempt is rolled back (every touched server
+resumed) and the command exits 1, naming the phase, the server, the reason, who was resumed,
+who could not be, and the latest snapshot still in place. `--json` prints
+`{"checkpoint_id", "outcome": "published"|"aborted", "snapshot", "participants", "skipped",
+"error"?, "resumed"?, "not_resumed"?}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import anyio
+from rich.markup import escape
+
+from coordinator import Attempt, Coordinator, Discovery, PhaseError, load_config
+from tools.cli.cluster_cmd import add_common, phase_error_json, print_warnings, progress_line
+from tools.cli.output import console, emit_json, print_error
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "checkpoint",
+        help="checkpoint every Gym server: prepare, commit, publish, resume",
+        description="Bring every participating Gym server to one consistent stop, save, publish, resume.",
+    )
+    add_common(parser)
+    parser.add_argument(
+        "--deadline-s", type=float, default=None, metavar="N", help="budget of the attempt (default: config)"
+    )
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    if args.deadline_s is not None and not args.deadline_s > 0:
+        raise SystemExit("quiesce checkpoint: --deadline-s must be > 0")
+    config = load_config(args.config)
+    found: Discovery | None = None
+    attempt: Attempt | None = None
+    failure: PhaseError | None = None
+
+    async def run() -> None:
+        nonlocal found, attempt, failure
+        with progress_line(not args.json) as progress:
+            async with Coordinator.open(config, on_progress=progress) as coord:
+                found = await coord.discover()
+                print_warnings(found.warnings)
+                try:
+                    attempt = await coord.checkpoint(deadline_s=args.deadline_s)
+                except PhaseError as error:
+                    failure = error
+                    attempt = coord.current
+
+    anyio.run(run)
+    assert found is not None
+    published = attempt is not None and attempt.snapshot is not None
+    document: dict[str, Any] = {
+        "checkpoint_id": attempt.checkpoint_id if attempt else (failure.checkpoint_id if failure else None),
+        "outcome": "published" if published else "aborted",
+        "snapshot": str(attempt.snapshot) if attempt and attempt.snapshot else None,
+        "participants": found.names,
+        "skipped": [{"name": n, "reason": r} for n, r in found.skipped],
+    }
+    if failure is not None:
+        document["error"] = phase_error_json(failure)
+        document["resumed"] = failure.resumed
+        document["not_resumed"] = failure.not_resumed
+    if args.json:
+        emit_json(document)
+    elif failure is None:
+        console.print(f"published {escape(document['checkpoint_id'])} → {escape(document['snapshot'])}")
+    if failure is not None:
+        print_error(failure)
+        return 1
+    return 0

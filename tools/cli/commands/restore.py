@@ -1,0 +1,78 @@
+"""`quiesce restore --config C [--snapshot DIR|ID|latest] [--resume] [--json]`.
+
+Verifies the snapshot (every file and checksum, participants equal to discovery's) before
+contacting any server, then restores policy → agents → resources. The servers stay paused until
+`quiesce resume` (or `--resume` here). `--json`: `{"checkpoint_id", "outcome", "servers"}` with
+outcome `restored` (or `resumed` with `--resume`, `failed` on a failed phase).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import anyio
+from rich.markup import escape
+
+from coordinator import Attempt, Coordinator, Outcome, PhaseError, load_config
+from tools.cli.cluster_cmd import add_common, phase_error_json, print_warnings, progress_line
+from tools.cli.output import console, emit_json, print_error
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "restore",
+        help="restore a snapshot into the Gym servers (they stay paused until resume)",
+        description="Verify a snapshot, then restore it into every participating Gym server.",
+    )
+    add_common(parser)
+    parser.add_argument(
+        "--snapshot", default="latest", metavar="DIR|ID|latest", help="snapshot to restore (default: latest)"
+    )
+    parser.add_argument("--resume", action="store_true", help="resume the servers after a successful restore")
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    attempt: Attempt | None = None
+    resumed: Outcome | None = None
+    failure: PhaseError | None = None
+
+    async def run() -> None:
+        nonlocal attempt, resumed, failure
+        with progress_line(not args.json) as progress:
+            async with Coordinator.open(config, on_progress=progress) as coord:
+                found = await coord.discover()
+                print_warnings(found.warnings)
+                try:
+                    attempt = await coord.restore(args.snapshot)
+                    if args.resume:
+                        resumed = await coord.resume(attempt)
+                except PhaseError as error:
+                    failure = error
+
+    anyio.run(run)
+    if failure is not None:
+        document: dict[str, Any] = {
+            "checkpoint_id": failure.checkpoint_id,
+            "outcome": "failed",
+            "servers": list(attempt.touched) if attempt else [],
+            "error": phase_error_json(failure),
+        }
+        if args.json:
+            emit_json(document)
+        print_error(failure)
+        return 1
+    assert attempt is not None
+    outcome = "resumed" if resumed is not None else "restored"
+    if args.json:
+        emit_json(
+            {"checkpoint_id": attempt.checkpoint_id, "outcome": outcome, "servers": list(attempt.touched)}
+        )
+    else:
+        console.print(
+            f"{outcome} {escape(str(attempt.snapshot))} as {escape(attempt.checkpoint_id)}:"
+            f" {escape(', '.join(attempt.touched))}" + ("" if resumed else " (paused until `quiesce resume`)")
+        )
+    return 0
