@@ -1,0 +1,3 @@
+from tools.gymsim.launcher import main
+
+raise SystemExit(main())

@@ -1,0 +1,578 @@
+"""Reference agent server, spec §4, and the rollouts it runs.
+
+`POST /run {rollout_id, turns}` starts a rollout that loops turn by turn:
+
+    boundary → model call (policy model, rollout headers) → tool call (resources,
+    one mutation) → the turn is applied: digest, turn log, model call id, revision
+
+A turn changes the rollout only at its very end, in one step, so a rollout is
+always exactly at a boundary or inside one turn. Its final result is a pure
+function of its id and the exact turns it ran (each turn's model output depends on
+the previous digest, each tool result on the session's whole mutation history), so
+a turn lost or run twice changes the result; the turn log records which attempt
+ran which turn, with the model call id and resource revision it saw.
+
+Checkpoint rules (export_restore agents):
+- prepare closes admission (`/run` answers 409 `checkpoint_parked`) and asks every
+  rollout to park at its next boundary; it waits within the budget until none is
+  running, else 409 `agent_prepare_incomplete` (the fence goes back to idle, the
+  park request stays until resume). A rollout whose model call was refused with
+  `checkpoint_parked` has changed nothing of its turn: it counts as parked
+  (`parked_without_boundary`) and re-runs the turn from its boundary.
+- commit writes, under `agent/instance-<sha256hex(name)>/`, `boundaries.jsonl` (one
+  boundary record per parked or completed rollout), `continuations.jsonl` (the
+  spec's rows, sorted by capture key) and `manifest.json` last; durable before it answers.
+- restore verifies every digest, then installs each record of attempt n as attempt
+  n+1, parked; the agent stays closed until resume.
+- resume reopens admission and releases every parked rollout.
+
+A `stateless` agent serves `/run` the same way but never parks and commits nothing
+(empty index): the coordinator skips it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import httpx
+from fastapi import HTTPException, Query
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from starlette.responses import JSONResponse
+
+from coordinator.protocol import (
+    AGENT,
+    AGENT_PREPARE_INCOMPLETE,
+    ATTEMPT_INDEX_HEADER,
+    CHECKPOINT_ID_PATTERN,
+    CHECKPOINT_PARKED,
+    RESOURCE_REVISION_HEADER,
+    RESOURCES_ADMISSION_CLOSED,
+    ROLLOUT_ID_HEADER,
+    AgentCommitReply,
+    AgentPrepareReply,
+    AgentRestoreReply,
+    AgentResumeReply,
+    AgentStatusReply,
+    ArtifactRef,
+    CheckpointDirBody,
+    CommonBody,
+    ContinuationRow,
+    StatusQuery,
+    agent_instance_dir,
+    capture_key,
+    route,
+    sha256_hex,
+)
+from tools.gymsim.base import GymServer
+from tools.gymsim.common import (
+    RESTORE_FAILED,
+    ArtifactWriter,
+    ControlRejection,
+    Notifier,
+    error_response,
+    jsonl_bytes,
+    read_manifest,
+)
+from tools.gymsim.fence import OpRule, rule
+
+#: How long a rollout keeps retrying a peer that does not answer before it fails.
+TRANSPORT_RETRY_S = 30.0
+#: Wait between retries of a closed resources admission (no retry-after on that reply).
+RESOURCES_RETRY_S = 0.05
+
+RolloutId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=CHECKPOINT_ID_PATTERN)]
+
+
+class RunBody(BaseModel):
+    """`POST /run`: start a rollout of `turns` turns."""
+
+    model_config = ConfigDict(extra="forbid")
+    rollout_id: RolloutId
+    turns: int = Field(ge=1, le=1_000_000)
+
+
+class RolloutFailed(Exception):
+    pass
+
+
+def initial_digest(rollout_id: str) -> str:
+    return sha256_hex(f"gymsim-rollout|{rollout_id}".encode())
+
+
+@dataclass
+class Rollout:
+    """One rollout; `turns_done`, `digest`, `turn_log`, ids and revisions change only at a boundary."""
+
+    rollout_id: str
+    turns: int
+    attempt_index: int = 0
+    turns_done: int = 0
+    digest: str = ""
+    turn_log: list[dict[str, Any]] = field(default_factory=list)
+    status: str = "running"  # running | parked | blocked | completed | failed
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    last_model_call_id: str | None = None
+    revisions: dict[str, int] = field(default_factory=dict)
+    restored_from: list[dict[str, Any]] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def capture_key(self) -> str:
+        return capture_key(self.rollout_id, self.attempt_index)
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "rollout_id": self.rollout_id,
+            "attempt_index": self.attempt_index,
+            "capture_key": self.capture_key,
+            "status": self.status,
+            "turns": self.turns,
+            "turns_done": self.turns_done,
+            "digest": self.digest,
+            "turn_log": self.turn_log,
+            "result": self.result,
+            "error": self.error,
+            "last_committed_model_call_id": self.last_model_call_id,
+            "resource_state_revisions": self.revisions,
+            "restored_from": self.restored_from,
+        }
+
+    def boundary_record(self) -> dict[str, Any]:
+        return {
+            "schema_version": 1,
+            "rollout_id": self.rollout_id,
+            "attempt_index": self.attempt_index,
+            "capture_key": self.capture_key,
+            "status": "completed" if self.status == "completed" else "parked",
+            "turns": self.turns,
+            "turns_done": self.turns_done,
+            "digest": self.digest,
+            "turn_log": self.turn_log,
+            "result": self.result,
+            "last_committed_model_call_id": self.last_model_call_id,
+            "resource_state_revisions": self.revisions,
+            "restored_from": self.restored_from,
+        }
+
+    def continuation_row(self) -> dict[str, Any]:
+        row = ContinuationRow(
+            rollout_id=self.rollout_id,
+            attempt_index=self.attempt_index,
+            capture_key=self.capture_key,
+            last_committed_model_call_id=self.last_model_call_id,
+            resource_state_revisions=dict(self.revisions),
+        )
+        return row.model_dump(mode="json")
+
+
+class AgentServer(GymServer):
+    """An agent server: runs rollouts against its policy model and resources server."""
+
+    component = AGENT
+    concurrency_contract = "serialized_per_session"
+    features = ("agent_continuation_index_v1", "agent_boundary_records_v1")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.rollouts: dict[str, Rollout] = {}
+        self.park_requested = False
+        self.changed = Notifier()
+        super().__init__(*args, **kwargs)
+
+    @property
+    def stateful(self) -> bool:
+        return self.spec.checkpoint_mode == "export_restore"
+
+    def admission_state(self) -> str:
+        if not self.park_requested:
+            return "accepting"
+        return "draining" if self._with_status("running") else "paused"
+
+    def fence_rules(self) -> dict[str, OpRule]:
+        return {
+            "prepare": rule(("idle",), "preparing", "prepared"),
+            "commit": rule(("prepared",), "committing", "committed_paused"),
+            "restore": rule(("idle",), "restoring", "restored_paused"),
+            "resume": rule(
+                ("idle", "preparing", "prepared", "committed_paused", "restored_paused"),
+                None,
+                "idle",
+                retires=True,
+            ),
+        }
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        tasks = [r.task for r in self.rollouts.values() if r.task is not None and not r.task.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- routes ------------------------------------------------------------------------------
+
+    def add_routes(self) -> None:
+        app = self.app
+
+        @app.post("/run")
+        async def run(body: RunBody) -> JSONResponse:
+            if self.park_requested:
+                return error_response(
+                    409, CHECKPOINT_PARKED, "agent admission is closed", headers={"retry-after": "1"}
+                )
+            if body.rollout_id in self.rollouts:
+                return error_response(409, "rollout_exists", f"rollout {body.rollout_id} already exists")
+            rollout = Rollout(body.rollout_id, body.turns, digest=initial_digest(body.rollout_id))
+            self.rollouts[rollout.rollout_id] = rollout
+            self._start(rollout)
+            return JSONResponse(
+                {"rollout_id": rollout.rollout_id, "attempt_index": 0, "status": rollout.status}
+            )
+
+        @app.get("/rollouts")
+        async def rollouts() -> JSONResponse:
+            return JSONResponse({"rollouts": [self.rollouts[k].view() for k in sorted(self.rollouts)]})
+
+        @app.get("/rollouts/{rollout_id}")
+        async def one_rollout(rollout_id: str) -> JSONResponse:
+            rollout = self.rollouts.get(rollout_id)
+            if rollout is None:
+                raise HTTPException(404, f"no rollout {rollout_id}")
+            return JSONResponse(rollout.view())
+
+        @app.post(route(AGENT, "prepare").full_path)
+        async def prepare(body: CommonBody) -> JSONResponse:
+            return await self.control("prepare", body, lambda: self._prepare(body))
+
+        @app.get(route(AGENT, "status").full_path)
+        async def status(q: Annotated[StatusQuery, Query()]) -> JSONResponse:
+            return await self.query(lambda: self._status(q))
+
+        @app.post(route(AGENT, "commit").full_path)
+        async def commit(body: CheckpointDirBody) -> JSONResponse:
+            return await self.control("commit", body, lambda: self._commit(body))
+
+        @app.post(route(AGENT, "restore").full_path)
+        async def restore(body: CheckpointDirBody) -> JSONResponse:
+            return await self.control("restore", body, lambda: self._restore(body))
+
+        @app.post(route(AGENT, "resume").full_path)
+        async def resume(body: CommonBody) -> JSONResponse:
+            return await self.control("resume", body, self._resume)
+
+    # -- rollouts ----------------------------------------------------------------------------
+
+    def _start(self, rollout: Rollout) -> None:
+        rollout.task = asyncio.get_running_loop().create_task(
+            self._drive(rollout), name=f"rollout {rollout.rollout_id}"
+        )
+
+    def _with_status(self, *statuses: str) -> list[Rollout]:
+        return [r for r in self.rollouts.values() if r.status in statuses]
+
+    async def _drive(self, rollout: Rollout) -> None:
+        try:
+            while True:
+                await self._boundary(rollout)
+                if rollout.turns_done >= rollout.turns:
+                    break
+                await self._turn(rollout)
+            await self._finish(rollout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            rollout.status = "failed"
+            rollout.error = f"{type(exc).__name__}: {exc}"
+            self.changed.notify()
+
+    async def _boundary(self, rollout: Rollout) -> None:
+        """Park here while a checkpoint asks for it (stateful agents only)."""
+        while self.park_requested and self.stateful:
+            if rollout.status != "parked":
+                rollout.status = "parked"
+                self.changed.notify()
+            await self.changed.wait(None)
+        if rollout.status != "running":
+            rollout.status = "running"
+            self.changed.notify()
+
+    def _headers(self, rollout: Rollout) -> dict[str, str]:
+        return {ROLLOUT_ID_HEADER: rollout.rollout_id, ATTEMPT_INDEX_HEADER: str(rollout.attempt_index)}
+
+    async def _post(self, url: str, document: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
+        client = self.ctx.http.get()
+        give_up = time.monotonic() + TRANSPORT_RETRY_S
+        while True:
+            try:
+                return await client.post(url, json=document, headers=headers)
+            except httpx.TransportError as exc:
+                if time.monotonic() >= give_up:
+                    raise RolloutFailed(f"{url} unreachable: {exc!r}") from exc
+                await asyncio.sleep(0.1)
+
+    async def _turn(self, rollout: Rollout) -> None:
+        """Run the next turn, or return unchanged if the model refused it (`checkpoint_parked`)."""
+        turn = rollout.turns_done + 1
+        headers = self._headers(rollout)
+        policy_url = self.ctx.peer_url(self.spec.policy or "")
+        reply = await self._post(
+            f"{policy_url}/v1/responses",
+            {
+                "model": self.spec.policy,
+                "input": f"{rollout.rollout_id}|turn {turn}|{rollout.digest}",
+                "metadata": {"turn": turn},
+            },
+            headers,
+        )
+        if reply.status_code == 409 and _code(reply) == CHECKPOINT_PARKED:
+            rollout.status = "blocked"
+            self.changed.notify()
+            await self.changed.wait(_retry_after(reply))
+            return
+        if reply.status_code != 200:
+            raise RolloutFailed(f"model call of turn {turn} answered {reply.status_code}: {reply.text[:200]}")
+        body = reply.json()
+        output = str(body["output_text"])
+        call_id = body.get("metadata", {}).get("model_call_id")
+        tool_result: str | None = None
+        revision: int | None = None
+        if self.spec.resources is not None:
+            resources_url = self.ctx.peer_url(self.spec.resources)
+            while True:
+                tool = await self._post(
+                    f"{resources_url}/tools/step", {"input": output, "turn": turn}, headers
+                )
+                if tool.status_code == 409 and _code(tool) == RESOURCES_ADMISSION_CLOSED:
+                    await self.changed.wait(RESOURCES_RETRY_S)
+                    continue
+                if tool.status_code != 200:
+                    raise RolloutFailed(
+                        f"tool call of turn {turn} answered {tool.status_code}: {tool.text[:200]}"
+                    )
+                break
+            tool_result = str(tool.json()["result"])
+            revision = int(tool.headers[RESOURCE_REVISION_HEADER])
+        # The boundary: everything of the turn is applied in one step.
+        rollout.digest = sha256_hex(json.dumps([rollout.digest, turn, output, tool_result]).encode("utf-8"))
+        rollout.turns_done = turn
+        rollout.last_model_call_id = call_id
+        if revision is not None and self.spec.resources is not None:
+            rollout.revisions[_resources_key(self.spec.resources)] = revision
+        rollout.turn_log.append(
+            {
+                "turn": turn,
+                "attempt_index": rollout.attempt_index,
+                "model_call_id": call_id,
+                "resource_revision": revision,
+                "output": output[:16],
+                "tool_result": tool_result,
+            }
+        )
+        self.changed.notify()
+
+    async def _finish(self, rollout: Rollout) -> None:
+        reward: float | None = None
+        verdict: str | None = None
+        if self.spec.resources is not None:
+            resources_url = self.ctx.peer_url(self.spec.resources)
+            reply = await self._post(
+                f"{resources_url}/verify",
+                {
+                    "rollout_id": rollout.rollout_id,
+                    "attempt_index": rollout.attempt_index,
+                    "digest": rollout.digest,
+                },
+                self._headers(rollout),
+            )
+            if reply.status_code != 200:
+                raise RolloutFailed(f"verify answered {reply.status_code}: {reply.text[:200]}")
+            body = reply.json()
+            reward = float(body["reward"])
+            verdict = str(body["verdict"])
+        rollout.result = {
+            "rollout_id": rollout.rollout_id,
+            "turns": rollout.turns_done,
+            "digest": rollout.digest,
+            "reward": reward,
+            "verdict": verdict,
+        }
+        rollout.status = "completed"
+        self.changed.notify()
+
+    # -- control operations ------------------------------------------------------------------
+
+    def _participants(self) -> list[Rollout]:
+        return list(self.rollouts.values()) if self.stateful else []
+
+    def _counters(self) -> dict[str, Any]:
+        rollouts = self._participants()
+
+        def attempts(rs: list[Rollout]) -> list[dict[str, Any]]:
+            return [{"rollout_id": r.rollout_id, "attempt_index": r.attempt_index} for r in rs]
+
+        running = [r for r in rollouts if r.status == "running"]
+        with_boundary = [r for r in rollouts if r.status == "parked"]
+        without_boundary = [r for r in rollouts if r.status == "blocked"]
+        completed = [r for r in rollouts if r.status == "completed"]
+        return {
+            "state": self.admission_state(),
+            "ready_to_commit": not running,
+            "running": len(running),
+            "parked": len(with_boundary) + len(without_boundary),
+            "parked_with_boundary": len(with_boundary),
+            "parked_without_boundary": len(without_boundary),
+            "completed_unacknowledged": len(completed),
+            "active": len(running) + len(with_boundary) + len(without_boundary),
+            "failed": sum(1 for r in rollouts if r.status == "failed"),
+            "blocking_attempts": attempts(running),
+            "completed_unacknowledged_attempts": attempts(completed),
+            "executions": [
+                {
+                    "rollout_id": r.rollout_id,
+                    "attempt_index": r.attempt_index,
+                    "state": r.status,
+                    "turns_done": r.turns_done,
+                }
+                for r in sorted(rollouts, key=lambda r: r.capture_key)
+            ],
+        }
+
+    async def _prepare(self, body: CommonBody) -> dict[str, Any]:
+        if self.stateful:
+            self.park_requested = True
+            self.changed.notify()
+        budget = body.budget_s(time.time())
+        until = time.monotonic() + budget - min(0.25, budget * 0.1)
+        while self._with_status("running") and self.stateful:
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            await self.changed.wait(left)
+        counters = self._counters()
+        if counters["running"]:
+            raise ControlRejection(
+                AGENT_PREPARE_INCOMPLETE,
+                f"{counters['running']} rollouts have not reached a turn boundary yet",
+            )
+        return AgentPrepareReply.model_validate(counters).model_dump(mode="json")
+
+    async def _status(self, q: StatusQuery) -> dict[str, Any]:
+        return AgentStatusReply.model_validate(self._counters()).model_dump(mode="json")
+
+    async def _commit(self, body: CheckpointDirBody) -> dict[str, Any]:
+        rollouts = sorted(
+            (r for r in self._participants() if r.status in ("parked", "blocked", "completed")),
+            key=lambda r: r.capture_key,
+        )
+        if any(r.status == "running" for r in self._participants()):
+            raise ControlRejection(AGENT_PREPARE_INCOMPLETE, "a rollout is running; prepare again")
+        records = [r.boundary_record() for r in rollouts]
+        rows = [r.continuation_row() for r in rollouts]
+        folder = agent_instance_dir(self.name)
+
+        def write() -> tuple[str, ArtifactRef]:
+            writer = ArtifactWriter(body.checkpoint_dir, folder)
+            data, count = jsonl_bytes(records)
+            writer.write("boundaries.jsonl", data, count)
+            data, count = jsonl_bytes(rows)
+            index = writer.write("continuations.jsonl", data, count)
+            digest = writer.write_manifest(
+                {
+                    "schema_version": 1,
+                    "component": AGENT,
+                    "name": self.name,
+                    "checkpoint_id": body.checkpoint_id,
+                    "records": len(records),
+                    "continuation_index": index.model_dump(mode="json"),
+                }
+            )
+            return digest, index
+
+        digest, index = await asyncio.to_thread(write)
+        reply = AgentCommitReply(records=len(records), manifest_digest=digest, continuation_index=index)
+        return reply.model_dump(mode="json")
+
+    async def _restore(self, body: CheckpointDirBody) -> dict[str, Any]:
+        folder = agent_instance_dir(self.name)
+        manifest, contents = await asyncio.to_thread(read_manifest, body.checkpoint_dir, folder)
+        try:
+            index = ArtifactRef.model_validate(manifest["continuation_index"])
+            if index.relative_path not in contents:
+                raise ValueError("the continuation index is not among the manifest's files")
+            records = [
+                json.loads(line)
+                for line in contents.get(f"{folder}/boundaries.jsonl", b"").splitlines()
+                if line.strip()
+            ]
+            source_id = str(manifest["checkpoint_id"])
+            restored = [self._from_record(record, source_id) for record in records]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ControlRejection(RESTORE_FAILED, f"bad agent checkpoint in {folder}: {exc!r}") from exc
+        if self.stateful:
+            self.park_requested = True
+        for rollout in restored:
+            old = self.rollouts.get(rollout.rollout_id)
+            if old is not None and old.task is not None:
+                old.task.cancel()
+            self.rollouts[rollout.rollout_id] = rollout
+            if rollout.status != "completed":
+                self._start(rollout)
+        self.changed.notify()
+        reply = AgentRestoreReply(
+            records=len(restored), source_checkpoint_id=source_id, continuation_index=index
+        )
+        return reply.model_dump(mode="json")
+
+    def _from_record(self, record: dict[str, Any], source_id: str) -> Rollout:
+        attempt = int(record["attempt_index"])
+        completed = record["status"] == "completed"
+        return Rollout(
+            rollout_id=str(record["rollout_id"]),
+            turns=int(record["turns"]),
+            attempt_index=attempt + 1,
+            turns_done=int(record["turns_done"]),
+            digest=str(record["digest"]),
+            turn_log=list(record["turn_log"]),
+            status="completed" if completed else "parked",
+            result=record.get("result"),
+            last_model_call_id=record.get("last_committed_model_call_id"),
+            revisions={str(k): int(v) for k, v in dict(record.get("resource_state_revisions") or {}).items()},
+            restored_from=[
+                *record.get("restored_from", []),
+                {
+                    "checkpoint_id": source_id,
+                    "attempt_index": attempt,
+                    "turns_done": int(record["turns_done"]),
+                },
+            ],
+        )
+
+    async def _resume(self) -> dict[str, Any]:
+        released = len(self._with_status("parked", "blocked")) if self.park_requested else 0
+        self.park_requested = False
+        self.changed.notify()
+        return AgentResumeReply(state="accepting", released=released).model_dump(mode="json")
+
+
+def _resources_key(name_or_url: str) -> str:
+    """The key of `resource_state_revisions`: the resources server's name."""
+    return name_or_url.rstrip("/").rsplit("/", 1)[-1] if "://" in name_or_url else name_or_url
+
+
+def _code(reply: httpx.Response) -> str | None:
+    try:
+        body = reply.json()
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    return error.get("code") if isinstance(error, dict) else None
+
+
+def _retry_after(reply: httpx.Response) -> float:
+    try:
+        return max(0.01, float(reply.headers.get("retry-after", "1")))
+    except ValueError:
+        return 1.0

@@ -1,0 +1,182 @@
+"""Small pieces shared by every reference server: rejections, notifications, durable files.
+
+Durability rule of every commit in `tools/gymsim`: each data file is written to a
+temporary name, fsynced and renamed into place; `manifest.json` is written the
+same way *after* every file it names, then the folder is fsynced. A reply
+naming a `manifest_digest` is only sent once the manifest is durable, so a
+manifest on disk always describes complete files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Final
+
+from starlette.responses import JSONResponse
+
+from coordinator.protocol import ArtifactRef, sha256_hex
+
+#: Rollout ids travel in file names and headers: same alphabet as checkpoint ids.
+ROLLOUT_ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+#: Reply of a restore that could not verify what it was given (not named by the spec).
+RESTORE_FAILED: Final = "restore_failed"
+#: Reply of a commit that could not write its files (not named by the spec).
+CHECKPOINT_IO_ERROR: Final = "checkpoint_io_error"
+#: Reply of an unexpected server error inside a control operation.
+INTERNAL_ERROR: Final = "internal_error"
+
+
+class ControlRejection(Exception):
+    """A control operation refused or failed: `{"error": {"code", "detail"}}` with `status`."""
+
+    def __init__(self, code: str, detail: str, status: int = 409) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail
+        self.status = status
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.code, self.detail)
+
+
+def error_response(
+    status: int, code: str, detail: str, *, key: str = "detail", headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """The spec's rejection body; the resources data plane uses `key="message"`."""
+    return JSONResponse(status_code=status, content={"error": {"code": code, key: detail}}, headers=headers)
+
+
+class Notifier:
+    """Wake every waiter when some state changed (a level-free broadcast, safe to create off-loop)."""
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+
+    def notify(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def wait(self, timeout: float | None) -> None:  # noqa: ASYNC109
+        """Return at the next `notify()` or after `timeout` seconds (None: no limit)."""
+        if timeout is not None and timeout <= 0:
+            return
+        if self._event is None:
+            self._event = asyncio.Event()
+        event = self._event
+        if timeout is None:
+            await event.wait()
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await event.wait()
+        except TimeoutError:
+            return
+
+
+def compact_json(value: Any) -> str:
+    """Compact, key-order-preserving JSON (the spec's `continuations.jsonl` lines)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def jsonl_bytes(rows: Iterable[Any]) -> tuple[bytes, int]:
+    """One compact JSON line per row; returns the bytes and the record count."""
+    lines = [compact_json(row) + "\n" for row in rows]
+    return "".join(lines).encode("utf-8"), len(lines)
+
+
+def count_records(data: bytes) -> int:
+    return sum(1 for line in data.splitlines() if line.strip())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """Write `data` to `path` atomically (temp file, fsync, rename, fsync of the folder)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class ArtifactWriter:
+    """Writes a participant's folder inside a checkpoint dir: files first, `manifest.json` last.
+
+    Paths handed in and recorded are relative to the checkpoint dir (POSIX, no `..`).
+    """
+
+    def __init__(self, checkpoint_dir: str, folder: str) -> None:
+        self.root = Path(checkpoint_dir)
+        self.folder = folder
+        self.files: list[ArtifactRef] = []
+
+    def write(self, name: str, data: bytes, records: int) -> ArtifactRef:
+        relative = f"{self.folder}/{name}"
+        write_durable(self.root / relative, data)
+        ref = ArtifactRef(relative_path=relative, sha256=sha256_hex(data), records=records, bytes=len(data))
+        self.files.append(ref)
+        return ref
+
+    def write_manifest(self, document: dict[str, Any]) -> str:
+        """Write `manifest.json` (naming every file written before) and return its sha256."""
+        body = dict(document)
+        body["files"] = [ref.model_dump(mode="json") for ref in self.files]
+        data = (json.dumps(body, indent=2, sort_keys=True) + "\n").encode("utf-8")
+        write_durable(self.root / self.folder / "manifest.json", data)
+        return sha256_hex(data)
+
+
+def read_manifest(checkpoint_dir: str, folder: str) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """Read `<folder>/manifest.json` and every file it names, verifying sizes and sha256 first.
+
+    Raises `ControlRejection(restore_failed)` naming the first problem; nothing is
+    installed by the caller unless every digest matched.
+    """
+    root = Path(checkpoint_dir)
+    manifest_file = root / folder / "manifest.json"
+    try:
+        manifest = json.loads(manifest_file.read_bytes())
+    except FileNotFoundError as exc:
+        raise ControlRejection(RESTORE_FAILED, f"no manifest at {folder}/manifest.json") from exc
+    except (OSError, ValueError) as exc:
+        raise ControlRejection(RESTORE_FAILED, f"unreadable manifest {folder}/manifest.json: {exc}") from exc
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
+        raise ControlRejection(RESTORE_FAILED, f"{folder}/manifest.json has no file list")
+    contents: dict[str, bytes] = {}
+    for raw in manifest["files"]:
+        try:
+            ref = ArtifactRef.model_validate(raw)
+        except ValueError as exc:
+            raise ControlRejection(RESTORE_FAILED, f"bad file entry in {folder}/manifest.json") from exc
+        try:
+            data = (root / ref.relative_path).read_bytes()
+        except OSError as exc:
+            raise ControlRejection(RESTORE_FAILED, f"missing file {ref.relative_path}") from exc
+        if len(data) != ref.bytes or sha256_hex(data) != ref.sha256:
+            raise ControlRejection(RESTORE_FAILED, f"digest mismatch for {ref.relative_path}")
+        contents[ref.relative_path] = data
+    return manifest, contents
+
+
+def parse_call_number(call_id: str | None) -> int | None:
+    """`call-7` → 7, None → 0; anything else → None (not an id this server issues)."""
+    if call_id is None:
+        return 0
+    match = re.fullmatch(r"call-([1-9][0-9]*)", call_id)
+    return int(match.group(1)) if match else None

@@ -1,0 +1,165 @@
+"""Hosting reference servers in one process: own ports, or path prefixes on one shared port.
+
+A server with `prefix: false` gets its own loopback port (`http://127.0.0.1:PORT`);
+servers with `prefix: true` share one port and live under `/s/<name>`
+(`http://127.0.0.1:PORT/s/agent_17`), so hundreds of participants fit in one
+process. All servers of a process run in one event loop; sockets are bound before
+anything starts, so URLs are known up front and no port can be taken in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+from starlette.responses import PlainTextResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tools.gymsim.agent import AgentServer
+from tools.gymsim.base import GymServer, HostContext
+from tools.gymsim.faults import install_log_filter
+from tools.gymsim.model import ModelServer
+from tools.gymsim.resources import ResourcesServer
+from tools.gymsim.spec import ClusterSpec, ServerSpec
+
+PREFIX_ROOT = "/s/"
+_KINDS: dict[str, type[GymServer]] = {
+    "model": ModelServer,
+    "agent": AgentServer,
+    "resources": ResourcesServer,
+}
+
+
+def make_server(spec: ServerSpec, ctx: HostContext) -> GymServer:
+    return _KINDS[spec.kind](spec, ctx)
+
+
+class PrefixRouter:
+    """Dispatch `/s/<name>/...` to that server's app (the prefix moves into `root_path`)."""
+
+    def __init__(self, apps: dict[str, ASGIApp]) -> None:
+        self.apps = apps
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path: str = scope.get("path", "")
+        if scope["type"] in ("http", "websocket") and path.startswith(PREFIX_ROOT):
+            name = path[len(PREFIX_ROOT) :].split("/", 1)[0]
+            app = self.apps.get(name)
+            if app is not None:
+                root = scope.get("root_path", "") + PREFIX_ROOT + name
+                await app({**scope, "root_path": root}, receive, send)
+                return
+        await PlainTextResponse("no such gymsim server", status_code=404)(scope, receive, send)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the host decides when to stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+def _bind(host: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class Host:
+    """Every server of a `ClusterSpec`, bound to loopback sockets, served from one event loop."""
+
+    def __init__(self, spec: ClusterSpec, *, token: str | None) -> None:
+        self.spec = spec
+        self.ctx = HostContext(token=token)
+        self.servers: dict[str, GymServer] = {}
+        self.urls: dict[str, str] = {}
+        self._sockets: list[tuple[socket.socket, ASGIApp]] = []
+        self._uvicorns: list[_Server] = []
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        prefixed: dict[str, ASGIApp] = {}
+        expanded = spec.expanded()
+        for server_spec in expanded:
+            self.servers[server_spec.name] = make_server(server_spec, self.ctx)
+        shared: socket.socket | None = None
+        for server_spec in expanded:
+            server = self.servers[server_spec.name]
+            if server_spec.prefix:
+                if shared is None:
+                    shared = _bind(spec.host)
+                prefixed[server.name] = server.asgi
+                port = shared.getsockname()[1]
+                self.urls[server.name] = f"http://{spec.host}:{port}{PREFIX_ROOT}{server.name}"
+            else:
+                sock = _bind(spec.host)
+                self._sockets.append((sock, server.asgi))
+                self.urls[server.name] = f"http://{spec.host}:{sock.getsockname()[1]}"
+        if shared is not None:
+            self._sockets.append((shared, PrefixRouter(prefixed)))
+        self.ctx.peers.update(self.urls)
+
+    async def serve(self, on_started: Callable[[], None] | None = None) -> None:
+        """Serve until `stop()`; call `on_started` once every socket accepts connections."""
+        install_log_filter()
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        for _sock, app in self._sockets:
+            config = uvicorn.Config(
+                app,
+                lifespan="off",
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=1,
+                timeout_keep_alive=30,
+                backlog=2048,
+            )
+            self._uvicorns.append(_Server(config))
+        tasks = [
+            asyncio.create_task(server.serve(sockets=[sock]))
+            for server, (sock, _) in zip(self._uvicorns, self._sockets, strict=True)
+        ]
+        try:
+            while not all(server.started for server in self._uvicorns):
+                failed = [t for t in tasks if t.done()]
+                if failed:
+                    failed[0].result()
+                    raise RuntimeError("a gymsim listener exited during startup")
+                await asyncio.sleep(0.01)
+            if on_started is not None:
+                on_started()
+            await self._stop.wait()
+        finally:
+            for server in self.servers.values():
+                await server.aclose()
+            for listener in self._uvicorns:
+                listener.should_exit = True
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.ctx.http.aclose()
+            for sock, _ in self._sockets:
+                sock.close()
+
+    def stop(self) -> None:
+        """Ask `serve()` to shut down; safe from any thread."""
+        loop, event = self._loop, self._stop
+        if loop is None or event is None:
+            return
+        if loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(event.set)

@@ -1,0 +1,165 @@
+"""The launcher spec: which reference servers a cluster runs, and how.
+
+YAML (or a dict) of this shape; every field but `servers[].kind/name` is optional:
+
+```yaml
+host: 127.0.0.1                 # loopback address to bind
+ledger: sqlite+aiosqlite:///quiesce.db   # copied into the written cluster config
+snapshots: ./checkpoints
+deadline_s: 60
+fanout: sequential              # or parallel
+servers:
+  - {kind: model, name: policy_model, latency_s: 0.01}            # instance_role: policy (default)
+  - {kind: model, name: judge, instance_role: auxiliary}
+  - {kind: agent, name: simple_agent, policy: policy_model, resources: tools}
+  - {kind: agent, name: math_agent, checkpoint_mode: stateless, policy: policy_model}
+  - {kind: resources, name: tools, judge: judge}
+  - {kind: agent, name: "agent_{i}", count: 256, prefix: true,   # 256 agents on one shared port
+     policy: policy_model, resources: "tools_{i}"}
+```
+
+Per server: `count` (> 1 expands `{i}` in name/policy/resources/judge, 0-based; a
+name without `{i}` gets `_<i>` appended), `prefix` (host under
+`http://HOST:PORT/s/<name>` on the one shared port instead of an own port),
+`latency_s` (model: per call; resources: per mutation, inside the session lock),
+`workers` (> 1 declares `multi_process: unmanaged`), `instance_role` (models:
+`policy`, `auxiliary` or null to declare none), `config_instance_role` (written into
+the cluster config for this server), `checkpoint_mode` (agents and resources:
+`export_restore` or `stateless`), `policy` / `resources` (agent: server name or
+URL), `judge` (resources: the model `/verify` calls), `faults` (see `faults.py`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from coordinator.protocol import CheckpointMode, InstanceRole
+from tools.gymsim.common import ROLLOUT_ID_RE
+from tools.gymsim.faults import Fault
+
+ServerKind = Literal["model", "agent", "resources"]
+
+
+class ServerSpec(BaseModel):
+    """One server (or `count` alike servers) of a simulated cluster."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: ServerKind
+    name: str = Field(min_length=1)
+    count: int = Field(default=1, ge=1)
+    prefix: bool = False
+    latency_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    workers: int = Field(default=1, ge=1)
+    instance_role: InstanceRole | None = "policy"
+    config_instance_role: InstanceRole | None = None
+    checkpoint_mode: CheckpointMode = "export_restore"
+    policy: str | None = None
+    resources: str | None = None
+    judge: str | None = None
+    faults: list[Fault] = Field(default_factory=list)
+
+    def expand(self) -> list[ServerSpec]:
+        if self.count == 1:
+            return [self]
+        out = []
+        for i in range(self.count):
+
+            def sub(value: str | None, i: int = i) -> str | None:
+                return None if value is None else value.replace("{i}", str(i))
+
+            name = self.name.replace("{i}", str(i)) if "{i}" in self.name else f"{self.name}_{i}"
+            out.append(
+                self.model_copy(
+                    update={
+                        "name": name,
+                        "count": 1,
+                        "policy": sub(self.policy),
+                        "resources": sub(self.resources),
+                        "judge": sub(self.judge),
+                    }
+                )
+            )
+        return out
+
+
+class ClusterSpec(BaseModel):
+    """A whole simulated cluster (see the module docstring for the YAML shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    ledger: str = "sqlite+aiosqlite:///quiesce.db"
+    snapshots: str = "./checkpoints"
+    deadline_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    fanout: Literal["sequential", "parallel"] = "sequential"
+    servers: list[ServerSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterSpec:
+        names = [s.name for s in self.expanded()]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate server names: {', '.join(duplicates)}")
+        bad = [n for n in names if not ROLLOUT_ID_RE.match(n)]
+        if bad:
+            raise ValueError(f"server names must match [A-Za-z0-9][A-Za-z0-9._-]*: {', '.join(bad)}")
+        known = set(names)
+        for server in self.expanded():
+            for field_name in ("policy", "resources", "judge"):
+                ref = getattr(server, field_name)
+                if ref is not None and not ref.startswith(("http://", "https://")) and ref not in known:
+                    raise ValueError(f"server {server.name}: {field_name} {ref!r} names no server")
+            if server.kind == "agent" and server.policy is None:
+                raise ValueError(f"agent {server.name} needs a policy model (policy: NAME)")
+        return self
+
+    def expanded(self) -> list[ServerSpec]:
+        return [one for server in self.servers for one in server.expand()]
+
+    def with_workers(self, workers: dict[str, int] | int) -> ClusterSpec:
+        """A copy where the named servers (or, given an int, every server) declare `workers`."""
+        servers = []
+        for server in self.expanded():
+            n = workers if isinstance(workers, int) else workers.get(server.name)
+            servers.append(server if n is None else server.model_copy(update={"workers": n}))
+        return self.model_copy(update={"servers": servers})
+
+
+def default_spec() -> ClusterSpec:
+    """The seed's example: policy model, judge, a stateful and a stateless agent, one resources server."""
+    return ClusterSpec.model_validate(
+        {
+            "servers": [
+                {"kind": "model", "name": "policy_model"},
+                {"kind": "model", "name": "judge", "instance_role": "auxiliary"},
+                {"kind": "agent", "name": "simple_agent", "policy": "policy_model", "resources": "tools"},
+                {
+                    "kind": "agent",
+                    "name": "math_agent",
+                    "checkpoint_mode": "stateless",
+                    "policy": "policy_model",
+                },
+                {"kind": "resources", "name": "tools", "judge": "judge"},
+            ]
+        }
+    )
+
+
+SpecLike = ClusterSpec | dict[str, Any] | str | Path | None
+
+
+def load_spec(spec: SpecLike) -> ClusterSpec:
+    """A `ClusterSpec` from a spec, a dict, a YAML file path, or None (the default cluster)."""
+    if spec is None:
+        return default_spec()
+    if isinstance(spec, ClusterSpec):
+        return spec
+    if isinstance(spec, dict):
+        return ClusterSpec.model_validate(spec)
+    document = yaml.safe_load(Path(spec).read_text(encoding="utf-8"))
+    return ClusterSpec.model_validate(document)
