@@ -58,8 +58,34 @@ def fenced_message(where: str, detail: str) -> str:
     )
 
 
-def apply_append(tx: Tx, batch: Batch) -> None:
-    """Check the head, insert the rows, fold the projection: the body of every append transaction."""
+class ProjectionCache:
+    """The writer's copy of recently folded ``attempts`` rows, saving a read per append.
+
+    Valid only for the writer that holds writership (no one else changes ``attempts``); updated
+    only after a commit succeeded, cleared after any failure or a projection rebuild.
+    """
+
+    MAX_ROWS = 4096
+
+    def __init__(self) -> None:
+        self.rows: dict[str, AttemptRow] = {}
+
+    def committed(self, rows: dict[str, AttemptRow | None]) -> None:
+        if len(self.rows) + len(rows) > self.MAX_ROWS:
+            self.rows.clear()
+        for cid, row in rows.items():
+            if row is not None:
+                self.rows[cid] = row
+
+    def clear(self) -> None:
+        self.rows.clear()
+
+
+def apply_append(tx: Tx, batch: Batch, cache: ProjectionCache) -> dict[str, AttemptRow | None]:
+    """Check the head, insert the rows, fold the projection: the body of every append transaction.
+
+    Returns the projection rows written, for ``cache.committed`` once the transaction committed.
+    """
     head = tx.head()
     last, head_epoch = head if head is not None else (0, 0)
     if last != batch.expected_last:
@@ -77,13 +103,20 @@ def apply_append(tx: Tx, batch: Batch) -> None:
         )
     tx.insert(batch.rows)
     pending: dict[str, AttemptRow | None] = {}
+    cached = cache.rows
     for event in batch.events:
         for cid in touched(event):
-            row = pending[cid] if cid in pending else tx.get_attempt(cid)
+            if cid in pending:
+                row = pending[cid]
+            else:
+                row = cached.get(cid)
+                if row is None:
+                    row = tx.get_attempt(cid)
             pending[cid] = fold(row, event, cid)
     for row in pending.values():
         if row is not None:
             tx.put_attempt(row)
+    return pending
 
 
 class Backend(ABC):
@@ -105,7 +138,10 @@ class Backend(ABC):
 
     @abstractmethod
     async def append(self, batch: Batch) -> None:
-        """Commit ``batch`` in one transaction (see ``apply_append``); durable when it returns."""
+        """Commit ``batch`` in one transaction (see ``apply_append``); durable when it returns.
+
+        Not cancellable: once called, it completes (or fails) before returning.
+        """
 
     @abstractmethod
     async def head(self) -> RawEvent | None: ...

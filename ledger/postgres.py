@@ -21,7 +21,15 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from ledger.backend import APPEND_LOCK_KEY, WRITER_LOCK_KEY, Backend, Batch, RawEvent, apply_append
+from ledger.backend import (
+    APPEND_LOCK_KEY,
+    WRITER_LOCK_KEY,
+    Backend,
+    Batch,
+    ProjectionCache,
+    RawEvent,
+    apply_append,
+)
 from ledger.errors import FencedError, LedgerError
 from ledger.projections import AttemptRow, from_columns, to_columns
 from ledger.schema import EVENT_COLUMNS, attempts, events
@@ -67,6 +75,7 @@ class PostgresBackend(Backend):
         self._readonly = readonly
         self._engine: AsyncEngine = create_async_engine(url, pool_size=4, max_overflow=8)
         self._writer: AsyncConnection | None = None
+        self._cache = ProjectionCache()
 
     def _error(self, doing: str, error: DBAPIError) -> LedgerError:
         return LedgerError(f"ledger {self.where}: {doing} failed: {error.orig}")
@@ -131,15 +140,21 @@ class PostgresBackend(Backend):
             await self._engine.dispose()
 
     def _append_sync(self, conn: Connection, batch: Batch) -> None:
-        with conn.begin():
-            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": APPEND_LOCK_KEY})
-            apply_append(_PgTx(conn), batch)
+        try:
+            with conn.begin():
+                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": APPEND_LOCK_KEY})
+                written = apply_append(_PgTx(conn), batch, self._cache)
+        except BaseException:
+            self._cache.clear()
+            raise
+        self._cache.committed(written)
 
     async def append(self, batch: Batch) -> None:
         if self._writer is None:
             raise LedgerError(f"ledger {self.where} is not open for writing")
         try:
-            await self._writer.run_sync(self._append_sync, batch)
+            with anyio.CancelScope(shield=True):
+                await self._writer.run_sync(self._append_sync, batch)
         except IntegrityError:
             raise FencedError(
                 f"ledger {self.where}: seq {batch.rows[0][0]} was taken by another writer; this "
@@ -151,6 +166,8 @@ class PostgresBackend(Backend):
     async def replace_attempts(self, rows: Sequence[AttemptRow]) -> None:
         if self._writer is None:
             raise LedgerError(f"ledger {self.where} is not open for writing")
+
+        self._cache.clear()
 
         def swap(conn: Connection) -> None:
             with conn.begin():

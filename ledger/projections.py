@@ -16,14 +16,16 @@ Rules (``fold(row, event)``, for each checkpoint id in ``touched(event)``):
   A ``recovery.completed`` whose ``outcomes`` maps the id to ``abandoned`` makes it terminal with
   state and outcome ``abandoned`` (an interrupted restore). Terminal events set ``ended_at``.
 - Always: ``call.sent`` counts in ``calls``, ``call.failed`` in ``failures``; ``recovery.settled``
-  for the id, and ``recovery.completed`` naming it, set ``recovered_by`` to the event's epoch;
-  ``last_seq`` is the seq of the last event that touched the row.
+  for the id, and ``recovery.completed`` naming it, set ``recovered_by`` to the event's epoch.
+- ``last_seq`` is the seq of the last event that *changed* the row. A ``call.replied`` changes
+  nothing (``touched`` returns no id for it), so a recorded call costs one projection write, not two;
+  the attempt's last event of any kind is one indexed query away in ``events``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Final
 
 from ledger.canonical import canonical_text
@@ -42,6 +44,23 @@ _STATE_OF: Final = {
     "attempt.published": "published",
     "attempt.aborting": "aborting",
 }
+
+
+COLUMNS: Final = (
+    "checkpoint_id",
+    "kind",
+    "state",
+    "outcome",
+    "started_at",
+    "ended_at",
+    "deadline_ts",
+    "participants",
+    "epoch",
+    "calls",
+    "failures",
+    "recovered_by",
+    "last_seq",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +82,23 @@ class AttemptRow:
     last_seq: int
 
 
+def replace(row: AttemptRow, **changes: Any) -> AttemptRow:
+    """``row`` with ``changes`` applied (a faster ``dataclasses.replace``)."""
+    values = {name: getattr(row, name) for name in COLUMNS}
+    values.update(changes)
+    return AttemptRow(**values)
+
+
+#: Kinds that never change a projection row (so appending them writes no projection row).
+UNTOUCHING_KINDS: Final = frozenset({"call.replied"})
+
+
 def touched(event: Event) -> tuple[str, ...]:
     """The checkpoint ids whose projection row ``event`` may change, in a fixed order."""
-    if event.kind == "recovery.completed":
+    kind = event.kind
+    if kind in UNTOUCHING_KINDS:
+        return ()
+    if kind == "recovery.completed":
         outcomes = event.data.get("outcomes")
         ids = tuple(sorted(k for k in outcomes if isinstance(k, str))) if isinstance(outcomes, dict) else ()
         if event.checkpoint_id is not None and event.checkpoint_id not in ids:
@@ -148,6 +181,18 @@ def fold(row: AttemptRow | None, event: Event, checkpoint_id: str | None = None)
     return replace(row, last_seq=seq)
 
 
+_participants_cache: dict[tuple[str, ...], str] = {}
+
+
+def _participants_text(participants: tuple[str, ...]) -> str:
+    text = _participants_cache.get(participants)
+    if text is None:
+        if len(_participants_cache) > 256:
+            _participants_cache.clear()
+        text = _participants_cache[participants] = canonical_text(list(participants))
+    return text
+
+
 def to_columns(row: AttemptRow) -> dict[str, Any]:
     """The row as stored: ``participants`` becomes canonical JSON text."""
     return {
@@ -158,30 +203,13 @@ def to_columns(row: AttemptRow) -> dict[str, Any]:
         "started_at": row.started_at,
         "ended_at": row.ended_at,
         "deadline_ts": row.deadline_ts,
-        "participants": canonical_text(list(row.participants)),
+        "participants": _participants_text(row.participants),
         "epoch": row.epoch,
         "calls": row.calls,
         "failures": row.failures,
         "recovered_by": row.recovered_by,
         "last_seq": row.last_seq,
     }
-
-
-COLUMNS: Final = (
-    "checkpoint_id",
-    "kind",
-    "state",
-    "outcome",
-    "started_at",
-    "ended_at",
-    "deadline_ts",
-    "participants",
-    "epoch",
-    "calls",
-    "failures",
-    "recovered_by",
-    "last_seq",
-)
 
 
 def from_columns(values: tuple[Any, ...] | list[Any]) -> AttemptRow:

@@ -25,13 +25,15 @@ PREFIX_CHARS: Final = 1024
 class Redactor:
     """Applies the redaction and capping rules for one set of secrets. Pure: inputs are not mutated."""
 
-    __slots__ = ("_secrets",)
+    __slots__ = ("_plain_secrets", "_secrets")
 
     def __init__(self, secrets: Sequence[str] = ()) -> None:
         # Longest first, so a secret containing another is replaced whole.
         self._secrets: tuple[str, ...] = tuple(sorted({s for s in secrets if s}, key=len, reverse=True))
+        self._plain_secrets = all(canonical_text(s)[1:-1] == s for s in self._secrets)
 
-    def _text(self, value: str) -> str:
+    def text(self, value: str) -> str:
+        """``value`` with every configured secret replaced."""
         for secret in self._secrets:
             if secret in value:
                 value = value.replace(secret, REDACTED)
@@ -44,20 +46,40 @@ class Redactor:
             for key, item in value.items():
                 if isinstance(key, str):
                     if key.lower() == "authorization":
-                        out[self._text(key)] = REDACTED
+                        out[self.text(key)] = REDACTED
                         continue
-                    key = self._text(key)
+                    key = self.text(key)
                 out[key] = self.redact(item)
             return out
         if isinstance(value, list | tuple):
             return [self.redact(item) for item in value]
         if isinstance(value, str):
-            return self._text(value) if self._secrets else value
+            return self.text(value) if self._secrets else value
         return value
 
     def apply(self, value: Any) -> Any:
         """Redaction, then body capping: what gets stored for payload ``value``."""
         return cap_bodies(self.redact(value))
+
+    def encode(self, value: Any) -> tuple[Any, str]:
+        """``(stored, canonical_text(stored))`` with ``stored = self.apply(value)``.
+
+        Fast path: when the canonical text of ``value`` shows nothing to redact (no configured
+        secret in it, no ``authorization`` in any case) and is within the body cap as a whole,
+        ``value`` is stored as it is. Secrets whose JSON encoding differs from their text (quotes,
+        backslashes, control characters) always take the full walk.
+        """
+        text = canonical_text(value)
+        small = len(text) * 4 <= BODY_CAP_BYTES or len(text.encode("utf-8")) <= BODY_CAP_BYTES
+        if (
+            small
+            and self._plain_secrets
+            and not any(secret in text for secret in self._secrets)
+            and "authorization" not in text.lower()
+        ):
+            return value, text
+        stored = self.apply(value)
+        return stored, canonical_text(stored)
 
 
 def cap_body(body: Any) -> Any:

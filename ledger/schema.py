@@ -54,6 +54,7 @@ attempts = Table(
     Column("failures", BigInteger(), nullable=False),
     Column("recovered_by", BigInteger(), nullable=True),
     Column("last_seq", BigInteger(), nullable=False),
+    sqlite_with_rowid=False,
 )
 
 EVENT_COLUMNS: Final = (

@@ -21,17 +21,18 @@ Invariants:
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import anyio
 from pydantic import BaseModel, ValidationError
 
 from ledger import migrate
 from ledger.backend import Backend, Batch, RawEvent
-from ledger.canonical import GENESIS_HASH, canonical_text, chain_hash, row_bytes
+from ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
 from ledger.errors import FencedError, LedgerError
 from ledger.events import COLUMN_RULES, PAYLOADS, AppendItem, Event
 from ledger.projections import AttemptRow
@@ -42,9 +43,16 @@ Durability = Literal["full", "process"]
 PAGE_SIZE = 1000
 
 
+_second_cache: list[Any] = [-1, ""]
+
+
 def utc_now() -> str:
     """UTC ISO-8601 with microseconds and a ``Z``: the format of ``Event.at``."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    seconds, micros = divmod(time.time_ns() // 1000, 1_000_000)
+    if seconds != _second_cache[0]:
+        _second_cache[1] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+        _second_cache[0] = seconds
+    return f"{_second_cache[1]}.{micros:06d}Z"
 
 
 def event_from_raw(raw: RawEvent | Sequence[Any]) -> Event:
@@ -89,8 +97,8 @@ async def upgrade_schema(url: str) -> tuple[str | None, str]:
         result = await backend.run_schema(migrate.upgrade_sync)
     finally:
         await backend.close()
-    before, after = result  # type: ignore[misc]
-    return before, after
+    assert isinstance(result, tuple)
+    return cast("tuple[str | None, str]", result)
 
 
 async def downgrade_schema(url: str, revision: str) -> None:
@@ -141,7 +149,7 @@ class Ledger:
         self.readonly = readonly
         self._redactor = Redactor(secrets)
         self._secrets = tuple(s for s in secrets if s)
-        self._lock = anyio.Lock()
+        self._lock = anyio.Lock(fast_acquire=True)
         self._last_seq = 0
         self._last_hash = GENESIS_HASH
         self._head_epoch = 0
@@ -249,14 +257,13 @@ class Ledger:
                 )
         except ValidationError as error:
             raise LedgerError(_format_validation(kind, error)) from None
-        stored = self._redactor.apply(obj)
         try:
-            text = canonical_text(stored)
+            stored, text = self._redactor.encode(obj)
         except (ValueError, TypeError) as error:
             raise LedgerError(f"invalid {kind} payload: not storable as JSON ({error})") from None
         if self._secrets:
             checkpoint_id, server, call_id = (
-                self._redactor.redact(v) if v is not None else None for v in (checkpoint_id, server, call_id)
+                self._redactor.text(v) if v is not None else None for v in (checkpoint_id, server, call_id)
             )
         return _Encoded(kind, checkpoint_id, server, call_id, stored, text)
 
@@ -334,8 +341,7 @@ class Ledger:
                 prev = digest
             batch = Batch(rows=rows, events=events, expected_last=self._last_seq, epoch=epoch, where=self.url)
             try:
-                with anyio.CancelScope(shield=True):
-                    await self._backend.append(batch)
+                await self._backend.append(batch)  # shields itself while it awaits
             except FencedError as error:
                 self._fenced = error
                 raise

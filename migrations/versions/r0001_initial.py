@@ -71,6 +71,7 @@ def upgrade() -> None:
         sa.Column("failures", sa.BigInteger(), nullable=False),
         sa.Column("recovered_by", sa.BigInteger(), nullable=True),
         sa.Column("last_seq", sa.BigInteger(), nullable=False),
+        sqlite_with_rowid=False,  # one b-tree keyed by checkpoint_id: fewer pages per append
     )
     dialect = op.get_bind().dialect.name
     for statement in _SQLITE_TRIGGERS if dialect == "sqlite" else _PG_TRIGGERS:
