@@ -101,3 +101,10 @@ async def export_bundle(url: str, out: Path, checkpoint_id: str | None) -> Expor
 async def _aiter(events: list[Event]) -> AsyncIterator[Event]:
     for event in events:
         yield event
+
+
+async def load_views(url: str, checkpoint_id: str | None, limit: int) -> list[AttemptView]:
+    """Views of one attempt, or of the `limit` most recently started ones (oldest first)."""
+    async with open_readonly(url) as ledger:
+        ids = [checkpoint_id] if checkpoint_id is not None else await recent_attempt_ids(ledger, limit)
+        return [(await load_attempt(ledger, cid))[0] for cid in ids]

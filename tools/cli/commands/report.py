@@ -1,0 +1,57 @@
+"""`quiesce report --ledger URL --out FILE.html [--checkpoint ID] [--limit N] [--json]`.
+
+Writes one self-contained HTML page (no network, no external scripts or fonts): a summary table of
+the most recent attempts and, per attempt, a Gantt timeline — one lane per server, one bar per
+call coloured by outcome, phase bands, the deadline, recovery actions. See `tools/audit/report.py`.
+Exit 0 when written, 1 when the ledger (or the attempt) cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import anyio
+from rich.text import Text
+
+from ledger.urls import safe
+from tools.audit.cli import add_ledger_arguments
+from tools.audit.report import render_report
+from tools.audit.source import load_views
+from tools.cli.output import console, emit_json
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "report",
+        help="write a self-contained HTML timeline page of the attempts",
+        description="Render attempts as a self-contained HTML page: summary table and Gantt timelines.",
+    )
+    add_ledger_arguments(parser)
+    parser.add_argument("--out", metavar="FILE.html", required=True, type=Path, help="page to write")
+    parser.add_argument("--checkpoint", metavar="ID", help="only this attempt")
+    parser.add_argument(
+        "--limit", metavar="N", type=int, default=20, help="the N most recent attempts (default 20)"
+    )
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    if args.limit < 1:
+        raise SystemExit("quiesce report: error: --limit must be at least 1")  # argparse-style, exit 2
+    views = anyio.run(load_views, args.ledger, args.checkpoint, args.limit)
+    page = render_report(views, source=safe(args.ledger))
+    tmp = args.out.with_name(f".{args.out.name}.tmp")
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        os.replace(tmp, args.out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    calls = sum(len(v.calls) for v in views)
+    if args.json:
+        emit_json({"out": str(args.out), "attempts": [v.checkpoint_id for v in views], "calls": calls})
+    else:
+        console.print(Text(f"wrote {args.out}: {len(views)} attempts, {calls} calls"))
+    return 0
