@@ -1,0 +1,65 @@
+"""Test helpers: admin routes of the reference servers, ledger reads, and state checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from coordinator.protocol import CAPABILITIES_PATH
+from ledger import Event, Ledger
+from tools.gymsim.cluster import RunningCluster
+
+
+async def control_log(http: httpx.AsyncClient, url: str) -> list[dict[str, Any]]:
+    reply = await http.get(f"{url}/gymsim/admin/control-log")
+    reply.raise_for_status()
+    entries: list[dict[str, Any]] = reply.json()
+    return entries
+
+
+async def control_logs(http: httpx.AsyncClient, running: RunningCluster) -> dict[str, list[dict[str, Any]]]:
+    return {name: await control_log(http, url) for name, url in running.urls.items()}
+
+
+async def reset_logs(http: httpx.AsyncClient, running: RunningCluster) -> None:
+    for url in running.urls.values():
+        (await http.post(f"{url}/gymsim/admin/reset-log")).raise_for_status()
+
+
+async def set_faults(http: httpx.AsyncClient, url: str, faults: list[dict[str, Any]]) -> None:
+    (await http.post(f"{url}/gymsim/admin/faults", json={"faults": faults})).raise_for_status()
+
+
+async def clear_faults(http: httpx.AsyncClient, running: RunningCluster) -> None:
+    for url in running.urls.values():
+        (await http.delete(f"{url}/gymsim/admin/faults")).raise_for_status()
+
+
+async def server_states(http: httpx.AsyncClient, running: RunningCluster) -> dict[str, tuple[str, str]]:
+    """name → (fence phase from capabilities, data-plane admission state)."""
+    out: dict[str, tuple[str, str]] = {}
+    for name, url in running.urls.items():
+        caps = (await http.get(url + CAPABILITIES_PATH)).json()
+        state = (await http.get(f"{url}/gymsim/admin/state")).json()
+        out[name] = (caps["phase"], state["admission_state"])
+    return out
+
+
+async def assert_all_accepting(http: httpx.AsyncClient, running: RunningCluster) -> None:
+    states = await server_states(http, running)
+    assert states == {name: ("idle", "accepting") for name in running.urls}, states
+
+
+async def read_events(ledger_url: str, checkpoint_id: str | None = None) -> list[Event]:
+    async with Ledger.open(ledger_url, readonly=True) as ledger:
+        return [ev async for ev in ledger.read(checkpoint_id=checkpoint_id)]
+
+
+def routes_by_server(log: list[dict[str, Any]], checkpoint_id: str | None = None) -> list[str]:
+    """`METHOD /path` of each logged control request (optionally of one checkpoint id)."""
+    return [
+        f"{e['method']} {e['path'].removeprefix('/ng-control/v1')}"
+        for e in log
+        if checkpoint_id is None or e["checkpoint_id"] == checkpoint_id
+    ]
