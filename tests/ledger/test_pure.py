@@ -1,0 +1,226 @@
+"""Canonical encoding, the chain formula, redaction, capping and the projection fold: no database."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ledger import BODY_CAP_BYTES, GENESIS_HASH, REDACTED, Event, canonical, chain_hash, fold, row_bytes
+from ledger.projections import KINDS_READ_BY_FOLD, AttemptRow, touched
+from ledger.redact import Redactor, cap_bodies
+from tests.ledger.helpers import random_items
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**53), 2**53)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def test_canonical_is_sorted_compact_utf8() -> None:
+    assert canonical({"b": 1, "a": [1.5, "é", None]}) == '{"a":[1.5,"é",null],"b":1}'.encode()
+    with pytest.raises(ValueError, match="JSON compliant"):
+        canonical({"x": float("nan")})
+
+
+@given(
+    data=st.dictionaries(st.text(max_size=8), json_values, max_size=5),
+    at=st.text(),
+    kind=st.text(),
+    cid=st.none() | st.text(),
+    server=st.none() | st.text(),
+    call_id=st.none() | st.text(),
+    seq=st.integers(1, 2**62),
+    epoch=st.integers(0, 2**40),
+)
+@settings(max_examples=200, deadline=None)
+def test_row_bytes_equals_canonical_of_the_row(
+    data: dict[str, Any],
+    at: str,
+    kind: str,
+    cid: str | None,
+    server: str | None,
+    call_id: str | None,
+    seq: int,
+    epoch: int,
+) -> None:
+    """The spliced fast path an auditor does not need: it must equal the plain definition."""
+    row = {
+        "seq": seq,
+        "at": at,
+        "kind": kind,
+        "checkpoint_id": cid,
+        "server": server,
+        "call_id": call_id,
+        "epoch": epoch,
+        "data": data,
+        "prev_hash": GENESIS_HASH,
+    }
+    text = canonical(data).decode()
+    fast = row_bytes(
+        seq=seq,
+        at=at,
+        kind=kind,
+        checkpoint_id=cid,
+        server=server,
+        call_id=call_id,
+        epoch=epoch,
+        data_text=text,
+        prev_hash=GENESIS_HASH,
+    )
+    assert fast == canonical(row)
+
+
+def test_chain_hash_is_sha256_of_prev_hash_then_row() -> None:
+    row = b'{"x":1}'
+    assert chain_hash(GENESIS_HASH, row) == hashlib.sha256(GENESIS_HASH.encode("ascii") + row).hexdigest()
+
+
+def test_redaction_of_authorization_and_secrets_everywhere() -> None:
+    redactor = Redactor(["tok-123", "tok-123-long"])
+    value = {
+        "headers": {"Authorization": "Bearer whatever", "AUTHORIZATION": 5, "x": "a tok-123-long b"},
+        "tok-123": ["tok-123", {"k": "pre-tok-123"}],
+        "n": 1,
+    }
+    assert redactor.apply(value) == {
+        "headers": {"Authorization": REDACTED, "AUTHORIZATION": REDACTED, "x": f"a {REDACTED} b"},
+        REDACTED: [REDACTED, {"k": f"pre-{REDACTED}"}],
+        "n": 1,
+    }
+    assert value["tok-123"] == ["tok-123", {"k": "pre-tok-123"}], "the input is not mutated"
+
+
+@given(
+    value=st.dictionaries(st.text(max_size=6), json_values, max_size=5),
+    secret=st.text(min_size=3, max_size=8),
+)
+@settings(max_examples=200, deadline=None)
+def test_fast_path_agrees_with_the_full_walk(value: dict[str, Any], secret: str) -> None:
+    redactor = Redactor([secret])
+    stored, text = redactor.encode(value)
+    assert stored == redactor.apply(value)
+    assert text == canonical(redactor.apply(value)).decode()
+
+
+def test_body_over_the_cap_becomes_digest_and_prefix() -> None:
+    small = {"body": {"blob": "x" * 1000}}
+    assert cap_bodies(small) == small
+    big_body = {"blob": "é" * BODY_CAP_BYTES}
+    capped = cap_bodies({"outer": [{"body": big_body}], "body": None})
+    digest = capped["outer"][0]["body"]
+    encoded = canonical(big_body)
+    assert digest == {
+        "sha256": hashlib.sha256(encoded).hexdigest(),
+        "bytes": len(encoded),
+        "prefix": encoded.decode()[:1024],
+    }
+    assert capped["body"] is None
+    # exactly at the cap stays; one byte over is capped
+    at_cap = "a" * (BODY_CAP_BYTES - 2)  # plus two quotes
+    assert cap_bodies({"body": at_cap}) == {"body": at_cap}
+    assert "sha256" in cap_bodies({"body": at_cap + "a"})["body"]
+
+
+def _strip(event: Event) -> Event:
+    if event.kind in KINDS_READ_BY_FOLD:
+        return event
+    return Event(
+        event.seq,
+        event.at,
+        event.kind,
+        event.checkpoint_id,
+        event.server,
+        event.call_id,
+        event.epoch,
+        {},
+        event.prev_hash,
+        event.hash,
+    )
+
+
+def _fold_all(events: list[Event]) -> dict[str, AttemptRow]:
+    rows: dict[str, AttemptRow] = {}
+    for event in events:
+        for cid in touched(event):
+            new = fold(rows.get(cid), event, cid)
+            if new is not None:
+                rows[cid] = new
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_fold_reads_payloads_only_of_the_declared_kinds(seed: int) -> None:
+    """Replay skips decoding other payloads; that must not change the result."""
+    items = random_items(random.Random(seed), 2000)
+    events = [
+        Event(
+            i + 1,
+            f"2025-01-01T00:00:{i % 60:02d}.000000Z",
+            it.kind,
+            it.checkpoint_id,
+            it.server,
+            it.call_id,
+            1,
+            json.loads(json.dumps(it.data)),
+            "",
+            "",
+        )
+        for i, it in enumerate(items)
+    ]
+    full = _fold_all(events)
+    assert full == _fold_all([_strip(e) for e in events])
+    states = {row.state for row in full.values()}
+    assert {"aborted", "completed"} <= states, "the generator reaches terminal states"
+
+
+def test_fold_lifecycle() -> None:
+    def ev(seq: int, kind: str, data: dict[str, Any], cid: str | None = "c1", epoch: int = 1) -> Event:
+        return Event(seq, f"t{seq}", kind, cid, None, None, epoch, data, "", "")
+
+    row = fold(None, ev(1, "attempt.started", {"kind": "save", "deadline_ts": 5, "participants": ["a", "b"]}))
+    assert row is not None
+    assert (row.state, row.kind, row.deadline_ts, row.participants, row.started_at) == (
+        "started",
+        "save",
+        5.0,
+        ("a", "b"),
+        "t1",
+    )
+    row = fold(row, ev(2, "phase.started", {"phase": "prepare"}))
+    assert row is not None
+    assert row.state == "prepare"
+    row = fold(row, ev(3, "call.sent", {}))
+    row = fold(row, ev(4, "call.failed", {}))
+    assert row is not None
+    assert (row.calls, row.failures, row.last_seq) == (1, 1, 4)
+    assert touched(ev(5, "call.replied", {})) == ()
+    row = fold(row, ev(6, "attempt.completed", {"outcome": "published"}))
+    assert row is not None
+    assert (row.state, row.outcome, row.ended_at) == ("completed", "published", "t6")
+    row = fold(row, ev(7, "phase.started", {"phase": "late"}))
+    assert row is not None
+    assert row.state == "completed", "terminal rows keep their state"
+    row = fold(row, ev(8, "recovery.completed", {"outcomes": {"c1": "abandoned"}}, cid=None, epoch=2))
+    assert row is not None
+    assert (row.outcome, row.recovered_by) == ("published", 2)
+    assert fold(None, ev(9, "call.sent", {}, cid="nobody")) is None
+
+    restore = fold(
+        None, ev(10, "attempt.started", {"kind": "restore", "deadline_ts": 1, "participants": []}, cid="r1")
+    )
+    done = fold(restore, ev(11, "recovery.completed", {"outcomes": {"r1": "abandoned"}}, cid=None, epoch=3))
+    assert done is not None
+    assert (done.state, done.outcome, done.recovered_by) == ("abandoned", "abandoned", 3)
