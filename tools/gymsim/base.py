@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import parse_qs
 
 import httpx
-from fastapi import Body, FastAPI
+from fastapi import Body, FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -157,6 +160,17 @@ class ControlMiddleware:
                 entry["status"] = None
 
 
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite float replaced by its text (JSON has no NaN/Infinity)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 async def _buffer_body(receive: Receive) -> tuple[bytes, Receive]:
     chunks: list[bytes] = []
     while True:
@@ -269,6 +283,11 @@ class GymServer:
 
     def _add_common_routes(self) -> None:
         app = self.app
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+            # FastAPI's default body, made renderable when the input held NaN or infinity.
+            return JSONResponse(status_code=422, content={"detail": _finite(jsonable_encoder(exc.errors()))})
 
         @app.get(CAPABILITIES_PATH)
         async def capabilities() -> JSONResponse:
