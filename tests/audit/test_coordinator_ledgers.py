@@ -1,0 +1,150 @@
+"""The audit tools on ledgers written by the real coordinator driving the reference Gym cluster.
+
+One ledger collects a published checkpoint, a lost reply in prepare, a 500 in commit, a drain
+that outlives the deadline (its rollback resumes come after the deadline, which is allowed), and
+a restore then resume. The protocol check finds no violation and no warning; `show`, `export` /
+`verify-bundle` and `report` work on it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from coordinator import Coordinator, DeadlineExceeded, PhaseError
+from coordinator.protocol import ROLLOUT_ID_HEADER
+from tests.coordinator.helpers import clear_faults, set_faults
+from tools.audit.check import CheckReport
+from tools.audit.cli import check_ledger
+from tools.audit.source import load_views
+from tools.cli.main import main
+
+
+async def _run_scenarios(cluster: Any, config: Any) -> dict[str, str]:
+    ids: dict[str, str] = {}
+    model = cluster.urls["policy_model"]
+    async with httpx.AsyncClient(timeout=None) as http, Coordinator.open(config) as coord:
+        ids["published"] = (await coord.checkpoint(deadline_s=20)).checkpoint_id
+
+        await set_faults(
+            http,
+            cluster.urls["simple_agent"],
+            [{"kind": "drop", "path": "/agent-checkpoint/prepare", "times": 1}],
+        )
+        with pytest.raises(PhaseError) as lost:
+            await coord.checkpoint(deadline_s=20)
+        assert lost.value.checkpoint_id is not None
+        ids["lost_reply"] = lost.value.checkpoint_id
+
+        await set_faults(
+            http,
+            cluster.urls["tools"],
+            [
+                {
+                    "kind": "fail",
+                    "path": "/resources-checkpoint/commit",
+                    "status": 500,
+                    "code": "disk_full",
+                    "times": 1,
+                }
+            ],
+        )
+        with pytest.raises(PhaseError) as failed:
+            await coord.checkpoint(deadline_s=20)
+        assert failed.value.checkpoint_id is not None
+        ids["commit_500"] = failed.value.checkpoint_id
+
+        await set_faults(http, model, [{"kind": "hang", "path": "/v1/responses", "rollout_id": "stuck"}])
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: http.post(
+                    f"{model}/v1/responses", json={"input": "x"}, headers={ROLLOUT_ID_HEADER: "stuck"}
+                )
+            )
+            await anyio.sleep(0.2)
+            with pytest.raises(DeadlineExceeded) as late:
+                await coord.checkpoint(deadline_s=1.5)
+            await clear_faults(http, cluster)
+        assert late.value.checkpoint_id is not None
+        ids["deadline"] = late.value.checkpoint_id
+
+        restored = await coord.restore(None, deadline_s=20)
+        await coord.resume(restored)
+        ids["restore"] = restored.checkpoint_id
+    return ids
+
+
+@pytest.fixture
+def written(cluster: Any, ledger_url: str, configure: Any) -> tuple[str, dict[str, str]]:
+    config = configure(cluster, ledger_url)
+    ids = anyio.run(_run_scenarios, cluster, config)
+    return ledger_url, ids
+
+
+def test_coordinator_ledger_obeys_the_protocol(
+    written: tuple[str, dict[str, str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, ids = written
+    report: CheckReport = anyio.run(check_ledger, url)
+    assert report.violations == []
+    assert report.warnings == []
+    assert report.attempts == {cid: "judged" for cid in ids.values()}
+
+    views = {v.checkpoint_id: v for v in anyio.run(load_views, url, None, 50)}
+    assert views[ids["published"]].outcome == "published"
+    assert views[ids["restore"]].kind == "restore"
+    for name in ("lost_reply", "commit_500", "deadline"):
+        view = views[ids[name]]
+        assert view.outcome == "aborted"
+        touched = view.touched()
+        matrix = view.matrix()
+        assert touched
+        assert all(matrix[s]["rollback"].state == "compensated" for s in touched), (name, matrix)
+    deadline_view = views[ids["deadline"]]
+    assert deadline_view.deadline_ts is not None
+    rollback = [c for c in deadline_view.calls if c.phase == "rollback"]
+    assert rollback
+    assert all(c.sent_ts > deadline_view.deadline_ts for c in rollback)  # late, yet allowed
+
+    for cid in ids.values():
+        capsys.readouterr()
+        assert main(["check", cid, "--ledger", url, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["ok"] is True
+    capsys.readouterr()
+    assert main(["replay", "--verify", "--ledger", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["protocol"]["ok"] is True
+
+
+def test_show_export_report_on_coordinator_ledger(
+    written: tuple[str, dict[str, str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, ids = written
+    capsys.readouterr()
+    assert main(["show", ids["commit_500"], "--ledger", url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    failed = [c for c in doc["calls"] if c["outcome"] == "failed"]
+    assert [(c["server"], c["phase"], c["status"], c["code"]) for c in failed] == [
+        ("tools", "commit", 500, "disk_full")
+    ]
+    assert main(["show", ids["lost_reply"], "--ledger", url]) == 0
+    assert "rollback" in capsys.readouterr().out
+
+    whole, one = tmp_path / "all.jsonl", tmp_path / "one.jsonl"
+    assert main(["export", "--ledger", url, "--out", str(whole)]) == 0
+    assert main(["export", "--ledger", url, "--checkpoint", ids["deadline"], "--out", str(one)]) == 0
+    capsys.readouterr()
+    assert main(["verify-bundle", str(whole), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["complete"] is True
+    assert main(["verify-bundle", str(one), "--json"]) == 0
+
+    page = tmp_path / "report.html"
+    assert main(["report", "--ledger", url, "--out", str(page)]) == 0
+    html = page.read_text(encoding="utf-8")
+    assert html.count('<section class="attempt"') == len(ids)
+    total_calls = sum(len(v.calls) for v in anyio.run(load_views, url, None, 50))
+    assert html.count('<rect class="bar ') == total_calls
