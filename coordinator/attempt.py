@@ -188,6 +188,7 @@ class Attempt:
     commits: dict[str, dict[str, Any]] = field(default_factory=dict)
     skipped: list[dict[str, str]] = field(default_factory=list)
     inflight: int | None = None
+    last_server: str | None = None
 
     @property
     def names(self) -> list[str]:
@@ -247,6 +248,7 @@ async def _call(
     spec = route(member.component, operation)
     if spec.method == "POST":
         attempt.touch(member.name)
+    attempt.last_server = member.name
     return await ctx.caller.call(
         member.target,
         spec,
@@ -310,6 +312,7 @@ async def _run_phase(
     """
     await ctx.ledger.append("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": phase})
     ctx.progress(Progress(attempt.checkpoint_id, phase))
+    attempt.last_server = None
     summary: dict[str, Any] | None = None
     with anyio.CancelScope(deadline=_anyio_deadline(attempt.deadline_ts)) as scope:
         summary = await body()
@@ -317,7 +320,8 @@ async def _run_phase(
         reason = "the attempt's deadline passed"
         if phase == "prepare" and attempt.inflight:
             reason += f" while draining: {attempt.inflight} requests still in flight"
-        raise _Failed(phase, None, reason, deadline=True)
+        # the call in flight when the deadline hit is the one that did not finish in time
+        raise _Failed(phase, attempt.last_server, reason, deadline=True)
     await ctx.ledger.append(
         "phase.completed", checkpoint_id=attempt.checkpoint_id, data={"phase": phase, "summary": summary}
     )
