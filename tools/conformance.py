@@ -5,7 +5,8 @@ server's base URL and it runs a fixed list of probes over plain HTTP (httpx, not
 coordinator), each giving one `CheckResult` (pass, fail with a short reason, or skip
 with why). The wire format, routes and codes come from `coordinator.protocol`.
 
-What it drives, in order (each probe uses a fresh checkpoint id of this run,
+`CHECKS` (at the end of this module) names every row and states what its passing
+proves. What it drives, in order (each probe uses a fresh checkpoint id of this run,
 `qc-<hex>-<label>`, so a retired id of an earlier run never collides):
 
 1. capabilities (no token) — shape, schema version, fence snapshot, idle at start;
@@ -71,6 +72,7 @@ from coordinator.protocol import (
 )
 
 __all__ = [
+    "CHECKS",
     "CheckResult",
     "CheckStatus",
     "ConformanceReport",
@@ -227,6 +229,8 @@ def _expect(reply: _Reply, status: int, code: str | None = None) -> None:
 
 def _validate(model: type[BaseModel], reply: _Reply, what: str) -> Any:
     _expect(reply, 200)
+    if reply.body is None:
+        raise _Fail(f"{what} reply is not JSON: {reply.describe()}")
     try:
         return model.model_validate(reply.body)
     except ValidationError as exc:
@@ -406,6 +410,7 @@ class _Checker:
     # -- rows -------------------------------------------------------------------------------------
 
     def _add(self, name: str, status: CheckStatus, detail: str = "") -> CheckResult:
+        assert name in CHECKS, f"undocumented check {name!r}"
         detail = detail.replace(self.token, "***") if self.token else detail
         result = CheckResult(name, status, detail)
         self.report.results.append(result)
@@ -429,7 +434,7 @@ class _Checker:
             self._add(name, "fail", f"no reply within {self.timeout_s:g}s ({type(exc).__name__})")
             return False
         except httpx.HTTPError as exc:
-            self._add(name, "fail", f"request failed: {type(exc).__name__}: {exc}")
+            self._add(name, "fail", f"request failed: {_transport_error(exc)}")
             return False
         self._add(name, "pass", detail or "")
         return True
@@ -594,7 +599,11 @@ class _Checker:
         """Each case (label, json body, raw body, id to resume if accepted) must answer 422."""
         bad: list[str] = []
         for label, body, raw, repair_id in cases:
-            reply = await self.post(self.first_op, body, raw_body=raw)
+            try:
+                reply = await self.post(self.first_op, body, raw_body=raw)
+            except httpx.HTTPError as exc:
+                bad.append(f"{label}: {_transport_error(exc)}")
+                continue
             if reply.status != 422:
                 bad.append(f"{label}: {reply.describe()}")
             await self._repair(reply, repair_id)
@@ -917,6 +926,15 @@ class _Checker:
         await self.check("cleanup.idle", idle)
 
 
+def _transport_error(exc: httpx.HTTPError) -> str:
+    text = str(exc).strip()
+    if isinstance(exc, httpx.TimeoutException):
+        return f"no reply in time ({type(exc).__name__})"
+    if not text and isinstance(exc, httpx.ReadError | httpx.RemoteProtocolError):
+        text = "connection closed without a complete reply"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _summary(body: Any, keys: tuple[str, ...]) -> str:
     if not isinstance(body, dict):
         return ""
@@ -967,14 +985,62 @@ def _check_continuation_rows(data: bytes) -> None:
         raise _Fail("continuations.jsonl rows are not sorted by capture key")
 
 
-_VALIDATION: Final = (
-    "validation.extra_field",
-    "validation.checkpoint_id",
-    "validation.deadline_ts",
-    "validation.schema_version",
-    "validation.schema_version_optional",
-)
-_PHASES: Final = ("phase.commit_before_prepare", "phase.status_at_idle", "phase.resume_at_idle")
+#: Every row the checker can emit, and what its passing proves (spec sections in brackets).
+CHECKS: Final[Mapping[str, str]] = {
+    "capabilities.shape": "GET /capabilities answers without a token and validates as Capabilities: "
+    "schema_version 1, the fence fields (phase, active_checkpoint_id, deadline_ts) present, "
+    "a model states its instance_role [§2]",
+    "capabilities.idle_at_start": "the server is idle with no active id: probing disturbs no checkpoint",
+    "auth.post_missing_token": "a control POST without a token is refused with 401 and the spec's body [§1]",
+    "auth.post_wrong_token": "a control POST with a wrong token is refused with 401 [§1]",
+    "auth.status_missing_token": "the status GET without a token is refused with 401 [§1]",
+    "auth.status_wrong_token": "the status GET with a wrong token is refused with 401 [§1]",
+    "auxiliary.not_a_policy_instance": "an auxiliary model refuses pause, commit, restore and resume "
+    "with 409 not_a_policy_instance [§3]",
+    "auxiliary.status_allowed": "an auxiliary model's status GET is not refused as not_a_policy_instance "
+    "[§3]",
+    "validation.extra_field": "an unknown body field is refused with 422 [§1]",
+    "validation.checkpoint_id": "ids outside 1-128 chars of ^[A-Za-z0-9][A-Za-z0-9._-]*$ "
+    "(e.g. '-x', 129 chars, missing) are refused with 422 [§1]",
+    "validation.deadline_ts": "a missing, non-finite (NaN, Infinity, 1e999) or non-numeric deadline_ts "
+    "is refused with 422 [§1]",
+    "validation.schema_version": "schema_version other than 1 (2, 0) is refused with 422 [§1]",
+    "validation.schema_version_optional": "a body without schema_version is accepted (pause/prepare, "
+    "then resume) [§1]",
+    "phase.commit_before_prepare": "commit at idle is refused with 409 invalid_phase [§1.1 table]",
+    "phase.status_at_idle": "status at idle: 409 invalid_phase for a model or resources server, "
+    "200 for an agent (allowed from any phase) [§1.1 table]",
+    "phase.resume_at_idle": "resume at idle: 409 invalid_phase for a model, 200 for an agent or "
+    "resources server, which stays idle [§1.1 table]",
+    "cycle.prepare": "model pause / agent prepare (retrying agent_prepare_incomplete every 0.1 s) / "
+    "resources prepare answers 200 with its reply model [§3-5]",
+    "capabilities.fence_state_prepared": "after prepare, capabilities show the phase, the active id and "
+    "the deadline that was sent (what recovery relies on) [§2]",
+    "fence.replay_prepare": "repeating the same prepare replays the recorded reply unchanged [§1.1 rule 2]",
+    "fence.conflict": "a second id while one is active is refused with 409 checkpoint_conflict [§1.1 rule 4]",
+    "cycle.status": "status answers 200 for the active id: a model's long-poll reaches paused with 0 in "
+    "flight, an agent is ready_to_commit, resources are prepared [§3-5]",
+    "cycle.commit": "commit into a fresh dir answers 200 with its reply model (a model gets "
+    "continuation_indexes: []) [§3-5]",
+    "artifacts.manifest_digest": "the manifest at manifest_path(component, name) exists, is JSON, and "
+    "its sha256 equals the reply's manifest_digest [§6]",
+    "artifacts.index": "an agent's continuation_index names its continuations.jsonl whose sha256, bytes "
+    "and records match, with valid rows sorted by capture key; a model's storage_reference_index, "
+    "if any, matches its file [§4]",
+    "capabilities.fence_state_committed": "after commit, capabilities show committed_paused and the "
+    "active id [§2]",
+    "fence.replay_commit": "repeating the same commit replays the recorded reply unchanged [§1.1 rule 2]",
+    "cycle.resume": "resume answers 200 with state accepting [§3-5]",
+    "fence.replay_resume": "repeating the resume of the retired id replays its result [§1.1 rule 1]",
+    "fence.stale_after_resume": "prepare/pause with the retired id is refused with 409 "
+    "stale_checkpoint [§1.1 rule 1]",
+    "cleanup.idle": "after the run (whatever failed) the server is back at idle with no active id: "
+    "everything the checker paused was resumed",
+}
+
+_AUTH: Final = tuple(n for n in CHECKS if n.startswith("auth."))
+_VALIDATION: Final = tuple(n for n in CHECKS if n.startswith("validation."))
+_PHASES: Final = tuple(n for n in CHECKS if n.startswith("phase."))
 _CYCLE: Final = (
     "cycle.prepare",
     "capabilities.fence_state_prepared",
@@ -989,12 +1055,6 @@ _CYCLE: Final = (
     "cycle.resume",
     "fence.replay_resume",
     "fence.stale_after_resume",
-)
-_AUTH: Final = (
-    "auth.post_missing_token",
-    "auth.post_wrong_token",
-    "auth.status_missing_token",
-    "auth.status_wrong_token",
 )
 _ALL_AFTER_CAPABILITIES: Final = (
     "capabilities.idle_at_start",

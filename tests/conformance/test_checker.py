@@ -144,3 +144,15 @@ async def test_unreachable_url_raises_usage_error() -> None:
         port = sock.getsockname()[1]
     with pytest.raises(ServerUnreachable, match="cannot reach"):
         await run_conformance(f"http://127.0.0.1:{port}", TOKEN, timeout_s=5)
+
+
+def test_every_documented_check_can_be_emitted() -> None:
+    # Every row name the checker may emit is documented in CHECKS, and nothing documented is dead.
+    from tools import conformance
+
+    emitted = set(conformance._ALL_AFTER_CAPABILITIES) | {
+        "capabilities.shape",
+        "auxiliary.not_a_policy_instance",
+        "auxiliary.status_allowed",
+    }
+    assert emitted == set(conformance.CHECKS)

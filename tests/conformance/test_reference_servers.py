@@ -1,0 +1,138 @@
+"""The checker against the reference servers of `tools/gymsim` (the seed's example cluster).
+
+Every reference server must pass (skips allowed where the spec makes a check
+inapplicable: the judge is auxiliary, math_agent is stateless), an agent with
+rollouts in flight must park, commit and release them, and a server broken through
+gymsim's own fault injection must fail with a clear row while the checker still
+leaves it idle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import anyio
+import httpx
+import pytest
+
+from tests.conformance.conftest import TOKEN
+from tools.conformance import ConformanceReport, run_conformance
+from tools.gymsim.cluster import RunningCluster, start_cluster
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RunningCluster]:
+    with start_cluster(token=TOKEN) as running:
+        yield running
+
+
+def _rows(report: ConformanceReport) -> dict[str, tuple[str, str]]:
+    return {r.name: (r.status, r.detail) for r in report.results}
+
+
+def _failures(report: ConformanceReport) -> list[str]:
+    return [f"{r.name}: {r.detail}" for r in report.results if r.status == "fail"]
+
+
+async def _fence(client: httpx.AsyncClient, url: str) -> tuple[str, str | None]:
+    caps = (await client.get(url + "/ng-control/v1/capabilities")).json()
+    return caps["phase"], caps["active_checkpoint_id"]
+
+
+@pytest.mark.parametrize("name", ["policy_model", "simple_agent", "tools"])
+async def test_stateful_reference_servers_pass_every_check(cluster: RunningCluster, name: str) -> None:
+    report = await run_conformance(cluster.urls[name], TOKEN, timeout_s=20)
+    assert _failures(report) == []
+    rows = _rows(report)
+    assert report.name == name
+    for check in ("cycle.prepare", "cycle.commit", "artifacts.manifest_digest", "fence.stale_after_resume"):
+        assert rows[check][0] == "pass", rows[check]
+    if name == "simple_agent":
+        assert rows["artifacts.index"][0] == "pass"
+    async with httpx.AsyncClient() as client:
+        assert await _fence(client, cluster.urls[name]) == ("idle", None)
+
+
+async def test_judge_is_checked_as_an_auxiliary_instance(cluster: RunningCluster) -> None:
+    report = await run_conformance(cluster.urls["judge"], TOKEN, timeout_s=20)
+    assert _failures(report) == []
+    rows = _rows(report)
+    assert report.instance_role == "auxiliary"
+    assert rows["auxiliary.not_a_policy_instance"][0] == "pass"
+    assert rows["auth.post_wrong_token"][0] == "pass"
+    assert rows["cycle.prepare"][0] == "skip"
+
+
+async def test_stateless_math_agent_is_skipped_with_the_reason(cluster: RunningCluster) -> None:
+    report = await run_conformance(cluster.urls["math_agent"], TOKEN, timeout_s=20)
+    assert _failures(report) == []
+    rows = _rows(report)
+    assert rows["capabilities.shape"][0] == "pass"
+    assert rows["cycle.prepare"] == (
+        "skip",
+        "checkpoint_mode stateless: the coordinator never drives its control routes",
+    )
+
+
+async def test_agent_with_rollouts_in_flight_parks_commits_and_releases_them() -> None:
+    with start_cluster(token=TOKEN) as running:
+        agent, model = running.urls["simple_agent"], running.urls["policy_model"]
+        async with httpx.AsyncClient() as client:
+            reply = await client.post(model + "/gymsim/admin/options", json={"latency_s": 0.02})
+            assert reply.status_code == 200, reply.text
+            for i in range(3):
+                reply = await client.post(agent + "/run", json={"rollout_id": f"r{i}", "turns": 40})
+                assert reply.status_code == 200, reply.text
+            report = await run_conformance(agent, TOKEN, timeout_s=20)
+            assert _failures(report) == []
+            status, detail = _rows(report)["artifacts.index"]
+            assert status == "pass"
+            assert "(3 records" in detail  # every running rollout was parked and recorded
+            # The checker's resume released them: they all run to the end.
+            while True:
+                views = (await client.get(agent + "/rollouts")).json()["rollouts"]
+                if all(v["status"] == "completed" for v in views):
+                    break
+                assert not any(v["status"] == "failed" for v in views), views
+                await anyio.sleep(0.05)
+            assert len(views) == 3
+
+
+@pytest.mark.parametrize(
+    ("path", "kind", "row", "words"),
+    [
+        (
+            "/resources-checkpoint/commit",
+            "wrong_schema",
+            "cycle.commit",
+            "does not match ResourcesCommitReply",
+        ),
+        (
+            "/resources-checkpoint/prepare",
+            "malformed",
+            "cycle.prepare",
+            "prepare reply is not JSON",
+        ),
+    ],
+)
+async def test_injected_fault_fails_a_clear_row_and_leaves_the_server_idle(
+    cluster: RunningCluster, path: str, kind: str, row: str, words: str
+) -> None:
+    url = cluster.urls["tools"]
+    async with httpx.AsyncClient() as client:
+        reply = await client.post(
+            url + "/gymsim/admin/faults", json={"faults": [{"kind": kind, "path": path}]}
+        )
+        assert reply.status_code == 200, reply.text
+        try:
+            report = await run_conformance(url, TOKEN, timeout_s=20)
+        finally:
+            await client.delete(url + "/gymsim/admin/faults")
+        status, detail = _rows(report)[row]
+        assert status == "fail"
+        assert words in detail
+        assert not report.passed
+        assert _rows(report)["cleanup.idle"][0] == "pass"
+        assert await _fence(client, url) == ("idle", None)
