@@ -1,22 +1,51 @@
-"""`quiesce history --ledger URL | --config C [--json]` — one line per attempt, from the projection.
+"""`quiesce history --ledger URL | --config C [--since T] [--outcome O] [--limit N] [--json]`.
+
+One row per attempt, oldest first, read from the `attempts` projection only (never the events),
+so it stays fast on large ledgers: id, kind, outcome, started, duration, participants, calls,
+failures, recovered-by.
 
 Read-only: opens the ledger without taking an epoch, so it never fences a running coordinator.
-`--json` prints a list of `{"checkpoint_id", "kind", "state", "outcome", "started_at", "ended_at",
-"participants", "epoch", "calls", "failures", "recovered_by"}`, oldest first.
+`--since` takes a UTC time (`2025-01-02`, `2025-01-02T03:04:05Z`) or an age (`90s`, `30m`, `2h`,
+`7d`); `--outcome` one of published, restored, resumed, aborted, abandoned, or `open` (no terminal
+event yet). `--json` prints a list of `{"checkpoint_id", "kind", "state", "outcome", "started_at",
+"ended_at", "duration_s", "participants", "epoch", "calls", "failures", "recovered_by"}`.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
-from typing import Any
+import re
+from datetime import UTC, datetime, timedelta
+from typing import Any, Final
 
 import anyio
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
-from coordinator import load_config, read_history
+from coordinator import load_config
+from ledger import AttemptRow
+from tools.audit.present import RESULT_STYLE, duration, short_at, widened
+from tools.audit.source import open_readonly
 from tools.cli.output import console, emit_json
+
+OUTCOMES: Final = ("published", "restored", "resumed", "aborted", "abandoned", "open")
+_AGE: Final = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT_S: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_since(text: str, now: datetime | None = None) -> datetime:
+    """A UTC datetime from an ISO time/date (naive means UTC) or an age such as `2h` before `now`."""
+    age = _AGE.match(text.strip())
+    if age:
+        seconds = float(age.group(1)) * _UNIT_S[age.group(2)]
+        return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
+    try:
+        when = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--since {text!r}: give a UTC time like 2025-01-02 or 2025-01-02T03:04:05Z, or an age like 2h"
+        ) from None
+    return when.replace(tzinfo=UTC) if when.tzinfo is None else when.astimezone(UTC)
 
 
 def register(subparsers: Any) -> None:
@@ -28,42 +57,90 @@ def register(subparsers: Any) -> None:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--ledger", metavar="URL", help="ledger database URL")
     where.add_argument("--config", metavar="FILE", help="cluster config (its ledger is read)")
+    parser.add_argument("--since", metavar="T", type=parse_since, help="attempts started at or after T")
+    parser.add_argument("--outcome", metavar="O", choices=OUTCOMES, help="only this outcome (or `open`)")
+    parser.add_argument("--limit", metavar="N", type=int, default=0, help="only the N most recent (0: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.set_defaults(handler=handle)
 
 
+async def read_rows(url: str, since: datetime | None, outcome: str | None) -> list[AttemptRow]:
+    """Projection rows, oldest first; `outcome="open"` means no terminal event yet."""
+    async with open_readonly(url) as ledger:
+        if outcome == "open":
+            return [r for r in await ledger.attempts(since=since) if r.outcome is None]
+        return await ledger.attempts(since=since, outcome=outcome)
+
+
+def duration_s(row: AttemptRow) -> float | None:
+    if row.ended_at is None:
+        return None
+    try:
+        return max(
+            0.0,
+            (datetime.fromisoformat(row.ended_at) - datetime.fromisoformat(row.started_at)).total_seconds(),
+        )
+    except ValueError:
+        return None
+
+
+def to_json(row: AttemptRow) -> dict[str, Any]:
+    return {
+        "checkpoint_id": row.checkpoint_id,
+        "kind": row.kind,
+        "state": row.state,
+        "outcome": row.outcome,
+        "started_at": row.started_at,
+        "ended_at": row.ended_at,
+        "duration_s": duration_s(row),
+        "participants": list(row.participants),
+        "epoch": row.epoch,
+        "calls": row.calls,
+        "failures": row.failures,
+        "recovered_by": row.recovered_by,
+    }
+
+
 def handle(args: argparse.Namespace) -> int:
+    if args.limit < 0:
+        raise SystemExit("quiesce history: error: --limit must be 0 (all) or more")
     url = args.ledger if args.ledger else load_config(args.config).ledger
-    rows = anyio.run(read_history, url)
+    rows = anyio.run(read_rows, url, args.since, args.outcome)
+    if args.limit:
+        rows = rows[-args.limit :]
     if args.json:
-        documents = []
-        for row in rows:
-            item = asdict(row)
-            item["participants"] = list(row.participants)
-            item.pop("last_seq", None)
-            item.pop("deadline_ts", None)
-            documents.append(item)
-        emit_json(documents)
+        emit_json([to_json(row) for row in rows])
         return 0
     if not rows:
-        console.print("no attempts recorded")
+        console.print(
+            "no attempts recorded" if args.since is None and args.outcome is None else "no attempts match"
+        )
         return 0
     table = Table(box=None, pad_edge=False)
-    for column in ("checkpoint", "kind", "outcome", "started", "ended", "calls", "failed", "participants"):
-        table.add_column(column, no_wrap=column != "participants")
+    for column in (
+        "checkpoint",
+        "kind",
+        "outcome",
+        "started (UTC)",
+        "duration",
+        "participants",
+        "calls",
+        "failures",
+    ):
+        table.add_column(column, justify="right" if column in ("calls", "failures", "duration") else "left")
+    table.add_column("recovered by")
     for row in rows:
-        outcome = row.outcome or f"({row.state})"
-        if row.recovered_by is not None:
-            outcome += f" [recovered e{row.recovered_by}]"
+        outcome = row.outcome or f"open ({row.state})"
         table.add_row(
-            row.checkpoint_id,
-            row.kind,
-            escape(outcome),
-            row.started_at.replace("T", " ")[:19],
-            (row.ended_at or "-").replace("T", " ")[:19],
-            str(row.calls),
-            str(row.failures),
-            escape(", ".join(row.participants)),
+            Text(row.checkpoint_id),
+            Text(row.kind),
+            Text(outcome, style=RESULT_STYLE.get(row.outcome or "", "yellow")),
+            Text(short_at(row.started_at)),
+            Text(duration(duration_s(row)) if row.ended_at else "-"),
+            Text(", ".join(row.participants)),
+            Text(str(row.calls)),
+            Text(str(row.failures), style="red" if row.failures else ""),
+            Text(f"epoch {row.recovered_by}" if row.recovered_by is not None else "-"),
         )
-    console.print(table)
+    widened(console).print(table)
     return 0
