@@ -7,8 +7,9 @@ the route table of `coordinator.protocol`, `status(...)` the status GET,
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -63,7 +64,7 @@ class Gym:
         deadline_s: float = 30.0,
         token: str | None = TOKEN,
         body: dict[str, Any] | None = None,
-        timeout: float | None = 60.0,
+        http_timeout: float | None = 60.0,
         **extra: Any,
     ) -> httpx.Response:
         path = route(await self.component(name), operation).full_path
@@ -73,7 +74,7 @@ class Gym:
             else {"checkpoint_id": checkpoint_id, "deadline_ts": time.time() + deadline_s, **extra}
         )
         return await self.http.post(
-            self.urls[name] + path, json=document, headers=auth(token), timeout=timeout
+            self.urls[name] + path, json=document, headers=auth(token), timeout=http_timeout
         )
 
     async def status(
@@ -95,6 +96,17 @@ class Gym:
     async def fence(self, name: str) -> tuple[str, str | None]:
         caps = await self.caps(name)
         return caps["phase"], caps["active_checkpoint_id"]
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]], *, timeout_s: float = 60.0, what: str = ""
+) -> None:
+    """Poll `check` until it holds (a test timeout guard, not a timing assertion)."""
+    give_up = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > give_up:
+            raise AssertionError(f"never happened: {what or check}")
+        await asyncio.sleep(0.01)
 
 
 def code(reply: httpx.Response) -> str | None:

@@ -127,7 +127,7 @@ async def test_bad_bodies_are_422(sgym: Gym, name: str, operation: str, document
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
 async def test_non_finite_deadline_is_422(sgym: Gym, value: str) -> None:
     path = route("resources_servers", "prepare").full_path
-    raw = '{"checkpoint_id": "c1", "deadline_ts": %s}' % value
+    raw = f'{{"checkpoint_id": "c1", "deadline_ts": {value}}}'
     reply = await sgym.http.post(
         sgym.urls["tools"] + path, content=raw, headers={**auth(), "content-type": "application/json"}
     )

@@ -186,9 +186,9 @@ async def test_action_may_choose_the_after_phase() -> None:
         return Done({"x": 1}, after="preparing")
 
     await fence.run("prepare", body(), action)
-    assert fence.phase == "preparing"
+    assert fence.snapshot()["phase"] == "preparing"
     fence.advance("preparing", "prepared")
-    assert fence.phase == "prepared"
+    assert fence.snapshot()["phase"] == "prepared"
 
 
 async def test_status_query_rules() -> None:

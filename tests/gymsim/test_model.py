@@ -19,7 +19,7 @@ from coordinator.protocol import (
     manifest_path,
     sha256_hex,
 )
-from tests.gymsim.conftest import Gym, code
+from tests.gymsim.conftest import Gym, code, eventually
 from tools.gymsim.common import jsonl_bytes
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -88,7 +88,8 @@ async def test_output_is_deterministic_and_calls_are_numbered_per_capture_key(gy
     assert other_attempt.json()["output_text"] == first.json()["output_text"]  # not a function of the attempt
     assert (await call(gym, "r1", 2)).json()["output_text"] != first.json()["output_text"]
     anonymous = await call(gym, None, 1)
-    assert anonymous.status_code == 200 and anonymous.json()["metadata"]["model_call_id"] is None
+    assert anonymous.status_code == 200
+    assert anonymous.json()["metadata"]["model_call_id"] is None
     for suffix in ("/v1/chat/completions", "/v1/messages"):
         assert (
             await gym.http.post(gym.urls["policy_model"] + suffix, json={"messages": []})
@@ -99,7 +100,8 @@ async def test_pause_gate_status_and_resume(gym: Gym) -> None:
     reply = await gym.op("policy_model", "pause")
     assert reply.status_code == 200
     paused = ModelPauseReply.model_validate(reply.json())
-    assert paused.state == "paused" and paused.inflight_total == 0
+    assert paused.state == "paused"
+    assert paused.inflight_total == 0
     assert paused.workers.acknowledged == paused.workers.expected == 1
     assert await gym.fence("policy_model") == ("prepared", "c1")
     refused = await call(gym, "r1", 1)
@@ -130,8 +132,11 @@ async def test_pause_while_in_flight_drains_and_status_moves_to_prepared(gym: Gy
             headers={"x-nemo-gym-rollout-id": "held"},
         )
     )
-    while (await gym.admin("policy_model", "GET", "state"))["inflight_total"] == 0:
-        await asyncio.sleep(0.01)
+
+    async def held() -> bool:
+        return bool((await gym.admin("policy_model", "GET", "state"))["inflight_total"])
+
+    await eventually(held, what="the held call is in flight")
     paused = (await gym.op("policy_model", "pause")).json()
     assert (paused["state"], paused["inflight_total"]) == ("draining", 1)
     assert await gym.fence("policy_model") == ("preparing", "c1")
@@ -255,10 +260,12 @@ async def test_restore_verifies_digests_before_installing(cluster: Any, gym: Gym
     with start_cluster(SPEC, token=TOKEN) as fresh:
         target = Gym(fresh.urls, gym.http)
         reply = await target.op("policy_model", "restore", "c2", checkpoint_dir=str(tmp_path))
-        assert reply.status_code == 409 and code(reply) == "restore_failed"
+        assert reply.status_code == 409
+        assert code(reply) == "restore_failed"
         assert await target.fence("policy_model") == ("restore_failed_paused", "c2")
         state = await target.admin("policy_model", "GET", "state")
-        assert state["ledger"] == {} and state["admission_state"] == "paused"
+        assert state["ledger"] == {}
+        assert state["admission_state"] == "paused"
         assert (
             code(await target.op("policy_model", "restore", "c3", checkpoint_dir=str(tmp_path)))
             == "checkpoint_conflict"
@@ -271,7 +278,8 @@ async def test_restore_verifies_digests_before_installing(cluster: Any, gym: Gym
 
 async def test_restore_without_a_snapshot_fails_into_restore_failed_paused(gym: Gym, tmp_path: Path) -> None:
     reply = await gym.op("policy_model", "restore", checkpoint_dir=str(tmp_path / "nothing"))
-    assert reply.status_code == 409 and code(reply) == "restore_failed"
+    assert reply.status_code == 409
+    assert code(reply) == "restore_failed"
     assert await gym.fence("policy_model") == ("restore_failed_paused", "c1")
     assert (await gym.op("policy_model", "resume")).status_code == 200
     assert await gym.fence("policy_model") == ("idle", None)
@@ -291,12 +299,15 @@ async def test_phase_table_of_the_model(gym: Gym, tmp_path: Path) -> None:
 
 async def test_auxiliary_judge_refuses_control_but_never_gates(gym: Gym, tmp_path: Path) -> None:
     for operation in ("pause", "commit", "restore", "resume"):
-        extra = {"checkpoint_dir": str(tmp_path)} if operation in ("commit", "restore") else {}
+        extra: dict[str, Any] = (
+            {"checkpoint_dir": str(tmp_path)} if operation in ("commit", "restore") else {}
+        )
         reply = await gym.op("judge", operation, **extra)
         assert reply.status_code == 409, operation
         assert code(reply) == "not_a_policy_instance"
     status = await gym.status("judge")
-    assert status.status_code == 200 and status.json()["state"] == "accepting"
+    assert status.status_code == 200
+    assert status.json()["state"] == "accepting"
     assert (await gym.op("policy_model", "pause")).status_code == 200
     assert (await call(gym, "r1", 1, name="judge")).status_code == 200
     assert await gym.fence("judge") == ("idle", None)
