@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import anyio
 import pytest
 
 from ledger import Event, Ledger
@@ -332,3 +333,30 @@ async def test_pairing_violation(ledger_url: str) -> None:
     assert [(v.rule, v.seq) for v in report.violations] == [("pairing", replies[1]), ("pairing", replies[2])]
     view = build_attempt("ck", events)
     assert [seq for seq, _ in view.pairing_errors] == replies[1:]
+
+
+async def test_deadline_allows_a_late_resume_of_a_restore(ledger_url: str) -> None:
+    """The restore's calls come before the deadline; its resume, asked for later, may come after."""
+    async with Ledger.open(ledger_url) as ledger:
+        s = Script(ledger)
+        await s.start()
+        await s.attempt("rs", kind="restore", deadline_ts=time.time() + 0.3, participants=(POLICY, AGENT_1))
+        await s.phase("rs", "restore")
+        await s.call("rs", POLICY, "restore", "restore")
+        await s.call("rs", AGENT_1, "restore", "restore")
+        await s.phase_done("rs", "restore")
+        await anyio.sleep(0.4)  # the caller resumes after the deadline
+        await s.resume("rs", (POLICY, AGENT_1))
+        late_commit = await s.send("rs", POLICY, "resume", "commit")  # but nothing else may be sent
+        await s.reply("rs", POLICY, late_commit)
+        await s.completed("rs", outcome="resumed")
+    events = await _all_events(ledger_url)
+    report = check_events(events)
+    commit = _seq_of(events, "call.sent", operation="/model-checkpoint/commit")
+    terminal = _seq_of(events, "attempt.completed")
+    # the late commit: after the deadline, not a resume step, and it leaves the model paused again
+    assert {(v.rule, v.seq) for v in report.violations} == {
+        ("deadline", commit[0]),
+        ("order", commit[0]),
+        ("unsettled", terminal[0]),
+    }

@@ -20,8 +20,11 @@ Rules (each `Violation` names the seq of the offending event):
   attempt resumed in its `resume` phase without an acknowledged commit is a violation at that resume.
   Restore attempts stay paused by design unless their outcome is `resumed`; then every touched
   server must have been resumed. Attempts with no terminal event are reported as open, not judged.
-- `deadline` — no call is sent (by `at`) after the attempt's `deadline_ts`, except rollback and
-  recovery resumes and recovery's capabilities reads.
+- `deadline` — no call is sent (by its `call.sent` `at`) after the attempt's `deadline_ts`, except
+  resumes and recovery's capabilities reads. Resumes are exempt in every phase, not only in
+  rollback and recovery: a resume only releases a server, and the coordinator gives each one the
+  budget `max(deadline_ts, now + control_timeout_s)` (gym-control-v1 §6) — the resume of a restore
+  comes whenever the caller asks for it, and a published save's resume may be retried later.
 - `epoch` — no event carries an epoch lower than one already seen at a smaller seq.
 - `pairing` — every outcome follows its `call.sent`, once (a second `call.sent` with one id too).
 """
@@ -257,7 +260,7 @@ class ProtocolChecker:
                     break
 
         # deadline
-        exempt = compensating and operation in ("resume", "capabilities")
+        exempt = operation == "resume" or (phase == "recovery" and operation == "capabilities")
         if attempt.deadline_ts is not None and not exempt:
             sent_ts = parse_at(event.at)
             if sent_ts > attempt.deadline_ts:
