@@ -13,7 +13,8 @@ continuation index) on commit, and each fault in `faults` breaks exactly one rul
 - `never_retire`   — resume does not retire the id (no stale_checkpoint);
 - `bad_caps`       — capabilities lack the fence fields;
 - `index_bytes`    — the agent's continuation_index gives a wrong byte count;
-- `no_conflict`    — a second id is not refused with checkpoint_conflict while one is active.
+- `no_conflict`    — a second id is not refused with checkpoint_conflict while one is active;
+- `slow_commit`    — a commit in phase prepared waits for `released` (to cancel a checker mid-call).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -61,6 +63,7 @@ FAULTS = frozenset(
         "bad_caps",
         "index_bytes",
         "no_conflict",
+        "slow_commit",
     }
 )
 
@@ -132,6 +135,8 @@ class FakeGym:
         self.recorded: dict[tuple[str, str], Any] = {}
         self.retired: set[str] = set()
         self.lock = threading.Lock()
+        self.released = threading.Event()
+        self.commit_waiting = threading.Event()
         self.app = self._build()
 
     def _authorized(self, request: Request) -> bool:
@@ -202,6 +207,9 @@ class FakeGym:
                 return JSONResponse({"detail": detail}, status_code=422)
             except ValueError as exc:
                 return JSONResponse({"detail": str(exc)}, status_code=422)
+            if op == "commit" and "slow_commit" in self.faults and self.phase == "prepared":
+                self.commit_waiting.set()
+                await anyio.to_thread.run_sync(self.released.wait)
             if self.role == "auxiliary":
                 return _conflict(NOT_A_POLICY_INSTANCE, "this model is not the policy instance")
             with self.lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import socket
 
+import anyio
 import pytest
 
 from coordinator.protocol import AGENT, MODEL, RESOURCES
@@ -156,3 +157,30 @@ def test_every_documented_check_can_be_emitted() -> None:
         "auxiliary.status_allowed",
     }
     assert emitted == set(conformance.CHECKS)
+
+
+async def test_cancelled_checker_still_resumes_what_it_paused(start_fake: StartFake) -> None:
+    fake, url = start_fake(RESOURCES, faults=frozenset({"slow_commit"}))
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_conformance, url, TOKEN)
+            # Cancel while the cycle's commit is outstanding: the cycle id is active on the server.
+            assert await anyio.to_thread.run_sync(fake.commit_waiting.wait, 30)
+            assert fake.phase == "prepared"
+            assert (fake.active or "").endswith("-cycle")
+            tg.cancel_scope.cancel()
+    finally:
+        fake.released.set()
+    assert (fake.phase, fake.active) == ("idle", None)
+
+
+async def test_a_url_that_is_no_gym_server_fails_capabilities_and_skips_the_rest(
+    start_fake: StartFake,
+) -> None:
+    _, url = start_fake(RESOURCES)
+    report = await run_conformance(url + "/not-here", TOKEN, timeout_s=10)
+    rows = statuses(report)
+    assert rows.pop("capabilities.shape") == "fail"
+    assert set(rows.values()) == {"skip"}
+    assert report.results[0].detail.startswith("expected 200, got HTTP 404")
+    assert not report.passed

@@ -136,3 +136,36 @@ async def test_injected_fault_fails_a_clear_row_and_leaves_the_server_idle(
         assert not report.passed
         assert _rows(report)["cleanup.idle"][0] == "pass"
         assert await _fence(client, url) == ("idle", None)
+
+
+async def test_model_drain_that_never_ends_fails_status_and_commit_but_is_resumed() -> None:
+    # gymsim's `hang` fault keeps a data-plane request in flight: the pause can only reach
+    # draining, so the long-poll must give up with a clear row, commit must be refused,
+    # and the checker must still resume the model.
+    with start_cluster(token=TOKEN) as running:
+        model = running.urls["policy_model"]
+        async with httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as tg:
+            fault = {"kind": "hang", "path": "/v1/responses"}
+            reply = await client.post(model + "/gymsim/admin/faults", json={"faults": [fault]})
+            assert reply.status_code == 200, reply.text
+
+            async def hung_call() -> None:
+                await client.post(model + "/v1/responses", json={"input": "hello"})
+
+            tg.start_soon(hung_call)
+            state_url = model + "/gymsim/admin/state"
+            while (await client.get(state_url)).json().get("inflight_total") != 1:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+            try:
+                report = await run_conformance(model, TOKEN, timeout_s=2)
+            finally:
+                await client.delete(model + "/gymsim/admin/faults")
+            rows = _rows(report)
+            assert rows["cycle.prepare"][0] == "pass"
+            assert "state=draining" in rows["cycle.prepare"][1]
+            assert rows["cycle.status"] == ("fail", "not paused within 2s: state draining, 1 in flight")
+            assert rows["cycle.commit"][0] == "fail"
+            assert rows["cycle.resume"][0] == "pass"
+            assert rows["cleanup.idle"][0] == "pass"
+            assert await _fence(client, model) == ("idle", None)
+            tg.cancel_scope.cancel()
