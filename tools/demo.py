@@ -1,0 +1,217 @@
+"""`quiesce demo`: the whole story on a local reference Gym cluster, with an embedded SQLite ledger.
+
+1. run the rollouts once on a cluster that is never interrupted (the reference results);
+2. start a fresh cluster (a real subprocess), run the same rollouts, checkpoint it mid-rollout
+   (the trainer's half goes into the staging folder), let it run on a little, then SIGKILL it;
+3. start another fresh cluster, restore the snapshot into it, resume, let the rollouts finish;
+4. compare: every rollout must end exactly as in the uninterrupted run, no turn lost or run twice;
+5. print the attempts and their calls from the ledger.
+
+The control token is random, set in this process's environment and the clusters', never printed.
+Exit 0 when everything matches, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import httpx
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from coordinator import Coordinator, load_snapshot
+from coordinator.protocol import PREFIX, TOKEN_ENV
+from ledger import Ledger
+from tools.gymsim import client
+from tools.gymsim.cluster import spawn_cluster
+
+#: The seed's example cluster with some latency, so a checkpoint lands mid-rollout.
+DEMO_SPEC: dict[str, Any] = {
+    "servers": [
+        {"kind": "model", "name": "policy_model", "latency_s": 0.05},
+        {"kind": "model", "name": "judge", "instance_role": "auxiliary"},
+        {"kind": "agent", "name": "simple_agent", "policy": "policy_model", "resources": "tools"},
+        {"kind": "agent", "name": "math_agent", "checkpoint_mode": "stateless", "policy": "policy_model"},
+        {"kind": "resources", "name": "tools", "judge": "judge", "latency_s": 0.01},
+    ]
+}
+ROLLOUTS: dict[str, int] = {f"rollout-{i}": 20 for i in range(6)}
+AGENT = "simple_agent"
+
+
+class DemoFailed(Exception):
+    pass
+
+
+def _reset(folder: Path) -> None:
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+
+
+def _say(console: Console) -> Callable[[str], None]:
+    def say(text: str) -> None:
+        console.print(f"[green]✓[/] {text}", soft_wrap=True)
+
+    return say
+
+
+async def _uninterrupted(env: dict[str, str], work: Path) -> dict[str, Any]:
+    with spawn_cluster(DEMO_SPEC, env=env, workdir=work / "cluster-reference") as cluster:
+        async with httpx.AsyncClient(timeout=30) as http:
+            await client.start_rollouts(http, cluster.urls[AGENT], ROLLOUTS)
+            rollouts = await client.wait_finished(http, cluster.urls[AGENT], timeout_s=120)
+    problems = client.turn_log_problems(rollouts)
+    if problems:
+        raise DemoFailed("the uninterrupted run itself is inconsistent: " + "; ".join(problems))
+    return client.final_results(rollouts)
+
+
+async def run_demo(folder: Path, console: Console) -> int:
+    """Run the demo in `folder` (emptied first). Returns the exit code (1 on any failure)."""
+    try:
+        return await _run(folder, console)
+    except (DemoFailed, TimeoutError, client.RolloutError, httpx.HTTPError, RuntimeError) as error:
+        console.print(f"[bold red]✗ demo failed:[/] {escape(str(error))}", soft_wrap=True)
+        return 1
+
+
+async def _run(folder: Path, console: Console) -> int:
+    say = _say(console)
+    started = time.monotonic()
+    await anyio.to_thread.run_sync(_reset, folder)
+    token = secrets.token_urlsafe(24)
+    os.environ[TOKEN_ENV] = token
+    env = {TOKEN_ENV: token}
+    ledger_url = f"sqlite+aiosqlite:///{(folder / 'ledger.db').resolve()}"
+    snapshots = (folder / "snapshots").resolve()
+
+    expected = await _uninterrupted(env, folder)
+    say(
+        f"reference run: {len(ROLLOUTS)} rollouts of {next(iter(ROLLOUTS.values()))} turns, never interrupted"
+    )
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        with spawn_cluster(DEMO_SPEC, env=env, workdir=folder / "cluster-1") as first:
+            config_1 = first.write_config(folder / "cluster-1.yaml", ledger_url, snapshots)
+            say(f"started reference Gym cluster #1 (pid {first.pid}): {', '.join(first.urls)}")
+            await client.start_rollouts(http, first.urls[AGENT], ROLLOUTS)
+            await client.wait_turns(http, first.urls[AGENT], 3)
+            async with Coordinator.open(config_1) as coord:
+                found = await coord.discover()
+                say(
+                    f"discovered participants {', '.join(found.names)};"
+                    f" skipped {', '.join(n for n, _ in found.skipped)} (auxiliary / stateless)"
+                )
+                async with coord.save(deadline_s=30) as attempt:
+                    assert attempt.staging_dir is not None
+                    trainer = attempt.staging_dir / "trainer"
+                    trainer.mkdir()
+                    (trainer / "state.json").write_text(json.dumps({"step": 3, "note": "the trainer's half"}))
+            assert attempt.snapshot is not None
+            rollouts = await client.get_rollouts(http, first.urls[AGENT])
+            turns = sorted(r["turns_done"] for r in rollouts.values())
+            done = f"{turns[0]}-{turns[-1]}"
+            say(f"checkpoint {attempt.checkpoint_id} published mid-rollout (turns done: {done})")
+            target = turns[0] + 2
+            await client.wait_until(
+                http,
+                first.urls[AGENT],
+                lambda rs: all(
+                    r["turns_done"] >= target or r["status"] in client.FINISHED for r in rs.values()
+                ),
+                timeout_s=60,
+            )
+            first.kill()
+            say("killed cluster #1 (SIGKILL) — its rollouts had moved past the checkpoint")
+
+        with spawn_cluster(DEMO_SPEC, env=env, workdir=folder / "cluster-2") as second:
+            config_2 = second.write_config(folder / "cluster-2.yaml", ledger_url, snapshots)
+            say(f"started a fresh cluster #2 (pid {second.pid})")
+            async with Coordinator.open(config_2) as coord:
+                await coord.discover()
+                restored = await coord.restore("latest")
+                say(f"restored {restored.source_checkpoint_id} as {restored.checkpoint_id}; servers paused")
+                await coord.resume()
+                say("resumed every server")
+            rollouts = await client.wait_finished(http, second.urls[AGENT], timeout_s=120)
+    results = client.final_results(rollouts)
+    differences = [
+        f"{rid}: expected {expected.get(rid)!r}, got {results.get(rid)!r}"
+        for rid in sorted(set(expected) | set(results))
+        if expected.get(rid) != results.get(rid)
+    ]
+    differences += client.turn_log_problems(rollouts)
+    snapshot = load_snapshot(attempt.snapshot)
+    if not any(f["path"] == "trainer/state.json" for f in snapshot.manifest["files"]):
+        differences.append("the trainer's half is missing from the snapshot")
+
+    await _print_history(ledger_url, console)
+    elapsed = time.monotonic() - started
+    if differences:
+        console.print("[bold red]✗ the restored rollouts differ from the uninterrupted run:[/]")
+        for line in differences:
+            console.print(f"  {escape(line)}", soft_wrap=True)
+        return 1
+    say(f"all {len(results)} rollouts finished exactly as the uninterrupted run ({elapsed:.1f}s)")
+    console.print(
+        f"ledger: {escape(ledger_url)}\nsnapshots: {escape(str(snapshots))}\n"
+        f"try: quiesce history --ledger '{escape(ledger_url)}'",
+        soft_wrap=True,
+    )
+    return 0
+
+
+def _operation(path: str) -> str:
+    return path.removeprefix(PREFIX).rstrip("/").rsplit("/", 1)[-1]
+
+
+async def _print_history(ledger_url: str, console: Console) -> None:
+    """One row per phase of each attempt: the calls in order, ✓ replied / ✗ failed, repeats counted."""
+    async with Ledger.open(ledger_url, readonly=True) as ledger:
+        rows = await ledger.attempts()
+        table = Table(title="attempts and their calls (from the ledger)", title_justify="left")
+        for column in ("checkpoint", "kind", "outcome", "phase", "calls, in order"):
+            table.add_column(column, overflow="fold")
+        for row in rows:
+            phases: dict[str, list[tuple[str, str]]] = {}
+            outcomes: dict[str, str] = {}
+            ends: list[str] = []
+            async for ev in ledger.read(checkpoint_id=row.checkpoint_id):
+                if ev.kind == "call.sent" and ev.call_id:
+                    label = f"{ev.server} {_operation(str(ev.data.get('path', '')))}"
+                    phases.setdefault(str(ev.data.get("phase")), []).append((ev.call_id, label))
+                elif ev.kind in ("call.replied", "call.failed") and ev.call_id:
+                    outcomes[ev.call_id] = "✓" if ev.kind == "call.replied" else "✗"
+                elif ev.kind in ("attempt.completed", "attempt.aborted"):
+                    ends.append(str(ev.data.get("outcome", "aborted")))
+            first = True
+            for phase, calls in phases.items():
+                shown: list[str] = []
+                for call_id, label in calls:
+                    text = f"{label} {outcomes.get(call_id, '?')}"
+                    base = shown[-1].split(" ×")[0] if shown else None
+                    if base == text:
+                        count = int(shown[-1].split(" ×")[1]) + 1 if " ×" in shown[-1] else 2
+                        shown[-1] = f"{text} ×{count}"
+                    else:
+                        shown.append(text)
+                table.add_row(
+                    row.checkpoint_id if first else "",
+                    row.kind if first else "",
+                    ", ".join(ends) or row.state if first else "",
+                    phase,
+                    escape(" → ".join(shown)),
+                )
+                first = False
+    console.print(table)
