@@ -1,0 +1,233 @@
+"""The command line: `--json` shapes, exit codes 0/1/2, and `resume` / `abort` acting from the ledger."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from coordinator import Coordinator
+from tests.coordinator.helpers import assert_all_accepting, server_states, set_faults
+from tools.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
+    capsys.readouterr()
+    code = main(list(argv))
+    out = capsys.readouterr().out
+    return code, (json.loads(out) if "--json" in argv and out.strip() else out)
+
+
+@pytest.fixture
+def config_file(cluster: Any, tmp_path: Path, token: str) -> Path:
+    return cluster.write_config(
+        tmp_path / "cluster.yaml", f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", "snaps"
+    )
+
+
+def _states(cluster: Any) -> dict[str, tuple[str, str]]:
+    async def go() -> dict[str, tuple[str, str]]:
+        async with httpx.AsyncClient() as http:
+            return await server_states(http, cluster)
+
+    return anyio.run(go)
+
+
+def _all_accepting(cluster: Any) -> None:
+    async def go() -> None:
+        async with httpx.AsyncClient() as http:
+            await assert_all_accepting(http, cluster)
+
+    anyio.run(go)
+
+
+def test_discover_json(capsys: pytest.CaptureFixture[str], config_file: Path) -> None:
+    code, doc = _run(capsys, "discover", "--config", str(config_file), "--json")
+    assert code == 0
+    assert set(doc) == {"participants", "skipped", "refused", "warnings"}
+    assert doc["participants"] == [
+        {
+            "name": "policy_model",
+            "component": "responses_api_models",
+            "checkpoint_mode": "export_restore",
+            "instance_role": "policy",
+        },
+        {
+            "name": "simple_agent",
+            "component": "responses_api_agents",
+            "checkpoint_mode": "export_restore",
+            "instance_role": None,
+        },
+        {
+            "name": "tools",
+            "component": "resources_servers",
+            "checkpoint_mode": "export_restore",
+            "instance_role": None,
+        },
+    ]
+    assert [s["name"] for s in doc["skipped"]] == ["judge", "math_agent"]
+    assert all(set(s) == {"name", "reason"} for s in doc["skipped"])
+    assert doc["refused"] == []
+    assert doc["warnings"] == []
+
+
+def test_checkpoint_restore_resume_history(
+    capsys: pytest.CaptureFixture[str], config_file: Path, cluster: Any, tmp_path: Path
+) -> None:
+    code, doc = _run(capsys, "checkpoint", "--config", str(config_file), "--json", "--deadline-s", "20")
+    assert code == 0
+    assert set(doc) == {"checkpoint_id", "outcome", "snapshot", "participants", "skipped"}
+    assert doc["outcome"] == "published"
+    assert doc["participants"] == ["policy_model", "simple_agent", "tools"]
+    assert Path(doc["snapshot"]) == tmp_path / "snaps" / doc["checkpoint_id"]
+    saved = doc["checkpoint_id"]
+
+    code, doc = _run(capsys, "restore", "--config", str(config_file), "--json")
+    assert code == 0
+    assert set(doc) == {"checkpoint_id", "outcome", "servers"}
+    assert doc["outcome"] == "restored"
+    assert doc["servers"] == ["policy_model", "simple_agent", "tools"]
+    restored = doc["checkpoint_id"]
+    assert _states(cluster)["simple_agent"][0] == "restored_paused"
+
+    # a separate invocation (a new coordinator, a new epoch) finds the paused restore in the ledger
+    code, doc = _run(capsys, "resume", "--config", str(config_file), "--json")
+    assert code == 0
+    assert doc == {
+        "checkpoint_id": restored,
+        "outcome": "resumed",
+        "servers": ["tools", "policy_model", "simple_agent"],
+    }
+    _all_accepting(cluster)
+    code, doc = _run(capsys, "resume", "--config", str(config_file), "--json")
+    assert (code, doc) == (0, {"checkpoint_id": None, "outcome": "none", "servers": []})
+
+    code, rows = _run(capsys, "history", "--config", str(config_file), "--json")
+    assert code == 0
+    assert [(r["checkpoint_id"], r["kind"], r["outcome"]) for r in rows] == [
+        (saved, "save", "published"),
+        (restored, "restore", "restored"),
+    ]
+    code, text = _run(capsys, "history", "--ledger", f"sqlite+aiosqlite:///{tmp_path / 'q.db'}")
+    assert code == 0
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 3  # header + one line per attempt
+    assert saved in lines[1]
+    assert restored in lines[2]
+
+
+def test_checkpoint_failure_json(capsys: pytest.CaptureFixture[str], config_file: Path, cluster: Any) -> None:
+    async def arm() -> None:
+        async with httpx.AsyncClient() as http:
+            await set_faults(
+                http,
+                cluster.urls["tools"],
+                [
+                    {
+                        "kind": "fail",
+                        "path": "/resources-checkpoint/commit",
+                        "status": 500,
+                        "code": "disk_full",
+                    }
+                ],
+            )
+
+    anyio.run(arm)
+    code, doc = _run(capsys, "checkpoint", "--config", str(config_file), "--json")
+    assert code == 1
+    assert set(doc) == {
+        "checkpoint_id",
+        "outcome",
+        "snapshot",
+        "participants",
+        "skipped",
+        "error",
+        "resumed",
+        "not_resumed",
+    }
+    assert doc["outcome"] == "aborted"
+    assert doc["snapshot"] is None
+    assert set(doc["error"]) == {"phase", "server", "code", "message"}
+    assert (doc["error"]["phase"], doc["error"]["server"], doc["error"]["code"]) == (
+        "commit",
+        "tools",
+        "disk_full",
+    )
+    assert doc["resumed"] == ["tools", "policy_model", "simple_agent"]
+    assert doc["not_resumed"] == []
+    _all_accepting(cluster)
+
+
+def test_abort_from_another_process(
+    capsys: pytest.CaptureFixture[str], config_file: Path, cluster: Any, token: str
+) -> None:
+    async def prepare_and_vanish() -> str:
+        async with Coordinator.open(config_file) as coord:
+            attempt = await coord.prepare(deadline_s=20)
+            await coord.commit()
+            return attempt.checkpoint_id  # the coordinator goes away with everything paused
+
+    checkpoint_id = anyio.run(prepare_and_vanish)
+    assert _states(cluster)["policy_model"] == ("committed_paused", "paused")
+    code, doc = _run(capsys, "abort", "--config", str(config_file), "--json")
+    assert code == 0
+    assert doc == {
+        "checkpoint_id": checkpoint_id,
+        "outcome": "aborted",
+        "servers": ["tools", "policy_model", "simple_agent"],
+    }
+    _all_accepting(cluster)
+    code, doc = _run(capsys, "abort", "--config", str(config_file), "--json")
+    assert doc["outcome"] == "none"
+    code, rows = _run(capsys, "history", "--config", str(config_file), "--json")
+    assert [r["outcome"] for r in rows] == ["aborted"]
+
+
+def test_config_error_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "servers:\n  - {name: policy_model, url: 'http://127.0.0.1:1'}\n  - {name: x, url: 'ftp://nope'}\n"
+    )
+    code = main(["checkpoint", "--config", str(bad)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "servers[1].url" in err
+    assert str(bad) in err
+
+
+def test_refused_discovery_exits_2(
+    capsys: pytest.CaptureFixture[str], cluster: Any, tmp_path: Path, token: str
+) -> None:
+    config = cluster.config(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", "snaps")
+    config["servers"].append({"name": "ghost", "url": "http://127.0.0.1:9"})
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps(config))
+    code, doc = _run(capsys, "discover", "--config", str(path), "--json")
+    assert code == 2
+    assert [r["name"] for r in doc["refused"]] == ["ghost"]
+    assert "cannot be reached" in doc["refused"][0]["reason"]
+    code = main(["checkpoint", "--config", str(path)])
+    assert code == 2
+    assert "ghost" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(240)
+def test_quiesce_demo_exits_0(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tools", "demo", "--dir", str(tmp_path / "demo")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=230,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "finished exactly as the uninterrupted run" in result.stdout
