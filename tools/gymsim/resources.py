@@ -143,7 +143,11 @@ class ResourcesServer(GymServer):
         }
 
     def debug_state(self) -> dict[str, Any]:
-        return {"served_stateful": self.served_stateful, "sessions": len(self.sessions)}
+        return {
+            "served_stateful": self.served_stateful,
+            "sessions": len(self.sessions),
+            "locked_sessions": sum(1 for s in self.sessions.values() if s.lock.locked()),
+        }
 
     # -- routes ------------------------------------------------------------------------------
 
