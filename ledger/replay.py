@@ -15,13 +15,18 @@ page plus one projection row per checkpoint id), and
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from json.encoder import encode_basestring
 from typing import Any
 
+import anyio
+import anyio.lowlevel
+
 from ledger.backend import RawEvent
-from ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
+from ledger.canonical import GENESIS_HASH
 from ledger.errors import LedgerError
 from ledger.events import Event
 from ledger.projections import COLUMNS, KINDS_READ_BY_FOLD, AttemptRow, fold, touched
@@ -89,6 +94,8 @@ class Replayer:
     def feed(self, page: Iterable[RawEvent]) -> None:
         rows = self.rows
         report = self.report
+        enc = encode_basestring
+        sha256 = hashlib.sha256
         last_seq, last_hash = self._last_seq, self._last_hash
         count = 0
         for raw in page:
@@ -103,21 +110,17 @@ class Replayer:
                         self._bad(seq, f"seq {seq} out of order after seq {last_seq}")
                 elif prev_hash != last_hash:
                     self._bad(seq, "prev_hash does not match the hash of the previous row")
+                # ledger.canonical.row_bytes + chain_hash, inlined (tests check they agree)
                 elif (
-                    chain_hash(
-                        prev_hash,
-                        row_bytes(
-                            seq=seq,
-                            at=at,
-                            kind=kind,
-                            checkpoint_id=cid,
-                            server=server,
-                            call_id=call_id,
-                            epoch=epoch,
-                            data_text=data_text,
-                            prev_hash=prev_hash,
-                        ),
-                    )
+                    sha256(
+                        (
+                            f'{prev_hash}{{"at":{enc(at)},'
+                            f'"call_id":{"null" if call_id is None else enc(call_id)},'
+                            f'"checkpoint_id":{"null" if cid is None else enc(cid)},"data":{data_text},'
+                            f'"epoch":{int(epoch)},"kind":{enc(kind)},"prev_hash":{enc(prev_hash)},'
+                            f'"seq":{int(seq)},"server":{"null" if server is None else enc(server)}}}'
+                        ).encode()
+                    ).hexdigest()
                     != digest
                 ):
                     self._bad(seq, "hash mismatch: the stored row differs from what was hashed (row edited)")
@@ -169,13 +172,22 @@ async def replay_open(ledger: Ledger, *, rebuild: bool = False, page_size: int =
         raise LedgerError(f"ledger {ledger.url} is open readonly; rebuilding projections needs the writer")
     backend = ledger.backend
     replayer = Replayer()
-    after = 0
+    # Read the next page while this one is checked: two pages in memory at most.
+    page = await backend.read_page(0, None, None, page_size)
     while True:
-        page = await backend.read_page(after, None, None, page_size)
-        replayer.feed(page)
         if len(page) < page_size:
+            replayer.feed(page)
             break
-        after = int(page[-1][0])
+        next_page: list[RawEvent] = []
+
+        async def fetch(after: int, into: list[RawEvent]) -> None:
+            into.extend(await backend.read_page(after, None, None, page_size))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fetch, int(page[-1][0]), next_page)
+            await anyio.lowlevel.checkpoint()
+            replayer.feed(page)
+        page = next_page
     replayer.compare(await backend.attempts(None, None))
     report = replayer.report
     if rebuild:

@@ -224,3 +224,41 @@ def test_fold_lifecycle() -> None:
     done = fold(restore, ev(11, "recovery.completed", {"outcomes": {"r1": "abandoned"}}, cid=None, epoch=3))
     assert done is not None
     assert (done.state, done.outcome, done.recovered_by) == ("abandoned", "abandoned", 3)
+
+
+def _chain(rows: list[tuple[str, str | None, dict[str, Any]]]) -> list[Any]:
+    out: list[Any] = []
+    prev = GENESIS_HASH
+    for seq, (kind, cid, data) in enumerate(rows, start=1):
+        text = canonical(data).decode()
+        at = f"2025-01-01T00:00:00.{seq:06d}Z"
+        digest = chain_hash(
+            prev,
+            row_bytes(seq=seq, at=at, kind=kind, checkpoint_id=cid, server='sé"\\\n', call_id=None, epoch=1,
+                      data_text=text, prev_hash=prev),
+        )  # fmt: skip
+        out.append((seq, at, kind, cid, 'sé"\\\n', None, 1, text, prev, digest))
+        prev = digest
+    return out
+
+
+def test_replayer_agrees_with_the_chain_definition_and_names_the_bad_seq() -> None:
+    from ledger.replay import Replayer
+
+    rows = _chain([("call.sent", f"c\u2028{i}\x01", {"k": f"ü{i}\t", "n": i}) for i in range(50)])
+    good = Replayer()
+    good.feed(rows[:20])
+    good.feed(rows[20:])
+    assert good.report.chain_ok
+    assert (good.report.events, good.report.head_seq, good.report.head_hash) == (50, 50, rows[-1][9])
+
+    edited = list(rows)
+    edited[30] = (*rows[30][:7], rows[30][7].replace("ü", "u"), *rows[30][8:])
+    bad = Replayer()
+    bad.feed(edited)
+    assert (bad.report.first_bad_seq, bad.report.chain_ok) == (31, False)
+
+    gap = Replayer()
+    gap.feed(rows[:10] + rows[12:])
+    assert gap.report.first_bad_seq == 11
+    assert gap.report.problem == "seq 11..12 missing (rows deleted); next seq is 13"
