@@ -210,10 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"folder                        {result['dir']}")
         print(f"median durable append         {result['append_s'] * 1e6:9.1f} us")
         print(
-            f"median pair of appends        {result['append_pair_s'] * 1e6:9.1f} us  (call.sent + call.replied)"
+            f"median pair of appends        {result['append_pair_s'] * 1e6:9.1f} us  "
+            "(call.sent + call.replied)"
         )
         print(
-            f"median pair of raw commits    {result['raw_pair_s'] * 1e6:9.1f} us  (sqlite3, WAL, synchronous=FULL)"
+            f"median pair of raw commits    {result['raw_pair_s'] * 1e6:9.1f} us  "
+            "(sqlite3, WAL, synchronous=FULL)"
         )
         print(f"ratio pair / raw pair         {result['ratio']:9.2f}    (goal <= 1.5)")
         if "replay" in result:
