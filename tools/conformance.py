@@ -543,7 +543,7 @@ class _Checker:
         detail = reply.body.get("detail") if isinstance(reply.body, dict) else None
         if detail != UNAUTHORIZED_DETAIL:
             raise _Fail(
-                f"{what}: 401 body should be {{'detail': {UNAUTHORIZED_DETAIL!r}}}, got {reply.text!r}"
+                f"{what}: 401 body should be {{'detail': {UNAUTHORIZED_DETAIL!r}}}, got {reply.describe()}"
             )
         return f"{what} → 401"
 
@@ -916,6 +916,13 @@ class _Checker:
 
         async def idle() -> str:
             caps = await self._fresh_caps()
+            found = self.caps
+            if found is not None and found.phase != "idle" and found.active_checkpoint_id is not None:
+                # Busy at start (someone else's checkpoint): it must be exactly as found.
+                now, then = (caps.phase, caps.active_checkpoint_id), (found.phase, found.active_checkpoint_id)
+                if now != then:
+                    raise _Fail(f"server found at {then}, left at {now}")
+                return f"server left as found: phase {caps.phase}, active id {caps.active_checkpoint_id!r}"
             if caps.phase != "idle" or caps.active_checkpoint_id is not None:
                 raise _Fail(
                     f"server left at phase {caps.phase}, active id {caps.active_checkpoint_id!r}"
@@ -1034,8 +1041,8 @@ CHECKS: Final[Mapping[str, str]] = {
     "fence.replay_resume": "repeating the resume of the retired id replays its result [§1.1 rule 1]",
     "fence.stale_after_resume": "prepare/pause with the retired id is refused with 409 "
     "stale_checkpoint [§1.1 rule 1]",
-    "cleanup.idle": "after the run (whatever failed) the server is back at idle with no active id: "
-    "everything the checker paused was resumed",
+    "cleanup.idle": "after the run (whatever failed) the server is back at idle with no active id, "
+    "or exactly as found if it was busy at start: everything the checker paused was resumed",
 }
 
 _AUTH: Final = tuple(n for n in CHECKS if n.startswith("auth."))

@@ -136,6 +136,7 @@ async def test_server_busy_at_start_is_not_touched(start_fake: StartFake) -> Non
     rows = statuses(report)
     assert rows["capabilities.idle_at_start"] == "fail"
     assert rows["cycle.prepare"] == "skip"
+    assert rows["cleanup.idle"] == "pass"
     assert (fake.phase, fake.active) == ("prepared", "someone-else")
 
 
