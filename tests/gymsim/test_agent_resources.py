@@ -112,7 +112,7 @@ async def test_model_refusal_counts_as_parked_without_boundary(gym: Gym) -> None
     await gc.start_rollout(gym.http, agent, "r1", 3)
 
     async def blocked() -> bool:
-        return (await gc.get_rollouts(gym.http, agent))["r1"]["status"] == "blocked"
+        return bool((await gc.get_rollouts(gym.http, agent))["r1"]["status"] == "blocked")
 
     await eventually(blocked, what="the rollout blocked at the model gate")
     prepared = await prepare_agent(gym)
