@@ -1,0 +1,161 @@
+"""Discovery: participants, skipped, every refusal listed, the judge warning, config instance roles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from coordinator import Coordinator, DiscoveryError, parse_config
+from coordinator.discovery import CLUSTER, classify
+from coordinator.protocol import CAPABILITIES_PATH, Capabilities
+from tests.coordinator.helpers import control_logs, read_events
+
+pytestmark = pytest.mark.anyio
+
+
+def _caps(name: str, component: str, **extra: Any) -> Capabilities:
+    return Capabilities.model_validate(
+        {
+            "component": component,
+            "name": name,
+            "schema_version": 1,
+            "admission_states": ["accepting", "draining", "paused"],
+            "checkpoint_mode": "export_restore",
+            **extra,
+        }
+    )
+
+
+def _config(*servers: dict[str, Any]) -> Any:
+    return parse_config({"servers": list(servers)}, base_dir=Path("/tmp"))
+
+
+def test_classify_rules() -> None:
+    config = _config(
+        {"name": "policy", "url": "http://h:1"},
+        {"name": "judge", "url": "http://h:2", "instance_role": "auxiliary"},
+        {"name": "agent", "url": "http://h:3"},
+        {"name": "stateless_agent", "url": "http://h:4"},
+        {"name": "tools", "url": "http://h:5"},
+    )
+    found = classify(
+        config,
+        {
+            "policy": _caps("policy", "responses_api_models", instance_role="policy"),
+            "judge": _caps("judge", "responses_api_models", checkpoint_mode="stateless"),
+            "agent": _caps("agent", "responses_api_agents"),
+            "stateless_agent": _caps("stateless_agent", "responses_api_agents", checkpoint_mode="stateless"),
+            "tools": _caps("tools", "resources_servers"),
+        },
+    )
+    assert [(m.name, m.role) for m in found.participants] == [
+        ("policy", "policy"),
+        ("agent", "agent"),
+        ("tools", "resources"),
+    ]
+    assert [n for n, _ in found.skipped] == ["judge", "stateless_agent"]
+    assert found.refused == ()
+    assert found.warnings == ()
+
+
+def test_classify_refuses_every_offender() -> None:
+    config = _config(
+        {"name": "m1", "url": "http://h:1"},
+        {"name": "m2", "url": "http://h:2", "instance_role": "policy"},
+        {"name": "a", "url": "http://h:3", "instance_role": "auxiliary"},
+        {"name": "old", "url": "http://h:4"},
+        {"name": "gone", "url": "http://h:5"},
+        {"name": "renamed", "url": "http://h:6"},
+    )
+    found = classify(
+        config,
+        {
+            "m1": _caps("m1", "responses_api_models"),  # no role anywhere
+            "m2": _caps("m2", "responses_api_models", instance_role="auxiliary"),  # config contradicts
+            "a": _caps("a", "responses_api_agents", multi_process={"mode": "unmanaged", "num_workers": 4}),
+            "old": _caps("old", "resources_servers", schema_version=2),
+            "gone": "cannot be reached at http://h:5: connect: refused",
+            "renamed": _caps("other", "resources_servers"),
+        },
+    )
+    reasons = dict[str, list[str]]()
+    for name, reason in found.refused:
+        reasons.setdefault(name, []).append(reason)
+    assert set(reasons) == {"m1", "m2", "a", "old", "gone", "renamed", CLUSTER}
+    assert "instance_role" in reasons["m1"][0]
+    assert "config says 'policy'" in reasons["m2"][0]
+    assert any("unmanaged" in r for r in reasons["a"])
+    assert any("model servers only" in r for r in reasons["a"])
+    assert "schema_version 2" in reasons["old"][0]
+    assert "cannot be reached" in reasons["gone"][0]
+    assert "'other'" in reasons["renamed"][0]
+    assert "no policy model" in reasons[CLUSTER][0]
+
+
+def test_config_adds_a_missing_role_and_warns_on_two_policies() -> None:
+    config = _config(
+        {"name": "m1", "url": "http://h:1", "instance_role": "policy"},
+        {"name": "m2", "url": "http://h:2"},
+    )
+    found = classify(
+        config,
+        {
+            "m1": _caps("m1", "responses_api_models"),
+            "m2": _caps("m2", "responses_api_models", instance_role="policy"),
+        },
+    )
+    assert found.refused == ()
+    assert [m.name for m in found.group("policy")] == ["m1", "m2"]
+    assert len(found.warnings) == 1
+    assert "m1, m2" in found.warnings[0]
+    assert "instance_role: auxiliary" in found.warnings[0]
+
+
+async def test_refusal_against_real_servers(make_cluster: Any, sqlite_url: str, configure: Any) -> None:
+    spec = {
+        "servers": [
+            {"kind": "model", "name": "judge", "instance_role": "auxiliary"},
+            {"kind": "agent", "name": "agent", "policy": "judge", "workers": 4},
+            {"kind": "resources", "name": "tools", "workers": 2},
+        ]
+    }
+    with make_cluster(spec) as running:
+        config = configure(running, sqlite_url)
+        async with Coordinator.open(config) as coord:
+            with pytest.raises(DiscoveryError) as caught:
+                await coord.discover()
+        async with httpx.AsyncClient() as http:
+            logs = await control_logs(http, running)
+    error = caught.value
+    names = [name for name, _ in error.reasons]
+    assert names == ["agent", "tools", CLUSTER]
+    assert "4 unmanaged workers" in str(error)
+    assert "2 unmanaged workers" in str(error)
+    assert "no policy model" in str(error)
+    assert all(entry["path"] == CAPABILITIES_PATH for log in logs.values() for entry in log)
+    recorded = [ev for ev in await read_events(sqlite_url) if ev.kind == "discovery.completed"]
+    assert [r["name"] for r in recorded[0].data["refused"]] == names
+
+
+async def test_two_policy_models_warn(make_cluster: Any, sqlite_url: str, configure: Any) -> None:
+    spec = {
+        "servers": [
+            {"kind": "model", "name": "policy_model"},
+            {"kind": "model", "name": "reward_model"},
+            {"kind": "agent", "name": "agent", "policy": "policy_model"},
+        ]
+    }
+    with make_cluster(spec) as running:
+        config = configure(running, sqlite_url)
+        async with Coordinator.open(config) as coord:
+            found = await coord.discover()
+            attempt = await coord.checkpoint(deadline_s=20)
+    assert found.warnings
+    assert "policy_model, reward_model" in found.warnings[0]
+    assert "instance_role: auxiliary" in found.warnings[0]
+    assert attempt.snapshot is not None
+    recorded = [ev for ev in await read_events(sqlite_url) if ev.kind == "discovery.completed"]
+    assert recorded[0].data["warnings"] == list(found.warnings)

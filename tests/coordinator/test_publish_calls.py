@@ -1,0 +1,193 @@
+"""publish.py on the filesystem, and calls.py's reply cap and error classes against a raw loopback server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+
+import anyio
+import pytest
+from anyio.abc import SocketStream
+
+from coordinator.calls import MAX_REPLY_BYTES, Caller
+from coordinator.errors import SnapshotError
+from coordinator.publish import (
+    LATEST,
+    apply_retention,
+    build_manifest,
+    read_latest,
+    sweep_staging,
+    verify_snapshot,
+    write_json_durably,
+    write_latest,
+)
+from ledger import Ledger
+
+
+def _snapshot(root: Path, name: str, epoch: int, seq: int, participants: list[dict[str, str]]) -> Path:
+    folder = root / name
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "a.txt").write_text(f"{name}\n")
+    manifest = build_manifest(
+        folder,
+        checkpoint_id=name,
+        created="2025-01-01T00:00:00Z",
+        epoch=epoch,
+        ledger_seq=seq,
+        participants=participants,
+        skipped=[],
+    )
+    write_json_durably(folder / "manifest.json", manifest)
+    return folder
+
+
+def test_latest_retention_and_sweep(tmp_path: Path) -> None:
+    assert read_latest(tmp_path) is None
+    made = [_snapshot(tmp_path, f"e{e}-{s:06d}", e, s, []) for e, s in [(9, 5), (10, 2), (10, 7), (11, 1)]]
+    write_latest(tmp_path, made[1].name)  # an older one is latest: never removed
+    assert (tmp_path / LATEST).read_text() == made[1].name + "\n"
+    assert read_latest(tmp_path) == made[1]
+    (tmp_path / "not-ours").mkdir()
+    removed = apply_retention(tmp_path, 2)
+    assert removed == [made[0]]  # (epoch, seq) order, not name order; LATEST's kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [LATEST, "not-ours", made[1].name, made[2].name, made[3].name]
+    )
+    staging = tmp_path / ".staging"
+    for name in ("done", "running"):
+        (staging / name).mkdir(parents=True)
+    assert sweep_staging(staging, {"done", "elsewhere"}) == [staging / "done"]
+    assert [p.name for p in staging.iterdir()] == ["running"]
+
+
+def test_verify_snapshot_lists_every_difference(tmp_path: Path) -> None:
+    folder = _snapshot(tmp_path, "e1-000001", 1, 1, [{"name": "m", "component": "responses_api_models"}])
+    assert verify_snapshot(folder, participants={"m": "responses_api_models"}).checkpoint_id == "e1-000001"
+    (folder / "data" / "a.txt").write_text("changed!!\n")
+    (folder / "extra").write_text("x")
+    with pytest.raises(SnapshotError) as caught:
+        verify_snapshot(folder, participants={"m": "responses_api_agents", "n": "resources_servers"})
+    assert caught.value.differences == [
+        "data/a.txt: sha256 differs from the manifest",
+        "extra: not listed in the manifest",
+        "participant n: a participant of this cluster but not in the snapshot",
+        "participant m: is a responses_api_agents now, the snapshot has a responses_api_models",
+    ]
+    with pytest.raises(SnapshotError, match="is not a snapshot folder"):
+        verify_snapshot(tmp_path / "nothing", participants={})
+
+
+@asynccontextmanager
+async def _raw_server(reply: Callable[[bytes], bytes]) -> AsyncIterator[str]:
+    """A loopback HTTP server that answers every request with `reply(request_head)`, then closes."""
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+
+    async def handle(stream: SocketStream) -> None:
+        async with stream:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += await stream.receive()
+            with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                await stream.send(reply(head))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, handle)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            tg.cancel_scope.cancel()
+
+
+def _http(status: int, body: bytes) -> bytes:
+    return (
+        f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
+        + body
+    )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("status", "body", "error", "code"),
+    [
+        (200, b'{"a": "' + b"x" * (MAX_REPLY_BYTES + 10) + b'"}', "protocol", None),
+        (200, b"[1, 2]", "protocol", None),
+        (
+            409,
+            json.dumps({"error": {"code": "invalid_phase", "detail": "no"}}).encode(),
+            "http",
+            "invalid_phase",
+        ),
+        (503, b"down", "http", None),
+    ],
+)
+async def test_reply_classes(tmp_path: Path, status: int, body: bytes, error: str, code: str | None) -> None:
+    seen: list[bytes] = []
+
+    def reply(head: bytes) -> bytes:
+        seen.append(head)
+        return _http(status, body)
+
+    async with (
+        _raw_server(reply) as url,
+        Ledger.open(f"sqlite+aiosqlite:///{tmp_path / 'l.db'}", secrets=("sekret",)) as ledger,
+    ):
+        await ledger.start_epoch({"coordinator": {"host": "h", "pid": 1, "uuid": "u"}, "version": "t"})
+        caller = Caller(ledger, "sekret", epoch=ledger.epoch)
+        try:
+            result = await caller.capabilities("srv", url, deadline_ts=2e9)
+        finally:
+            await caller.aclose()
+        events = [ev async for ev in ledger.read()]
+    assert (result.ok, result.error, result.code) == (False, error, code)
+    if status != 200:
+        assert result.status == status
+    if len(body) > MAX_REPLY_BYTES:
+        assert result.detail == "reply larger than 1 MiB"
+    assert b"authorization: Bearer sekret" in seen[0].lower().replace(b"bearer", b"Bearer")
+    failed = [ev for ev in events if ev.kind == "call.failed"]
+    assert [ev.data["error"] for ev in failed] == [error]
+    assert "sekret" not in json.dumps([ev.data for ev in events])
+
+
+@pytest.mark.anyio
+async def test_connect_and_timeout(tmp_path: Path) -> None:
+    import time
+
+    async with Ledger.open(f"sqlite+aiosqlite:///{tmp_path / 'l.db'}") as ledger:
+        await ledger.start_epoch({"coordinator": {"host": "h", "pid": 1, "uuid": "u"}, "version": "t"})
+        caller = Caller(ledger, "t", epoch=ledger.epoch)
+        try:
+            listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+            port = listener.extra(anyio.abc.SocketAttribute.local_port)
+            await listener.aclose()
+            refused = await caller.capabilities(
+                "gone", f"http://127.0.0.1:{port}", deadline_ts=time.time() + 5
+            )
+            assert (refused.error, refused.ok) == ("connect", False)
+
+            async def silent(stream: SocketStream) -> None:
+                async with stream:
+                    await anyio.sleep(30)
+
+            quiet = await anyio.create_tcp_listener(local_host="127.0.0.1")
+            quiet_port = quiet.extra(anyio.abc.SocketAttribute.local_port)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(quiet.serve, silent)
+                late = await caller.capabilities(
+                    "slow", f"http://127.0.0.1:{quiet_port}", deadline_ts=time.time() + 0.3
+                )
+                tg.cancel_scope.cancel()
+            assert (late.error, late.ok) == ("timeout", False)
+        finally:
+            await caller.aclose()
+        kinds = [(ev.kind, ev.data.get("error")) async for ev in ledger.read() if ev.kind.startswith("call.")]
+    assert kinds == [
+        ("call.sent", None),
+        ("call.failed", "connect"),
+        ("call.sent", None),
+        ("call.failed", "timeout"),
+    ]
