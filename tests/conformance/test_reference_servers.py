@@ -169,3 +169,28 @@ async def test_model_drain_that_never_ends_fails_status_and_commit_but_is_resume
             assert rows["cleanup.idle"][0] == "pass"
             assert await _fence(client, model) == ("idle", None)
             tg.cancel_scope.cancel()
+
+
+async def test_servers_hosted_under_a_path_prefix() -> None:
+    # Many servers on one port under /s/<name>: the URL given is the server's base, prefix included.
+    spec = {
+        "servers": [
+            {"kind": "model", "name": "policy_model"},
+            {"kind": "resources", "name": "tools_{i}", "count": 2, "prefix": True},
+            {
+                "kind": "agent",
+                "name": "agent_{i}",
+                "count": 2,
+                "prefix": True,
+                "policy": "policy_model",
+                "resources": "tools_{i}",
+            },
+        ]
+    }
+    with start_cluster(spec, token=TOKEN) as running:
+        for name in ("agent_1", "tools_1"):
+            url = running.urls[name]
+            assert url.endswith(f"/s/{name}")
+            report = await run_conformance(url, TOKEN, timeout_s=20)
+            assert _failures(report) == []
+            assert report.name == name
