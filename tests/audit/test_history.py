@@ -10,6 +10,7 @@ import pytest
 
 from ledger import Ledger
 from tests.audit.handmade import AGENT_1, POLICY, Script
+from tools.cli.commands import history
 from tools.cli.commands.history import parse_since
 from tools.cli.main import main
 
@@ -107,3 +108,16 @@ def test_parse_since() -> None:
     assert parse_since("2025-01-01", now) == datetime(2025, 1, 1, tzinfo=UTC)
     assert parse_since("2025-01-01T03:04:05Z", now) == datetime(2025, 1, 1, 3, 4, 5, tzinfo=UTC)
     assert parse_since("2025-01-01T05:04:05+02:00", now) == datetime(2025, 1, 1, 3, 4, 5, tzinfo=UTC)
+
+
+def test_long_history_is_plain_text(
+    ledger_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    anyio.run(_write, ledger_url)
+    monkeypatch.setattr(history, "RICH_MAX_ROWS", 1)
+    capsys.readouterr()
+    assert main(["history", "--ledger", ledger_url]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["checkpoint", "kind", "outcome"]
+    assert [line.split()[0] for line in lines[1:]] == ["ck-ok", "ck-bad", "ck-open"]
+    assert lines[3].rstrip().endswith("epoch 2")
