@@ -8,6 +8,7 @@ import httpx
 
 from coordinator.protocol import CAPABILITIES_PATH
 from ledger import Event, Ledger
+from tools.audit.cli import check_ledger
 from tools.gymsim.cluster import RunningCluster
 
 
@@ -63,3 +64,10 @@ def routes_by_server(log: list[dict[str, Any]], checkpoint_id: str | None = None
         for e in log
         if checkpoint_id is None or e["checkpoint_id"] == checkpoint_id
     ]
+
+
+async def assert_protocol_ok(ledger_url: str) -> None:
+    """The audit's independent protocol check (order, settlement, deadline, epochs, pairing) passes."""
+    report = await check_ledger(ledger_url)
+    assert report.violations == [], report.violations
+    assert all(state == "judged" for state in report.attempts.values()), report.attempts

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from coordinator import Coordinator
-from tests.coordinator.helpers import assert_all_accepting, server_states, set_faults
+from tests.coordinator.helpers import assert_all_accepting, assert_protocol_ok, server_states, set_faults
 from tools.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,6 +109,7 @@ def test_checkpoint_restore_resume_history(
     _all_accepting(cluster)
     code, doc = _run(capsys, "resume", "--config", str(config_file), "--json")
     assert (code, doc) == (0, {"checkpoint_id": None, "outcome": "none", "servers": []})
+    anyio.run(assert_protocol_ok, f"sqlite+aiosqlite:///{tmp_path / 'q.db'}")
 
     code, rows = _run(capsys, "history", "--config", str(config_file), "--json")
     assert code == 0
@@ -189,6 +190,7 @@ def test_abort_from_another_process(
     assert doc["outcome"] == "none"
     code, rows = _run(capsys, "history", "--config", str(config_file), "--json")
     assert [r["outcome"] for r in rows] == ["aborted"]
+    anyio.run(assert_protocol_ok, f"sqlite+aiosqlite:///{config_file.parent / 'q.db'}")
 
 
 def test_config_error_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

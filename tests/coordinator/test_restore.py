@@ -15,7 +15,13 @@ import pytest
 from coordinator import Coordinator, SnapshotError, load_snapshot
 from coordinator.protocol import CAPABILITIES_PATH
 from ledger import Ledger
-from tests.coordinator.helpers import assert_all_accepting, control_logs, read_events, server_states
+from tests.coordinator.helpers import (
+    assert_all_accepting,
+    assert_protocol_ok,
+    control_logs,
+    read_events,
+    server_states,
+)
 from tools.gymsim import client
 
 pytestmark = pytest.mark.anyio
@@ -81,6 +87,7 @@ async def test_restore_into_fresh_cluster(make_cluster: Any, ledger_url: str, co
         if ev.kind == "attempt.completed"
     ]
     assert completed == ["restored", "resumed"]
+    await assert_protocol_ok(ledger_url)
 
 
 async def test_restore_refused_before_any_call(make_cluster: Any, sqlite_url: str, configure: Any) -> None:

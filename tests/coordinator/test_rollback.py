@@ -19,7 +19,13 @@ import pytest
 from coordinator import Coordinator, DeadlineExceeded, PhaseError, read_latest
 from coordinator.protocol import AGENT_PREPARE_INCOMPLETE, ROLLOUT_ID_HEADER, agent_instance_dir
 from ledger import Ledger
-from tests.coordinator.helpers import assert_all_accepting, clear_faults, read_events, set_faults
+from tests.coordinator.helpers import (
+    assert_all_accepting,
+    assert_protocol_ok,
+    clear_faults,
+    read_events,
+    set_faults,
+)
 from tools.gymsim import client
 
 pytestmark = pytest.mark.anyio
@@ -60,6 +66,7 @@ async def _check_rolled_back(
     )
     rollouts = await client.wait_finished(http, cluster.urls["simple_agent"], timeout_s=60)
     assert client.turn_log_problems(rollouts) == []
+    await assert_protocol_ok(config.ledger)
 
 
 async def test_lost_reply_in_prepare(cluster: Any, ledger_url: str, configure: Any) -> None:

@@ -17,7 +17,13 @@ import httpx
 import pytest
 
 from coordinator import Coordinator, load_snapshot, read_latest
-from tests.coordinator.helpers import assert_all_accepting, control_logs, read_events, routes_by_server
+from tests.coordinator.helpers import (
+    assert_all_accepting,
+    assert_protocol_ok,
+    control_logs,
+    read_events,
+    routes_by_server,
+)
 from tools.gymsim import client
 
 pytestmark = pytest.mark.anyio
@@ -133,6 +139,7 @@ async def test_seed_example_save_cycle(cluster: Any, ledger_url: str, configure:
         "phase.completed",
         "attempt.completed",
     ]
+    await assert_protocol_ok(ledger_url)
     # the token is nowhere in the ledger
     for ev in events:
         assert token not in json.dumps(ev.data)
