@@ -8,7 +8,8 @@ real `Ledger` API in batches, then times:
 
 - `cli_startup_s`: `quiesce --help` in a fresh process (the import cost every command pays);
 - `quiesce history --ledger URL --json` (goal: under one second at 1,000,000 events; it reads only
-  the `attempts` projection), in a fresh process and in-process (best of three, after imports);
+  the `attempts` projection), in a fresh process and in-process (best of three, after imports),
+  and the text table in-process;
 - `quiesce show ID --json` and `quiesce export --checkpoint ID` of the last attempt (indexed
   reads), in-process;
 - `quiesce check --ledger URL --json` over every event (streamed), in-process, as events/s.
@@ -177,7 +178,9 @@ def main() -> int:
         "cli_startup_s": round(_time(["--help"]), 3),
         "history_process_s": round(_time(history), 3),
         "history_in_process_s": round(min(_time_in_process(history) for _ in range(3)), 3),
-        "history_text_limit_20_s": round(_time(["history", "--ledger", args.ledger, "--limit", "20"]), 3),
+        "history_text_in_process_s": round(
+            min(_time_in_process(["history", "--ledger", args.ledger]) for _ in range(3)), 3
+        ),
         "show_in_process_s": round(_time_in_process(["show", last, "--ledger", args.ledger, "--json"]), 3),
         "export_one_in_process_s": round(
             _time_in_process(
