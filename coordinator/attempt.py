@@ -30,6 +30,7 @@ Everything a later coordinator needs is in the ledger: `load_attempt` rebuilds a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -44,7 +45,7 @@ from pydantic import BaseModel, ValidationError
 from coordinator.calls import Caller, CallResult
 from coordinator.config import ClusterConfig
 from coordinator.discovery import Discovery, Member
-from coordinator.errors import DeadlineExceeded, PhaseError, QuiesceError, SnapshotError
+from coordinator.errors import DeadlineExceeded, FencedError, PhaseError, QuiesceError, SnapshotError
 from coordinator.phases import Role, resume_order
 from coordinator.protocol import (
     AGENT,
@@ -104,6 +105,7 @@ __all__ = [
     "prepare",
     "publish",
     "restore",
+    "resume_sorted",
     "roll_back",
     "start_attempt",
 ]
@@ -163,8 +165,10 @@ class Context:
     on_progress: ProgressCallback | None = None
 
     def progress(self, report: Progress) -> None:
+        """Report progress; a failing callback never disturbs the attempt."""
         if self.on_progress is not None:
-            self.on_progress(report)
+            with contextlib.suppress(Exception):
+                self.on_progress(report)
 
 
 @dataclass
@@ -328,6 +332,29 @@ async def _run_phase(
     return summary
 
 
+async def _rolled_back_on_failure(
+    ctx: Context, attempt: Attempt, phase: str, body: Callable[[], Awaitable[None]]
+) -> None:
+    """Run `body`; on any failure before publication, roll back and raise.
+
+    A phase failure raises the rollback's `PhaseError`. Anything else (the caller cancelled us, a
+    bug) is rolled back too, shielded from cancellation, and re-raised with a note on what was
+    done. `FencedError` is never handled: a fenced coordinator makes no further calls.
+    """
+    try:
+        await body()
+    except _Failed as failure:
+        raise await roll_back(ctx, attempt, failure) from None
+    except FencedError:
+        raise
+    except BaseException as exc:
+        interrupted = _Failed(phase, attempt.last_server, f"interrupted by {type(exc).__name__}: {exc}")
+        with anyio.CancelScope(shield=True):
+            error = await roll_back(ctx, attempt, interrupted)
+        exc.add_note(str(error))
+        raise
+
+
 async def _next_checkpoint_id(ledger: Ledger) -> str:
     """`e<epoch>-<seq>`: the seq its `attempt.started` will get (single writer), zero-padded."""
     head = await ledger.head()
@@ -368,10 +395,11 @@ async def start_attempt(ctx: Context, discovery: Discovery, *, deadline_s: float
 async def prepare(ctx: Context, attempt: Attempt) -> None:
     """Prepare: policy pause → agents prepare → resources prepare → policy drain. Rolls back on failure."""
     _require(attempt, ("started",), "prepare")
-    try:
+
+    async def body() -> None:
         await _run_phase(ctx, attempt, "prepare", lambda: _prepare_body(ctx, attempt))
-    except _Failed as failure:
-        raise await roll_back(ctx, attempt, failure) from None
+
+    await _rolled_back_on_failure(ctx, attempt, "prepare", body)
     attempt.state = "prepared"
 
 
@@ -469,16 +497,16 @@ async def commit(ctx: Context, attempt: Attempt) -> None:
     """
     _require(attempt, ("prepared",), "commit")
     assert attempt.staging_dir is not None
-    try:
+    staging = attempt.staging_dir
+
+    async def body() -> None:
         try:
-            await anyio.to_thread.run_sync(make_staging, attempt.staging_dir)
+            await anyio.to_thread.run_sync(make_staging, staging)
         except OSError as error:
-            raise _Failed(
-                "commit", None, f"cannot create the staging folder {attempt.staging_dir}: {error}"
-            ) from None
+            raise _Failed("commit", None, f"cannot create the staging folder {staging}: {error}") from None
         await _run_phase(ctx, attempt, "commit", lambda: _commit_body(ctx, attempt))
-    except _Failed as failure:
-        raise await roll_back(ctx, attempt, failure) from None
+
+    await _rolled_back_on_failure(ctx, attempt, "commit", body)
     attempt.state = "committed"
 
 
@@ -594,7 +622,10 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
     final = ctx.config.snapshots / attempt.checkpoint_id
     await ctx.ledger.append("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "publish"})
     ctx.progress(Progress(attempt.checkpoint_id, "publish"))
-    try:
+    written: list[bytes] = []
+    manifests: list[dict[str, Any]] = []
+
+    async def body() -> None:
         problems: list[str] = []
         for entry in attempt.commits.values():
             problems += await anyio.to_thread.run_sync(_verify_entry, staging, entry)
@@ -617,7 +648,8 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
                     skipped=attempt.skipped,
                 )
             )
-            data = await anyio.to_thread.run_sync(write_json_durably, staging / MANIFEST, manifest)
+            written.append(await anyio.to_thread.run_sync(write_json_durably, staging / MANIFEST, manifest))
+            manifests.append(manifest)
         except OSError as error:
             raise _Failed(
                 "publish", None, f"cannot write the snapshot manifest in {staging}: {error}"
@@ -631,13 +663,16 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
         try:
             await anyio.to_thread.run_sync(rename_into_place, staging, final)
         except (OSError, SnapshotError) as error:
-            raise _Failed("publish", None, f"cannot rename {staging} to {final}: {error}") from None
-    except _Failed as failure:
-        raise await roll_back(ctx, attempt, failure) from None
+            # the rename is the commit point: if it happened (the error came after it), it is published
+            if staging.exists() or not (final / MANIFEST).is_file():
+                raise _Failed("publish", None, f"cannot rename {staging} to {final}: {error}") from None
+
+    await _rolled_back_on_failure(ctx, attempt, "publish", body)
+    manifest = manifests[0]
     await ctx.ledger.append(
         "attempt.published",
         checkpoint_id=attempt.checkpoint_id,
-        data={"final_dir": str(final), "manifest_sha256": hashlib.sha256(data).hexdigest()},
+        data={"final_dir": str(final), "manifest_sha256": hashlib.sha256(written[0]).hexdigest()},
     )
     attempt.state = "published"
     attempt.snapshot = final
@@ -679,7 +714,6 @@ async def _resume_members(
     called: list[str] = []
     resumed: list[str] = []
     not_paused: list[str] = []
-    left: list[str] = []
     failures: list[tuple[str, CallResult]] = []
 
     async def one(m: Member) -> None:
@@ -692,7 +726,6 @@ async def _resume_members(
         elif result.error == "http" and result.status == 409 and result.code == INVALID_PHASE:
             not_paused.append(m.name)
         else:
-            left.append(m.name)
             failures.append((m.name, result))
 
     with anyio.CancelScope(deadline=_anyio_deadline(deadline_ts)):
@@ -705,11 +738,10 @@ async def _resume_members(
             else:
                 for m in members:
                     await one(m)
-    unknown = [n for n in names if attempt.member(n) is None]
-    for n in names:
-        if n not in called and n not in unknown:
-            left.append(n)  # the budget ran out before its turn
-    left.extend(unknown)
+    # whoever is neither resumed nor known never-paused is left paused: a failed call, the budget
+    # running out before (or during) its call, or a server the config no longer names
+    settled = set(resumed) | set(not_paused)
+    left = [n for n in names if n not in settled]
     return called, resumed, not_paused, left, failures
 
 
@@ -875,6 +907,8 @@ async def restore(
     )
     try:
         await _run_phase(ctx, attempt, "restore", lambda: _restore_body(ctx, attempt, snapshot))
+    except FencedError:
+        raise
     except _Failed as failure:
         await ctx.ledger.append(
             "phase.failed",
@@ -908,6 +942,20 @@ async def restore(
             not_resumed=list(attempt.touched),
             latest_snapshot=str(read_latest(ctx.config.snapshots) or "") or None,
         ) from None
+    except BaseException as exc:  # cancelled or a bug: record what is left paused, then re-raise
+        with anyio.CancelScope(shield=True):
+            await ctx.ledger.append(
+                "attempt.aborted",
+                checkpoint_id=checkpoint_id,
+                data={
+                    "reason": f"restore interrupted: {type(exc).__name__}: {exc}",
+                    "resumed": [],
+                    "left_paused": list(attempt.touched),
+                    "not_paused": [],
+                },
+            )
+        attempt.state = "aborted"
+        raise
     await ctx.ledger.append(
         "attempt.completed",
         checkpoint_id=checkpoint_id,
@@ -1144,7 +1192,7 @@ async def resume_recorded(ctx: Context, recorded: Recorded, *, reason: str) -> O
         return Outcome(
             attempt.checkpoint_id,
             "aborted",
-            tuple(n for n in _resume_sorted(attempt, attempt.touched)),
+            tuple(n for n in resume_sorted(attempt, attempt.touched)),
             tuple(n for n in error.resumed),
             (),
             tuple(error.not_resumed),
@@ -1191,6 +1239,6 @@ async def resume_recorded(ctx: Context, recorded: Recorded, *, reason: str) -> O
     return Outcome(attempt.checkpoint_id, "resumed", tuple(called), tuple(resumed), tuple(not_paused), ())
 
 
-def _resume_sorted(attempt: Attempt, names: Sequence[str]) -> list[str]:
+def resume_sorted(attempt: Attempt, names: Sequence[str]) -> list[str]:
     order = {role: i for i, role in enumerate(resume_order())}
     return sorted(names, key=lambda n: order.get(m.role, 99) if (m := attempt.member(n)) else 99)

@@ -216,7 +216,7 @@ class Coordinator:
         return Outcome(
             chosen.checkpoint_id,
             "aborted",
-            tuple(_attempt._resume_sorted(chosen, chosen.touched)),
+            tuple(_attempt.resume_sorted(chosen, chosen.touched)),
             tuple(error.resumed),
             (),
             tuple(error.not_resumed),

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
 from coordinator import Coordinator, PhaseError, read_latest
+from coordinator.protocol import ROLLOUT_ID_HEADER
 from tests.coordinator.helpers import (
     assert_all_accepting,
     assert_protocol_ok,
+    clear_faults,
     read_events,
     server_states,
     set_faults,
@@ -109,4 +112,35 @@ async def test_step_wise_abort(cluster: Any, sqlite_url: str, configure: Any) ->
         assert read_latest(config.snapshots) == again.snapshot
         rows = await coord.history()
         assert [r.outcome for r in rows] == ["aborted", "published"]
+    await assert_protocol_ok(sqlite_url)
+
+
+async def test_caller_cancellation_rolls_back(cluster: Any, sqlite_url: str, configure: Any) -> None:
+    config = configure(cluster, sqlite_url)
+    model = cluster.urls["policy_model"]
+    async with httpx.AsyncClient(timeout=None) as http, Coordinator.open(config) as coord:
+        await set_faults(http, model, [{"kind": "hang", "path": "/v1/responses", "rollout_id": "stuck"}])
+
+        def broken_progress(_: object) -> None:
+            raise RuntimeError("a display bug must not disturb the attempt")
+
+        coord.set_progress(broken_progress)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: http.post(
+                    f"{model}/v1/responses", json={"input": "x"}, headers={ROLLOUT_ID_HEADER: "stuck"}
+                )
+            )
+            await anyio.sleep(0.2)
+            with anyio.move_on_after(1.0) as scope:  # the trainer gives up long before the deadline
+                await coord.checkpoint(deadline_s=30)
+            assert scope.cancelled_caught
+            await clear_faults(http, cluster)
+        await assert_all_accepting(http, cluster)
+        rows = await coord.history()
+        assert [r.outcome for r in rows] == ["aborted"]
+    events = await read_events(sqlite_url, rows[0].checkpoint_id)
+    aborted = next(ev for ev in events if ev.kind == "attempt.aborted")
+    assert "interrupted by" in aborted.data["reason"]
+    assert aborted.data["resumed"] == ["tools", "policy_model", "simple_agent"]
     await assert_protocol_ok(sqlite_url)
