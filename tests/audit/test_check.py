@@ -360,3 +360,50 @@ async def test_deadline_allows_a_late_resume_of_a_restore(ledger_url: str) -> No
         ("order", commit[0]),
         ("unsettled", terminal[0]),
     }
+
+
+async def test_rollback_left_paused_then_resumed_later(ledger_url: str) -> None:
+    """A rollback that left a server paused, resumed later by `quiesce resume` (phase `resume`)."""
+    async with Ledger.open(ledger_url) as ledger:
+        s = Script(ledger)
+        await s.start()
+        await s.attempt("ck", participants=(POLICY, AGENT_1))
+        await s.phase("ck", "prepare")
+        await s.call("ck", POLICY, "prepare", "pause")
+        await s.call("ck", AGENT_1, "prepare", "prepare", status=409)
+        await s.phase("ck", "rollback")
+        await s.call("ck", POLICY, "rollback", "resume", status=503)
+        await s.call("ck", AGENT_1, "rollback", "resume")
+        await s.aborted("ck", "prepare failed", resumed=[AGENT_1], left=[POLICY])
+    assert [(w.rule, w.server) for w in (await _check(ledger_url)).warnings] == [("unsettled", POLICY)]
+    async with Ledger.open(ledger_url) as ledger:
+        s = Script(ledger)
+        await s.start()
+        await s.resume("ck", (POLICY,))
+        await s.completed("ck", outcome="resumed")
+    report = await _check(ledger_url)
+    assert report.violations == []
+    assert report.warnings == []
+
+
+async def test_restore_then_resume(ledger_url: str) -> None:
+    async with Ledger.open(ledger_url) as ledger:
+        s = Script(ledger)
+        await s.start()
+        await s.attempt("rs", kind="restore", participants=(POLICY, AGENT_1, TOOLS))
+        await s.phase("rs", "restore")
+        for server in (POLICY, AGENT_1, TOOLS):
+            await s.call("rs", server, "restore", "restore")
+        await s.phase_done("rs", "restore")
+        await s.completed("rs", outcome="restored")
+    report = await _check(ledger_url)
+    assert (report.violations, report.warnings) == ([], [])  # paused by design until resumed
+    async with Ledger.open(ledger_url) as ledger:
+        s = Script(ledger)
+        await s.start()
+        await s.resume("rs", (POLICY, TOOLS))  # forgets the agent
+        await s.completed("rs", outcome="resumed")
+    events = await _all_events(ledger_url)
+    report = check_events(events)
+    terminal = _seq_of(events, "attempt.completed")[-1]
+    assert [(v.rule, v.seq, v.server) for v in report.violations] == [("unsettled", terminal, AGENT_1)]

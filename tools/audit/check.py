@@ -1,8 +1,9 @@
 """The protocol check: from the events alone, did each attempt obey the protocol?
 
 `ProtocolChecker` is fed events in seq order (the whole ledger, or the events of one attempt plus
-every `coordinator.started`) and keeps only a small state per attempt (open calls and a summary per
-server), so it streams over ledgers of any size. `finish()` returns a `CheckReport`.
+every `coordinator.started`) and keeps a small state per attempt — its open calls, the ids of its
+answered calls, a summary per server — never the events, so it streams over large ledgers.
+`finish()` returns a `CheckReport`.
 
 Rules (each `Violation` names the seq of the offending event):
 
@@ -13,13 +14,16 @@ Rules (each `Violation` names the seq of the offending event):
   while a call of an earlier step of the same run has no outcome yet are violations.
 - `unsettled` — when a save attempt has ended (a terminal event), every server it touched (sent
   anything but a resume, outside rollback/recovery) was either committed and then resumed, or
-  compensated: resumed in rollback or recovery after its last touch (a 409 `invalid_phase` to such a
-  resume means it never paused, which settles it too). A touched server that was never sent such a
-  resume is a violation at the terminal event; one that was sent resumes none of which settled it is
-  only a warning (`left_paused`: the coordinator did its part, the server did not answer). A save
-  attempt resumed in its `resume` phase without an acknowledged commit is a violation at that resume.
-  Restore attempts stay paused by design unless their outcome is `resumed`; then every touched
-  server must have been resumed. Attempts with no terminal event are reported as open, not judged.
+  compensated: resumed in rollback or recovery — or in any phase once the attempt was aborted (a
+  later `quiesce resume` of what a rollback left paused) — after its last touch (a 409
+  `invalid_phase` to such a resume means it never paused, which settles it too). A touched server
+  that was never sent such a resume is a violation at the terminal event; one that was sent
+  resumes, none of which settled it, is only a warning (`left_paused`: the coordinator did its
+  part, the server did not answer). A save attempt resumed in its `resume` phase without an
+  acknowledged commit (and before any abort) is a violation at that resume.
+  Restore attempts stay paused by design until resumed; once one records the outcome `resumed`,
+  every server it touched must have been resumed. An attempt is judged as of its last terminal
+  event; attempts with none are reported as open, not judged.
 - `deadline` — no call is sent (by its `call.sent` `at`) after the attempt's `deadline_ts`, except
   resumes and recovery's capabilities reads. Resumes are exempt in every phase, not only in
   rollback and recovery: a resume only releases a server, and the coordinator gives each one the
@@ -128,8 +132,9 @@ class _Attempt:
     checkpoint_id: str
     kind: str | None = None
     deadline_ts: float | None = None
-    terminal_seq: int | None = None
-    outcome: str | None = None
+    terminal_seq: int | None = None  # the last terminal event
+    outcomes: set[str] = field(default_factory=set)  # every terminal outcome recorded
+    abort_seq: int | None = None  # the first attempt.aborting / attempt.aborted
     open: dict[str, _Open] = field(default_factory=dict)
     closed: set[str] = field(default_factory=set)
     # (phase, epoch) -> number of the current run of that phase (bumped by each phase.started)
@@ -180,8 +185,9 @@ class ProtocolChecker:
             if isinstance(outcomes, dict):
                 for key, value in outcomes.items():
                     found = self._attempts.get(str(key))
-                    if found is not None and value == "abandoned" and found.terminal_seq is None:
-                        found.terminal_seq, found.outcome = event.seq, "abandoned"
+                    if found is not None and value == "abandoned":
+                        found.terminal_seq = event.seq
+                        found.outcomes.add("abandoned")
         if cid is None:
             return
         attempt = self._attempts.get(cid)
@@ -201,10 +207,14 @@ class ProtocolChecker:
             self._sent(attempt, event)
         elif kind in ("call.replied", "call.failed"):
             self._outcome(attempt, event)
-        elif kind in ("attempt.aborted", "attempt.completed") and attempt.terminal_seq is None:
+        elif kind in ("attempt.aborted", "attempt.completed"):
             attempt.terminal_seq = event.seq
             outcome = event.data.get("outcome") if kind == "attempt.completed" else "aborted"
-            attempt.outcome = outcome if isinstance(outcome, str) else None
+            attempt.outcomes.add(outcome if isinstance(outcome, str) else "completed")
+            if kind == "attempt.aborted" and attempt.abort_seq is None:
+                attempt.abort_seq = event.seq
+        elif kind == "attempt.aborting" and attempt.abort_seq is None:
+            attempt.abort_seq = event.seq
 
     def _check_epoch(self, event: Event) -> None:
         if self._max_epoch is not None and event.epoch < self._max_epoch:
@@ -301,7 +311,8 @@ class ProtocolChecker:
         settles = call.operation == "resume" and (acknowledged or (status == 409 and code == INVALID_PHASE))
         if settles and (state.settle_seq is None or call.sent_seq > state.settle_seq):
             state.settle_seq = call.sent_seq
-            state.settle_compensating = call.phase in COMPENSATING_PHASES
+            after_abort = attempt.abort_seq is not None and call.sent_seq > attempt.abort_seq
+            state.settle_compensating = call.phase in COMPENSATING_PHASES or after_abort
 
     def finish(self) -> CheckReport:
         """Judge every attempt with everything fed so far and return the report."""
@@ -315,7 +326,7 @@ class ProtocolChecker:
             report.attempts[cid] = "judged"
             if attempt.kind == "save":
                 self._judge_save(attempt)
-            elif attempt.outcome == "resumed":
+            elif "resumed" in attempt.outcomes:
                 self._judge_resumed_restore(attempt)
         report.violations.sort(key=lambda v: (v.seq, v.rule))
         report.warnings.sort(key=lambda v: (v.seq, v.rule))
