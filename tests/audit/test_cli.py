@@ -69,6 +69,9 @@ def test_show_json_and_text(ledger_url: str, capsys: pytest.CaptureFixture[str])
         "state": "not sent",
     }
     assert matrix[POLICY]["rollback"]["state"] == "compensated"
+    check = doc["check"]
+    assert isinstance(check, dict)
+    assert [v["rule"] for v in check["violations"]] == ["unsettled"]
 
     assert main(["show", "ck-good", "--ledger", ledger_url]) == 0
     out = capsys.readouterr().out

@@ -2,8 +2,9 @@
 
 Prints every call in seq order (seq sent / seq of the outcome, phase, server, route, status or
 error code, elapsed), the participant × phase matrix (intended, sent, acknowledged, failed,
-unknown, compensated), the recovery evidence if any, and a compact timeline. Exit 0 when the
-attempt exists, 1 when the ledger has no such attempt.
+unknown, compensated), the recovery evidence if any, a compact timeline, and the protocol check
+of the attempt (`quiesce check ID`). Exit 0 when the attempt exists (whatever the check found —
+`quiesce check` is the command whose exit code judges), 1 when the ledger has no such attempt.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any
 import anyio
 
 from tools.audit.attempts import AttemptView
+from tools.audit.check import CheckReport, check_events
 from tools.audit.cli import add_ledger_arguments
-from tools.audit.present import print_attempt
+from tools.audit.present import print_attempt, print_check
 from tools.audit.source import load_attempt, open_readonly
 from tools.cli.output import console, emit_json
 
@@ -32,16 +34,17 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=handle)
 
 
-async def _load(url: str, checkpoint_id: str) -> AttemptView:
+async def _load(url: str, checkpoint_id: str) -> tuple[AttemptView, CheckReport]:
     async with open_readonly(url) as ledger:
-        view, _ = await load_attempt(ledger, checkpoint_id)
-    return view
+        view, events = await load_attempt(ledger, checkpoint_id)
+    return view, check_events(events).for_attempt(checkpoint_id)
 
 
 def handle(args: argparse.Namespace) -> int:
-    view = anyio.run(_load, args.ledger, args.checkpoint_id)
+    view, report = anyio.run(_load, args.ledger, args.checkpoint_id)
     if args.json:
-        emit_json(view.to_json())
+        emit_json({**view.to_json(), "check": report.to_json()})
     else:
         print_attempt(console, view)
+        print_check(console, report)
     return 0
