@@ -632,7 +632,12 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
         if problems:
             first = next(iter(attempt.commits))
             server = next(
-                (e["name"] for e in attempt.commits.values() if problems[0].startswith(e["name"])), first
+                (
+                    e["name"]
+                    for e in attempt.commits.values()
+                    if problems[0].split(":")[0].split(" ")[0] == e["name"]
+                ),
+                first,
             )
             raise _Failed("publish", server, "; ".join(problems))
         head = await ctx.ledger.head()
