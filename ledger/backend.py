@@ -15,7 +15,7 @@ from typing import Protocol, TypeAlias
 
 from sqlalchemy import Connection
 
-from ledger.errors import FencedError
+from ledger.errors import FencedError, LedgerError
 from ledger.events import Event
 from ledger.projections import AttemptRow, fold, touched
 
@@ -40,6 +40,25 @@ class Batch:
     expected_last: int
     epoch: int
     where: str  # the ledger URL without password, for messages
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseState:
+    """The lease row as stored, with the database clock's ``now`` read in the same statement.
+
+    ``expires_at`` and ``now`` are Unix seconds on the database server's clock.
+    """
+
+    holder: str
+    epoch: int
+    expires_at: float
+    now: float
+    writer_pid: int | None = None
+
+    @property
+    def remaining_s(self) -> float:
+        """Seconds until the lease expires (negative once it has)."""
+        return self.expires_at - self.now
 
 
 class Tx(Protocol):
@@ -166,3 +185,38 @@ class Backend(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Close connections and release the writer claim. Idempotent."""
+
+    # -- the coordinator lease (PostgreSQL only; see ledger.postgres) ---------------------------
+
+    #: Whether this backend has the coordinator lease (a standby can take over from a holder).
+    supports_lease: bool = False
+
+    def _no_lease(self) -> LedgerError:
+        return LedgerError(
+            f"ledger {self.where}: a coordinator lease (standby takeover) needs a PostgreSQL ledger; "
+            "SQLite has one writer per host and no standby"
+        )
+
+    async def lease_read(self, name: str) -> LeaseState | None:
+        """The lease row ``name``, or None when there is none (or no lease table yet)."""
+        raise self._no_lease()
+
+    async def lease_take(self, name: str, holder: str, ttl_s: float, *, force: bool) -> LeaseState | None:
+        """Take the lease for ``ttl_s`` when it is free, expired or already ``holder``'s (or ``force``).
+
+        Returns the row after the statement (its ``holder`` says whether it was taken), or None
+        when the database has no lease table yet (an empty database: nobody holds anything).
+        """
+        raise self._no_lease()
+
+    async def lease_renew(self, name: str, holder: str, ttl_s: float, epoch: int) -> bool:
+        """Extend ``holder``'s lease by ``ttl_s`` from now; False when ``holder`` no longer holds it."""
+        raise self._no_lease()
+
+    async def lease_release(self, name: str, holder: str) -> None:
+        """Expire ``holder``'s lease now (a clean stop: a standby may take over at once)."""
+        raise self._no_lease()
+
+    async def end_writer_session(self, pid: int) -> bool:
+        """End the database session ``pid`` if it holds the writer lock; True when one was ended."""
+        raise self._no_lease()

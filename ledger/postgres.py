@@ -6,6 +6,14 @@
   seq order even if the claim were bypassed.
 - ``durability="process"`` sets ``synchronous_commit = off`` on the writer session: an append
   survives the writer's crash but not a crash of the database server.
+- Losing the writer session (the server ended it — e.g. a standby's ``pg_terminate_backend`` —
+  or the connection broke) loses the writer lock with it, so an append that fails that way
+  raises ``FencedError``: this writer must stop.
+- The coordinator lease (table ``quiesce_lease``): one row per lease name with the holder, its
+  epoch, its writer session pid and ``expires_at`` in Unix seconds of the database server's
+  clock (``clock_timestamp()``), so every comparison uses one clock. Taking it is one
+  ``INSERT .. ON CONFLICT DO UPDATE .. WHERE`` statement (expired, or already ours), so two
+  standbys cannot both take it.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from ledger.backend import (
     WRITER_LOCK_KEY,
     Backend,
     Batch,
+    LeaseState,
     ProjectionCache,
     RawEvent,
     apply_append,
@@ -43,6 +52,28 @@ _UPSERT = _UPSERT.on_conflict_do_update(
 )
 #: How long a writer waits for a previous writer's session to end (e.g. one that was just killed).
 CLAIM_WAIT_S = 2.0
+
+_NOW = "extract(epoch from clock_timestamp())::float8"
+_LEASE_EXISTS = text("SELECT to_regclass('quiesce_lease') IS NOT NULL")
+_LEASE_READ = text(
+    f"SELECT holder, epoch, expires_at, {_NOW}, writer_pid FROM quiesce_lease WHERE name = :name"
+)
+_LEASE_TAKE = text(
+    "INSERT INTO quiesce_lease (name, holder, epoch, expires_at, writer_pid) "
+    f"VALUES (:name, :holder, 0, {_NOW} + :ttl, :pid) "
+    "ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, expires_at = excluded.expires_at, "
+    "writer_pid = excluded.writer_pid "
+    f"WHERE :force OR quiesce_lease.expires_at <= {_NOW} OR quiesce_lease.holder = excluded.holder"
+)
+_LEASE_RENEW = text(
+    f"UPDATE quiesce_lease SET expires_at = {_NOW} + :ttl, epoch = :epoch "
+    "WHERE name = :name AND holder = :holder"
+)
+_LEASE_RELEASE = text(f"UPDATE quiesce_lease SET expires_at = {_NOW} WHERE name = :name AND holder = :holder")
+_WRITER_PIDS = text(
+    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+    "AND ((classid::bigint << 32) | objid::bigint) = :k"
+)
 
 
 class _PgTx:
@@ -76,6 +107,8 @@ class PostgresBackend(Backend):
         self._engine: AsyncEngine = create_async_engine(url, pool_size=4, max_overflow=8)
         self._writer: AsyncConnection | None = None
         self._cache = ProjectionCache()
+        #: ``pg_backend_pid()`` of the writer session once writership is claimed.
+        self.writer_pid: int | None = None
 
     def _error(self, doing: str, error: DBAPIError) -> LedgerError:
         return LedgerError(f"ledger {self.where}: {doing} failed: {error.orig}")
@@ -112,6 +145,9 @@ class PostgresBackend(Backend):
         if self._durability == "process":
             await conn.execute(text("SET synchronous_commit = off"))
             await conn.commit()
+        pid = await conn.scalar(text("SELECT pg_backend_pid()"))
+        await conn.commit()
+        self.writer_pid = int(pid) if pid is not None else None
         self._writer = conn
 
     async def run_schema(self, fn: Callable[[Connection], object]) -> object:
@@ -160,8 +196,31 @@ class PostgresBackend(Backend):
                 f"ledger {self.where}: seq {batch.rows[0][0]} was taken by another writer; this "
                 "writer is fenced and must stop making calls"
             ) from None
-        except DBAPIError as error:
-            raise self._error("append", error) from None
+        except (DBAPIError, OSError) as error:
+            if await self._writer_lost():
+                cause = getattr(error, "orig", error)
+                raise FencedError(
+                    f"ledger {self.where}: the writer's database session is gone ({cause}), and the"
+                    " writer lock with it — a standby may have taken over. This writer is fenced and"
+                    " must stop making calls; start a new coordinator (it takes a new epoch and recovers)."
+                ) from None
+            if isinstance(error, DBAPIError):
+                raise self._error("append", error) from None
+            raise LedgerError(f"ledger {self.where}: append failed: {error}") from None
+
+    async def _writer_lost(self) -> bool:
+        """Whether the writer session ended (then the server released its writer lock too)."""
+        writer = self._writer
+        if writer is None or writer.invalidated or writer.closed:
+            return True
+        try:
+            with anyio.CancelScope(shield=True), anyio.fail_after(CLAIM_WAIT_S):
+                await writer.rollback()
+                await writer.scalar(text("SELECT 1"))
+                await writer.rollback()
+        except (DBAPIError, OSError, TimeoutError):
+            return True
+        return False
 
     async def replace_attempts(self, rows: Sequence[AttemptRow]) -> None:
         if self._writer is None:
@@ -178,6 +237,58 @@ class PostgresBackend(Backend):
 
         with anyio.CancelScope(shield=True):
             await self._writer.run_sync(swap)
+
+    # -- the coordinator lease -----------------------------------------------------------------
+
+    supports_lease = True
+
+    async def _lease_statement(self, statement: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        try:
+            async with self._engine.begin() as conn:
+                if not await conn.scalar(_LEASE_EXISTS):
+                    return []
+                result = await conn.execute(statement, params)
+                return [tuple(row) for row in result.all()] if result.returns_rows else [(result.rowcount,)]
+        except DBAPIError as error:
+            raise self._error("lease", error) from None
+        except OSError as error:
+            raise LedgerError(f"cannot connect to ledger {self.where}: {error}") from None
+
+    async def lease_read(self, name: str) -> LeaseState | None:
+        rows = await self._lease_statement(_LEASE_READ, {"name": name})
+        if not rows:
+            return None
+        holder, epoch, expires_at, now, pid = rows[0]
+        return LeaseState(str(holder), int(epoch), float(expires_at), float(now), pid)
+
+    async def lease_take(self, name: str, holder: str, ttl_s: float, *, force: bool) -> LeaseState | None:
+        done = await self._lease_statement(
+            _LEASE_TAKE,
+            {"name": name, "holder": holder, "ttl": float(ttl_s), "pid": self.writer_pid, "force": force},
+        )
+        return await self.lease_read(name) if done else None
+
+    async def lease_renew(self, name: str, holder: str, ttl_s: float, epoch: int) -> bool:
+        rows = await self._lease_statement(
+            _LEASE_RENEW, {"name": name, "holder": holder, "ttl": float(ttl_s), "epoch": epoch}
+        )
+        return bool(rows and rows[0][0])
+
+    async def lease_release(self, name: str, holder: str) -> None:
+        await self._lease_statement(_LEASE_RELEASE, {"name": name, "holder": holder})
+
+    async def end_writer_session(self, pid: int) -> bool:
+        try:
+            async with self._engine.connect() as conn:
+                rows = (await conn.execute(_WRITER_PIDS, {"k": WRITER_LOCK_KEY})).all()
+                holders = {int(p) for (p,) in rows}
+                if pid not in holders:
+                    return False
+                ended = await conn.scalar(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+                await conn.commit()
+                return bool(ended)
+        except DBAPIError as error:
+            raise self._error("ending the previous writer's session", error) from None
 
     async def _rows(self, statement: Any) -> list[tuple[Any, ...]]:
         try:

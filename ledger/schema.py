@@ -57,6 +57,18 @@ attempts = Table(
     sqlite_with_rowid=False,
 )
 
+#: The coordinator lease (PostgreSQL standby takeover; unused on SQLite): one row per lease name.
+#: ``expires_at`` is Unix seconds on the database server's clock.
+lease = Table(
+    "quiesce_lease",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("holder", String(256), nullable=False),
+    Column("epoch", BigInteger(), nullable=False),
+    Column("expires_at", Float(precision=53), nullable=False),
+    Column("writer_pid", Integer(), nullable=True),
+)
+
 EVENT_COLUMNS: Final = (
     "seq",
     "at",

@@ -16,14 +16,25 @@ Invariants:
 - **What is stored is redacted and capped** (``ledger.redact``) before it is hashed; ``Event.data``
   returned by ``append`` is exactly what was stored.
 - Appends from concurrent tasks of one event loop are serialised; a Ledger belongs to one loop.
+- ``after_append`` (optional hook, set at open or as an attribute) is called with the events of
+  each append once they are durable, before the append returns — the coordinator's test-only
+  crash points hang off it. The ledger itself never interprets it.
+- **The coordinator lease** (PostgreSQL; ``LeaseTerms``): a writer opened with ``lease=`` takes
+  the lease row once it holds writership and keeps it while ``renew_lease`` is called in time. A
+  ``standby`` open first waits until the holder's lease has expired (database clock), takes it,
+  ends the old holder's writer session (``pg_terminate_backend``: a stopped process loses its
+  connection and with it the writer lock), then claims writership. A lease renewal that finds
+  another holder fences this ledger like a ``FencedError``. On SQLite ``standby`` is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, cast
 
@@ -31,7 +42,7 @@ import anyio
 from pydantic import BaseModel, ValidationError
 
 from ledger import migrate
-from ledger.backend import Backend, Batch, RawEvent
+from ledger.backend import Backend, Batch, LeaseState, RawEvent
 from ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
 from ledger.errors import FencedError, LedgerError
 from ledger.events import COLUMN_RULES, PAYLOADS, AppendItem, Event
@@ -41,6 +52,25 @@ from ledger.urls import parse, safe
 
 Durability = Literal["full", "process"]
 PAGE_SIZE = 1000
+#: Called with the events of each append once they are durable (see the module docstring).
+AfterAppend = Callable[[Sequence[Event]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseTerms:
+    """How a writer holds the coordinator lease (PostgreSQL; ignored on SQLite unless ``standby``).
+
+    ``holder`` must be unique per process (e.g. host, pid and a uuid). ``ttl_s`` is how long one
+    renewal keeps the lease; the holder renews well within it. ``standby`` waits for the current
+    holder's lease to expire before taking over. ``poll_s`` bounds how long a standby sleeps
+    between looks at the lease.
+    """
+
+    holder: str
+    ttl_s: float = 10.0
+    standby: bool = False
+    poll_s: float = 0.25
+    name: str = "coordinator"
 
 
 _second_cache: list[Any] = [-1, ""]
@@ -156,8 +186,13 @@ class Ledger:
         self._fenced: FencedError | None = None
         self._stale = False
         self._closed = False
+        self._lease: LeaseTerms | None = None
         #: This writer's epoch: 0 until ``start_epoch``; written into every appended row.
         self.epoch = 0
+        #: Called with each append's events once durable (see the module docstring).
+        self.after_append: AfterAppend | None = None
+        #: After a standby takeover: the lease of the holder it replaced (None otherwise).
+        self.took_over_from: LeaseState | None = None
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -169,27 +204,46 @@ class Ledger:
         durability: Durability = "full",
         secrets: Sequence[str] = (),
         readonly: bool = False,
+        lease: LeaseTerms | None = None,
+        after_append: AfterAppend | None = None,
     ) -> Ledger:
         """Open the ledger at ``url``; the caller must ``await ledger.aclose()``.
 
         A writer (not ``readonly``) claims writership first, then creates an empty database at
         the schema head. A schema behind or ahead of this code is refused with ``LedgerError``.
+        With ``lease`` (PostgreSQL) the writer then holds the coordinator lease; a ``standby``
+        lease waits for the current holder's lease to expire first (see the module docstring).
         """
         if durability not in ("full", "process"):
             raise LedgerError(f"durability must be 'full' or 'process', not {durability!r}")
         backend = make_backend(url, durability=durability, readonly=readonly)
         where = backend.where
+        if lease is not None and (readonly or not backend.supports_lease):
+            if lease.standby:
+                await backend.close()
+                raise LedgerError(
+                    f"ledger {where}: a standby coordinator needs a writable PostgreSQL ledger"
+                    " (postgresql+asyncpg://...); with SQLite run one coordinator per ledger, without standby"
+                )
+            lease = None
         ledger = cls(backend, where=where, secrets=secrets, readonly=readonly)
+        ledger.after_append = after_append
         try:
-            if not readonly:
+            if lease is not None and lease.standby:
+                await ledger._take_over(lease)
+            elif not readonly:
                 await backend.claim_writer()
             await backend.run_schema(
                 lambda conn: migrate.ensure_schema_sync(conn, url=where, create=not readonly)
             )
             await backend.start()
             await ledger._load_head()
+            if lease is not None:
+                await backend.lease_take(lease.name, lease.holder, lease.ttl_s, force=True)
+                ledger._lease = lease
         except BaseException:
-            await backend.close()
+            with anyio.CancelScope(shield=True):
+                await backend.close()
             raise
         return ledger
 
@@ -202,20 +256,87 @@ class Ledger:
         durability: Durability = "full",
         secrets: Sequence[str] = (),
         readonly: bool = False,
+        lease: LeaseTerms | None = None,
+        after_append: AfterAppend | None = None,
     ) -> AsyncIterator[Ledger]:
         """``async with Ledger.open(url) as ledger:`` — see ``connect``; closed (and writership
-        released) on exit."""
-        ledger = await cls.connect(url, durability=durability, secrets=secrets, readonly=readonly)
+        and any lease released) on exit."""
+        ledger = await cls.connect(
+            url,
+            durability=durability,
+            secrets=secrets,
+            readonly=readonly,
+            lease=lease,
+            after_append=after_append,
+        )
         try:
             yield ledger
         finally:
             await ledger.aclose()
 
     async def aclose(self) -> None:
-        """Close the connections and release writership. Idempotent."""
+        """Close the connections and release writership (and the lease, if held). Idempotent."""
         if not self._closed:
             self._closed = True
-            await self._backend.close()
+            with anyio.CancelScope(shield=True):
+                lease, self._lease = self._lease, None
+                if lease is not None and self._fenced is None:
+                    with contextlib.suppress(LedgerError, OSError), anyio.move_on_after(2.0):
+                        await self._backend.lease_release(lease.name, lease.holder)
+                await self._backend.close()
+
+    # -- the coordinator lease ---------------------------------------------------------------------
+
+    async def _take_over(self, terms: LeaseTerms) -> None:
+        """Standby: wait for the holder's lease to expire, take it, end its writer session, claim."""
+        backend = self._backend
+        while True:
+            while True:
+                before = await backend.lease_read(terms.name)
+                taken = await backend.lease_take(terms.name, terms.holder, terms.ttl_s, force=False)
+                if taken is None or taken.holder == terms.holder:
+                    break  # no lease table yet (nobody to wait for), or the lease is ours now
+                await anyio.sleep(min(terms.poll_s, max(taken.remaining_s, 0.0) + 0.01))
+            self.took_over_from = before if before is not None and before.holder != terms.holder else None
+            if self.took_over_from is not None and self.took_over_from.writer_pid is not None:
+                await backend.end_writer_session(self.took_over_from.writer_pid)
+            try:
+                await backend.claim_writer()
+                return
+            except FencedError:
+                # a live writer that is not the expired holder (it just started and will take the
+                # lease itself): keep waiting as a standby
+                await anyio.sleep(terms.poll_s)
+
+    @property
+    def lease(self) -> LeaseTerms | None:
+        """The lease this writer holds (None on SQLite, readonly, or without ``lease=``)."""
+        return self._lease
+
+    async def lease_state(self) -> LeaseState | None:
+        """The lease row as stored now (None without a lease)."""
+        if self._lease is None:
+            return None
+        return await self._backend.lease_read(self._lease.name)
+
+    async def renew_lease(self) -> bool:
+        """Extend this writer's lease by its ``ttl_s``. True without a lease.
+
+        False when another holder has taken it: the ledger is then fenced (every later append
+        raises ``FencedError``) and its owner must stop acting. Database errors raise ``LedgerError``.
+        """
+        lease = self._lease
+        if lease is None:
+            return True
+        if self._fenced is not None:
+            return False
+        if await self._backend.lease_renew(lease.name, lease.holder, lease.ttl_s, self.epoch):
+            return True
+        self._fenced = FencedError(
+            f"ledger {self.url}: the coordinator lease was taken over by another coordinator (this one"
+            " did not renew it in time); this coordinator is fenced and must stop making calls"
+        )
+        return False
 
     @property
     def backend(self) -> Backend:
@@ -351,6 +472,8 @@ class Ledger:
             self._last_seq, self._last_hash, self._head_epoch = seq, prev, epoch
             if new_epoch:
                 self.epoch = epoch
+            if self.after_append is not None:
+                self.after_append(events)
             return events
 
     async def append(
