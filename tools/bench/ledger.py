@@ -1,4 +1,7 @@
-"""Ledger append cost against raw ``sqlite3`` commits, on the same disk, in one run.
+"""Measure #1 — ledger append cost against raw ``sqlite3`` commits, on the same disk, in one run.
+
+``python -m tools.bench --only 1`` runs it as part of the bench (``measure``: fresh processes,
+median/min/max over runs, peak RSS); standalone:
 
     python -m tools.bench.ledger [--n 400] [--dir DIR] [--replay N] [--json]
 
@@ -30,6 +33,7 @@ from typing import Any
 import anyio
 
 from ledger import AppendItem, Ledger, replay
+from tools.bench.harness import Context, Result, repeat, stats_of
 
 RAW_DDL = (
     "CREATE TABLE events (seq INTEGER PRIMARY KEY, at VARCHAR(32) NOT NULL, kind VARCHAR(64) NOT NULL, "
@@ -161,6 +165,48 @@ async def _fill(url: str, n: int) -> None:
                 batch = []
         if batch and done < n:
             await ledger.append_many(batch[: n - done])
+
+
+async def run_once(n: int, dir: str | None = None) -> dict[str, Any]:
+    """One run of measure #1 (in a child process): medians of ``n`` interleaved iterations."""
+    folder = Path(tempfile.mkdtemp(prefix="quiesce-bench-", dir=dir))
+    try:
+        singles, pairs, raws = await _measure(folder, n)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    append_pair_s, raw_pair_s = statistics.median(pairs), statistics.median(raws)
+    return {
+        "append_s": statistics.median(singles),
+        "append_pair_s": append_pair_s,
+        "raw_pair_s": raw_pair_s,
+        "ratio": append_pair_s / raw_pair_s,
+    }
+
+
+def measure(ctx: Context) -> Result:
+    """Measure #1: one recorded call (two durable appends) vs two raw ``sqlite3`` commits.
+
+    Each run is a fresh process that interleaves, iteration by iteration, a pair of raw commits
+    (WAL, ``synchronous=FULL``), a single ``append`` and a pair of appends (``call.sent`` +
+    ``call.replied``) on two databases in one folder of the bench's work dir (the same disk), and
+    reports the median of each; the ratio pair / raw pair is computed per run. Goal: <= 1.5.
+    """
+    n = 30 if ctx.quick else 300
+    result = Result(1, "recorded call = two durable appends", "ratio <= 1.5 vs two raw sqlite3 commits")
+    runs = repeat("ledger:run_once", {"n": n, "dir": str(ctx.work)}, ctx.runs, log=ctx.log)
+    ratio = stats_of(runs, "ratio")
+    pair, raw = stats_of(runs, "append_pair_s"), stats_of(runs, "raw_pair_s")
+    result.metric("append_pair_s", pair, "s")
+    result.metric("raw_pair_s", raw, "s")
+    result.metric("append_s", stats_of(runs, "append_s"), "s")
+    result.metric("ratio", ratio, "x")
+    result.metric("peak_rss_mb", stats_of(runs, "peak_rss_mb"), "MB")
+    result.runs = len(runs)
+    result.value = f"{pair.fmt(1e3, 3, 'ms')} per pair; ratio {ratio.fmt(1, 2)}"
+    result.baseline = f"{raw.fmt(1e3, 3, 'ms')} per pair of raw commits (WAL, synchronous=FULL)"
+    result.met = ratio.median <= 1.5
+    result.notes.append(f"{n} interleaved iterations per run (after {n // 10} warm-up)")
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

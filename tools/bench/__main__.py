@@ -1,0 +1,109 @@
+"""``python -m tools.bench [--quick] [--only N,...] [--runs R] [--out DIR]`` — run the benchmarks.
+
+Writes ``DIR/latest.json`` and ``DIR/latest.md`` (default ``bench-results/``): one row per
+measure with its median [min–max] over the runs, the baseline measured in the same run, the
+goal and whether it was met, the peak RSS, and the machine. ``--quick`` uses tiny sizes and
+one run per measure: a smoke check of the harness (CI), not a measurement.
+Exit status: 0 when every selected measure ran (goals met or not), 1 when one failed to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from tools.bench.harness import REPO_ROOT, Context, Result, machine
+from tools.bench.report import render_markdown
+
+#: measure number → (module, title); every module has ``measure(ctx) -> Result``.
+MEASURES: dict[int, tuple[str, str]] = {
+    1: ("ledger", "recorded call = two durable appends"),
+    2: ("remote", "recorded remote call vs DBOS"),
+    3: ("cycle", "save cycle, real vs null ledger"),
+    4: ("scale", "save cycle at N participants"),
+    5: ("replay", "replay 1M events"),
+    6: ("recover", "quiesce recover after SIGKILL"),
+}
+
+
+def _parse_only(text: str | None) -> list[int]:
+    if not text:
+        return sorted(MEASURES)
+    chosen = []
+    for part in text.split(","):
+        number = int(part.strip())
+        if number not in MEASURES:
+            raise argparse.ArgumentTypeError(f"no measure {number}; choose from {sorted(MEASURES)}")
+        chosen.append(number)
+    return sorted(set(chosen))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one run: a smoke check")
+    parser.add_argument("--only", type=str, default=None, help="comma-separated measure numbers (1-6)")
+    parser.add_argument("--runs", type=int, default=None, help="runs per measure (default 5; --quick 1)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench-results", help="output folder")
+    parser.add_argument("--cache", type=Path, default=None, help="kept between runs (default OUT/.cache)")
+    parser.add_argument(
+        "--dbos-venv", type=Path, default=None, help="create or reuse the DBOS venv here (default: temp)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        only = _parse_only(args.only)
+    except (ValueError, argparse.ArgumentTypeError) as error:
+        parser.error(str(error))
+    runs = args.runs if args.runs is not None else (1 if args.quick else 5)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    cache: Path = args.cache or out / ".cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="quiesce-bench-", dir=out))
+    ctx = Context(quick=args.quick, runs=runs, work=work, cache=cache, dbos_venv=args.dbos_venv)
+    started = time.time()
+    results: list[Result] = []
+    failed = False
+    try:
+        info = machine(work)
+        for number in only:
+            module_name, title = MEASURES[number]
+            ctx.log(f"measure {number}: {title}")
+            begun = time.perf_counter()
+            try:
+                module = importlib.import_module(f"tools.bench.{module_name}")
+                result: Result = module.measure(ctx)
+            except Exception as error:
+                failed = True
+                ctx.log(traceback.format_exc())
+                result = Result(number, title, "", status="error", reason=f"{type(error).__name__}: {error}")
+            results.append(result)
+            verdict = {True: "met", False: "MISSED", None: result.status}[result.met]
+            ctx.log(f"measure {number}: {result.value or result.reason} -> {verdict}"
+                    f" ({time.perf_counter() - begun:.0f} s)")  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    document: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "seconds": round(time.time() - started, 1),
+        "quick": args.quick,
+        "runs": runs,
+        "command": " ".join(["python -m tools.bench", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": info,
+        "measures": [r.to_json() for r in results],
+    }
+    (out / "latest.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    (out / "latest.md").write_text(render_markdown(document), encoding="utf-8")
+    ctx.log(f"wrote {out / 'latest.md'} and {out / 'latest.json'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

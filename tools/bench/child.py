@@ -1,0 +1,40 @@
+"""One run of a measure in its own interpreter: ``python -m tools.bench.child MODULE:FUNCTION JSON``.
+
+Calls ``tools.bench.MODULE.FUNCTION(**json.loads(JSON))`` (awaited under ``anyio.run`` when it is
+a coroutine function) and prints one JSON line: the returned dict plus ``peak_rss_mb``, the
+peak resident set size of this process (see ``harness.peak_rss_mb``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import sys
+from functools import partial
+from typing import Any
+
+import anyio
+
+from tools.bench.harness import peak_rss_mb
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or ":" not in argv[0]:
+        print("usage: python -m tools.bench.child MODULE:FUNCTION JSON", file=sys.stderr)
+        return 2
+    module_name, function_name = argv[0].split(":", 1)
+    function = getattr(importlib.import_module(f"tools.bench.{module_name}"), function_name)
+    params: dict[str, Any] = json.loads(argv[1])
+    if inspect.iscoroutinefunction(function):
+        result = anyio.run(partial(function, **params))
+    else:
+        result = function(**params)
+    result["peak_rss_mb"] = peak_rss_mb()
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

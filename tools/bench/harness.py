@@ -1,0 +1,255 @@
+"""The shared harness of ``python -m tools.bench``: one child process per run, statistics, the machine.
+
+Every repetition of a measure runs in a fresh child process (``python -m tools.bench.child``), so
+that its peak memory is its own: the child reports ``VmHWM`` from ``/proc/self/status`` (the peak
+resident set size; ``ru_maxrss`` where ``/proc`` is missing) next to its result. A measure
+collects the per-run figures and reports, for each, the median of the runs with the minimum and
+the maximum (``Stats``).
+
+Timings are compared only with baselines measured in the same run, interleaved where possible,
+because the machine is shared and noisy; nothing here judges an absolute time except the goals
+that the issue states in absolute terms (events/s, seconds at 512 participants).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import sqlite3
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class BenchError(RuntimeError):
+    """A run could not be measured (a child failed, a tool is missing)."""
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Median, minimum and maximum of the per-run values of one figure."""
+
+    median: float
+    min: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Stats:
+        if not values:
+            raise ValueError("no values")
+        return cls(statistics.median(values), min(values), max(values), len(values))
+
+    def to_json(self) -> dict[str, float | int]:
+        return {"median": self.median, "min": self.min, "max": self.max, "n": self.n}
+
+    def fmt(self, scale: float = 1.0, digits: int = 2, unit: str = "") -> str:
+        """``median [min–max] unit`` with every value multiplied by ``scale``."""
+        low, mid, high = (f"{v * scale:,.{digits}f}" for v in (self.min, self.median, self.max))
+        return f"{mid} [{low}–{high}]" + (f" {unit}" if unit else "")
+
+
+def stats_of(runs: Sequence[dict[str, Any]], key: str) -> Stats:
+    """``Stats`` of ``run[key]`` over the runs."""
+    return Stats.of([float(run[key]) for run in runs])
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MB (``VmHWM``; ``ru_maxrss`` as a fallback)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a child: this one, with the repository on ``PYTHONPATH``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_child(target: str, params: dict[str, Any], *, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Run ``tools.bench.<module>.<function>(**params)`` in a fresh interpreter; its result.
+
+    ``target`` is ``"module:function"``. The result is the function's dict plus ``peak_rss_mb``
+    (the child's VmHWM) and ``wall_s`` (the child's whole lifetime, seen from here).
+    """
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "tools.bench.child", target, json.dumps(params)],
+            cwd=str(REPO_ROOT),
+            env=child_env(),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as error:
+        raise BenchError(f"{target} did not finish within {timeout_s:.0f} s") from error
+    if done.returncode != 0:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+        raise BenchError(f"{target} exited with {done.returncode}:\n{tail}")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise BenchError(f"{target} printed no result:\n{done.stdout[-2000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    result["wall_s"] = time.perf_counter() - started
+    return result
+
+
+def repeat(
+    target: str,
+    params: dict[str, Any],
+    runs: int,
+    *,
+    timeout_s: float = 600.0,
+    log: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """``runs`` results of ``run_child(target, params)``, one fresh process each."""
+    out = []
+    for index in range(runs):
+        result = run_child(target, params, timeout_s=timeout_s)
+        out.append(result)
+        if log is not None:
+            log(f"  run {index + 1}/{runs} of {target} done in {result['wall_s']:.1f} s")
+    return out
+
+
+@dataclass
+class Result:
+    """What one measure reports (``latest.json`` holds one per measure, ``latest.md`` a row each).
+
+    ``status`` is ``ok``, ``unavailable`` (could not be measured here; ``reason`` says why) or
+    ``error`` (the bench itself failed; ``reason`` holds the error). ``met`` is None unless ok.
+    ``value`` is the figure compared with the goal, ``baseline`` what it was compared with.
+    ``metrics`` holds every figure as ``Stats`` JSON plus a ``unit``; ``rows`` optional detail.
+    """
+
+    id: int
+    title: str
+    goal: str
+    status: str = "ok"
+    met: bool | None = None
+    value: str = ""
+    baseline: str = ""
+    reason: str | None = None
+    runs: int = 0
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def metric(self, name: str, stats: Stats, unit: str) -> None:
+        self.metrics[name] = {**stats.to_json(), "unit": unit}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "title": self.title,
+            "goal": self.goal,
+            "status": self.status,
+            "met": self.met,
+            "value": self.value,
+            "baseline": self.baseline,
+            "reason": self.reason,
+            "runs": self.runs,
+            "metrics": self.metrics,
+            "rows": self.rows,
+            "notes": self.notes,
+        }
+
+
+@dataclass
+class Context:
+    """Options of one bench run, shared by every measure."""
+
+    quick: bool
+    runs: int
+    work: Path  #: a temporary folder for this run (removed at the end)
+    cache: Path  #: kept between runs (generated ledgers); under ``bench-results/.cache``
+    dbos_venv: Path | None = None  #: reuse (or create) the DBOS venv here instead of a temp dir
+    log: Callable[[str], None] = field(default=lambda text: print(text, file=sys.stderr, flush=True))
+
+
+# -- the machine ------------------------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _ram_gb() -> float | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as info:
+            for line in info:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 1024 / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _disk(path: Path) -> str:
+    """The device, filesystem and (when known) SSD/rotational kind of the filesystem holding ``path``."""
+    best = ("", "", "")
+    try:
+        target = str(path.resolve())
+        with open("/proc/mounts", encoding="utf-8") as mounts:
+            for line in mounts:
+                device, point, fstype = line.split()[:3]
+                if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(
+                    best[1]
+                ):
+                    best = (device, point, fstype)
+    except OSError:
+        return "unknown"
+    device, point, fstype = best
+    kind = ""
+    name = Path(device).name.rstrip("0123456789")
+    rotational = Path(f"/sys/block/{name}/queue/rotational")
+    if rotational.exists():
+        kind = ", rotational" if rotational.read_text().strip() == "1" else ", non-rotational"
+    total = ""
+    try:
+        st = os.statvfs(path)
+        total = f", {st.f_blocks * st.f_frsize / 1e9:.0f} GB"
+    except OSError:
+        pass
+    return f"{device} ({fstype} on {point}{kind}{total})"
+
+
+def machine(work: Path) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    ram = _ram_gb()
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "ram_gb": round(ram, 1) if ram is not None else None,
+        "disk": _disk(work),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "sqlite": sqlite3.sqlite_version,
+        "load_avg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
