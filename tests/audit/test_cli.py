@@ -258,3 +258,29 @@ def test_whole_bundle_missing_tail_detected(
     assert main(["verify-bundle", str(out), "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert any("whole-ledger bundle must hold" in p["message"] for p in doc["problems"])
+
+
+def test_verify_bundle_against_a_ledger(
+    ledger_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--ledger` ties a subset bundle's events and anchors to a live chain."""
+    anyio.run(_write_two_attempts, ledger_url)
+    out = tmp_path / "one.jsonl"
+    assert main(["export", "--ledger", ledger_url, "--checkpoint", "ck-bad", "--out", str(out)]) == 0
+    code, doc = _json(capsys, ["verify-bundle", str(out), "--ledger", ledger_url, "--json"])
+    assert (code, doc["ok"], doc["ledger_problems"]) == (0, True, [])
+
+    other = f"sqlite+aiosqlite:///{tmp_path / 'other.db'}"  # same shape, different times: other hashes
+    anyio.run(_write_two_attempts, other)
+    code, doc = _json(capsys, ["verify-bundle", str(out), "--ledger", other, "--json"])
+    assert code == 1
+    assert doc["problems"] == []  # the bundle itself is intact
+    problems = doc["ledger_problems"]
+    assert isinstance(problems, list)
+    events = [line for line in _lines(out) if line.get("type") == "event"]
+    anchors = [line for line in _lines(out) if line.get("type") == "anchor" and line["seq"] != 0]
+    assert sorted(p["seq"] for p in problems) == sorted(
+        [e["seq"] for e in events] + [a["seq"] for a in anchors]
+    )
+    assert main(["verify-bundle", str(out), "--ledger", other]) == 1
+    assert "differs from the ledger's" in capsys.readouterr().out

@@ -32,8 +32,9 @@ anchor), that seqs only skip across an anchor and increase strictly, and that th
 A whole-ledger bundle must end at the header's head with the header's head hash, so it proves
 the full chain from genesis; a subset bundle proves each included event's content against its
 hash and each run's link to the anchor hash — an auditor who holds the ledger (or a trusted copy
-of an anchor or head hash) can then tie the anchors to the chain. Every problem is reported
-with the seq of the event (or the line) that shows it.
+of an anchor or head hash) can then tie the anchors to the chain: ``quiesce verify-bundle FILE
+--ledger URL`` also compares every hash the bundle states (events and anchors) with the live
+ledger's. Every problem is reported with the seq of the event (or the line) that shows it.
 """
 
 from __future__ import annotations
@@ -159,10 +160,15 @@ class Verification:
     events: int = 0
     runs: list[tuple[int, int]] = field(default_factory=list)
     last_hash: str | None = None
+    #: seq -> (hash the bundle states for that seq, line): every event and every anchor but genesis.
+    #: Filled only when asked (`verify_lines(..., keep_claims=True)`), for `cross_check`.
+    claims: dict[int, tuple[str, int]] = field(default_factory=dict)
+    #: problems found by comparing with a live ledger (`cross_check`), kept apart from `problems`
+    ledger_problems: list[Problem] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.ledger_problems
 
     @property
     def complete(self) -> bool:
@@ -181,6 +187,7 @@ class Verification:
             "runs": [list(r) for r in self.runs],
             "last_hash": self.last_hash,
             "problems": [p.to_json() for p in self.problems],
+            "ledger_problems": [p.to_json() for p in self.ledger_problems],
         }
 
 
@@ -242,7 +249,8 @@ def _lines(stream: Iterable[str]) -> Iterator[tuple[int, dict[str, Any] | None, 
 
 
 class _Verifier:
-    def __init__(self) -> None:
+    def __init__(self, keep_claims: bool) -> None:
+        self.keep_claims = keep_claims
         self.result = Verification()
         self.expected_seq: int | None = None  # seq the next event line must have
         self.expected_prev: str | None = None  # prev_hash the next event line must have
@@ -289,6 +297,8 @@ class _Verifier:
             self.problem(1, number, "the anchor of seq 1 must be the genesis hash")
         self.expected_seq, self.expected_prev = seq + 1, digest
         self.pending_anchor = (number, seq)
+        if self.keep_claims and seq > 0:
+            self.result.claims.setdefault(seq, (digest, number))
 
     def event(self, number: int, value: dict[str, Any]) -> None:
         seq = value.get("seq") if _is_int(value.get("seq")) else None
@@ -328,6 +338,8 @@ class _Verifier:
             result.runs.append((seq, seq))
         result.events += 1
         result.last_hash = value["hash"]
+        if self.keep_claims:
+            result.claims[seq] = (value["hash"], number)
         self.pending_anchor = None
         self.expected_seq, self.expected_prev, self.last_seq = seq + 1, value["hash"], seq
 
@@ -368,9 +380,10 @@ class _Verifier:
             )
 
 
-def verify_lines(stream: Iterable[str]) -> Verification:
-    """Verify a bundle given as lines of text; see the module docstring."""
-    verifier = _Verifier()
+def verify_lines(stream: Iterable[str], *, keep_claims: bool = False) -> Verification:
+    """Verify a bundle given as lines of text; see the module docstring. `keep_claims` keeps the
+    seq -> hash each line states, for `cross_check` against a live ledger."""
+    verifier = _Verifier(keep_claims)
     number = 0
     started = False
     for number, value, why in _lines(stream):
@@ -403,7 +416,31 @@ def verify_lines(stream: Iterable[str]) -> Verification:
     return verifier.result
 
 
-def verify_bundle(path: Path) -> Verification:
+def verify_bundle(path: Path, *, keep_claims: bool = False) -> Verification:
     """Verify the bundle file at `path` (no database needed)."""
     with path.open(encoding="utf-8") as stream:
-        return verify_lines(stream)
+        return verify_lines(stream, keep_claims=keep_claims)
+
+
+def claim_ranges(claims: dict[int, tuple[str, int]]) -> list[tuple[int, int]]:
+    """The claimed seqs as ascending runs of consecutive seqs `(first, last)`."""
+    ranges: list[tuple[int, int]] = []
+    for seq in sorted(claims):
+        if ranges and seq == ranges[-1][1] + 1:
+            ranges[-1] = (ranges[-1][0], seq)
+        else:
+            ranges.append((seq, seq))
+    return ranges
+
+
+def compare_claims(result: Verification, stored: dict[int, str]) -> None:
+    """Record in `result.ledger_problems` each claimed seq whose hash differs from `stored` (the
+    live ledger's hash per seq) or that the ledger does not have."""
+    for seq, (digest, line) in sorted(result.claims.items()):
+        found = stored.get(seq)
+        if found is None:
+            result.ledger_problems.append(Problem(seq, line, "the ledger has no event with this seq"))
+        elif found != digest:
+            result.ledger_problems.append(
+                Problem(seq, line, "the bundle's hash for this seq differs from the ledger's")
+            )

@@ -17,7 +17,7 @@ from pathlib import Path
 from ledger import GENESIS_HASH, Ledger, LedgerError
 from ledger.events import Event
 from tools.audit.attempts import AttemptView, build_attempt
-from tools.audit.bundle import ExportSummary, write_bundle
+from tools.audit.bundle import ExportSummary, Verification, claim_ranges, compare_claims, write_bundle
 
 #: Coordinator-level events that give an attempt's events their context: who wrote them (epochs)
 #: and how recovery ended them.
@@ -108,3 +108,16 @@ async def load_views(url: str, checkpoint_id: str | None, limit: int) -> list[At
     async with open_readonly(url) as ledger:
         ids = [checkpoint_id] if checkpoint_id is not None else await recent_attempt_ids(ledger, limit)
         return [(await load_attempt(ledger, cid))[0] for cid in ids]
+
+
+async def cross_check(url: str, result: Verification) -> None:
+    """Compare every hash a verified bundle states (`result.claims`) with the ledger at `url`,
+    reading only the claimed seq ranges; differences go to `result.ledger_problems`."""
+    stored: dict[int, str] = {}
+    async with open_readonly(url) as ledger:
+        for first, last in claim_ranges(result.claims):
+            async for event in ledger.read(after=first - 1, page_size=min(1000, last - first + 1)):
+                if event.seq > last:
+                    break
+                stored[event.seq] = event.hash
+    compare_claims(result, stored)

@@ -1,8 +1,9 @@
-"""`quiesce verify-bundle FILE [--json]` — check an audit bundle offline (no database).
+"""`quiesce verify-bundle FILE [--ledger URL] [--json]` — check an audit bundle offline.
 
-Recomputes every event's hash and every link of the chain (see `tools/audit/bundle.py`). Exit 0
-when the bundle is intact, 1 naming the seq of each event that is not, 2 when the file cannot
-be read.
+Recomputes every event's hash and every link of the chain (see `tools/audit/bundle.py`), with no
+database. With `--ledger URL`, also compares every hash the bundle states (events and run
+anchors) with that ledger's. Exit 0 when the bundle is intact, 1 naming the seq of each event
+that is not, 2 when the file cannot be read.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+import anyio
 from rich.text import Text
 
+from ledger.urls import safe
 from tools.audit.bundle import verify_bundle
+from tools.audit.source import cross_check
 from tools.cli.output import console, emit_json, print_error
 
 
@@ -24,16 +28,23 @@ def register(subparsers: Any) -> None:
         description="Recompute the hash chain of a bundle written by `quiesce export`.",
     )
     parser.add_argument("bundle", metavar="FILE", type=Path, help="bundle file (JSON Lines)")
+    parser.add_argument(
+        "--ledger",
+        metavar="URL",
+        help="also compare every hash the bundle states (events, anchors) with this ledger (read-only)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
     try:
-        result = verify_bundle(args.bundle)
+        result = verify_bundle(args.bundle, keep_claims=args.ledger is not None)
     except (OSError, UnicodeDecodeError) as error:
         print_error(f"cannot read bundle {args.bundle}: {error}")
         return 2
+    if args.ledger is not None:
+        anyio.run(cross_check, args.ledger, result)
     if args.json:
         emit_json(result.to_json())
         return 0 if result.ok else 1
@@ -48,7 +59,11 @@ def handle(args: argparse.Namespace) -> int:
             else "every event and run link"
         )
         console.print(Text(f"ok: {what} verified", style="green"))
+        if args.ledger is not None:
+            console.print(Text(f"ok: all {len(result.claims)} stated hashes match the ledger", style="green"))
         return 0
     for problem in result.problems:
         console.print(Text(f"BAD {problem}", style="red"))
+    for problem in result.ledger_problems:
+        console.print(Text(f"BAD {problem} (ledger {safe(args.ledger)})", style="red"))
     return 1
