@@ -99,6 +99,12 @@ def test_history_usage_errors(ledger_url: str, capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit) as caught:
         main(["history", "--ledger", ledger_url, "--outcome", "exploded"])
     assert caught.value.code == 2
+    with pytest.raises(SystemExit) as caught:
+        main(["history", "--ledger", ledger_url, "--limit", "-1"])
+    assert caught.value.code == 2
+    with pytest.raises(SystemExit) as caught:
+        main(["report", "--ledger", ledger_url, "--out", "x.html", "--limit", "0"])
+    assert caught.value.code == 2
 
 
 def test_parse_since() -> None:

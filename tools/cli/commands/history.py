@@ -51,6 +51,12 @@ def parse_since(text: str, now: datetime | None = None) -> datetime:
     return when.replace(tzinfo=UTC) if when.tzinfo is None else when.astimezone(UTC)
 
 
+def _not_negative(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (0: all)")
+    return int(text)
+
+
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "history",
@@ -62,7 +68,9 @@ def register(subparsers: Any) -> None:
     where.add_argument("--config", metavar="FILE", help="cluster config (its ledger is read)")
     parser.add_argument("--since", metavar="T", type=parse_since, help="attempts started at or after T")
     parser.add_argument("--outcome", metavar="O", choices=OUTCOMES, help="only this outcome (or `open`)")
-    parser.add_argument("--limit", metavar="N", type=int, default=0, help="only the N most recent (0: all)")
+    parser.add_argument(
+        "--limit", metavar="N", type=_not_negative, default=0, help="only the N most recent (0: all)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.set_defaults(handler=handle)
 
@@ -176,8 +184,6 @@ def print_plain(rows: list[AttemptRow]) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    if args.limit < 0:
-        raise SystemExit("quiesce history: error: --limit must be 0 (all) or more")
     url = args.ledger if args.ledger else load_config(args.config).ledger
     rows = anyio.run(read_rows, url, args.since, args.outcome)
     if args.limit:

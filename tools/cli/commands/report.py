@@ -23,6 +23,13 @@ from tools.audit.source import load_views
 from tools.cli.output import console, emit_json
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text) if text.strip().lstrip("-").isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "report",
@@ -33,14 +40,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--out", metavar="FILE.html", required=True, type=Path, help="page to write")
     parser.add_argument("--checkpoint", metavar="ID", help="only this attempt")
     parser.add_argument(
-        "--limit", metavar="N", type=int, default=20, help="the N most recent attempts (default 20)"
+        "--limit", metavar="N", type=_at_least_one, default=20, help="the N most recent attempts (default 20)"
     )
     parser.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
-    if args.limit < 1:
-        raise SystemExit("quiesce report: error: --limit must be at least 1")  # argparse-style, exit 2
     views = anyio.run(load_views, args.ledger, args.checkpoint, args.limit)
     page = render_report(views, source=safe(args.ledger))
     tmp = args.out.with_name(f".{args.out.name}.tmp")
