@@ -417,7 +417,7 @@ async def _prepare_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
             result = await _call(ctx, attempt, m, "prepare", phase, body=_common(attempt))
             if result.error == "http" and result.status == 409 and result.code == _AGENT_PREPARE_INCOMPLETE:
                 left = attempt.deadline_ts - time.time()
-                if left <= 0:
+                if left <= AGENT_RETRY_S:
                     raise _Failed(
                         phase,
                         m.name,
@@ -478,7 +478,10 @@ async def _drain(ctx: Context, attempt: Attempt, m: Member, workers: Workers) ->
         )
         if reply.state == "paused" and reply.inflight_total == 0 and workers_paused and acknowledged:
             return {"polls": polls, "state": reply.state}
-        if time.time() >= attempt.deadline_ts:
+        if attempt.deadline_ts - time.time() <= POLL_MARGIN_S:
+            # no time for another poll whose reply could arrive before the deadline: the drain
+            # waits the deadline out (sending nothing after it), then fails
+            await anyio.sleep(max(0.0, attempt.deadline_ts - time.time()))
             raise _Failed(
                 phase,
                 m.name,
@@ -486,8 +489,8 @@ async def _drain(ctx: Context, attempt: Attempt, m: Member, workers: Workers) ->
                 f" still in flight (state {reply.state})",
                 deadline=True,
             )
-        if wait == 0.0 or time.monotonic() - started < 0.01:
-            await anyio.sleep(min(0.05, max(0.0, attempt.deadline_ts - time.time())))
+        if time.monotonic() - started < 0.01:
+            await anyio.sleep(0.05)
 
 
 async def commit(ctx: Context, attempt: Attempt) -> None:

@@ -1,6 +1,8 @@
 """The one place a control request is sent. Nothing else in quiesce talks to a Gym server's control plane.
 
 For every request, in this order:
+0. A call whose deadline has passed (less than `SEND_MARGIN_S` left) is not sent and not recorded;
+   the caller gets a `timeout` result with `sent=False`.
 1. `call.sent` is appended to the ledger (durable on return) — phase, method, path, url, timeout,
    request body (or query). If the append fails (e.g. `FencedError`) nothing is sent.
 2. The request goes out with the shared `httpx.AsyncClient`, `Authorization: Bearer <token>`,
@@ -40,9 +42,11 @@ from coordinator.protocol import (
 )
 from ledger import Ledger
 
-__all__ = ["MAX_REPLY_BYTES", "CallResult", "Caller", "ErrorClass", "Target"]
+__all__ = ["MAX_REPLY_BYTES", "SEND_MARGIN_S", "CallResult", "Caller", "ErrorClass", "Target"]
 
 MAX_REPLY_BYTES: Final = 1 << 20
+#: A call with less than this left to its deadline is not sent (a request must leave before the deadline).
+SEND_MARGIN_S: Final = 0.01
 ErrorClass = Literal["timeout", "connect", "http", "protocol"]
 
 
@@ -76,6 +80,8 @@ class CallResult:
     elapsed_s: float = 0.0
     sent_seq: int = 0
     outcome_seq: int = 0
+    #: False when the call was not sent at all (its deadline had passed): then nothing was recorded.
+    sent: bool = True
 
     def describe(self) -> str:
         """A one-line description of a failure (no token, no body dump)."""
@@ -194,8 +200,20 @@ class Caller:
         deadline_ts: float,
         reply_model: type[BaseModel],
     ) -> CallResult:
+        left = deadline_ts - time.time()
+        if left < SEND_MARGIN_S:
+            # nothing is sent once the deadline has passed, so nothing is recorded either
+            return CallResult(
+                call_id="",
+                server=server,
+                path=path,
+                ok=False,
+                error="timeout",
+                detail="not sent: the deadline had passed",
+                sent=False,
+            )
         call_id = self._call_id(checkpoint_id)
-        timeout_s = max(0.001, deadline_ts - time.time())
+        timeout_s = max(0.001, left)
         url = base_url + path
         recorded_body: Any = body if method == "POST" else ({"query": params} if params else None)
         with anyio.CancelScope(shield=True):
