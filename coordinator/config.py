@@ -82,6 +82,8 @@ class ClusterConfig(BaseModel):
     fanout: Literal["sequential", "parallel"] = "sequential"
     keep_latest: Annotated[int, Field(ge=1)] = 3
     durability: Literal["full", "process"] = "full"
+    #: How long the coordinator lease lasts without renewal (PostgreSQL standby takeover).
+    lease_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 10.0
     servers: Annotated[list[ServerConfig], Field(min_length=1)]
 
     @field_validator("ledger")

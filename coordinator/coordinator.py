@@ -22,8 +22,10 @@ Invariants:
   paused (the newest attempt without a terminal event, a restore not yet resumed, or a rollback
   that left servers paused), so they work from a separate process.
 
-Recovery of a dead coordinator's attempts (issue 5) plugs in at `open`, after the epoch is taken;
-`attempt.load_attempt` rebuilds any attempt from the ledger alone.
+- `open` then runs recovery (`coordinator.recovery`) of whatever a dead coordinator left, unless
+  `recover=False`; `recover()` runs it on demand. On PostgreSQL the open coordinator holds the
+  lease and renews it in the background (`coordinator.lease`); `open(standby=True)` waits to take
+  it over. The test-only crash points (`coordinator.crashpoints`) are read once, here.
 """
 
 from __future__ import annotations
@@ -41,13 +43,15 @@ import anyio
 import anyio.to_thread
 
 from coordinator import attempt as _attempt
+from coordinator import crashpoints, recovery
 from coordinator.attempt import Attempt, Context, Outcome, ProgressCallback
 from coordinator.calls import Caller
 from coordinator.config import ClusterConfig, load_config, resolve_token
 from coordinator.discovery import Discovery, discover
-from coordinator.errors import QuiesceError
+from coordinator.errors import ConfigError, QuiesceError
+from coordinator.lease import keep_lease
 from coordinator.publish import read_latest, resolve_snapshot, verify_snapshot
-from ledger import AttemptRow, Ledger
+from ledger import AttemptRow, LeaseTerms, Ledger
 
 __all__ = ["Coordinator", "quiesce_version", "read_history"]
 
@@ -74,6 +78,7 @@ class Coordinator:
         self._ctx = ctx
         self._discovery: Discovery | None = None
         self._current: Attempt | None = None
+        self._last_recovery: recovery.RecoveryReport | None = None
 
     @classmethod
     @asynccontextmanager
@@ -83,31 +88,65 @@ class Coordinator:
         *,
         token: str | None = None,
         on_progress: ProgressCallback | None = None,
+        recover: bool = True,
+        standby: bool = False,
     ) -> AsyncIterator[Coordinator]:
         """Load the config (a `ClusterConfig` or a YAML path), open the ledger, take a new epoch.
 
         The token defaults to the environment (`config.token_env`, then the fallback variable); it
         is given to the ledger as a secret, so it is redacted from everything stored.
+
+        Then, unless `recover=False`, recovery runs (`coordinator.recovery`): every attempt a dead
+        coordinator left without a terminal event is finished or rolled back; its report is
+        `last_recovery`. On PostgreSQL the coordinator holds the lease (`lease_s`) and renews it in
+        the background; `standby=True` first waits until the current holder's lease expires, takes
+        it over (ending that holder's writer session), then takes its epoch and recovers. A standby
+        needs PostgreSQL: on SQLite it is a `ConfigError`.
         """
         cfg = _as_config(config)
         secret = token if token is not None else resolve_token(cfg)
-        async with Ledger.open(cfg.ledger, durability=cfg.durability, secrets=(secret,)) as ledger:
-            await ledger.start_epoch(
-                {
-                    "coordinator": {
-                        "host": socket.gethostname(),
-                        "pid": os.getpid(),
-                        "uuid": str(uuid.uuid4()),
-                    },
-                    "version": quiesce_version(),
-                }
+        if standby and not cfg.ledger.startswith("postgresql"):
+            raise ConfigError(
+                f"standby needs a PostgreSQL ledger (ledger: postgresql+asyncpg://...); {cfg.ledger} is"
+                " SQLite, which has one writer per host — run a single coordinator instead"
             )
+        identity = {"host": socket.gethostname(), "pid": os.getpid(), "uuid": str(uuid.uuid4())}
+        lease = LeaseTerms(
+            holder=f"{identity['host']}/{identity['pid']}/{identity['uuid']}",
+            ttl_s=cfg.lease_s,
+            standby=standby,
+        )
+        points = crashpoints.from_env()
+        async with Ledger.open(
+            cfg.ledger,
+            durability=cfg.durability,
+            secrets=(secret,),
+            lease=lease,
+            after_append=points.after_append if points is not None else None,
+        ) as ledger:
+            await ledger.start_epoch({"coordinator": identity, "version": quiesce_version()})
             caller = Caller(ledger, secret, epoch=ledger.epoch)
             try:
-                yield cls(Context(cfg, ledger, caller, on_progress))
+                async with _lease_kept(ledger, cfg.lease_s / 3):
+                    coord = cls(Context(cfg, ledger, caller, on_progress))
+                    if recover:
+                        coord._last_recovery = await recovery.recover(coord._ctx, always_record=False)
+                    yield coord
             finally:
                 with anyio.CancelScope(shield=True):
                     await caller.aclose()
+
+    async def recover(self) -> recovery.RecoveryReport:
+        """Run recovery now (`quiesce recover`): always records `recovery.started`/`completed`."""
+        self._idle("recover")
+        report = await recovery.recover(self._ctx, always_record=True)
+        self._last_recovery = report
+        return report
+
+    @property
+    def last_recovery(self) -> recovery.RecoveryReport | None:
+        """What the last recovery of this coordinator found and did (None if it did not run)."""
+        return self._last_recovery
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -298,6 +337,25 @@ class Coordinator:
     async def history(self) -> list[AttemptRow]:
         """The `attempts` projection, oldest first."""
         return await self._ctx.ledger.attempts()
+
+
+@asynccontextmanager
+async def _lease_kept(ledger: Ledger, interval_s: float) -> AsyncIterator[None]:
+    """Renew `ledger`'s lease in the background while the block runs (nothing without a lease)."""
+    if ledger.lease is None:
+        yield
+        return
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(keep_lease, ledger, interval_s)
+            try:
+                yield
+            finally:
+                tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:  # the block's own exception, unwrapped from the task group
+            raise group.exceptions[0] from None
+        raise
 
 
 async def read_history(ledger_url: str) -> list[AttemptRow]:

@@ -1,0 +1,466 @@
+"""Recovery after coordinator death: what the next coordinator does with a dead one's attempts.
+
+Run by `Coordinator.open` (after it took its epoch, so the dead coordinator is fenced) and by
+`quiesce recover`. For every attempt without a terminal event, oldest first:
+
+1. **Settle** each server the attempt touched (or, for a publication, every participant): read
+   its capabilities through `calls.py` (phase `recovery`, recorded like every call) — its fence
+   phase and active checkpoint id. A server still inside an operation of this attempt
+   (`committing`, `restoring`, an agent's or resources' `preparing`: the dead coordinator's
+   request is still running there) is read again until it leaves that phase, so a resume never
+   races the operation it undoes.
+2. **Act**, by what the ledger and the filesystem say:
+   - *save with `attempt.publishing` or `attempt.published`*: the filesystem decides. The final
+     folder with a manifest naming this checkpoint id means published: `attempt.published` is
+     recorded (if it was not), `LATEST` points at it, retention runs, and every participant is
+     resumed (phase `resume`, `attempt.completed {outcome: published}`). Otherwise: abort.
+   - *save, otherwise*: abort. `attempt.aborting`, then every touched server is resumed in
+     resume order under this checkpoint id (phase `recovery`) — a server that already resumed
+     replays its recorded result; a 409 `invalid_phase` means it never paused (`not_paused`); a
+     server paused by *another* checkpoint id is reported and not touched — then the staging
+     folder is removed and `attempt.aborted` records who was resumed and who is left paused.
+   - *restore*: the snapshot is verified again. Intact: the restore is re-driven to completion
+     under the same restore id (servers that already restored replay their result; one still
+     restoring is waited for), `attempt.completed {outcome: restored}`, and the servers stay
+     paused for the caller's `resume`. Gone or damaged (or the re-drive fails): the attempt is
+     recorded as abandoned and the servers stay paused — half-restored state must not run.
+3. **Record** one `recovery.settled` per settled server (what it reported, what was done, the
+   result), before the attempt's terminal event.
+4. **Sweep** staging folders that belong to no unfinished attempt.
+
+The run is framed by `recovery.started {attempts}` and `recovery.completed {outcomes}` (outcome
+per attempt: `resumed` (aborted and resumed), `published`, `restored`, `abandoned`). On open,
+nothing is appended when no attempt is unfinished; an explicit `recover()` always appends the
+frame, so a second `quiesce recover` makes no call and appends only its start and finish.
+
+Invariants: every call goes through `calls.Caller` with a budget of `control_timeout_s` from
+the moment each step starts (a re-driven restore gets `deadline_s`); `FencedError` is never
+caught (a fenced recovery stops acting); recovery never resumes a server for an attempt that
+is not its own, and never resumes a restored or half-restored server.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import anyio
+import anyio.to_thread
+
+from coordinator.attempt import (
+    Attempt,
+    Context,
+    Recorded,
+    _Failed,
+    _restore_body,
+    _resume_members,
+    _run_phase,
+    finish_resume,
+    load_attempt,
+    resume_sorted,
+    settle_publication,
+)
+from coordinator.discovery import Member
+from coordinator.errors import PhaseError, SnapshotError
+from coordinator.protocol import MODEL, Capabilities
+from coordinator.publish import (
+    apply_retention,
+    read_latest,
+    remove_tree,
+    sweep_staging,
+    verify_snapshot,
+    write_latest,
+)
+
+__all__ = ["AttemptReport", "RecoveryReport", "ServerReport", "recover"]
+
+Action = Literal["resumed", "published", "restored", "abandoned", "none"]
+
+#: Fence phases in which the dead coordinator's request may still be running on the server.
+_BUSY_PHASES: Final = frozenset({"committing", "restoring"})
+#: How often a busy server's capabilities are read again.
+_SETTLE_POLL_S: Final = 0.05
+
+
+@dataclass(frozen=True)
+class ServerReport:
+    """One settled server: what its capabilities said and where recovery left it.
+
+    `result`: `resumed`, `not_paused` (409 invalid_phase: it never paused), `restored` (left
+    paused for the caller's resume), `left_paused` (a call failed; `detail` says why),
+    `other_checkpoint` (paused by another checkpoint id, not touched), `unknown_server` (the
+    config no longer names it).
+    """
+
+    name: str
+    reported_phase: str | None
+    active_checkpoint_id: str | None
+    action: str
+    result: str
+    detail: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "reported_phase": self.reported_phase,
+            "result": self.result,
+        }
+        if self.detail:
+            out["detail"] = self.detail
+        return out
+
+
+@dataclass(frozen=True)
+class AttemptReport:
+    """What recovery found for one attempt and what it did. `message` says what to do next, if anything."""
+
+    checkpoint_id: str
+    kind: str
+    found: str
+    action: Action
+    servers: tuple[ServerReport, ...] = ()
+    message: str = ""
+
+    @property
+    def left_paused(self) -> list[str]:
+        """Servers recovery could not bring back to accepting (restored ones are paused on purpose)."""
+        return [s.name for s in self.servers if s.result in ("left_paused", "unknown_server")]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "checkpoint_id": self.checkpoint_id,
+            "found": self.found,
+            "action": self.action,
+            "servers": [s.as_json() for s in self.servers],
+            "message": self.message,
+        }
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """One recovery run. `ok` is False when a server was left paused or an attempt was abandoned."""
+
+    epoch: int
+    attempts: tuple[AttemptReport, ...] = ()
+    swept: tuple[str, ...] = ()
+    recorded: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return all(a.action != "abandoned" and not a.left_paused for a in self.attempts)
+
+    def as_json(self) -> dict[str, Any]:
+        """The `quiesce recover --json` document."""
+        return {
+            "epoch": self.epoch,
+            "attempts": [a.as_json() for a in self.attempts],
+            "swept_staging": list(self.swept),
+        }
+
+
+@dataclass
+class _Settled:
+    member: Member | None
+    name: str
+    caps: Capabilities | None = None
+    error: str | None = None
+    result: str = ""
+    detail: str | None = None
+    action: str = "none"
+
+    @property
+    def phase(self) -> str | None:
+        return self.caps.phase if self.caps else None
+
+    @property
+    def active(self) -> str | None:
+        return self.caps.active_checkpoint_id if self.caps else None
+
+
+@dataclass
+class _Run:
+    ctx: Context
+    reports: list[AttemptReport] = field(default_factory=list)
+
+
+async def recover(ctx: Context, *, always_record: bool = True) -> RecoveryReport:
+    """Finish or roll back every attempt without a terminal event (see the module docstring).
+
+    With `always_record=False` (on open) nothing is appended when there is nothing to recover.
+    Raises `FencedError` if a newer coordinator took over meanwhile; nothing else is raised for
+    a server that cannot be reached — it is reported as `left_paused`.
+    """
+    rows = [row for row in await ctx.ledger.attempts() if row.outcome is None]
+    rows.sort(key=lambda row: row.last_seq)
+    epoch = ctx.ledger.epoch
+    if not rows and not always_record:
+        swept = await _sweep(ctx)
+        return RecoveryReport(epoch, (), swept, recorded=False)
+    ids = [row.checkpoint_id for row in rows]
+    await ctx.ledger.append("recovery.started", data={"attempts": ids})
+    reports: list[AttemptReport] = []
+    for row in rows:
+        reports.append(await _recover_one(ctx, row.checkpoint_id, row.state))
+    swept = await _sweep(ctx)
+    await ctx.ledger.append(
+        "recovery.completed", data={"outcomes": {r.checkpoint_id: r.action for r in reports}}
+    )
+    return RecoveryReport(epoch, tuple(reports), swept, recorded=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# One attempt
+# ---------------------------------------------------------------------------------------------
+
+
+async def _recover_one(ctx: Context, checkpoint_id: str, found: str) -> AttemptReport:
+    recorded = await load_attempt(ctx, checkpoint_id)
+    attempt = recorded.attempt
+    if attempt.kind == "restore":
+        return await _recover_restore(ctx, recorded, found)
+    publication = recorded.publishing is not None or recorded.published is not None
+    if publication and await settle_publication(ctx, recorded):
+        return await _finish_published(ctx, recorded, found)
+    return await _abort(ctx, recorded, found)
+
+
+def _budget(ctx: Context) -> float:
+    return time.time() + ctx.config.control_timeout_s
+
+
+async def _settle(ctx: Context, attempt: Attempt, names: list[str]) -> list[_Settled]:
+    """Read the capabilities of `names` (resume order), waiting out this attempt's busy phases."""
+    budget = _budget(ctx)
+    out: list[_Settled] = []
+    for name in resume_sorted(attempt, names):
+        member = attempt.member(name)
+        settled = _Settled(member, name)
+        out.append(settled)
+        if member is None:
+            settled.error = "the config no longer names this server"
+            continue
+        while True:
+            result = await ctx.caller.capabilities(
+                member.name,
+                member.url,
+                deadline_ts=budget,
+                phase="recovery",
+                checkpoint_id=attempt.checkpoint_id,
+            )
+            if not result.ok or not isinstance(result.reply, Capabilities):
+                settled.error = f"capabilities: {result.describe()}"
+                break
+            settled.caps = result.reply
+            busy = settled.caps.phase in _BUSY_PHASES or (
+                settled.caps.phase == "preparing" and member.component != MODEL
+            )
+            if not busy or settled.caps.active_checkpoint_id != attempt.checkpoint_id:
+                break
+            if time.time() + _SETTLE_POLL_S >= budget:
+                break  # still busy at the end of the budget: act anyway, the fence decides
+            await anyio.sleep(_SETTLE_POLL_S)
+    return out
+
+
+async def _record_settled(
+    ctx: Context, attempt: Attempt, settled: list[_Settled]
+) -> tuple[ServerReport, ...]:
+    reports: list[ServerReport] = []
+    for s in settled:
+        await ctx.ledger.append(
+            "recovery.settled",
+            checkpoint_id=attempt.checkpoint_id,
+            server=s.name,
+            data={
+                "reported_phase": s.phase,
+                "active_checkpoint_id": s.active,
+                "action": s.action,
+                "result": s.result if not s.detail else f"{s.result}: {s.detail}",
+            },
+        )
+        reports.append(ServerReport(s.name, s.phase, s.active, s.action, s.result, s.detail or s.error))
+    return tuple(reports)
+
+
+async def _abort(ctx: Context, recorded: Recorded, found: str) -> AttemptReport:
+    """Roll back a save before publication: resume every touched server of this attempt."""
+    attempt = recorded.attempt
+    cid = attempt.checkpoint_id
+    settled = await _settle(ctx, attempt, list(attempt.touched))
+    reason = f"recovered by epoch {ctx.ledger.epoch}: the coordinator died during {found}"
+    await ctx.ledger.append("attempt.aborting", checkpoint_id=cid, data={"reason": reason})
+    to_resume: list[str] = []
+    for s in settled:
+        if s.member is None:
+            s.result = "unknown_server"
+        elif s.active not in (None, cid):
+            s.result = "other_checkpoint"
+            s.detail = f"paused by checkpoint {s.active}; not touched"
+        else:
+            s.action = "resume"
+            to_resume.append(s.name)
+    _, resumed, not_paused, left, failures = await _resume_members(
+        ctx, attempt, to_resume, phase="recovery", deadline_ts=_budget(ctx)
+    )
+    _apply_resume_results(settled, resumed, not_paused, failures)
+    if attempt.staging_dir is not None:
+        await anyio.to_thread.run_sync(remove_tree, attempt.staging_dir)
+    servers = await _record_settled(ctx, attempt, settled)
+    left_all = left + [s.name for s in settled if s.result == "unknown_server"]
+    await ctx.ledger.append(
+        "attempt.aborted",
+        checkpoint_id=cid,
+        data={"reason": reason, "resumed": resumed, "left_paused": left_all, "not_paused": not_paused},
+    )
+    latest = read_latest(ctx.config.snapshots)
+    message = f"rolled back; latest snapshot: {latest if latest else 'none'}."
+    if left_all:
+        message += (
+            f" Could not resume {', '.join(left_all)}: run `quiesce resume` (or `quiesce recover`) once"
+            " they are reachable."
+        )
+    return AttemptReport(cid, attempt.kind, found, "resumed", servers, message)
+
+
+def _apply_resume_results(
+    settled: list[_Settled], resumed: list[str], not_paused: list[str], failures: list[tuple[str, Any]]
+) -> None:
+    failed = {name: result.describe() for name, result in failures}
+    for s in settled:
+        if s.action != "resume":
+            continue
+        if s.name in resumed:
+            s.result = "resumed"
+        elif s.name in not_paused:
+            s.result = "not_paused"
+        else:
+            s.result = "left_paused"
+            s.detail = failed.get(s.name, "no time left to call it")
+
+
+async def _finish_published(ctx: Context, recorded: Recorded, found: str) -> AttemptReport:
+    """A save that really was published: LATEST, retention, then resume every participant."""
+    attempt = recorded.attempt
+    final = attempt.snapshot
+    assert final is not None
+    snapshots = ctx.config.snapshots
+    latest = read_latest(snapshots)
+    if latest is None or latest.resolve() != final.resolve():
+        await anyio.to_thread.run_sync(write_latest, final.parent, final.name)
+    await anyio.to_thread.run_sync(
+        lambda: apply_retention(snapshots, ctx.config.keep_latest, protect=[final])
+    )
+    settled = await _settle(ctx, attempt, attempt.names)
+    for s in settled:
+        s.action = "resume"
+    try:
+        outcome = await finish_resume(ctx, attempt)
+        _apply_resume_results(settled, list(outcome.resumed), list(outcome.not_paused), [])
+    except PhaseError as error:  # some server could not be resumed: the attempt stays open, retried later
+        for s in settled:
+            if s.name in error.not_resumed:
+                s.result, s.detail = "left_paused", error.reason
+            else:
+                s.result = "resumed"
+    servers = await _record_settled(ctx, attempt, settled)
+    left = [s.name for s in servers if s.result == "left_paused"]
+    message = f"published {final}."
+    if left:
+        message += f" Could not resume {', '.join(left)}: run `quiesce recover` once they are reachable."
+    return AttemptReport(attempt.checkpoint_id, attempt.kind, found, "published", servers, message)
+
+
+async def _recover_restore(ctx: Context, recorded: Recorded, found: str) -> AttemptReport:
+    """Re-drive an interrupted restore when its snapshot is intact; otherwise abandon it (paused)."""
+    attempt = recorded.attempt
+    cid = attempt.checkpoint_id
+    path = attempt.snapshot
+    expected = {m.name: m.component for m in attempt.participants}
+    problem: str | None = None
+    snapshot = None
+    if path is None:
+        problem = "the ledger names no snapshot folder"
+    else:
+        try:
+            snapshot = await anyio.to_thread.run_sync(lambda: verify_snapshot(path, participants=expected))
+        except SnapshotError as error:
+            problem = "; ".join(error.differences[:5]) or str(error)
+    settled = await _settle(ctx, attempt, list(attempt.touched))
+    if snapshot is None:
+        return await _abandon(
+            ctx, attempt, settled, found, f"the snapshot {path} is gone or damaged: {problem}"
+        )
+    attempt.deadline_ts = time.time() + ctx.config.deadline_s
+    for s in settled:
+        s.action = "restore"
+    try:
+        await _run_phase(ctx, attempt, "restore", lambda: _restore_body(ctx, attempt, snapshot))
+    except _Failed as failure:
+        await ctx.ledger.append(
+            "phase.failed",
+            checkpoint_id=cid,
+            server=failure.server,
+            data={
+                "phase": "restore",
+                "server": failure.server,
+                "reason": failure.reason,
+                "code": failure.code,
+            },
+        )
+        return await _abandon(
+            ctx,
+            attempt,
+            settled,
+            found,
+            f"re-driving the restore failed at {failure.server}: {failure.reason}",
+        )
+    by_name = {s.name: s for s in settled}
+    for name in attempt.touched:
+        if name not in by_name:  # restored now, untouched before the crash
+            member = attempt.member(name)
+            by_name[name] = _Settled(member, name, action="restore")
+            settled.append(by_name[name])
+    for s in settled:
+        s.result = "restored"
+    servers = await _record_settled(ctx, attempt, settled)
+    await ctx.ledger.append(
+        "attempt.completed", checkpoint_id=cid, data={"servers": list(attempt.touched), "outcome": "restored"}
+    )
+    message = (
+        f"restore of {path} finished as {cid}; the servers stay paused until `quiesce resume`"
+        f" ({', '.join(attempt.touched)})."
+    )
+    return AttemptReport(cid, attempt.kind, found, "restored", servers, message)
+
+
+async def _abandon(
+    ctx: Context, attempt: Attempt, settled: list[_Settled], found: str, why: str
+) -> AttemptReport:
+    for s in settled:
+        s.action, s.result = "none", "left_paused"
+        s.detail = "half-restored state must not run"
+    servers = await _record_settled(ctx, attempt, settled)
+    paused = [s.name for s in settled]
+    message = (
+        f"restore {attempt.checkpoint_id} was abandoned: {why}. The servers it touched stay paused"
+        f" (half-restored state must not run): {', '.join(paused) or 'none'}. To proceed, restart those"
+        " servers and restore another snapshot (`quiesce restore --snapshot DIR`)."
+    )
+    return AttemptReport(attempt.checkpoint_id, attempt.kind, found, "abandoned", servers, message)
+
+
+async def _sweep(ctx: Context) -> tuple[str, ...]:
+    """Remove every staging folder that belongs to no unfinished attempt."""
+    root = ctx.config.staging_root
+    if not await anyio.to_thread.run_sync(root.is_dir):
+        return ()
+    open_ids = {row.checkpoint_id for row in await ctx.ledger.attempts() if row.outcome is None}
+
+    def names() -> list[str]:
+        return [p.name for p in Path(root).iterdir() if p.is_dir() and p.name not in open_ids]
+
+    doomed = await anyio.to_thread.run_sync(names)
+    removed = await anyio.to_thread.run_sync(sweep_staging, root, doomed)
+    return tuple(p.name for p in removed)

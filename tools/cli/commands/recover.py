@@ -1,0 +1,70 @@
+"""`quiesce recover --config C [--json]` — finish or roll back what a dead coordinator left.
+
+Takes a new epoch (fencing the dead coordinator), then for every attempt without a terminal
+event: settles each server it touched (capabilities, recorded), and resumes them (a save before
+publication), finishes the publication the filesystem shows happened (then resumes), re-drives an
+interrupted restore whose snapshot is intact (the servers stay paused until `quiesce resume`), or
+abandons a restore whose snapshot is gone (the servers stay paused; the output says how to
+proceed). Orphaned staging folders are removed. A second run makes no call.
+
+`--json`: `{"epoch", "attempts": [{"checkpoint_id", "found", "action", "servers": [{"name",
+"reported_phase", "result", "detail"?}], "message"}], "swept_staging"}` with action
+`resumed | published | restored | abandoned | none`. Exit 1 when a server could not be resumed or
+a restore was abandoned, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import anyio
+from rich.markup import escape
+
+from coordinator import Coordinator, load_config
+from coordinator.recovery import RecoveryReport
+from tools.cli.cluster_cmd import add_common, progress_line
+from tools.cli.output import console, emit_json, print_error
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "recover",
+        help="finish or roll back what a dead coordinator left (resume every server it paused)",
+        description="Take a new epoch and recover every attempt a dead coordinator left unfinished.",
+    )
+    add_common(parser)
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    found: list[RecoveryReport] = []
+
+    async def run() -> None:
+        with progress_line(not args.json) as progress:
+            async with Coordinator.open(config, on_progress=progress, recover=False) as coord:
+                found.append(await coord.recover())
+
+    anyio.run(run)
+    report = found[0]
+    if args.json:
+        emit_json(report.as_json())
+    elif not report.attempts:
+        console.print(f"nothing to recover (epoch {report.epoch})")
+    else:
+        for attempt in report.attempts:
+            servers = ", ".join(f"{s.name} {s.result}" for s in attempt.servers) or "no server"
+            console.print(
+                f"{escape(attempt.checkpoint_id)} ({escape(attempt.kind)}, found {escape(attempt.found)}):"
+                f" {attempt.action} — {escape(servers)}"
+            )
+            if attempt.message:
+                console.print(f"  {escape(attempt.message)}")
+    if report.swept and not args.json:
+        console.print(f"removed orphaned staging folders: {escape(', '.join(report.swept))}")
+    if not report.ok:
+        problems = [a.message for a in report.attempts if a.action == "abandoned" or a.left_paused]
+        print_error(" ".join(problems))
+        return 1
+    return 0
