@@ -13,21 +13,63 @@ See `coordinator.coordinator.Coordinator` for the step-wise methods and the inva
 
 from __future__ import annotations
 
-from coordinator.attempt import Attempt, Outcome, Progress, ProgressCallback
-from coordinator.config import ClusterConfig, ServerConfig, load_config, parse_config, resolve_token
-from coordinator.coordinator import Coordinator, read_history
-from coordinator.discovery import Discovery, Member
-from coordinator.errors import (
-    ConfigError,
-    DeadlineExceeded,
-    DiscoveryError,
-    FencedError,
-    LedgerError,
-    PhaseError,
-    QuiesceError,
-    SnapshotError,
-)
-from coordinator.publish import Snapshot, load_snapshot, read_latest, verify_snapshot
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from coordinator.attempt import Attempt, Outcome, Progress, ProgressCallback
+    from coordinator.config import ClusterConfig, ServerConfig, load_config, parse_config, resolve_token
+    from coordinator.coordinator import Coordinator, read_history
+    from coordinator.discovery import Discovery, Member
+    from coordinator.errors import (
+        ConfigError,
+        DeadlineExceeded,
+        DiscoveryError,
+        FencedError,
+        LedgerError,
+        PhaseError,
+        QuiesceError,
+        SnapshotError,
+    )
+    from coordinator.publish import Snapshot, load_snapshot, read_latest, verify_snapshot
+
+#: Public names and the module each lives in. Imported on first use, so that importing
+#: `coordinator.errors` (the CLI does, at start) does not load httpx, the ledger and pydantic models.
+_EXPORTS: dict[str, str] = {
+    "Attempt": "coordinator.attempt",
+    "ClusterConfig": "coordinator.config",
+    "ConfigError": "coordinator.errors",
+    "Coordinator": "coordinator.coordinator",
+    "DeadlineExceeded": "coordinator.errors",
+    "Discovery": "coordinator.discovery",
+    "DiscoveryError": "coordinator.errors",
+    "FencedError": "coordinator.errors",
+    "LedgerError": "coordinator.errors",
+    "Member": "coordinator.discovery",
+    "Outcome": "coordinator.attempt",
+    "PhaseError": "coordinator.errors",
+    "Progress": "coordinator.attempt",
+    "ProgressCallback": "coordinator.attempt",
+    "QuiesceError": "coordinator.errors",
+    "ServerConfig": "coordinator.config",
+    "Snapshot": "coordinator.publish",
+    "SnapshotError": "coordinator.errors",
+    "load_config": "coordinator.config",
+    "load_snapshot": "coordinator.publish",
+    "parse_config": "coordinator.config",
+    "read_history": "coordinator.coordinator",
+    "read_latest": "coordinator.publish",
+    "resolve_token": "coordinator.config",
+    "verify_snapshot": "coordinator.publish",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'coordinator' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "Attempt",

@@ -1,6 +1,6 @@
 """Replay: recompute the hash chain and rebuild the projections from ``events``.
 
-``replay(url)`` streams every event in seq order (``PAGE_SIZE`` rows per query; memory is one
+``replay_url(url)`` streams every event in seq order (``PAGE_SIZE`` rows per query; memory is one
 page plus one projection row per checkpoint id), and
 
 - checks the chain (``ledger.canonical``): seqs start at 1 without gaps, each ``prev_hash`` is the
@@ -202,7 +202,7 @@ async def replay_open(ledger: Ledger, *, rebuild: bool = False, page_size: int =
     return report
 
 
-async def replay(url: str, *, rebuild: bool = False, page_size: int = PAGE_SIZE) -> ReplayReport:
+async def replay_url(url: str, *, rebuild: bool = False, page_size: int = PAGE_SIZE) -> ReplayReport:
     """Open ``url`` (readonly unless ``rebuild``) and replay it; see the module docstring."""
     async with Ledger.open(url, readonly=not rebuild) as ledger:
         return await replay_open(ledger, rebuild=rebuild, page_size=page_size)

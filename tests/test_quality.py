@@ -86,3 +86,18 @@ def test_sql_only_in_ledger() -> None:
 def test_py_typed_shipped() -> None:
     for package in PACKAGES:
         assert (ROOT / package / "py.typed").is_file(), package
+
+
+def test_lazy_exports_do_not_shadow_submodules() -> None:
+    """`ledger` and `coordinator` export names lazily; a name equal to a submodule's would
+    resolve to the module or the function depending on import order."""
+    import importlib
+    import pkgutil
+
+    for name in ("ledger", "coordinator"):
+        package = importlib.import_module(name)
+        submodules = {m.name for m in pkgutil.iter_modules(package.__path__)}
+        exports = set(package._EXPORTS)
+        assert submodules & exports == set(), name
+        for export in exports:
+            assert getattr(package, export) is not None

@@ -13,7 +13,7 @@ import anyio
 import pytest
 from sqlalchemy.exc import DBAPIError
 
-from ledger import AppendItem, FencedError, Ledger, LedgerError, replay
+from ledger import AppendItem, FencedError, Ledger, LedgerError, replay_url
 from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, is_sqlite, raw_sql, started
 
 pytestmark = pytest.mark.anyio
@@ -33,7 +33,7 @@ async def test_append_read_head_and_chain(ledger_url: str) -> None:
         assert len(sent.at) == len("2025-01-01T00:00:00.000000Z")
         assert await ledger.head() == sent
         assert [e async for e in ledger.read()] == [first, sent]
-    assert (await replay(ledger_url)).ok
+    assert (await replay_url(ledger_url)).ok
 
 
 async def test_read_filters_and_pages_across_many_events(ledger_url: str) -> None:
@@ -158,7 +158,7 @@ async def test_second_writer_is_refused_and_nothing_interleaves(ledger_url: str)
             assert (await reader.head()) == (await first.head())
     async with Ledger.open(ledger_url) as again:  # released on close
         await again.start_epoch(COORDINATOR)
-    report = await replay(ledger_url)
+    report = await replay_url(ledger_url)
     assert (report.chain_ok, report.events) == (True, 3)
 
 
@@ -184,7 +184,7 @@ async def test_a_writer_that_lost_its_claim_is_fenced_in_the_transaction(ledger_
             await newer.append("call.sent", call_id="k2", data=SENT)
     finally:
         await stale.aclose()
-    report = await replay(ledger_url)
+    report = await replay_url(ledger_url)
     assert report.chain_ok
     assert report.events == 3
 
@@ -245,7 +245,7 @@ async def test_append_is_durable_when_it_returns(ledger_url: str) -> None:
         assert row is not None
         assert row.calls == 1
         await ledger.append("call.replied", checkpoint_id="c", server="s", call_id="k1", data=REPLIED)
-    report = await replay(ledger_url)
+    report = await replay_url(ledger_url)
     assert report.ok
     assert report.events == 3
 

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ledger import BODY_CAP_BYTES, GENESIS_HASH, REDACTED, Event, canonical, chain_hash, fold, row_bytes
+from ledger import BODY_CAP_BYTES, GENESIS_HASH, REDACTED, Event, chain_hash, fold, row_bytes
+from ledger.canonical import canonical
 from ledger.projections import KINDS_READ_BY_FOLD, AttemptRow, touched
 from ledger.redact import Redactor, cap_bodies
 from tests.ledger.helpers import random_items

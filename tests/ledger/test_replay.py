@@ -12,7 +12,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from ledger import Ledger, LedgerError, downgrade_schema, replay
+from ledger import Ledger, LedgerError, downgrade_schema, replay_url
 from ledger.schema import VERSION_TABLE, metadata
 from tests.ledger.helpers import (
     COORDINATOR,
@@ -76,7 +76,7 @@ async def test_an_edited_row_is_found_with_its_seq(
         *drop_triggers_sql(ledger_url),
         "UPDATE events SET data = REPLACE(data, 'prepare', 'commit') WHERE seq = 17",
     )
-    report = await replay(ledger_url)
+    report = await replay_url(ledger_url)
     assert (report.chain_ok, report.first_bad_seq) == (False, 17)
     assert report.problem is not None
     assert "hash mismatch" in report.problem
@@ -92,7 +92,7 @@ async def test_a_rewritten_hash_is_found_by_the_next_row(ledger_url: str) -> Non
     await raw_sql(
         ledger_url, *drop_triggers_sql(ledger_url), "UPDATE events SET hash = prev_hash WHERE seq = 9"
     )
-    report = await replay(ledger_url)
+    report = await replay_url(ledger_url)
     assert report.first_bad_seq in (9, 10)
 
 
@@ -136,7 +136,7 @@ async def test_rebuild_after_10000_random_events_gives_the_live_projection(
     assert {r.state for r in live} >= {"aborted", "completed", "abandoned"}
     assert any(r.outcome is None for r in live), "some attempts are still running"
 
-    report = await replay(ledger_url)
+    report = await replay_url(ledger_url)
     assert report.ok, report.differences[:5]
 
     # damage the projection: replay names the differences; --rebuild restores exactly the live rows
@@ -158,7 +158,7 @@ async def test_rebuild_after_10000_random_events_gives_the_live_projection(
     assert doc["rebuilt"] is True
     async with Ledger.open(ledger_url, readonly=True) as ledger:
         assert await ledger.attempts() == live
-    assert (await replay(ledger_url)).ok
+    assert (await replay_url(ledger_url)).ok
 
 
 async def test_rebuild_needs_the_writer(ledger_url: str) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 
 import anyio
 
-from ledger import AppendItem, Ledger, replay
+from ledger import AppendItem, Ledger, replay_url
 from tools.bench.harness import Context, Result, repeat, stats_of
 
 RAW_DDL = (
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             anyio.run(_fill, url, args.replay)
             rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             start = time.perf_counter()
-            report = anyio.run(lambda: replay(url))
+            report = anyio.run(lambda: replay_url(url))
             elapsed = time.perf_counter() - start
             result["replay"] = {
                 "events": report.events,

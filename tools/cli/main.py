@@ -25,15 +25,26 @@ from tools.cli.output import print_error
 Handler = Callable[[argparse.Namespace], int]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_modules(argv: Sequence[str]) -> list[str]:
+    """The command modules to import: only the one named on the command line when it exists
+    (`verify-bundle` → `verify_bundle`), else all of them (for `--help` and usage errors).
+    Importing one keeps start-up cheap: `quiesce history` must not load httpx or FastAPI."""
+    names = sorted(m.name for m in pkgutil.iter_modules(commands.__path__))
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if first is not None and first.replace("-", "_") in names:
+        return [first.replace("-", "_")]
+    return names
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="quiesce",
         description="Checkpoint coordinator for NeMo Gym servers (control plane v1).",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"{commands.__name__}.{info.name}")
+    for name in _command_modules(sys.argv[1:] if argv is None else argv):
+        module = importlib.import_module(f"{commands.__name__}.{name}")
         module.register(sub)
     return parser
 
@@ -44,7 +55,7 @@ def exit_code_for(error: QuiesceError) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     handler = cast("Handler | None", getattr(args, "handler", None))
     if handler is None:

@@ -19,7 +19,7 @@ import anyio
 from rich.markup import escape
 from rich.table import Table
 
-from ledger import ReplayReport, replay
+from ledger import ReplayReport, replay_url
 from ledger.urls import safe
 from tools.audit.cli import check_ledger
 from tools.audit.present import print_check
@@ -80,7 +80,7 @@ def _print(report: ReplayReport, where: str) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    report = anyio.run(lambda: replay(args.ledger, rebuild=args.rebuild))
+    report = anyio.run(lambda: replay_url(args.ledger, rebuild=args.rebuild))
     # --verify adds the protocol check (tools/audit/check.py) once the chain is known good.
     protocol = anyio.run(check_ledger, args.ledger) if args.verify and report.chain_ok else None
     if args.json:
