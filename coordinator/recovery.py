@@ -25,7 +25,8 @@ Run by `Coordinator.open` (after it took its epoch, so the dead coordinator is f
      paused for the caller's `resume`. Gone or damaged (or the re-drive fails): the attempt is
      recorded as abandoned and the servers stay paused — half-restored state must not run.
 3. **Record** one `recovery.settled` per settled server (what it reported, what was done, the
-   result), before the attempt's terminal event.
+   result) once the action is done — before the attempt's terminal event when recovery writes it
+   (abort, restore); a published save's resume phase writes its own `attempt.completed` first.
 4. **Sweep** staging folders that belong to no unfinished attempt.
 
 The run is framed by `recovery.started {attempts}` and `recovery.completed {outcomes}` (outcome

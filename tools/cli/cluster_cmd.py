@@ -71,7 +71,8 @@ def run_outcome(args: argparse.Namespace, what: str) -> int:
     async def run() -> None:
         nonlocal result, failure
         with progress_line(not args.json) as progress:
-            async with Coordinator.open(config, on_progress=progress) as coord:
+            # no automatic recovery first: resume/abort act on the paused attempt themselves
+            async with Coordinator.open(config, on_progress=progress, recover=False) as coord:
                 try:
                     result = await (coord.resume() if what == "resume" else coord.abort())
                 except PhaseError as error:

@@ -1,0 +1,427 @@
+"""Recovery, branch by branch, against real reference servers and a real ledger.
+
+Each case publishes a first snapshot, starts rollouts, lets a coordinator die at one instant
+(`die_after`: the next coordinator stops dead right after that append, recording nothing more),
+then opens a new coordinator — recovery runs at open — and checks: what recovery reported and
+recorded (`recovery.settled` per server, the attempt's terminal event, the projection), that
+every server is idle and accepting (or restored and paused, for a restore), the snapshots on disk,
+the audit's independent protocol check, and that rollouts finish with no turn lost or run twice.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from coordinator import ClusterConfig, ConfigError, Coordinator, load_snapshot, read_latest
+from coordinator.protocol import RESOURCES, route
+from coordinator.recovery import RecoveryReport
+from ledger import Event, Ledger
+from tests.coordinator.helpers import (
+    assert_all_accepting,
+    assert_protocol_ok,
+    control_logs,
+    read_events,
+    server_states,
+)
+from tests.recovery.helpers import Died, kind_is
+from tools.cli.main import main as cli
+from tools.gymsim import client
+
+pytestmark = pytest.mark.anyio
+
+ROLLOUTS = {f"r{i}": 6 for i in range(3)}
+
+
+async def _first_snapshot(config: ClusterConfig) -> Path:
+    async with Coordinator.open(config) as coord:
+        attempt = await coord.checkpoint(deadline_s=30)
+    assert attempt.snapshot is not None
+    return attempt.snapshot
+
+
+async def _start(http: httpx.AsyncClient, running: Any) -> None:
+    for name in ("policy_model", "tools"):
+        await http.post(f"{running.urls[name]}/gymsim/admin/options", json={"latency_s": 0.01})
+    await client.start_rollouts(http, running.urls["simple_agent"], ROLLOUTS)
+    await client.wait_turns(http, running.urls["simple_agent"], 1)
+
+
+async def _die_during_checkpoint(config: ClusterConfig) -> str:
+    """Run a checkpoint that the armed `die_after` kills; return the attempt's checkpoint id."""
+    with pytest.raises(Died):
+        async with Coordinator.open(config) as coord:
+            await coord.checkpoint(deadline_s=30)
+    async with Ledger.open(config.ledger, readonly=True) as ledger:
+        rows = [row for row in await ledger.attempts() if row.outcome is None]
+    assert len(rows) == 1, rows
+    return rows[0].checkpoint_id
+
+
+async def _recover(config: ClusterConfig) -> RecoveryReport:
+    async with Coordinator.open(config) as coord:
+        report = coord.last_recovery
+    assert report is not None
+    return report
+
+
+def _settled(events: list[Event]) -> dict[str, dict[str, Any]]:
+    return {str(ev.server): ev.data for ev in events if ev.kind == "recovery.settled"}
+
+
+async def _finish_rollouts(http: httpx.AsyncClient, running: Any) -> None:
+    rollouts = await client.wait_finished(http, running.urls["simple_agent"], timeout_s=60)
+    assert client.turn_log_problems(rollouts) == []
+    assert all(r["status"] == "completed" for r in rollouts.values())
+
+
+async def test_death_after_prepare_resumes_every_touched_server(
+    cluster: Any, sqlite_url: str, configure: Any, die_after: Any
+) -> None:
+    config = configure(cluster, sqlite_url)
+    previous = await _first_snapshot(config)
+    die_after(kind_is("phase.completed", phase="prepare"))
+    async with httpx.AsyncClient() as http:
+        await _start(http, cluster)
+        cid = await _die_during_checkpoint(config)
+        states = await server_states(http, cluster)
+        assert states["policy_model"] == ("prepared", "paused")
+        report = await _recover(config)
+        await assert_all_accepting(http, cluster)
+        await _finish_rollouts(http, cluster)
+    assert [a.checkpoint_id for a in report.attempts] == [cid]
+    found = report.attempts[0]
+    assert (found.found, found.action) == ("prepare", "resumed")
+    assert [(s.name, s.reported_phase, s.result) for s in found.servers] == [
+        ("tools", "prepared", "resumed"),
+        ("policy_model", "prepared", "resumed"),
+        ("simple_agent", "prepared", "resumed"),
+    ]
+    events = await read_events(sqlite_url, cid)
+    assert set(_settled(events)) == {"tools", "policy_model", "simple_agent"}
+    assert events[-1].kind == "attempt.aborted"
+    assert events[-1].data["left_paused"] == []
+    async with Ledger.open(sqlite_url, readonly=True) as ledger:
+        row = await ledger.attempt(cid)
+    assert row is not None
+    assert (row.outcome, row.recovered_by) == ("aborted", row.epoch + 1)
+    assert read_latest(config.snapshots) == previous
+    assert not (config.staging_root / cid).exists()
+    await assert_protocol_ok(sqlite_url)
+
+
+async def test_request_recorded_but_never_sent_is_not_paused(
+    cluster: Any, sqlite_url: str, configure: Any, die_after: Any
+) -> None:
+    """Death between `call.sent` of the model pause and the request: the model answers invalid_phase."""
+    config = configure(cluster, sqlite_url)
+    die_after(kind_is("call.sent", phase="prepare"))
+    async with httpx.AsyncClient() as http:
+        await _start(http, cluster)
+        cid = await _die_during_checkpoint(config)
+        logs = await control_logs(http, cluster)
+        assert [e for e in logs["policy_model"] if e["checkpoint_id"] == cid] == []
+        report = await _recover(config)
+        await assert_all_accepting(http, cluster)
+        await _finish_rollouts(http, cluster)
+    servers = [(s.name, s.reported_phase, s.result) for s in report.attempts[0].servers]
+    assert servers == [("policy_model", "idle", "not_paused")]
+    aborted = (await read_events(sqlite_url, cid))[-1]
+    assert aborted.kind == "attempt.aborted"
+    assert aborted.data["not_paused"] == ["policy_model"]
+    await assert_protocol_ok(sqlite_url)
+
+
+async def test_death_before_the_rename_aborts_and_keeps_latest(
+    cluster: Any, sqlite_url: str, configure: Any, die_after: Any
+) -> None:
+    config = configure(cluster, sqlite_url)
+    previous = await _first_snapshot(config)
+    die_after(kind_is("attempt.publishing"))
+    async with httpx.AsyncClient() as http:
+        await _start(http, cluster)
+        cid = await _die_during_checkpoint(config)
+        assert (config.staging_root / cid / "manifest.json").is_file()
+        report = await _recover(config)
+        await assert_all_accepting(http, cluster)
+        await _finish_rollouts(http, cluster)
+    assert (report.attempts[0].found, report.attempts[0].action) == ("publishing", "resumed")
+    assert not (config.staging_root / cid).exists()
+    assert not (config.snapshots / cid).exists()
+    assert read_latest(config.snapshots) == previous
+    load_snapshot(previous)
+    await assert_protocol_ok(sqlite_url)
+
+
+async def test_rename_done_but_not_recorded_is_published(
+    cluster: Any, sqlite_url: str, configure: Any, die_after: Any
+) -> None:
+    """The filesystem decides: the final folder with this id's manifest means published."""
+    config = configure(cluster, sqlite_url)
+    await _first_snapshot(config)
+    die_after(kind_is("attempt.publishing"))
+    async with httpx.AsyncClient() as http:
+        await _start(http, cluster)
+        cid = await _die_during_checkpoint(config)
+        (config.staging_root / cid).rename(config.snapshots / cid)  # the rename the dead one did
+        report = await _recover(config)
+        await assert_all_accepting(http, cluster)
+        await _finish_rollouts(http, cluster)
+    found = report.attempts[0]
+    assert found.action == "published"
+    assert {s.result for s in found.servers} == {"resumed"}
+    assert read_latest(config.snapshots) == config.snapshots / cid
+    assert load_snapshot(config.snapshots / cid).checkpoint_id == cid
+    kinds = [ev.kind for ev in await read_events(sqlite_url, cid)]
+    assert kinds.index("attempt.published") < kinds.index("attempt.completed")
+    assert kinds.count("recovery.settled") == 3
+    async with Ledger.open(sqlite_url, readonly=True) as ledger:
+        row = await ledger.attempt(cid)
+    assert row is not None
+    assert row.outcome == "published"
+    await assert_protocol_ok(sqlite_url)
+
+
+async def test_death_mid_resume_replays_the_resumed_server(
+    cluster: Any, sqlite_url: str, configure: Any, die_after: Any
+) -> None:
+    """Published, then death after tools resumed: recovery resumes all; tools replays its result."""
+    config = configure(cluster, sqlite_url)
+    die_after(kind_is("call.replied", server="tools"), nth=4)  # discovery, prepare, commit, resume
+    async with httpx.AsyncClient() as http:
+        await _start(http, cluster)
+        cid = await _die_during_checkpoint(config)
+        states = await server_states(http, cluster)
+        assert states["tools"] == ("idle", "accepting")
+        assert states["policy_model"][0] == "committed_paused"
+        report = await _recover(config)
+        await assert_all_accepting(http, cluster)
+        logs = await control_logs(http, cluster)
+        await _finish_rollouts(http, cluster)
+    found = report.attempts[0]
+    assert (found.found, found.action) == ("resume", "published")
+    assert [(s.name, s.reported_phase, s.result) for s in found.servers] == [
+        ("tools", "idle", "resumed"),
+        ("policy_model", "committed_paused", "resumed"),
+        ("simple_agent", "committed_paused", "resumed"),
+    ]
+    resumes = [e for e in logs["tools"] if e["checkpoint_id"] == cid and e["path"].endswith("/resume")]
+    assert len(resumes) == 2  # the dead coordinator's, and recovery's replayed one
+    assert read_latest(config.snapshots) == config.snapshots / cid
+    await assert_protocol_ok(sqlite_url)
+
+
+async def test_server_paused_by_another_checkpoint_is_reported_not_touched(
+    cluster: Any, sqlite_url: str, configure: Any, die_after: Any, token: str
+) -> None:
+    config = configure(cluster, sqlite_url)
+    die_after(kind_is("call.sent", phase="prepare", server="tools"))
+    async with httpx.AsyncClient() as http:
+        await _start(http, cluster)
+        cid = await _die_during_checkpoint(config)
+        # someone else pauses tools with another id before recovery runs
+        auth = {"Authorization": f"Bearer {token}"}
+        other = {"checkpoint_id": "other-1", "deadline_ts": 4e9}
+        prepare = route(RESOURCES, "prepare").full_path
+        assert (await http.post(cluster.urls["tools"] + prepare, json=other, headers=auth)).status_code == 200
+        report = await _recover(config)
+        states = await server_states(http, cluster)
+        assert states["tools"][0] == "prepared"
+        assert states["policy_model"] == ("idle", "accepting")
+        assert states["simple_agent"] == ("idle", "accepting")
+        resume = route(RESOURCES, "resume").full_path
+        assert (await http.post(cluster.urls["tools"] + resume, json=other, headers=auth)).status_code == 200
+        await _finish_rollouts(http, cluster)
+    tools = next(s for s in report.attempts[0].servers if s.name == "tools")
+    assert (tools.reported_phase, tools.active_checkpoint_id, tools.result) == (
+        "prepared",
+        "other-1",
+        "other_checkpoint",
+    )
+    settled = _settled(await read_events(sqlite_url, cid))
+    assert settled["tools"]["action"] == "none"
+    assert settled["tools"]["active_checkpoint_id"] == "other-1"
+
+
+async def test_second_recover_makes_no_call(
+    cluster: Any, sqlite_url: str, configure: Any, die_after: Any
+) -> None:
+    config = configure(cluster, sqlite_url)
+    die_after(kind_is("phase.completed", phase="commit"))
+    async with httpx.AsyncClient() as http:
+        await _start(http, cluster)
+        await _die_during_checkpoint(config)
+        async with Coordinator.open(config, recover=False) as coord:
+            first = await coord.recover()
+        assert first.attempts
+        assert first.ok
+        before_logs = await control_logs(http, cluster)
+        before = len(await read_events(sqlite_url))
+        async with Coordinator.open(config, recover=False) as coord:
+            second = await coord.recover()
+        assert second.attempts == ()
+        assert await control_logs(http, cluster) == before_logs
+        await _finish_rollouts(http, cluster)
+    added = [ev.kind for ev in (await read_events(sqlite_url))[before:]]
+    assert added == ["coordinator.started", "recovery.started", "recovery.completed"]
+    # recovery at open records nothing when there is nothing to recover
+    async with Coordinator.open(config) as coord:
+        assert coord.last_recovery is not None
+        assert coord.last_recovery.recorded is False
+    assert [ev.kind for ev in (await read_events(sqlite_url))[before + 3 :]] == ["coordinator.started"]
+
+
+async def test_orphaned_staging_is_swept(cluster: Any, sqlite_url: str, configure: Any) -> None:
+    config = configure(cluster, sqlite_url)
+    orphan = config.staging_root / "e9-000001"
+    orphan.mkdir(parents=True)
+    (orphan / "junk").write_text("left by a dead coordinator")
+    async with Coordinator.open(config, recover=False) as coord:
+        report = await coord.recover()
+    assert report.swept == ("e9-000001",)
+    assert not orphan.exists()
+
+
+async def test_cli_recover_json(
+    cluster: Any, sqlite_url: str, configure: Any, die_after: Any, tmp_path: Path, capsys: Any
+) -> None:
+    config = configure(cluster, sqlite_url)
+    config_file = tmp_path / "cluster.yaml"
+    config_file.write_text(json.dumps(cluster.config(sqlite_url, str(config.snapshots))))
+    die_after(kind_is("call.replied", server="simple_agent"), nth=2)  # discovery, prepare
+    async with httpx.AsyncClient() as http:
+        await _start(http, cluster)
+        cid = await _die_during_checkpoint(config)
+        capsys.readouterr()
+        code = await anyio.to_thread.run_sync(cli, ["recover", "--config", str(config_file), "--json"])
+        document = json.loads(capsys.readouterr().out)
+        await assert_all_accepting(http, cluster)
+        await _finish_rollouts(http, cluster)
+    assert code == 0
+    assert [(a["checkpoint_id"], a["found"], a["action"]) for a in document["attempts"]] == [
+        (cid, "prepare", "resumed")
+    ]
+    assert document["attempts"][0]["servers"] == [
+        {"name": "policy_model", "reported_phase": "preparing", "result": "resumed"},
+        {"name": "simple_agent", "reported_phase": "prepared", "result": "resumed"},
+    ] or document["attempts"][0]["servers"] == [
+        {"name": "policy_model", "reported_phase": "prepared", "result": "resumed"},
+        {"name": "simple_agent", "reported_phase": "prepared", "result": "resumed"},
+    ]
+    code = await anyio.to_thread.run_sync(cli, ["recover", "--config", str(config_file), "--json"])
+    assert (code, json.loads(capsys.readouterr().out)["attempts"]) == (0, [])
+
+
+async def test_standby_needs_postgresql(cluster: Any, sqlite_url: str, configure: Any) -> None:
+    config = configure(cluster, sqlite_url)
+    with pytest.raises(ConfigError, match="standby needs a PostgreSQL ledger"):
+        async with Coordinator.open(config, standby=True):
+            pass
+
+
+# -- restore ----------------------------------------------------------------------------------
+
+
+async def _snapshot_mid_rollout(
+    make_cluster: Any, configure: Any, ledger_url: str
+) -> tuple[Path, dict[str, Any]]:
+    """A snapshot taken mid-rollout, and the results of the same rollouts run uninterrupted."""
+    with make_cluster(None) as plain:
+        async with httpx.AsyncClient() as http:
+            await client.start_rollouts(http, plain.urls["simple_agent"], ROLLOUTS)
+            expected = client.final_results(await client.wait_finished(http, plain.urls["simple_agent"]))
+    with make_cluster(None) as first:
+        config = configure(first, ledger_url)
+        async with httpx.AsyncClient() as http:
+            for name in ("policy_model", "tools"):
+                await http.post(f"{first.urls[name]}/gymsim/admin/options", json={"latency_s": 0.05})
+            await client.start_rollouts(http, first.urls["simple_agent"], ROLLOUTS)
+            await client.wait_turns(http, first.urls["simple_agent"], 2)
+            snapshot = await _first_snapshot(config)
+    return snapshot, expected
+
+
+async def _die_during_restore(config: ClusterConfig, snapshot: Path) -> str:
+    with pytest.raises(Died):
+        async with Coordinator.open(config) as coord:
+            await coord.restore(snapshot)
+    async with Ledger.open(config.ledger, readonly=True) as ledger:
+        rows = [row for row in await ledger.attempts() if row.outcome is None]
+    assert len(rows) == 1
+    return rows[0].checkpoint_id
+
+
+async def test_interrupted_restore_is_redriven_then_left_paused(
+    make_cluster: Any, sqlite_url: str, configure: Any, die_after: Any
+) -> None:
+    snapshot, expected = await _snapshot_mid_rollout(make_cluster, configure, sqlite_url)
+    with make_cluster(None) as fresh:
+        config = configure(fresh, sqlite_url)
+        die_after(kind_is("call.replied", server="simple_agent"), nth=2)  # discovery, restore
+        cid = await _die_during_restore(config, snapshot)
+        async with httpx.AsyncClient() as http:
+            assert (await server_states(http, fresh))["tools"] == ("idle", "accepting")
+            async with Coordinator.open(config) as coord:
+                report = coord.last_recovery
+                assert report is not None
+                states = await server_states(http, fresh)
+                for name in ("policy_model", "simple_agent", "tools"):
+                    assert states[name][0] == "restored_paused"
+                outcome = await coord.resume()
+            assert (outcome.checkpoint_id, outcome.outcome) == (cid, "resumed")
+            await assert_all_accepting(http, fresh)
+            logs = await control_logs(http, fresh)
+            rollouts = await client.wait_finished(http, fresh.urls["simple_agent"], timeout_s=60)
+    found = report.attempts[0]
+    assert (found.kind, found.found, found.action) == ("restore", "restore", "restored")
+    assert [(s.name, s.result) for s in found.servers] == [
+        ("policy_model", "restored"),
+        ("simple_agent", "restored"),
+        ("tools", "restored"),
+    ]
+    assert "quiesce resume" in found.message
+    restores = [e for e in logs["policy_model"] if e["path"].endswith("/restore")]
+    assert {e["checkpoint_id"] for e in restores} == {cid}  # the same restore id, replayed
+    assert client.final_results(rollouts) == expected
+    assert client.turn_log_problems(rollouts) == []
+    completed = [
+        ev.data["outcome"] for ev in await read_events(sqlite_url, cid) if ev.kind == "attempt.completed"
+    ]
+    assert completed == ["restored", "resumed"]
+    await assert_protocol_ok(sqlite_url)
+
+
+async def test_restore_with_its_snapshot_gone_is_abandoned_and_stays_paused(
+    make_cluster: Any, sqlite_url: str, configure: Any, die_after: Any
+) -> None:
+    snapshot, _ = await _snapshot_mid_rollout(make_cluster, configure, sqlite_url)
+    with make_cluster(None) as fresh:
+        config = configure(fresh, sqlite_url)
+        die_after(kind_is("call.replied", server="policy_model", status=200), nth=2)  # discovery, restore
+        cid = await _die_during_restore(config, snapshot)
+        shutil.rmtree(snapshot)
+        async with httpx.AsyncClient() as http:
+            async with Coordinator.open(config) as coord:
+                report = coord.last_recovery
+            states = await server_states(http, fresh)
+    assert report is not None
+    assert not report.ok
+    found = report.attempts[0]
+    assert found.action == "abandoned"
+    assert [(s.name, s.reported_phase, s.result) for s in found.servers] == [
+        ("policy_model", "restored_paused", "left_paused")
+    ]
+    assert "restore another snapshot" in found.message
+    assert states["policy_model"][0] == "restored_paused"  # half-restored state must not run
+    assert states["simple_agent"] == ("idle", "accepting")  # never touched
+    async with Ledger.open(sqlite_url, readonly=True) as ledger:
+        row = await ledger.attempt(cid)
+    assert row is not None
+    assert (row.state, row.outcome) == ("abandoned", "abandoned")
+    await assert_protocol_ok(sqlite_url)
