@@ -1,0 +1,658 @@
+"""The crash matrix: kill the coordinator at every instant of a save and a restore, then recover.
+
+    python -m tools.crashmatrix [--ledger sqlite|postgres] [--cycle save|restore|both] [--sample K]
+
+For every *append point* (`QUIESCE_CRASH_AT=n`: SIGKILL right after the coordinator's n-th durable
+append) and every *send point* (`QUIESCE_CRASH_BEFORE_SEND=n`: SIGKILL right before its n-th
+request leaves) of one full cycle — the counts come from an uncrashed dry run — against the
+reference Gym cluster with rollouts running:
+
+1. `quiesce checkpoint` (save cycle) or `quiesce restore` (restore cycle, into a fresh cluster)
+   runs in a child process with the crash variable set, and dies there;
+2. `quiesce recover --json` runs in another child (its wall time is the point's recovery time),
+   then a second `quiesce recover`, which must make no call and append only
+   `coordinator.started`, `recovery.started`, `recovery.completed`;
+3. the invariants are checked: every server idle and accepting (restore points: restored and
+   paused after recovery — the restore is re-run if it never started — then resumed with
+   `quiesce resume`); no snapshot folder without a complete manifest and no staging left; `LATEST`
+   names a snapshot that verifies; the previous snapshot still verifies; the ledger's hash chain
+   and projections verify (replay) and the audit's protocol check passes; the rollouts finish
+   with exactly the results of an uninterrupted run, no turn lost or run twice.
+
+Prints one row per point (point, last event before death, recovery action, recovery time,
+invariants), then the recovery time median and p95 per cycle; exits 1 if any invariant failed.
+`--sample K` runs every K-th point only.
+
+Speed: this process imports everything once and *forks* each child (the coordinator commands,
+each reference cluster, each ledger check), so a point costs its real work, not interpreter
+start-up; the save cycle reuses one long-lived cluster (new rollout ids per point). This process
+itself never starts a thread or an event loop, so forking it is safe. Linux/macOS only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import secrets
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from coordinator.crashpoints import CRASH_AT, CRASH_BEFORE_SEND
+from coordinator.protocol import AGENT, CAPABILITIES_PATH, MODEL, RESOURCES, TOKEN_ENV, TOKEN_ENV_FALLBACK
+from coordinator.publish import LATEST, load_snapshot, read_latest, verify_snapshot
+from tools.cli.main import main as cli_main
+from tools.gymsim.cluster import cluster_config, write_yaml_atomic
+from tools.gymsim.host import Host
+from tools.gymsim.spec import ClusterSpec, default_spec
+
+TURNS = 6
+ROLLOUTS_PER_POINT = 3
+PARTICIPANTS = {"policy_model": MODEL, "simple_agent": AGENT, "tools": RESOURCES}
+PAUSED_BY_RESTORE = ("policy_model", "simple_agent", "tools")
+
+
+# ---------------------------------------------------------------------------------------------
+# Forked children
+# ---------------------------------------------------------------------------------------------
+
+
+def _in_child(fn: Callable[[], Any], *, env: dict[str, str] | None = None, log: Path | None = None) -> Any:
+    """Run `fn` in a forked child; return its JSON-able result (or raise its error text)."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read_fd)
+        code = 0
+        try:
+            if env:
+                os.environ.update(env)
+            if log is not None:
+                out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                os.dup2(out, 1)
+                os.dup2(out, 2)
+            payload: dict[str, Any] = {"ok": True, "value": fn()}
+        except BaseException:
+            payload, code = {"ok": False, "error": traceback.format_exc()}, 1
+        data = json.dumps(payload, default=str).encode()
+        with contextlib.suppress(OSError):
+            os.write(write_fd, data)
+        os._exit(code)
+    os.close(write_fd)
+    chunks = []
+    while chunk := os.read(read_fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(read_fd)
+    os.waitpid(pid, 0)
+    result = json.loads(b"".join(chunks) or b'{"ok": false, "error": "the child died"}')
+    if not result["ok"]:
+        raise RuntimeError(result["error"])
+    return result["value"]
+
+
+@dataclass
+class Run:
+    """One forked `quiesce ...` command: exit status, whether SIGKILL ended it, stdout, wall time."""
+
+    code: int | None
+    killed: bool
+    stdout: str
+    stderr: str
+    seconds: float
+
+    def json(self) -> Any:
+        return json.loads(self.stdout) if self.stdout.strip() else None
+
+
+def quiesce(argv: list[str], folder: Path, env: dict[str, str] | None = None) -> Run:
+    """Run the `quiesce` CLI with `argv` in a forked child (stdout/stderr captured to files)."""
+    out, err = folder / "stdout.txt", folder / "stderr.txt"
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        code: int | None = 1
+        try:
+            for name in (CRASH_AT, CRASH_BEFORE_SEND):
+                os.environ.pop(name, None)
+            os.environ.update(env or {})
+            fd_out = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd_err = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd_out, 1)
+            os.dup2(fd_err, 2)
+            sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), write_through=True)
+            sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), write_through=True)
+            code = cli_main(argv)
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code or 0)
+    _, status = os.waitpid(pid, 0)
+    seconds = time.monotonic() - started
+    killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+    return Run(code, killed, out.read_text(errors="replace"), err.read_text(errors="replace"), seconds)
+
+
+class ForkedCluster:
+    """A reference Gym cluster served by a forked child (sockets bound here, so URLs are known)."""
+
+    def __init__(self, spec: ClusterSpec, token: str) -> None:
+        host = Host(spec, token=token)
+        self.spec = spec
+        self.urls = dict(host.urls)
+        pid = os.fork()
+        if pid == 0:
+            import asyncio
+
+            code = 0
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 1)
+                os.dup2(devnull, 2)
+                asyncio.run(host.serve())
+            except BaseException:
+                code = 1
+            os._exit(code)
+        self.pid = pid
+        for sock, _ in host._sockets:
+            sock.close()
+        give_up = time.monotonic() + 30
+        with httpx.Client(trust_env=False, timeout=2) as http:
+            for url in self.urls.values():
+                while True:
+                    try:
+                        if http.get(url + CAPABILITIES_PATH).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    if time.monotonic() > give_up:
+                        raise RuntimeError("the forked reference cluster did not start")
+                    time.sleep(0.01)
+
+    def config(self, ledger: str, snapshots: Path, **overrides: Any) -> dict[str, Any]:
+        return cluster_config(self.spec, self.urls, ledger_url=ledger, snapshots_dir=snapshots, **overrides)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+@contextlib.contextmanager
+def forked_cluster(spec: ClusterSpec, token: str) -> Iterator[ForkedCluster]:
+    cluster = ForkedCluster(spec, token)
+    try:
+        yield cluster
+    finally:
+        cluster.kill()
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollouts and server state (synchronous httpx: no threads in this process)
+# ---------------------------------------------------------------------------------------------
+
+
+def start_rollouts(http: httpx.Client, agent: str, ids: list[str]) -> None:
+    for rollout_id in ids:
+        while True:
+            reply = http.post(f"{agent}/run", json={"rollout_id": rollout_id, "turns": TURNS})
+            if reply.status_code == 409:
+                time.sleep(0.05)
+                continue
+            reply.raise_for_status()
+            break
+
+
+def rollouts(http: httpx.Client, agent: str) -> dict[str, dict[str, Any]]:
+    reply = http.get(f"{agent}/rollouts")
+    reply.raise_for_status()
+    return {r["rollout_id"]: r for r in reply.json()["rollouts"]}
+
+
+def wait_rollouts(
+    http: httpx.Client, agent: str, ids: list[str], *, min_turns: int | None = None, timeout_s: float = 60
+) -> dict[str, dict[str, Any]]:
+    give_up = time.monotonic() + timeout_s
+    while True:
+        seen = {k: v for k, v in rollouts(http, agent).items() if k in ids}
+        if len(seen) == len(ids):
+            if min_turns is None and all(r["status"] in ("completed", "failed") for r in seen.values()):
+                return seen
+            if min_turns is not None and all(r["turns_done"] >= min_turns for r in seen.values()):
+                return seen
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"rollouts did not get there: {[(k, v['status']) for k, v in seen.items()]}")
+        time.sleep(0.02)
+
+
+def turn_problems(seen: dict[str, dict[str, Any]]) -> list[str]:
+    problems = []
+    for rid, rollout in sorted(seen.items()):
+        turns = [entry["turn"] for entry in rollout["turn_log"]]
+        if turns != list(range(1, rollout["turns_done"] + 1)):
+            problems.append(f"{rid}: turns ran {turns}")
+    return problems
+
+
+def states(http: httpx.Client, urls: dict[str, str]) -> dict[str, tuple[str, str]]:
+    out = {}
+    for name, url in urls.items():
+        caps = http.get(url + CAPABILITIES_PATH).json()
+        admin = http.get(f"{url}/gymsim/admin/state").json()
+        out[name] = (caps["phase"], admin["admission_state"])
+    return out
+
+
+def control_log_sizes(http: httpx.Client, urls: dict[str, str]) -> dict[str, int]:
+    return {name: len(http.get(f"{url}/gymsim/admin/control-log").json()) for name, url in urls.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Ledger and snapshot checks (ledger reads run in forked children)
+# ---------------------------------------------------------------------------------------------
+
+
+def ledger_tail(url: str, after: int) -> list[dict[str, Any]]:
+    def read() -> list[dict[str, Any]]:
+        import anyio
+
+        from ledger import Ledger
+
+        async def run() -> list[dict[str, Any]]:
+            async with Ledger.open(url, readonly=True) as ledger:
+                return [
+                    {"seq": e.seq, "kind": e.kind, "epoch": e.epoch, "server": e.server, "data": e.data}
+                    async for e in ledger.read(after=after)
+                ]
+
+        return anyio.run(run)
+
+    value: list[dict[str, Any]] = _in_child(read)
+    return value
+
+
+def ledger_problems(url: str) -> list[str]:
+    def check() -> list[str]:
+        import anyio
+
+        from ledger import replay_url
+        from tools.audit.cli import check_ledger
+
+        async def run() -> list[str]:
+            problems = []
+            report = await replay_url(url)
+            if not report.ok:
+                problems.append(f"replay verify: {report.problem or report.differences[:3]}")
+            audit = await check_ledger(url)
+            problems += [f"audit {v.rule} seq {v.seq}: {v.message}" for v in audit.violations[:3]]
+            return problems
+
+        return anyio.run(run)
+
+    value: list[str] = _in_child(check)
+    return value
+
+
+def snapshot_problems(snapshots: Path, previous: Path | None) -> list[str]:
+    problems: list[str] = []
+    if snapshots.is_dir():
+        for child in sorted(snapshots.iterdir()):
+            if child.is_dir() and not child.name.startswith("."):
+                try:
+                    load_snapshot(child)
+                except Exception as error:
+                    problems.append(f"{child.name}: {error}")
+    staging = snapshots / ".staging"
+    if staging.is_dir() and any(staging.iterdir()):
+        problems.append(f"staging left: {sorted(p.name for p in staging.iterdir())}")
+    latest = read_latest(snapshots)
+    if (snapshots / LATEST).exists() and latest is None:
+        problems.append("LATEST names no folder")
+    for label, path in (("LATEST", latest), ("previous", previous)):
+        if path is None:
+            continue
+        if label == "previous" and not path.exists():
+            problems.append(f"previous snapshot {path.name} is gone")
+            continue
+        try:
+            verify_snapshot(path, participants=PARTICIPANTS)
+        except Exception as error:
+            problems.append(f"{label} {path.name}: {error}")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# The matrix
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Point:
+    cycle: str
+    variable: str
+    n: int
+    last_event: str = ""
+    action: str = ""
+    recover_s: float | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{'append' if self.variable == CRASH_AT else 'send'} {self.n}"
+
+
+def _describe(event: dict[str, Any] | None) -> str:
+    if event is None:
+        return "(nothing)"
+    bits = [event["kind"]]
+    if event.get("server"):
+        bits.append(str(event["server"]))
+    phase = event["data"].get("phase")
+    if phase:
+        bits.append(str(phase))
+    return " ".join(bits)
+
+
+class Matrix:
+    def __init__(self, folder: Path, ledger: str, sample: int, out: Callable[[str], None]) -> None:
+        self.folder = folder
+        self.ledger = ledger
+        self.sample = sample
+        self.out = out
+        self.token = "crashmatrix-" + secrets.token_hex(8)
+        os.environ[TOKEN_ENV] = self.token
+        os.environ.pop(TOKEN_ENV_FALLBACK, None)
+        self.spec = default_spec()
+        self.http = httpx.Client(trust_env=False, timeout=30)
+        self.points: list[Point] = []
+        self.expected: dict[str, Any] = {}
+        self._workdir = folder / "runs"
+        self._workdir.mkdir(parents=True, exist_ok=True)
+
+    def _head(self) -> int:
+        tail = ledger_tail(self.ledger, 0)
+        return tail[-1]["seq"] if tail else 0
+
+    def reference(self, ids: list[str]) -> None:
+        """The results of `ids` run uninterrupted (results depend only on rollout id and turns)."""
+        with forked_cluster(self.spec, self.token) as cluster:
+            agent = cluster.urls["simple_agent"]
+            start_rollouts(self.http, agent, ids)
+            seen = wait_rollouts(self.http, agent, ids, timeout_s=300)
+        self.expected.update({rid: seen[rid]["result"] for rid in ids})
+
+    def _set_latency(self, cluster: ForkedCluster, latency: float) -> None:
+        for name in ("policy_model", "tools"):
+            self.http.post(f"{cluster.urls[name]}/gymsim/admin/options", json={"latency_s": latency})
+
+    def _count(self, after: int) -> tuple[int, int]:
+        events = ledger_tail(self.ledger, after)
+        started = next(i for i, e in enumerate(events) if e["kind"] == "coordinator.started")
+        epoch = events[started]["epoch"]
+        mine = [e for e in events[started:] if e["epoch"] == epoch]
+        return len(mine), sum(e["kind"] == "call.sent" for e in mine)
+
+    def _second_recover(self, config: Path, urls: dict[str, str], folder: Path) -> list[str]:
+        head = self._head()
+        calls = control_log_sizes(self.http, urls)
+        run = quiesce(["recover", "--config", str(config), "--json"], folder)
+        problems = []
+        if run.code != 0 or (run.json() or {}).get("attempts") != []:
+            problems.append(f"second recover did something: exit {run.code} {run.stdout[:200]}")
+        added = [e["kind"] for e in ledger_tail(self.ledger, head)]
+        if added != ["coordinator.started", "recovery.started", "recovery.completed"]:
+            problems.append(f"second recover appended {added}")
+        if control_log_sizes(self.http, urls) != calls:
+            problems.append("second recover made calls")
+        return problems
+
+    # -- save -----------------------------------------------------------------------------------
+
+    def save_cycle(self) -> None:
+        snapshots = self.folder / "save-snapshots"
+        with forked_cluster(self.spec, self.token) as cluster:
+            config = write_yaml_atomic(self.folder / "save.yaml", cluster.config(self.ledger, snapshots))
+            agent = cluster.urls["simple_agent"]
+            self._set_latency(cluster, 0.01)
+            first = quiesce(["checkpoint", "--config", str(config), "--json"], self._workdir)
+            if first.code != 0:
+                raise RuntimeError(f"the first checkpoint failed: {first.stderr}")
+            head = self._head()
+            ids = self._ids("dry")
+            start_rollouts(self.http, agent, ids)
+            wait_rollouts(self.http, agent, ids, min_turns=1)
+            dry = quiesce(["checkpoint", "--config", str(config), "--json"], self._workdir)
+            if dry.code != 0:
+                raise RuntimeError(f"the dry-run checkpoint failed: {dry.stderr}")
+            appends, sends = self._count(head)
+            wait_rollouts(self.http, agent, ids)
+            self.out(f"save cycle: {appends} append points, {sends} send points")
+            plan = [(CRASH_AT, n) for n in range(1, appends + 1)] + [
+                (CRASH_BEFORE_SEND, n) for n in range(1, sends + 1)
+            ]
+            plan = [step for index, step in enumerate(plan) if index % self.sample == 0]
+            self.reference([rid for variable, n in plan for rid in self._point_ids(variable, n)])
+            for variable, n in plan:
+                point = Point("save", variable, n)
+                self.points.append(point)
+                try:
+                    self._save_point(point, cluster, config, snapshots)
+                except Exception as error:
+                    point.problems.append(f"harness: {type(error).__name__}: {error}")
+                self._row(point)
+
+    def _ids(self, tag: str) -> list[str]:
+        ids = [f"{tag}-r{i}" for i in range(ROLLOUTS_PER_POINT)]
+        missing = [rid for rid in ids if rid not in self.expected]
+        if missing:
+            self.reference(missing)
+        return ids
+
+    @staticmethod
+    def _point_ids(variable: str, n: int) -> list[str]:
+        tag = "a" if variable == CRASH_AT else "s"
+        return [f"p{tag}{n}-r{i}" for i in range(ROLLOUTS_PER_POINT)]
+
+    def _save_point(self, point: Point, cluster: ForkedCluster, config: Path, snapshots: Path) -> None:
+        agent = cluster.urls["simple_agent"]
+        ids = self._point_ids(point.variable, point.n)
+        previous = read_latest(snapshots)
+        head = self._head()
+        start_rollouts(self.http, agent, ids)
+        wait_rollouts(self.http, agent, ids, min_turns=1)
+        crashed = quiesce(
+            ["checkpoint", "--config", str(config), "--json"], self._workdir, {point.variable: str(point.n)}
+        )
+        tail = ledger_tail(self.ledger, head)
+        point.last_event = _describe(tail[-1] if tail else None)
+        if not crashed.killed:
+            point.last_event = f"(not reached: exit {crashed.code}) " + point.last_event
+        self._recover(point, config, cluster.urls)
+        bad = {n: s for n, s in states(self.http, cluster.urls).items() if s != ("idle", "accepting")}
+        if bad:
+            point.problems.append(f"not accepting: {bad}")
+        point.problems += snapshot_problems(snapshots, previous)
+        point.problems += self._second_recover(config, cluster.urls, self._workdir)
+        self._check_rollouts(point, agent, ids)
+        point.problems += ledger_problems(self.ledger)
+
+    def _recover(self, point: Point, config: Path, urls: dict[str, str]) -> None:
+        run = quiesce(["recover", "--config", str(config), "--json"], self._workdir)
+        point.recover_s = run.seconds
+        document = run.json() or {}
+        actions = [a["action"] for a in document.get("attempts", [])]
+        point.action = ",".join(actions) or "none"
+        if run.code != 0:
+            point.problems.append(f"recover exit {run.code}: {run.stderr.strip()[-300:]}")
+
+    def _check_rollouts(self, point: Point, agent: str, ids: list[str]) -> None:
+        seen = wait_rollouts(self.http, agent, ids)
+        got = {rid: seen[rid]["result"] for rid in ids}
+        if got != {rid: self.expected[rid] for rid in ids}:
+            point.problems.append("rollout results differ from the uninterrupted run")
+        point.problems += turn_problems(seen)
+
+    # -- restore --------------------------------------------------------------------------------
+
+    def restore_cycle(self) -> None:
+        snapshots = self.folder / "restore-snapshots"
+        source_ids = self._ids("src")
+        with forked_cluster(self.spec, self.token) as source:
+            config = write_yaml_atomic(self.folder / "source.yaml", source.config(self.ledger, snapshots))
+            self._set_latency(source, 0.05)
+            start_rollouts(self.http, source.urls["simple_agent"], source_ids)
+            wait_rollouts(self.http, source.urls["simple_agent"], source_ids, min_turns=2)
+            made = quiesce(["checkpoint", "--config", str(config), "--json"], self._workdir)
+            if made.code != 0:
+                raise RuntimeError(f"the source checkpoint failed: {made.stderr}")
+        snapshot = read_latest(snapshots)
+        assert snapshot is not None
+        head = self._head()
+        with forked_cluster(self.spec, self.token) as fresh:
+            config = write_yaml_atomic(self.folder / "restore.yaml", fresh.config(self.ledger, snapshots))
+            dry = quiesce(["restore", "--config", str(config), "--json"], self._workdir)
+            if dry.code != 0:
+                raise RuntimeError(f"the dry-run restore failed: {dry.stderr}")
+            appends, sends = self._count(head)
+            quiesce(["resume", "--config", str(config), "--json"], self._workdir)
+            wait_rollouts(self.http, fresh.urls["simple_agent"], source_ids)
+        self.out(f"restore cycle: {appends} append points, {sends} send points")
+        plan = [(CRASH_AT, n) for n in range(1, appends + 1)] + [
+            (CRASH_BEFORE_SEND, n) for n in range(1, sends + 1)
+        ]
+        plan = [step for index, step in enumerate(plan) if index % self.sample == 0]
+        for variable, n in plan:
+            point = Point("restore", variable, n)
+            self.points.append(point)
+            try:
+                with forked_cluster(self.spec, self.token) as fresh:
+                    self._restore_point(point, fresh, snapshots, snapshot, source_ids)
+            except Exception as error:
+                point.problems.append(f"harness: {type(error).__name__}: {error}")
+            self._row(point)
+
+    def _restore_point(
+        self, point: Point, fresh: ForkedCluster, snapshots: Path, snapshot: Path, ids: list[str]
+    ) -> None:
+        config = write_yaml_atomic(self.folder / "restore.yaml", fresh.config(self.ledger, snapshots))
+        head = self._head()
+        crashed = quiesce(
+            ["restore", "--config", str(config), "--json"], self._workdir, {point.variable: str(point.n)}
+        )
+        tail = ledger_tail(self.ledger, head)
+        point.last_event = _describe(tail[-1] if tail else None)
+        if not crashed.killed:
+            point.last_event = f"(not reached: exit {crashed.code}) " + point.last_event
+        self._recover(point, config, fresh.urls)
+        now = states(self.http, fresh.urls)
+        if all(now[name][0] == "idle" for name in PAUSED_BY_RESTORE):
+            # the restore never started (death before attempt.started): the operator runs it again
+            again = quiesce(["restore", "--config", str(config), "--json"], self._workdir)
+            if again.code != 0:
+                point.problems.append(f"restore again failed: {again.stderr.strip()[-300:]}")
+            now = states(self.http, fresh.urls)
+        wrong = {n: now[n] for n in PAUSED_BY_RESTORE if now[n][0] != "restored_paused"}
+        if wrong:
+            point.problems.append(f"not restored and paused after recovery: {wrong}")
+        point.problems += self._second_recover(config, fresh.urls, self._workdir)
+        resumed = quiesce(["resume", "--config", str(config), "--json"], self._workdir)
+        if resumed.code != 0:
+            point.problems.append(f"resume failed: {resumed.stderr.strip()[-300:]}")
+        bad = {n: s for n, s in states(self.http, fresh.urls).items() if s != ("idle", "accepting")}
+        if bad:
+            point.problems.append(f"not accepting after resume: {bad}")
+        point.problems += snapshot_problems(snapshots, snapshot)
+        self._check_rollouts(point, fresh.urls["simple_agent"], ids)
+        point.problems += ledger_problems(self.ledger)
+
+    # -- output ---------------------------------------------------------------------------------
+
+    def _row(self, point: Point) -> None:
+        took = f"{point.recover_s:6.2f}s" if point.recover_s is not None else "      -"
+        verdict = "ok" if not point.problems else "FAIL: " + "; ".join(point.problems)
+        self.out(
+            f"{point.cycle:<8} {point.name:<10} {point.last_event[:52]:<52} {point.action:<10}"
+            f" {took}  {verdict}"
+        )
+
+    def summary(self) -> bool:
+        ok = True
+        for cycle in ("save", "restore"):
+            mine = [p for p in self.points if p.cycle == cycle]
+            if not mine:
+                continue
+            times = sorted(p.recover_s for p in mine if p.recover_s is not None)
+            failed = [p for p in mine if p.problems]
+            ok = ok and not failed
+            median = statistics.median(times) if times else 0.0
+            p95 = times[min(len(times) - 1, max(0, round(0.95 * len(times)) - 1))] if times else 0.0
+            appends = sum(p.variable == CRASH_AT for p in mine)
+            self.out(
+                f"{cycle}: {len(mine)} points ({appends} append, {len(mine) - appends} send),"
+                f" {len(failed)} failed; recovery time median {median:.2f}s, p95 {p95:.2f}s"
+            )
+        return ok
+
+
+def _ledger_url(kind: str, folder: Path, stack: contextlib.ExitStack) -> str:
+    if kind == "sqlite":
+        return f"sqlite+aiosqlite:///{folder / 'ledger.db'}"
+    from tools.pgtemp import TempPostgres
+
+    cluster = stack.enter_context(TempPostgres(fsync=False))
+    return cluster.create_database("crashmatrix")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.crashmatrix", description=__doc__.split("\n")[0])
+    parser.add_argument("--ledger", choices=("sqlite", "postgres"), default="sqlite")
+    parser.add_argument("--cycle", choices=("save", "restore", "both"), default="both")
+    parser.add_argument("--sample", type=int, default=1, metavar="K", help="run every K-th point only")
+    parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (default: a temp folder)")
+    args = parser.parse_args(argv)
+    if args.sample < 1:
+        parser.error("--sample must be >= 1")
+
+    def out(line: str) -> None:
+        print(line, flush=True)
+
+    with contextlib.ExitStack() as stack:
+        folder = Path(args.keep) if args.keep else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        folder.mkdir(parents=True, exist_ok=True)
+        ledger = _ledger_url(args.ledger, folder, stack)
+        matrix = Matrix(folder, ledger, args.sample, out)
+        out(f"crash matrix: ledger {args.ledger}, cycle {args.cycle}, every {args.sample} point(s)")
+        columns = ("cycle", 8), ("point", 10), ("last event before death", 52), ("recovery", 10)
+        out(" ".join(f"{name:<{width}}" for name, width in columns) + f" {'time':>7}  invariants")
+        started = time.monotonic()
+        if args.cycle in ("save", "both"):
+            matrix.save_cycle()
+        if args.cycle in ("restore", "both"):
+            matrix.restore_cycle()
+        ok = matrix.summary()
+        out(f"{'all invariants hold' if ok else 'INVARIANTS FAILED'} ({time.monotonic() - started:.0f}s)")
+        if not args.keep:
+            shutil.rmtree(folder / "runs", ignore_errors=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
