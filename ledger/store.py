@@ -25,6 +25,10 @@ Invariants:
   ends the old holder's writer session (``pg_terminate_backend``: a stopped process loses its
   connection and with it the writer lock), then claims writership. A lease renewal that finds
   another holder fences this ledger like a ``FencedError``. On SQLite ``standby`` is refused.
+  A lease holder also checks its lease on its own monotonic clock: once ``ttl_s`` has passed since
+  the start of its last successful take or renewal, it fences itself — before an append, and
+  after one commits (so a ``call.sent`` written just before a stop, e.g. SIGSTOP, is never
+  followed by its request once a standby may have taken over).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal, cast
 
 import anyio
+import anyio.lowlevel
 from pydantic import BaseModel, ValidationError
 
 from ledger import migrate
@@ -170,6 +175,19 @@ class _Encoded:
         self.text = text
 
 
+class _Waiter:
+    """One append waiting in the group-commit queue."""
+
+    __slots__ = ("done", "error", "events", "items", "lead")
+
+    def __init__(self, items: list[_Encoded]) -> None:
+        self.items = items
+        self.done = anyio.Event()
+        self.lead = False
+        self.events: list[Event] = []
+        self.error: BaseException | None = None
+
+
 class Ledger:
     """An open ledger. Create with ``Ledger.open(url)`` (async context manager) or ``Ledger.connect``."""
 
@@ -180,6 +198,8 @@ class Ledger:
         self._redactor = Redactor(secrets)
         self._secrets = tuple(s for s in secrets if s)
         self._lock = anyio.Lock(fast_acquire=True)
+        self._queue: list[_Waiter] = []
+        self._leading = False
         self._last_seq = 0
         self._last_hash = GENESIS_HASH
         self._head_epoch = 0
@@ -187,6 +207,7 @@ class Ledger:
         self._stale = False
         self._closed = False
         self._lease: LeaseTerms | None = None
+        self._lease_until = 0.0  # monotonic: the lease is surely ours until then
         #: This writer's epoch: 0 until ``start_epoch``; written into every appended row.
         self.epoch = 0
         #: Called with each append's events once durable (see the module docstring).
@@ -239,8 +260,9 @@ class Ledger:
             await backend.start()
             await ledger._load_head()
             if lease is not None:
+                asked = time.monotonic()
                 await backend.lease_take(lease.name, lease.holder, lease.ttl_s, force=True)
-                ledger._lease = lease
+                ledger._lease, ledger._lease_until = lease, asked + lease.ttl_s
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await backend.close()
@@ -330,7 +352,9 @@ class Ledger:
             return True
         if self._fenced is not None:
             return False
+        asked = time.monotonic()
         if await self._backend.lease_renew(lease.name, lease.holder, lease.ttl_s, self.epoch):
+            self._lease_until = asked + lease.ttl_s
             return True
         self._fenced = FencedError(
             f"ledger {self.url}: the coordinator lease was taken over by another coordinator (this one"
@@ -395,8 +419,69 @@ class Ledger:
             raise LedgerError(f"ledger {self.url} was opened readonly; it cannot append")
         if self._fenced is not None:
             raise FencedError(str(self._fenced))
+        self._check_lease()
+
+    def _check_lease(self) -> None:
+        if self._lease is not None and time.monotonic() >= self._lease_until:
+            self._fenced = FencedError(
+                f"ledger {self.url}: this coordinator's lease ran out (not renewed within"
+                f" {self._lease.ttl_s:g}s — the process was stopped or starved); a standby may have taken"
+                " over, so this coordinator is fenced and must stop making calls"
+            )
+            raise FencedError(str(self._fenced))
 
     async def _commit(self, items: list[_Encoded], *, new_epoch: bool = False) -> list[Event]:
+        """Group commit: appends that are waiting at the same time share one transaction.
+
+        The first append to arrive leads: it yields once (so appends that are ready to run join
+        it), then commits everything queued in one transaction, and hands the lead to the oldest
+        append still queued. Every append still returns only once its own events are durable, in
+        queue order (= seq order), with ``after_append`` called per append; a failed transaction
+        fails every append in it. Concurrent fan-out thus costs one fsync per batch, not per event.
+        """
+        self._check_writable()
+        if new_epoch:
+            return (await self._commit_groups([items], new_epoch=True))[0]
+        waiter = _Waiter(items)
+        self._queue.append(waiter)
+        with anyio.CancelScope(shield=True):  # queued items are committed whatever happens
+            if self._leading:
+                await waiter.done.wait()
+            else:
+                self._leading = True
+                waiter.lead = True
+            if waiter.lead:
+                group: list[_Waiter] = []
+                try:
+                    await anyio.lowlevel.checkpoint()
+                    group, self._queue = self._queue, []
+                    try:
+                        results = await self._commit_groups([w.items for w in group])
+                    except BaseException as error:
+                        for w in group:
+                            w.error = error
+                    else:
+                        for w, events in zip(group, results, strict=True):
+                            w.events = events
+                finally:
+                    for w in group:
+                        if w is not waiter:
+                            w.done.set()
+                    if self._queue:
+                        self._queue[0].lead = True
+                        self._queue[0].done.set()
+                    else:
+                        self._leading = False
+        if waiter.error is not None:
+            raise waiter.error
+        self._check_lease()  # durable, but a caller must not act on it once the lease ran out
+        return waiter.events
+
+    async def _commit_groups(
+        self, groups: list[list[_Encoded]], *, new_epoch: bool = False
+    ) -> list[list[Event]]:
+        """Chain and commit the items of ``groups`` in one transaction; their events, per group."""
+        items = [item for group in groups for item in group]
         self._check_writable()
         async with self._lock:
             self._check_writable()
@@ -472,9 +557,14 @@ class Ledger:
             self._last_seq, self._last_hash, self._head_epoch = seq, prev, epoch
             if new_epoch:
                 self.epoch = epoch
-            if self.after_append is not None:
-                self.after_append(events)
-            return events
+            out: list[list[Event]] = []
+            start = 0
+            for group in groups:
+                out.append(events[start : start + len(group)])
+                start += len(group)
+                if self.after_append is not None:
+                    self.after_append(out[-1])
+            return out
 
     async def append(
         self,
