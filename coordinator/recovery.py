@@ -5,10 +5,10 @@ Run by `Coordinator.open` (after it took its epoch, so the dead coordinator is f
 
 1. **Settle** each server the attempt touched (or, for a publication, every participant): read
    its capabilities through `calls.py` (phase `recovery`, recorded like every call) — its fence
-   phase and active checkpoint id. A server still inside an operation of this attempt
-   (`committing`, `restoring`, an agent's or resources' `preparing`: the dead coordinator's
-   request is still running there) is read again until it leaves that phase, so a resume never
-   races the operation it undoes.
+   phase and active checkpoint id. A server still inside an operation of this attempt that a
+   resume may not interrupt (`committing`, `restoring`, a resources server's `preparing`: the
+   dead coordinator's request is still running there) is read again until it leaves that phase
+   (at most the budget), so a resume does not race the operation it undoes.
 2. **Act**, by what the ledger and the filesystem say:
    - *save with `attempt.publishing` or `attempt.published`*: the filesystem decides. The final
      folder with a manifest naming this checkpoint id means published: `attempt.published` is
@@ -65,7 +65,7 @@ from coordinator.attempt import (
 )
 from coordinator.discovery import Member
 from coordinator.errors import PhaseError, SnapshotError
-from coordinator.protocol import MODEL, Capabilities
+from coordinator.protocol import RESOURCES, Capabilities
 from coordinator.publish import (
     apply_retention,
     read_latest,
@@ -79,7 +79,9 @@ __all__ = ["AttemptReport", "RecoveryReport", "ServerReport", "recover"]
 
 Action = Literal["resumed", "published", "restored", "abandoned", "none"]
 
-#: Fence phases in which the dead coordinator's request may still be running on the server.
+#: Fence phases in which the dead coordinator's request may still be running on the server and a
+#: resume is not allowed (gym-control-v1 §1.1): wait for them to end. (A resources server's
+#: `preparing` too; a model or an agent may be resumed while preparing.)
 _BUSY_PHASES: Final = frozenset({"committing", "restoring"})
 #: How often a busy server's capabilities are read again.
 _SETTLE_POLL_S: Final = 0.05
@@ -255,7 +257,7 @@ async def _settle(ctx: Context, attempt: Attempt, names: list[str]) -> list[_Set
                 break
             settled.caps = result.reply
             busy = settled.caps.phase in _BUSY_PHASES or (
-                settled.caps.phase == "preparing" and member.component != MODEL
+                settled.caps.phase == "preparing" and member.component == RESOURCES
             )
             if not busy or settled.caps.active_checkpoint_id != attempt.checkpoint_id:
                 break
