@@ -627,6 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycle", choices=("save", "restore", "both"), default="both")
     parser.add_argument("--sample", type=int, default=1, metavar="K", help="run every K-th point only")
     parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (default: a temp folder)")
+    parser.add_argument(
+        "--ledger-url", metavar="URL", help="use this empty PostgreSQL database instead of starting one"
+    )
     args = parser.parse_args(argv)
     if args.sample < 1:
         parser.error("--sample must be >= 1")
@@ -637,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         folder = Path(args.keep) if args.keep else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         folder.mkdir(parents=True, exist_ok=True)
-        ledger = _ledger_url(args.ledger, folder, stack)
+        ledger = args.ledger_url if args.ledger_url else _ledger_url(args.ledger, folder, stack)
         matrix = Matrix(folder, ledger, args.sample, out)
         out(f"crash matrix: ledger {args.ledger}, cycle {args.cycle}, every {args.sample} point(s)")
         columns = ("cycle", 8), ("point", 10), ("last event before death", 52), ("recovery", 10)
