@@ -1,0 +1,142 @@
+"""Measure #4 — a save cycle with N = 8, 64, 256, 512 participants, sequential and parallel fan-out.
+
+The cluster for N (``tools.gymsim``, its own process): one policy model, ``(N-1)//2`` agents and
+the rest resources servers (agent ``i`` uses ``tools_i``), every server hosted under a path
+prefix (``/s/<name>``) on one shared port, idle (no rollouts: the cost measured is the protocol's
+and the ledger's, not a drain). One run (``run_scale``, a fresh process) opens a coordinator on a
+real SQLite ledger (WAL, ``synchronous=FULL``; one per cluster, so each run takes a new epoch and
+its checkpoint ids are new to the servers) with ``fanout`` sequential or parallel, discovers,
+does one warm-up cycle and times ``cycles`` cycles (``Coordinator.checkpoint()``: prepare →
+commit → publish → resume). Runs alternate the two fan-outs. Goal: parallel at 512 <= 2 s.
+Growth with N is reported as ms per participant and the log-log slope between successive N
+(1.0 = linear).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from coordinator import Coordinator, parse_config
+from tools.bench.cycle import cluster, timed_cycle
+from tools.bench.harness import Context, Result, Stats, run_child, stats_of
+
+SIZES = (8, 64, 256, 512)
+QUICK_SIZES = (6, 8)
+
+
+def spec_for(n: int) -> dict[str, Any]:
+    """N participants: 1 policy model, (N-1)//2 agents, the rest resources; all prefix-hosted."""
+    agents = (n - 1) // 2
+    resources = n - 1 - agents
+    if agents < 2:
+        raise ValueError("N must be at least 5")
+    return {
+        "servers": [
+            {"kind": "model", "name": "policy_model", "prefix": True},
+            {"kind": "agent", "name": "agent_{i}", "count": agents, "prefix": True,
+             "policy": "policy_model", "resources": "tools_{i}"},
+            {"kind": "resources", "name": "tools_{i}", "count": resources, "prefix": True},
+        ]
+    }  # fmt: skip
+
+
+async def run_scale(config: dict[str, Any], token: str, fanout: str, cycles: int, dir: str) -> dict[str, Any]:
+    """One run of #4: discover, one warm-up cycle, then ``cycles`` timed cycles; their median."""
+    folder = Path(dir)
+    cfg = parse_config(
+        {
+            **config,
+            "ledger": f"sqlite+aiosqlite:///{folder / 'ledger.db'}",
+            "snapshots": str(folder / "snapshots"),
+            "fanout": fanout,
+            "keep_latest": 1,
+        },
+        base_dir=folder,
+    )
+    times: list[float] = []
+    async with Coordinator.open(cfg, token=token) as coord:
+        start = time.perf_counter()
+        found = await coord.discover()
+        discover_s = time.perf_counter() - start
+        await timed_cycle(coord)
+        before = await coord.ledger.head()
+        for _ in range(cycles):
+            times.append(await timed_cycle(coord))
+        after = await coord.ledger.head()
+    events = (after.seq if after else 0) - (before.seq if before else 0)
+    return {
+        "cycle_s": statistics.median(times),
+        "discover_s": discover_s,
+        "participants": len(found.participants),
+        "events_per_cycle": events / cycles,
+    }
+
+
+def measure(ctx: Context) -> Result:
+    """Measure #4 (see the module docstring)."""
+    sizes = QUICK_SIZES if ctx.quick else SIZES
+    cycles = 1 if ctx.quick else 2
+    result = Result(
+        4, "save cycle at N participants (path-prefix hosted)", "parallel fan-out at N=512 <= 2 s"
+    )
+    token = "bench-" + secrets.token_hex(8)
+    table: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for n in sizes:
+        with cluster(spec_for(n), token, ctx.work) as running:
+            for index in range(ctx.runs):
+                for fanout in ("sequential", "parallel") if index % 2 == 0 else ("parallel", "sequential"):
+                    folder = ctx.work / f"scale-{n}"  # one ledger per cluster: new epoch, new ids
+                    folder.mkdir(exist_ok=True)
+                    params = {"config": running.config(), "token": token, "fanout": fanout,
+                              "cycles": cycles, "dir": str(folder)}  # fmt: skip
+                    table.setdefault((n, fanout), []).append(
+                        run_child("scale:run_scale", params, timeout_s=1800)
+                    )
+                ctx.log(f"  N={n} run {index + 1}/{ctx.runs}: sequential"
+                        f" {table[(n, 'sequential')][-1]['cycle_s']:.2f} s,"
+                        f" parallel {table[(n, 'parallel')][-1]['cycle_s']:.2f} s")  # fmt: skip
+    rows = []
+    previous: dict[str, tuple[int, float]] = {}
+    for n in sizes:
+        for fanout in ("sequential", "parallel"):
+            runs = table[(n, fanout)]
+            cycle = stats_of(runs, "cycle_s")
+            participants = int(runs[0]["participants"])
+            slope = ""
+            if fanout in previous:
+                n0, t0 = previous[fanout]
+                slope = f"{math.log(cycle.median / t0) / math.log(participants / n0):.2f}"
+            previous[fanout] = (participants, cycle.median)
+            rows.append({
+                "N": participants,
+                "fan-out": fanout,
+                "cycle (s)": cycle.fmt(1, 3),
+                "ms per participant": f"{cycle.median / participants * 1e3:.2f}",
+                "log-log slope vs previous N": slope,
+                "events per cycle": f"{runs[0]['events_per_cycle']:.0f}",
+                "discover (s)": stats_of(runs, "discover_s").fmt(1, 3),
+                "peak RSS (MB)": stats_of(runs, "peak_rss_mb").fmt(1, 0),
+            })  # fmt: skip
+            result.metric(f"cycle_s_{fanout}_{participants}", cycle, "s")
+    largest = sizes[-1]
+    top = stats_of(table[(largest, "parallel")], "cycle_s")
+    seq = stats_of(table[(largest, "sequential")], "cycle_s")
+    everything = [r for runs in table.values() for r in runs]
+    result.metric("peak_rss_mb", Stats.of([r["peak_rss_mb"] for r in everything]), "MB")
+    result.runs = ctx.runs
+    result.rows = rows
+    result.value = f"parallel at N={largest}: {top.fmt(1, 2, 's')}; sequential {seq.fmt(1, 2, 's')}"
+    result.baseline = "—"
+    result.met = top.median <= 2.0 if largest == 512 else None
+    if largest != 512:
+        result.notes.append("--quick: N=512 not run, goal not judged")
+    result.notes.append(
+        f"{cycles} timed cycle(s) per run after one warm-up; idle servers (no rollouts); the whole"
+        " cluster is one gymsim process (one event loop) on the same 2-core machine as the coordinator"
+    )
+    return result
