@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dbos-venv", type=Path, default=None, help="create or reuse the DBOS venv here (default: temp)"
     )
+    parser.add_argument("--sizes", type=str, default=None, help="measure 4's N values, e.g. 8,64,256")
     args = parser.parse_args(argv)
     try:
         only = _parse_only(args.only)
@@ -67,7 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     cache: Path = args.cache or out / ".cache"
     cache.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="quiesce-bench-", dir=out))
-    ctx = Context(quick=args.quick, runs=runs, work=work, cache=cache, dbos_venv=args.dbos_venv)
+    try:
+        sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else ()
+    except ValueError:
+        parser.error(f"--sizes: not a list of numbers: {args.sizes}")
+    if any(n < 5 for n in sizes):
+        parser.error("--sizes: every N must be at least 5")
+    ctx = Context(quick=args.quick, runs=runs, work=work, cache=cache, dbos_venv=args.dbos_venv, sizes=sizes)
     started = time.time()
     results: list[Result] = []
     failed = False

@@ -75,6 +75,7 @@ async def open_null(config: ClusterConfig, token: str) -> AsyncIterator[Coordina
 
 
 async def timed_cycle(coord: Coordinator) -> float:
+    """Seconds of one ``Coordinator.checkpoint()`` (prepare → commit → publish → resume)."""
     start = time.perf_counter()
     await coord.checkpoint()
     return time.perf_counter() - start
