@@ -43,6 +43,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal, cast
 
 import anyio
+import anyio.lowlevel
 from pydantic import BaseModel, ValidationError
 
 from ledger import migrate
@@ -174,6 +175,19 @@ class _Encoded:
         self.text = text
 
 
+class _Waiter:
+    """One append waiting in the group-commit queue."""
+
+    __slots__ = ("done", "error", "events", "items", "lead")
+
+    def __init__(self, items: list[_Encoded]) -> None:
+        self.items = items
+        self.done = anyio.Event()
+        self.lead = False
+        self.events: list[Event] = []
+        self.error: BaseException | None = None
+
+
 class Ledger:
     """An open ledger. Create with ``Ledger.open(url)`` (async context manager) or ``Ledger.connect``."""
 
@@ -184,6 +198,8 @@ class Ledger:
         self._redactor = Redactor(secrets)
         self._secrets = tuple(s for s in secrets if s)
         self._lock = anyio.Lock(fast_acquire=True)
+        self._queue: list[_Waiter] = []
+        self._leading = False
         self._last_seq = 0
         self._last_hash = GENESIS_HASH
         self._head_epoch = 0
@@ -415,6 +431,57 @@ class Ledger:
             raise FencedError(str(self._fenced))
 
     async def _commit(self, items: list[_Encoded], *, new_epoch: bool = False) -> list[Event]:
+        """Group commit: appends that are waiting at the same time share one transaction.
+
+        The first append to arrive leads: it yields once (so appends that are ready to run join
+        it), then commits everything queued in one transaction, and hands the lead to the oldest
+        append still queued. Every append still returns only once its own events are durable, in
+        queue order (= seq order), with ``after_append`` called per append; a failed transaction
+        fails every append in it. Concurrent fan-out thus costs one fsync per batch, not per event.
+        """
+        self._check_writable()
+        if new_epoch:
+            return (await self._commit_groups([items], new_epoch=True))[0]
+        waiter = _Waiter(items)
+        self._queue.append(waiter)
+        with anyio.CancelScope(shield=True):  # queued items are committed whatever happens
+            if self._leading:
+                await waiter.done.wait()
+            else:
+                self._leading = True
+                waiter.lead = True
+            if waiter.lead:
+                group: list[_Waiter] = []
+                try:
+                    await anyio.lowlevel.checkpoint()
+                    group, self._queue = self._queue, []
+                    try:
+                        results = await self._commit_groups([w.items for w in group])
+                    except BaseException as error:
+                        for w in group:
+                            w.error = error
+                    else:
+                        for w, events in zip(group, results, strict=True):
+                            w.events = events
+                finally:
+                    for w in group:
+                        if w is not waiter:
+                            w.done.set()
+                    if self._queue:
+                        self._queue[0].lead = True
+                        self._queue[0].done.set()
+                    else:
+                        self._leading = False
+        if waiter.error is not None:
+            raise waiter.error
+        self._check_lease()  # durable, but a caller must not act on it once the lease ran out
+        return waiter.events
+
+    async def _commit_groups(
+        self, groups: list[list[_Encoded]], *, new_epoch: bool = False
+    ) -> list[list[Event]]:
+        """Chain and commit the items of ``groups`` in one transaction; their events, per group."""
+        items = [item for group in groups for item in group]
         self._check_writable()
         async with self._lock:
             self._check_writable()
@@ -490,10 +557,14 @@ class Ledger:
             self._last_seq, self._last_hash, self._head_epoch = seq, prev, epoch
             if new_epoch:
                 self.epoch = epoch
-            if self.after_append is not None:
-                self.after_append(events)
-            self._check_lease()  # durable, but a caller must not act on it once the lease ran out
-            return events
+            out: list[list[Event]] = []
+            start = 0
+            for group in groups:
+                out.append(events[start : start + len(group)])
+                start += len(group)
+                if self.after_append is not None:
+                    self.after_append(out[-1])
+            return out
 
     async def append(
         self,
