@@ -407,3 +407,58 @@ async def test_restore_then_resume(ledger_url: str) -> None:
     report = check_events(events)
     terminal = _seq_of(events, "attempt.completed")[-1]
     assert [(v.rule, v.seq, v.server) for v in report.violations] == [("unsettled", terminal, AGENT_1)]
+
+
+async def test_recovery_redriving_a_restore_after_the_deadline_is_not_late(ledger_url: str) -> None:
+    """A later epoch re-drives an interrupted restore on its own budget: not a deadline violation,
+    while the same call from the attempt's own epoch after its deadline is one."""
+    async with Ledger.open(ledger_url) as ledger:
+        s = Script(ledger)
+        await s.start()
+        await s.attempt("r1", kind="restore", deadline_ts=time.time() - 5.0, participants=(POLICY, AGENT_1))
+        await s.phase("r1", "restore")
+        late = await s.send("r1", POLICY, "restore", "restore")  # own epoch, past the deadline
+        await s.reply("r1", POLICY, late)
+    async with Ledger.open(ledger_url) as ledger:
+        s = Script(ledger)
+        await s.start()
+        await s.phase("r1", "restore")
+        await s.call("r1", POLICY, "restore", "restore")
+        await s.call("r1", AGENT_1, "restore", "restore")
+        await s.completed("r1", outcome="restored")
+    events = await _all_events(ledger_url)
+    report = check_events(events)
+    first = _seq_of(events, "call.sent", operation="/restore")[0]
+    assert [(v.rule, v.seq) for v in report.violations] == [("deadline", first)]
+
+
+async def test_server_held_by_another_checkpoint_is_a_warning(ledger_url: str) -> None:
+    async with Ledger.open(ledger_url) as ledger:
+        s = Script(ledger)
+        await s.start()
+        await s.attempt("ck", participants=(POLICY, AGENT_1))
+        await s.phase("ck", "prepare")
+        await s.call("ck", POLICY, "prepare", "pause")
+        await s.call("ck", AGENT_1, "prepare", "prepare")
+    async with Ledger.open(ledger_url) as ledger:
+        s = Script(ledger)
+        await s.start()
+        await ledger.append("recovery.started", data={"attempts": ["ck"]})
+        for server, result in ((POLICY, "resumed"), (AGENT_1, "other_checkpoint")):
+            await ledger.append(
+                "recovery.settled",
+                checkpoint_id="ck",
+                server=server,
+                data={
+                    "reported_phase": "prepared",
+                    "active_checkpoint_id": "other",
+                    "action": "none",
+                    "result": result,
+                },
+            )
+        await s.call("ck", POLICY, "recovery", "resume")
+        await s.aborted("ck", "recovered", resumed=[POLICY])
+    report = check_events(await _all_events(ledger_url))
+    assert report.violations == []
+    assert [(w.rule, w.server) for w in report.warnings] == [("unsettled", AGENT_1)]
+    assert "another checkpoint" in report.warnings[0].message

@@ -17,7 +17,8 @@ Rules (each `Violation` names the seq of the offending event):
   compensated: resumed in rollback or recovery — or in any phase once the attempt was aborted (a
   later `quiesce resume` of what a rollback left paused) — after its last touch (a 409
   `invalid_phase` to such a resume means it never paused, which settles it too). A touched server
-  that was never sent such a resume is a violation at the terminal event; one that was sent
+  that was never sent such a resume is a violation at the terminal event — unless recovery found it
+  held by another checkpoint id and left it alone (a warning); one that was sent
   resumes, none of which settled it, is only a warning (`left_paused`: the coordinator did its
   part, the server did not answer). A save attempt resumed in its `resume` phase without an
   acknowledged commit (and before any abort) is a violation at that resume.
@@ -25,10 +26,12 @@ Rules (each `Violation` names the seq of the offending event):
   every server it touched must have been resumed. An attempt is judged as of its last terminal
   event; attempts with none are reported as open, not judged.
 - `deadline` — no call is sent (by its `call.sent` `at`) after the attempt's `deadline_ts`, except
-  resumes and recovery's capabilities reads. Resumes are exempt in every phase, not only in
-  rollback and recovery: a resume only releases a server, and the coordinator gives each one the
-  budget `max(deadline_ts, now + control_timeout_s)` (gym-control-v1 §6) — the resume of a restore
-  comes whenever the caller asks for it, and a published save's resume may be retried later.
+  resumes, recovery's calls, and any call a later epoch (a recovering coordinator, which works to
+  its own budget, e.g. re-driving an interrupted restore) sends for the attempt. Resumes are exempt
+  in every phase, not only in rollback and recovery: a resume only releases a server, and the
+  coordinator gives each one the budget `max(deadline_ts, now + control_timeout_s)`
+  (gym-control-v1 §6) — the resume of a restore comes whenever the caller asks for it, and a
+  published save's resume may be retried later.
 - `epoch` — no event carries an epoch lower than one already seen at a smaller seq.
 - `pairing` — every outcome follows its `call.sent`, once (a second `call.sent` with one id too).
 """
@@ -125,12 +128,14 @@ class _Server:
     last_resume_sent_seq: int | None = None
     settle_seq: int | None = None  # sent seq of the last resume that settled the server
     settle_compensating: bool = False
+    other_checkpoint_seq: int | None = None  # recovery found it held by another checkpoint id
 
 
 @dataclass(slots=True)
 class _Attempt:
     checkpoint_id: str
     kind: str | None = None
+    epoch: int | None = None  # the epoch that started the attempt
     deadline_ts: float | None = None
     terminal_seq: int | None = None  # the last terminal event
     outcomes: set[str] = field(default_factory=set)  # every terminal outcome recorded
@@ -197,6 +202,7 @@ class ProtocolChecker:
         if kind == "attempt.started" and attempt.kind is None:
             data = event.data
             attempt.kind = data.get("kind") if isinstance(data.get("kind"), str) else None
+            attempt.epoch = event.epoch
             deadline = data.get("deadline_ts")
             if isinstance(deadline, int | float) and not isinstance(deadline, bool):
                 attempt.deadline_ts = float(deadline)
@@ -215,6 +221,8 @@ class ProtocolChecker:
                 attempt.abort_seq = event.seq
         elif kind == "attempt.aborting" and attempt.abort_seq is None:
             attempt.abort_seq = event.seq
+        elif kind == "recovery.settled" and event.server and event.data.get("result") == "other_checkpoint":
+            attempt.server(event.server).other_checkpoint_seq = event.seq
 
     def _check_epoch(self, event: Event) -> None:
         if self._max_epoch is not None and event.epoch < self._max_epoch:
@@ -270,7 +278,9 @@ class ProtocolChecker:
                     break
 
         # deadline
-        exempt = operation == "resume" or (phase == "recovery" and operation == "capabilities")
+        # A later coordinator acting on this attempt (recovery) works to its own budget.
+        by_recovery = attempt.epoch is not None and event.epoch > attempt.epoch
+        exempt = operation == "resume" or phase == "recovery" or by_recovery
         if attempt.deadline_ts is not None and not exempt:
             sent_ts = parse_at(event.at)
             if sent_ts > attempt.deadline_ts:
@@ -340,7 +350,18 @@ class ProtocolChecker:
             and touched is not None
             and (state.last_resume_sent_seq > touched)
         )
-        if tried:
+        held = state.other_checkpoint_seq
+        if held is not None and (touched is None or held > touched):
+            self._report.warnings.append(
+                Violation(
+                    attempt.terminal_seq,
+                    "unsettled",
+                    attempt.checkpoint_id,
+                    name,
+                    f"held by another checkpoint id when recovery settled it (seq {held}); left alone",
+                )
+            )
+        elif tried:
             self._report.warnings.append(
                 Violation(
                     attempt.terminal_seq,
