@@ -11,13 +11,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias
-
-from sqlalchemy import Connection
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from ledger.errors import FencedError, LedgerError
 from ledger.events import Event
 from ledger.projections import AttemptRow, fold, touched
+
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
 
 #: A stored events row, columns in ``ledger.schema.EVENT_COLUMNS`` order (``data`` as text).
 RawEvent: TypeAlias = tuple[int, str, str, str | None, str | None, str | None, int, str, str, str]
@@ -150,6 +151,12 @@ class Backend(ABC):
     @abstractmethod
     async def run_schema(self, fn: Callable[[Connection], object]) -> object:
         """Run ``fn`` on a SQLAlchemy connection inside one transaction (migrations, schema checks)."""
+
+    async def quick_revision(self) -> str | None:
+        """The stored schema revision when it can be read cheaply (no alembic), else None.
+
+        None never means "at head": the caller then runs the full alembic check."""
+        return None
 
     @abstractmethod
     async def start(self) -> None:

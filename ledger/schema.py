@@ -17,6 +17,9 @@ metadata = MetaData()
 
 #: Alembic's version table for quiesce (a database may be shared with an application).
 VERSION_TABLE: Final = "quiesce_alembic_version"
+#: The head revision of `migrations/versions` (checked against alembic by the tests). Opening a
+#: ledger whose stored revision equals it skips alembic entirely — the common case, kept cheap.
+HEAD_REVISION: Final = "0002"
 
 # INTEGER PRIMARY KEY on SQLite makes seq the rowid (no second index); BIGINT elsewhere.
 _SeqType = BigInteger().with_variant(Integer(), "sqlite")

@@ -21,17 +21,19 @@ import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
-from sqlalchemy import Connection
-from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from ledger.backend import Backend, Batch, ProjectionCache, RawEvent, apply_append
 from ledger.errors import FencedError, LedgerError
 from ledger.projections import COLUMNS, AttemptRow, from_columns, to_columns
-from ledger.schema import EVENT_COLUMNS
+from ledger.schema import EVENT_COLUMNS, VERSION_TABLE
+
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
+    from sqlalchemy.engine import URL
 
 _EV_COLS = ", ".join(EVENT_COLUMNS)
 _AT_COLS = ", ".join(COLUMNS)
@@ -118,12 +120,29 @@ class SqliteBackend(Backend):
     # -- schema --------------------------------------------------------------------------------
 
     async def run_schema(self, fn: Callable[[Connection], object]) -> object:
+        from sqlalchemy.ext.asyncio import create_async_engine  # schema work only
+
         engine = create_async_engine(self._url)
         try:
             async with engine.begin() as conn:
                 return await conn.run_sync(fn)
         finally:
             await engine.dispose()
+
+    async def quick_revision(self) -> str | None:
+        if not self._path.is_file():
+            return None
+        try:
+            conn = sqlite3.connect(f"{self._path.resolve().as_uri()}?mode=ro", uri=True, timeout=10.0)
+        except sqlite3.Error:
+            return None
+        try:
+            row = conn.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchall()
+        except sqlite3.Error:
+            return None
+        finally:
+            conn.close()
+        return str(row[0][0]) if len(row) == 1 else None
 
     # -- connections ---------------------------------------------------------------------------
 

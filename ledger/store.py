@@ -46,13 +46,13 @@ import anyio
 import anyio.lowlevel
 from pydantic import BaseModel, ValidationError
 
-from ledger import migrate
 from ledger.backend import Backend, Batch, LeaseState, RawEvent
 from ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
 from ledger.errors import FencedError, LedgerError
 from ledger.events import COLUMN_RULES, PAYLOADS, AppendItem, Event
 from ledger.projections import AttemptRow
 from ledger.redact import Redactor
+from ledger.schema import HEAD_REVISION
 from ledger.urls import parse, safe
 
 Durability = Literal["full", "process"]
@@ -129,6 +129,8 @@ async def upgrade_schema(url: str) -> tuple[str | None, str]:
     backend = make_backend(url)
     try:
         await backend.claim_writer()
+        from ledger import migrate  # alembic: loaded only when the schema is checked or changed
+
         result = await backend.run_schema(migrate.upgrade_sync)
     finally:
         await backend.close()
@@ -141,6 +143,8 @@ async def downgrade_schema(url: str, revision: str) -> None:
     backend = make_backend(url)
     try:
         await backend.claim_writer()
+        from ledger import migrate
+
         await backend.run_schema(lambda conn: migrate.downgrade_sync(conn, revision))
     finally:
         await backend.close()
@@ -254,9 +258,12 @@ class Ledger:
                 await ledger._take_over(lease)
             elif not readonly:
                 await backend.claim_writer()
-            await backend.run_schema(
-                lambda conn: migrate.ensure_schema_sync(conn, url=where, create=not readonly)
-            )
+            if await backend.quick_revision() != HEAD_REVISION:
+                from ledger import migrate
+
+                await backend.run_schema(
+                    lambda conn: migrate.ensure_schema_sync(conn, url=where, create=not readonly)
+                )
             await backend.start()
             await ledger._load_head()
             if lease is not None:

@@ -263,3 +263,11 @@ def test_replayer_agrees_with_the_chain_definition_and_names_the_bad_seq() -> No
     gap.feed(rows[:10] + rows[12:])
     assert gap.report.first_bad_seq == 11
     assert gap.report.problem == "seq 11..12 missing (rows deleted); next seq is 13"
+
+
+def test_head_revision_constant_matches_alembic() -> None:
+    """`HEAD_REVISION` lets an open skip alembic; it must name the real head of migrations/."""
+    from ledger.migrate import head_revision
+    from ledger.schema import HEAD_REVISION
+
+    assert head_revision() == HEAD_REVISION
