@@ -209,8 +209,8 @@ class Attempt:
             self.touched.append(name)
 
 
-class _Failed(Exception):
-    """Internal: a phase failed at `server` (None: not one server's fault)."""
+class PhaseFailure(Exception):
+    """A phase failed at `server` (None: not one server's fault); the caller rolls back or abandons."""
 
     def __init__(
         self, phase: str, server: str | None, reason: str, code: str | None = None, *, deadline: bool = False
@@ -265,10 +265,10 @@ async def _call(
 
 
 def _expect(result: CallResult, model: type[T], phase: str, what: str) -> T:
-    """The validated reply, or `_Failed` describing the call's failure."""
+    """The validated reply, or `PhaseFailure` describing the call's failure."""
     if result.ok and isinstance(result.reply, model):
         return result.reply
-    raise _Failed(
+    raise PhaseFailure(
         phase,
         result.server,
         f"{what} failed: {result.describe()}",
@@ -290,12 +290,12 @@ async def _each(
         for member in members:
             results[member.name] = await fn(member)
         return results
-    failures: dict[str, _Failed] = {}
+    failures: dict[str, PhaseFailure] = {}
 
     async def one(member: Member) -> None:
         try:
             results[member.name] = await fn(member)
-        except _Failed as failure:
+        except PhaseFailure as failure:
             failures[member.name] = failure
 
     async with anyio.create_task_group() as tg:
@@ -307,12 +307,12 @@ async def _each(
     return results
 
 
-async def _run_phase(
+async def run_phase(
     ctx: Context, attempt: Attempt, phase: str, body: Callable[[], Awaitable[dict[str, Any]]]
 ) -> dict[str, Any]:
     """Run one phase inside the attempt's deadline scope, with phase.started / phase.completed.
 
-    Raises `_Failed` (deadline=True when the scope expired) — the caller rolls back.
+    Raises `PhaseFailure` (deadline=True when the scope expired) — the caller rolls back.
     """
     await ctx.ledger.append("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": phase})
     ctx.progress(Progress(attempt.checkpoint_id, phase))
@@ -325,7 +325,7 @@ async def _run_phase(
         if phase == "prepare" and attempt.inflight:
             reason += f" while draining: {attempt.inflight} requests still in flight"
         # the call in flight when the deadline hit is the one that did not finish in time
-        raise _Failed(phase, attempt.last_server, reason, deadline=True)
+        raise PhaseFailure(phase, attempt.last_server, reason, deadline=True)
     await ctx.ledger.append(
         "phase.completed", checkpoint_id=attempt.checkpoint_id, data={"phase": phase, "summary": summary}
     )
@@ -343,12 +343,12 @@ async def _rolled_back_on_failure(
     """
     try:
         await body()
-    except _Failed as failure:
+    except PhaseFailure as failure:
         raise await roll_back(ctx, attempt, failure) from None
     except FencedError:
         raise
     except BaseException as exc:
-        interrupted = _Failed(phase, attempt.last_server, f"interrupted by {type(exc).__name__}: {exc}")
+        interrupted = PhaseFailure(phase, attempt.last_server, f"interrupted by {type(exc).__name__}: {exc}")
         with anyio.CancelScope(shield=True):
             error = await roll_back(ctx, attempt, interrupted)
         exc.add_note(str(error))
@@ -397,7 +397,7 @@ async def prepare(ctx: Context, attempt: Attempt) -> None:
     _require(attempt, ("started",), "prepare")
 
     async def body() -> None:
-        await _run_phase(ctx, attempt, "prepare", lambda: _prepare_body(ctx, attempt))
+        await run_phase(ctx, attempt, "prepare", lambda: _prepare_body(ctx, attempt))
 
     await _rolled_back_on_failure(ctx, attempt, "prepare", body)
     attempt.state = "prepared"
@@ -418,7 +418,7 @@ async def _prepare_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
             if result.error == "http" and result.status == 409 and result.code == _AGENT_PREPARE_INCOMPLETE:
                 left = attempt.deadline_ts - time.time()
                 if left <= AGENT_RETRY_S:
-                    raise _Failed(
+                    raise PhaseFailure(
                         phase,
                         m.name,
                         "agent never became ready to commit before the deadline (agent_prepare_incomplete)",
@@ -429,7 +429,7 @@ async def _prepare_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
                 continue
             reply = _expect(result, AgentPrepareReply, phase, "agent prepare")
             if not reply.ready_to_commit:
-                raise _Failed(phase, m.name, "agent prepare answered but is not ready_to_commit")
+                raise PhaseFailure(phase, m.name, "agent prepare answered but is not ready_to_commit")
             return reply
 
     async def resources(m: Member) -> ResourcesPrepareReply:
@@ -482,7 +482,7 @@ async def _drain(ctx: Context, attempt: Attempt, m: Member, workers: Workers) ->
             # no time for another poll whose reply could arrive before the deadline: the drain
             # waits the deadline out (sending nothing after it), then fails
             await anyio.sleep(max(0.0, attempt.deadline_ts - time.time()))
-            raise _Failed(
+            raise PhaseFailure(
                 phase,
                 m.name,
                 f"the drain did not finish before the deadline: {reply.inflight_total} requests"
@@ -506,8 +506,10 @@ async def commit(ctx: Context, attempt: Attempt) -> None:
         try:
             await anyio.to_thread.run_sync(make_staging, staging)
         except OSError as error:
-            raise _Failed("commit", None, f"cannot create the staging folder {staging}: {error}") from None
-        await _run_phase(ctx, attempt, "commit", lambda: _commit_body(ctx, attempt))
+            raise PhaseFailure(
+                "commit", None, f"cannot create the staging folder {staging}: {error}"
+            ) from None
+        await run_phase(ctx, attempt, "commit", lambda: _commit_body(ctx, attempt))
 
     await _rolled_back_on_failure(ctx, attempt, "commit", body)
     attempt.state = "committed"
@@ -540,7 +542,7 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
                 entry[key] = ref.model_dump(mode="json")
         problems = await anyio.to_thread.run_sync(_verify_entry, staging, entry)
         if problems:
-            raise _Failed(phase, m.name, "; ".join(problems))
+            raise PhaseFailure(phase, m.name, "; ".join(problems))
         attempt.commits[m.name] = entry
 
     async def agent(m: Member) -> AgentCommitReply:
@@ -642,7 +644,7 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
                 ),
                 first,
             )
-            raise _Failed("publish", server, "; ".join(problems))
+            raise PhaseFailure("publish", server, "; ".join(problems))
         head = await ctx.ledger.head()
         try:
             manifest = await anyio.to_thread.run_sync(
@@ -659,7 +661,7 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
             written.append(await anyio.to_thread.run_sync(write_json_durably, staging / MANIFEST, manifest))
             manifests.append(manifest)
         except OSError as error:
-            raise _Failed(
+            raise PhaseFailure(
                 "publish", None, f"cannot write the snapshot manifest in {staging}: {error}"
             ) from None
         await ctx.ledger.append(
@@ -673,7 +675,7 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
         except (OSError, SnapshotError) as error:
             # the rename is the commit point: if it happened (the error came after it), it is published
             if staging.exists() or not (final / MANIFEST).is_file():
-                raise _Failed("publish", None, f"cannot rename {staging} to {final}: {error}") from None
+                raise PhaseFailure("publish", None, f"cannot rename {staging} to {final}: {error}") from None
 
     await _rolled_back_on_failure(ctx, attempt, "publish", body)
     manifest = manifests[0]
@@ -711,7 +713,7 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 
-async def _resume_members(
+async def resume_members(
     ctx: Context, attempt: Attempt, names: Sequence[str], *, phase: str, deadline_ts: float
 ) -> tuple[list[str], list[str], list[str], list[str], list[tuple[str, CallResult]]]:
     """Resume `names` in resume order (fan-out within a group). Never stops early.
@@ -758,7 +760,7 @@ def _recovery_budget(ctx: Context, attempt: Attempt) -> float:
 
 
 async def roll_back(
-    ctx: Context, attempt: Attempt, failure: _Failed | None, *, reason: str | None = None
+    ctx: Context, attempt: Attempt, failure: PhaseFailure | None, *, reason: str | None = None
 ) -> PhaseError:
     """Resume every touched server (resume order), remove staging, record; return the error to raise.
 
@@ -784,7 +786,7 @@ async def roll_back(
         )
     await ctx.ledger.append("attempt.aborting", checkpoint_id=attempt.checkpoint_id, data={"reason": text})
     budget = _recovery_budget(ctx, attempt)
-    _, resumed, not_paused, left, _ = await _resume_members(
+    _, resumed, not_paused, left, _ = await resume_members(
         ctx, attempt, list(attempt.touched), phase="rollback", deadline_ts=budget
     )
     if attempt.staging_dir is not None:
@@ -830,7 +832,7 @@ async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
     """
     budget = _recovery_budget(ctx, attempt)
     await ctx.ledger.append("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"})
-    called, resumed, not_paused, left, failures = await _resume_members(
+    called, resumed, not_paused, left, failures = await resume_members(
         ctx, attempt, attempt.names, phase="resume", deadline_ts=budget
     )
     if left:
@@ -914,10 +916,10 @@ async def restore(
         },
     )
     try:
-        await _run_phase(ctx, attempt, "restore", lambda: _restore_body(ctx, attempt, snapshot))
+        await run_phase(ctx, attempt, "restore", lambda: restore_body(ctx, attempt, snapshot))
     except FencedError:
         raise
-    except _Failed as failure:
+    except PhaseFailure as failure:
         await ctx.ledger.append(
             "phase.failed",
             checkpoint_id=checkpoint_id,
@@ -973,7 +975,8 @@ async def restore(
     return attempt
 
 
-async def _restore_body(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> dict[str, Any]:
+async def restore_body(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> dict[str, Any]:
+    """The restore phase: policy → agents → resources, each reply checked against the snapshot."""
     phase = "restore"
     source = snapshot.checkpoint_id
     body = CheckpointDirBody(
@@ -991,7 +994,7 @@ async def _restore_body(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> d
             "model restore",
         )
         if reply.checkpoint_id != source:
-            raise _Failed(
+            raise PhaseFailure(
                 phase, m.name, f"restored checkpoint {reply.checkpoint_id!r}, the snapshot is {source!r}"
             )
         return {"rollouts": reply.rollouts, "rows": reply.rows}
@@ -1005,7 +1008,7 @@ async def _restore_body(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> d
             "agent restore",
         )
         if reply.source_checkpoint_id != source:
-            raise _Failed(
+            raise PhaseFailure(
                 phase,
                 m.name,
                 f"restored checkpoint {reply.source_checkpoint_id!r}, the snapshot is {source!r}",
@@ -1014,7 +1017,7 @@ async def _restore_body(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> d
         got = reply.continuation_index.model_dump(mode="json")
         keys = ("relative_path", "sha256", "records", "bytes")
         if not isinstance(committed, dict) or any(committed.get(k) != got.get(k) for k in keys):
-            raise _Failed(
+            raise PhaseFailure(
                 phase, m.name, "its continuation index differs from the one committed in the snapshot"
             )
         return {"records": reply.records}
@@ -1028,7 +1031,7 @@ async def _restore_body(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> d
             "resources restore",
         )
         if reply.source_checkpoint_id != source:
-            raise _Failed(
+            raise PhaseFailure(
                 phase,
                 m.name,
                 f"restored checkpoint {reply.source_checkpoint_id!r}, the snapshot is {source!r}",
@@ -1213,7 +1216,7 @@ async def resume_recorded(ctx: Context, recorded: Recorded, *, reason: str) -> O
         return await finish_resume(ctx, attempt)
     budget = _recovery_budget(ctx, attempt)
     await ctx.ledger.append("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"})
-    called, resumed, not_paused, left, failures = await _resume_members(
+    called, resumed, not_paused, left, failures = await resume_members(
         ctx, attempt, paused, phase="resume", deadline_ts=budget
     )
     if left:

@@ -53,14 +53,14 @@ import anyio.to_thread
 from coordinator.attempt import (
     Attempt,
     Context,
+    PhaseFailure,
     Recorded,
-    _Failed,
-    _restore_body,
-    _resume_members,
-    _run_phase,
     finish_resume,
     load_attempt,
+    restore_body,
+    resume_members,
     resume_sorted,
+    run_phase,
     settle_publication,
 )
 from coordinator.discovery import Member
@@ -304,7 +304,7 @@ async def _abort(ctx: Context, recorded: Recorded, found: str) -> AttemptReport:
         else:
             s.action = "resume"
             to_resume.append(s.name)
-    _, resumed, not_paused, left, failures = await _resume_members(
+    _, resumed, not_paused, left, failures = await resume_members(
         ctx, attempt, to_resume, phase="recovery", deadline_ts=_budget(ctx)
     )
     _apply_resume_results(settled, resumed, not_paused, failures)
@@ -399,8 +399,8 @@ async def _recover_restore(ctx: Context, recorded: Recorded, found: str) -> Atte
     for s in settled:
         s.action = "restore"
     try:
-        await _run_phase(ctx, attempt, "restore", lambda: _restore_body(ctx, attempt, snapshot))
-    except _Failed as failure:
+        await run_phase(ctx, attempt, "restore", lambda: restore_body(ctx, attempt, snapshot))
+    except PhaseFailure as failure:
         await ctx.ledger.append(
             "phase.failed",
             checkpoint_id=cid,
