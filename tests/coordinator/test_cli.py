@@ -224,8 +224,9 @@ def test_refused_discovery_exits_2(
 
 @pytest.mark.timeout(240)
 def test_quiesce_demo_exits_0(tmp_path: Path) -> None:
+    """README's main job exactly: `quiesce demo` with no arguments, in a fresh folder."""
     result = subprocess.run(
-        [sys.executable, "-m", "tools", "demo", "--dir", str(tmp_path / "demo")],
+        [sys.executable, "-m", "tools", "demo"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -234,3 +235,4 @@ def test_quiesce_demo_exits_0(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "finished exactly as the uninterrupted run" in result.stdout
+    assert (tmp_path / ".quiesce-demo" / "ledger.db").is_file()

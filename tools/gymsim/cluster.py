@@ -217,7 +217,9 @@ def spawn_cluster(
     cluster_spec = load_spec(spec)
     with contextlib.ExitStack() as stack:
         folder = (
-            Path(workdir) if workdir is not None else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            Path(workdir).resolve()
+            if workdir is not None
+            else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         )
         folder.mkdir(parents=True, exist_ok=True)
         spec_path = folder / "gymsim-spec.yaml"
