@@ -6,7 +6,7 @@ prefix (``/s/<name>``) on one shared port, idle (no rollouts: the cost measured 
 and the ledger's, not a drain). One run (``run_scale``, a fresh process) opens a coordinator on a
 real SQLite ledger (WAL, ``synchronous=FULL``; one per cluster, so each run takes a new epoch and
 its checkpoint ids are new to the servers) with ``fanout`` sequential or parallel, discovers,
-does one warm-up cycle and times ``cycles`` cycles (``Coordinator.checkpoint()``: prepare →
+does one warm-up cycle and times one cycle (``Coordinator.checkpoint()``: prepare →
 commit → publish → resume). Runs alternate the two fan-outs. Goal: parallel at 512 <= 2 s.
 Growth with N is reported as ms per participant and the log-log slope between successive N
 (1.0 = linear).
@@ -83,7 +83,7 @@ async def run_scale(config: dict[str, Any], token: str, fanout: str, cycles: int
 def measure(ctx: Context) -> Result:
     """Measure #4 (see the module docstring)."""
     sizes = ctx.sizes or (QUICK_SIZES if ctx.quick else SIZES)
-    cycles = 1 if ctx.quick else 2
+    cycles = 1
     result = Result(
         4, "save cycle at N participants (path-prefix hosted)", "parallel fan-out at N=512 <= 2 s"
     )
