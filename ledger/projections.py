@@ -215,11 +215,27 @@ def to_columns(row: AttemptRow) -> dict[str, Any]:
     }
 
 
+_parsed_cache: dict[str, tuple[str, ...]] = {}
+
+
+def _participants_tuple(text: str | None) -> tuple[str, ...]:
+    """Stored participants text → names; memoised, as attempts of one cluster share one list."""
+    if not text:
+        return ()
+    names = _parsed_cache.get(text)
+    if names is None:
+        parsed = json.loads(text)
+        names = tuple(str(p) for p in parsed) if isinstance(parsed, list) else ()
+        if len(_parsed_cache) > 256:
+            _parsed_cache.clear()
+        _parsed_cache[text] = names
+    return names
+
+
 def from_columns(values: tuple[Any, ...] | list[Any]) -> AttemptRow:
     """An ``AttemptRow`` from stored column values in ``COLUMNS`` order."""
     (cid, kind, state, outcome, started_at, ended_at, deadline, participants, epoch, calls, failures,
      recovered_by, last_seq) = values  # fmt: skip
-    parsed = json.loads(participants) if participants else []
     return AttemptRow(
         checkpoint_id=cid,
         kind=kind,
@@ -228,7 +244,7 @@ def from_columns(values: tuple[Any, ...] | list[Any]) -> AttemptRow:
         started_at=started_at,
         ended_at=ended_at,
         deadline_ts=float(deadline) if deadline is not None else None,
-        participants=tuple(str(p) for p in parsed) if isinstance(parsed, list) else (),
+        participants=_participants_tuple(participants),
         epoch=int(epoch),
         calls=int(calls),
         failures=int(failures),

@@ -25,7 +25,6 @@ import anyio
 from rich.table import Table
 from rich.text import Text
 
-from coordinator import load_config
 from ledger import AttemptRow
 from tools.audit.present import RESULT_STYLE, duration, short_at, widened
 from tools.audit.source import open_readonly
@@ -184,7 +183,12 @@ def print_plain(rows: list[AttemptRow]) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    url = args.ledger if args.ledger else load_config(args.config).ledger
+    if args.ledger:
+        url = args.ledger
+    else:
+        from coordinator.config import load_config  # pydantic + YAML: only when a config is named
+
+        url = load_config(args.config).ledger
     rows = anyio.run(read_rows, url, args.since, args.outcome)
     if args.limit:
         rows = rows[-args.limit :]
