@@ -20,7 +20,7 @@ from ledger.projections import AttemptRow, fold, touched
 if TYPE_CHECKING:
     from sqlalchemy import Connection
 
-#: A stored events row, columns in ``ledger.schema.EVENT_COLUMNS`` order (``data`` as text).
+#: A stored events row, columns in ``ledger.layout.EVENT_COLUMNS`` order (``data`` as text).
 RawEvent: TypeAlias = tuple[int, str, str, str | None, str | None, str | None, int, str, str, str]
 
 #: Advisory lock keys (PostgreSQL): the writer's session claim, and the per-append lock.

@@ -1,8 +1,12 @@
-"""The event vocabulary: one payload model per kind, and the stored event record.
+"""The event vocabulary and the stored event record.
 
 Writers are validated strictly (``extra="forbid"``; an unknown kind is refused by
 ``Ledger.append``). Readers never validate: ``Event.data`` is whatever was stored, so old
 events stay readable when a payload model gains a field. New fields must be optional.
+
+The payload models (one per kind, ``PAYLOADS``, ``Payload``) are defined in ``ledger.payloads`` and
+importable from here too (``from ledger.events import CallSent``); they are loaded on first use, so
+a reader — which needs only ``Event`` — never builds them.
 
 Column rules checked on append (``COLUMN_RULES``): ``attempt.*`` and ``phase.*`` events name
 their ``checkpoint_id``; ``call.*`` events carry the ``call_id`` that pairs a ``call.sent``
@@ -11,169 +15,93 @@ with its outcome.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final
 
-from pydantic import BaseModel, ConfigDict
+if TYPE_CHECKING:
+    from ledger.payloads import (
+        PAYLOADS,
+        AttemptAborted,
+        AttemptAborting,
+        AttemptCompleted,
+        AttemptPublished,
+        AttemptPublishing,
+        AttemptStarted,
+        CallFailed,
+        CallReplied,
+        CallSent,
+        CoordinatorId,
+        CoordinatorStarted,
+        DiscoveryCompleted,
+        NamedReason,
+        Participant,
+        Payload,
+        PhaseCompleted,
+        PhaseFailed,
+        PhaseStarted,
+        RecoveryCompleted,
+        RecoverySettled,
+        RecoveryStarted,
+    )
 
+#: The kinds of the vocabulary (the keys of ``PAYLOADS``); ``Ledger.append`` refuses any other.
+KINDS: Final = frozenset(
+    {
+        "coordinator.started",
+        "discovery.completed",
+        "attempt.started",
+        "phase.started",
+        "call.sent",
+        "call.replied",
+        "call.failed",
+        "phase.completed",
+        "phase.failed",
+        "attempt.publishing",
+        "attempt.published",
+        "attempt.aborting",
+        "attempt.aborted",
+        "attempt.completed",
+        "recovery.started",
+        "recovery.settled",
+        "recovery.completed",
+    }
+)
 
-class Payload(BaseModel):
-    """Base of every payload model: unknown fields are refused on write."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-# -- coordinator and discovery ------------------------------------------------------------
-
-
-class CoordinatorId(Payload):
-    host: str
-    pid: int
-    uuid: str
-
-
-class CoordinatorStarted(Payload):
-    coordinator: CoordinatorId
-    version: str
-
-
-class Participant(Payload):
-    name: str
-    component: str
-    mode: str
-    role: str | None = None
-    url: str
-
-
-class NamedReason(Payload):
-    name: str
-    reason: str
-
-
-class DiscoveryCompleted(Payload):
-    participants: list[Participant]
-    skipped: list[NamedReason] = []
-    refused: list[NamedReason] = []
-    warnings: list[str] = []
-
-
-# -- attempts -------------------------------------------------------------------------------
-
-
-class AttemptStarted(Payload):
-    kind: Literal["save", "restore"]
-    deadline_ts: float
-    participants: list[str]
-    staging_dir: str | None = None
-    snapshot_dir: str | None = None
-    source_checkpoint_id: str | None = None
-
-
-class PhaseStarted(Payload):
-    phase: str
-
-
-class CallSent(Payload):
-    phase: str
-    method: str
-    path: str
-    url: str
-    timeout_s: float
-    body: Any = None
-
-
-class CallReplied(Payload):
-    status: int
-    body: Any = None
-    elapsed_s: float
-
-
-class CallFailed(Payload):
-    error: Literal["timeout", "connect", "http", "protocol"]
-    status: int | None = None
-    code: str | None = None
-    detail: str
-    elapsed_s: float
+#: Names served from ``ledger.payloads`` on first use (see ``__getattr__``).
+_PAYLOAD_NAMES: Final = frozenset(
+    {
+        "PAYLOADS",
+        "AttemptAborted",
+        "AttemptAborting",
+        "AttemptCompleted",
+        "AttemptPublished",
+        "AttemptPublishing",
+        "AttemptStarted",
+        "CallFailed",
+        "CallReplied",
+        "CallSent",
+        "CoordinatorId",
+        "CoordinatorStarted",
+        "DiscoveryCompleted",
+        "NamedReason",
+        "Participant",
+        "Payload",
+        "PhaseCompleted",
+        "PhaseFailed",
+        "PhaseStarted",
+        "RecoveryCompleted",
+        "RecoverySettled",
+        "RecoveryStarted",
+    }
+)
 
 
-class PhaseCompleted(Payload):
-    phase: str
-    summary: dict[str, Any] = {}
+def __getattr__(name: str) -> Any:
+    if name in _PAYLOAD_NAMES:
+        return getattr(importlib.import_module("ledger.payloads"), name)
+    raise AttributeError(f"module 'ledger.events' has no attribute {name!r}")
 
-
-class PhaseFailed(Payload):
-    phase: str
-    server: str | None = None
-    reason: str
-    code: str | None = None
-
-
-class AttemptPublishing(Payload):
-    staging_dir: str
-    final_dir: str
-
-
-class AttemptPublished(Payload):
-    final_dir: str
-    manifest_sha256: str
-
-
-class AttemptAborting(Payload):
-    reason: str
-
-
-class AttemptAborted(Payload):
-    reason: str
-    resumed: list[str] = []
-    left_paused: list[str] = []
-    not_paused: list[str] = []
-
-
-class AttemptCompleted(Payload):
-    servers: list[str]
-    outcome: Literal["published", "restored", "resumed"]
-
-
-# -- recovery -------------------------------------------------------------------------------
-
-
-class RecoveryStarted(Payload):
-    attempts: list[str]
-
-
-class RecoverySettled(Payload):
-    reported_phase: str | None = None
-    active_checkpoint_id: str | None = None
-    action: str
-    result: str
-
-
-class RecoveryCompleted(Payload):
-    outcomes: dict[str, str]
-
-
-#: kind -> payload model. The vocabulary; ``Ledger.append`` refuses any other kind.
-PAYLOADS: Final[dict[str, type[Payload]]] = {
-    "coordinator.started": CoordinatorStarted,
-    "discovery.completed": DiscoveryCompleted,
-    "attempt.started": AttemptStarted,
-    "phase.started": PhaseStarted,
-    "call.sent": CallSent,
-    "call.replied": CallReplied,
-    "call.failed": CallFailed,
-    "phase.completed": PhaseCompleted,
-    "phase.failed": PhaseFailed,
-    "attempt.publishing": AttemptPublishing,
-    "attempt.published": AttemptPublished,
-    "attempt.aborting": AttemptAborting,
-    "attempt.aborted": AttemptAborted,
-    "attempt.completed": AttemptCompleted,
-    "recovery.started": RecoveryStarted,
-    "recovery.settled": RecoverySettled,
-    "recovery.completed": RecoveryCompleted,
-}
-
-KINDS: Final = frozenset(PAYLOADS)
 
 #: Which columns a kind requires on append: kind prefix -> column names.
 COLUMN_RULES: Final[dict[str, tuple[str, ...]]] = {
@@ -211,3 +139,33 @@ class AppendItem:
     server: str | None = None
     call_id: str | None = None
     data: Any = field(default_factory=dict)
+
+
+__all__ = [
+    "COLUMN_RULES",
+    "KINDS",
+    "PAYLOADS",
+    "AppendItem",
+    "AttemptAborted",
+    "AttemptAborting",
+    "AttemptCompleted",
+    "AttemptPublished",
+    "AttemptPublishing",
+    "AttemptStarted",
+    "CallFailed",
+    "CallReplied",
+    "CallSent",
+    "CoordinatorId",
+    "CoordinatorStarted",
+    "DiscoveryCompleted",
+    "Event",
+    "NamedReason",
+    "Participant",
+    "Payload",
+    "PhaseCompleted",
+    "PhaseFailed",
+    "PhaseStarted",
+    "RecoveryCompleted",
+    "RecoverySettled",
+    "RecoveryStarted",
+]

@@ -5,21 +5,28 @@ for queries. ``tests/ledger/test_schema.py`` checks the two agree.
 
 ``events.data`` is the payload's canonical JSON *text* (not JSONB), so the hash chain can be
 recomputed from the stored bytes on every backend.
+
+The names that need no SQLAlchemy (``VERSION_TABLE``, ``HEAD_REVISION``, ``EVENT_COLUMNS``) live in
+``ledger.layout`` and are re-exported here.
 """
 
 from __future__ import annotations
 
-from typing import Final
-
 from sqlalchemy import BigInteger, Column, Float, Index, Integer, MetaData, String, Table, Text
 
-metadata = MetaData()
+from ledger.layout import EVENT_COLUMNS, HEAD_REVISION, VERSION_TABLE
 
-#: Alembic's version table for quiesce (a database may be shared with an application).
-VERSION_TABLE: Final = "quiesce_alembic_version"
-#: The head revision of `migrations/versions` (checked against alembic by the tests). Opening a
-#: ledger whose stored revision equals it skips alembic entirely — the common case, kept cheap.
-HEAD_REVISION: Final = "0002"
+__all__ = [
+    "EVENT_COLUMNS",
+    "HEAD_REVISION",
+    "VERSION_TABLE",
+    "attempts",
+    "events",
+    "lease",
+    "metadata",
+]
+
+metadata = MetaData()
 
 # INTEGER PRIMARY KEY on SQLite makes seq the rowid (no second index); BIGINT elsewhere.
 _SeqType = BigInteger().with_variant(Integer(), "sqlite")
@@ -70,17 +77,4 @@ lease = Table(
     Column("epoch", BigInteger(), nullable=False),
     Column("expires_at", Float(precision=53), nullable=False),
     Column("writer_pid", Integer(), nullable=True),
-)
-
-EVENT_COLUMNS: Final = (
-    "seq",
-    "at",
-    "kind",
-    "checkpoint_id",
-    "server",
-    "call_id",
-    "epoch",
-    "data",
-    "prev_hash",
-    "hash",
 )

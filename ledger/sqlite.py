@@ -28,8 +28,9 @@ import anyio.to_thread
 
 from ledger.backend import Backend, Batch, ProjectionCache, RawEvent, apply_append
 from ledger.errors import FencedError, LedgerError
+from ledger.layout import EVENT_COLUMNS, VERSION_TABLE
 from ledger.projections import COLUMNS, AttemptRow, from_columns, to_columns
-from ledger.schema import EVENT_COLUMNS, VERSION_TABLE
+from ledger.urls import parse, plain_sqlite_path
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection
@@ -71,11 +72,14 @@ class _SqliteTx:
 
 
 class SqliteBackend(Backend):
-    def __init__(self, url: URL, *, where: str, durability: str, readonly: bool) -> None:
-        assert url.database is not None
+    def __init__(self, url: str | URL, *, where: str, durability: str, readonly: bool) -> None:
+        database = plain_sqlite_path(url) if isinstance(url, str) else None
+        if database is None:  # a URL object, or a string only SQLAlchemy reads
+            database = parse(url)[1].database
+            assert database is not None
         self.where = where
-        self._url = url
-        self._path = Path(url.database)
+        self._url = url  # the sqlite+aiosqlite URL, for SQLAlchemy's engine (schema work only)
+        self._path = Path(database)
         self._durability = durability
         self._readonly = readonly
         self._lock_fd: int | None = None

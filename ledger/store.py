@@ -40,20 +40,22 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import anyio
 import anyio.lowlevel
-from pydantic import BaseModel, ValidationError
 
 from ledger.backend import Backend, Batch, LeaseState, RawEvent
 from ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
 from ledger.errors import FencedError, LedgerError
-from ledger.events import COLUMN_RULES, PAYLOADS, AppendItem, Event
+from ledger.events import COLUMN_RULES, KINDS, AppendItem, Event
+from ledger.layout import HEAD_REVISION
 from ledger.projections import AttemptRow
 from ledger.redact import Redactor
-from ledger.schema import HEAD_REVISION
-from ledger.urls import parse, safe
+from ledger.urls import SQLITE_PREFIX, parse, plain_sqlite_path, safe
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 Durability = Literal["full", "process"]
 PAGE_SIZE = 1000
@@ -109,6 +111,12 @@ def event_from_raw(raw: RawEvent | Sequence[Any]) -> Event:
 
 def make_backend(url: str, *, durability: Durability = "full", readonly: bool = False) -> Backend:
     """The backend for ``url`` (not yet connected)."""
+    path = plain_sqlite_path(url)
+    if path is not None:  # the common SQLite form, read without importing SQLAlchemy
+        from ledger.sqlite import SqliteBackend
+
+        driver_url = SQLITE_PREFIX + path
+        return SqliteBackend(driver_url, where=driver_url, durability=durability, readonly=readonly)
     backend_name, parsed = parse(url)
     where = safe(parsed)
     if backend_name == "sqlite":
@@ -148,15 +156,6 @@ async def downgrade_schema(url: str, revision: str) -> None:
         await backend.run_schema(lambda conn: migrate.downgrade_sync(conn, revision))
     finally:
         await backend.close()
-
-
-def _format_validation(kind: str, error: ValidationError) -> str:
-    # Never include the input: it may hold a secret the redactor has not seen yet.
-    problems = "; ".join(
-        f"{'.'.join(str(p) for p in e['loc']) or '(payload)'}: {e['msg']}"
-        for e in error.errors(include_input=False, include_url=False)
-    )
-    return f"invalid {kind} payload: {problems}"
 
 
 class _Encoded:
@@ -200,6 +199,7 @@ class Ledger:
         self.url = where  #: the ledger URL with any password hidden
         self.readonly = readonly
         self._redactor = Redactor(secrets)
+        self._validate: Callable[[str, Any], Any] | None = None
         self._secrets = tuple(s for s in secrets if s)
         self._lock = anyio.Lock(fast_acquire=True)
         self._queue: list[_Waiter] = []
@@ -387,28 +387,21 @@ class Ledger:
     def _encode(
         self, kind: str, checkpoint_id: str | None, server: str | None, call_id: str | None, data: Any
     ) -> _Encoded:
-        model = PAYLOADS.get(kind)
-        if model is None:
-            raise LedgerError(f"unknown event kind {kind!r}; known kinds: {', '.join(sorted(PAYLOADS))}")
+        if kind not in KINDS:
+            raise LedgerError(f"unknown event kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}")
         for prefix, required in COLUMN_RULES.items():
             if kind.startswith(prefix):
                 given = {"checkpoint_id": checkpoint_id, "server": server, "call_id": call_id}
                 missing = [name for name in required if given[name] is None]
                 if missing:
                     raise LedgerError(f"a {kind} event needs {' and '.join(missing)}")
-        try:
-            if isinstance(data, model):
-                obj = data.model_dump(mode="json")
-            elif isinstance(data, BaseModel):
-                obj = model.model_validate(data.model_dump(mode="json")).model_dump(mode="json")
-            elif isinstance(data, Mapping):
-                obj = model.model_validate(data).model_dump(mode="json")
-            else:
-                raise LedgerError(
-                    f"a {kind} payload must be a mapping or a {model.__name__}, not {type(data).__name__}"
-                )
-        except ValidationError as error:
-            raise LedgerError(_format_validation(kind, error)) from None
+        validate = self._validate
+        if validate is None:
+            # the payload models (pydantic): loaded by the first append, so readers never build them
+            from ledger.payloads import validate_payload
+
+            validate = self._validate = validate_payload
+        obj = validate(kind, data)
         try:
             stored, text = self._redactor.encode(obj)
         except (ValueError, TypeError) as error:
