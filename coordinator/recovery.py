@@ -234,16 +234,15 @@ def _budget(ctx: Context) -> float:
 
 
 async def _settle(ctx: Context, attempt: Attempt, names: list[str]) -> list[_Settled]:
-    """Read the capabilities of `names` (resume order), waiting out this attempt's busy phases."""
+    """Read the capabilities of `names` (resume order), waiting out this attempt's busy phases.
+
+    With `fanout: parallel` the servers are read concurrently (reads change nothing; the result
+    keeps resume order), so settling costs one round trip rather than one per server.
+    """
     budget = _budget(ctx)
     out: list[_Settled] = []
-    for name in resume_sorted(attempt, names):
-        member = attempt.member(name)
-        settled = _Settled(member, name)
-        out.append(settled)
-        if member is None:
-            settled.error = "the config no longer names this server"
-            continue
+
+    async def settle(settled: _Settled, member: Member) -> None:
         while True:
             result = await ctx.caller.capabilities(
                 member.name,
@@ -254,16 +253,33 @@ async def _settle(ctx: Context, attempt: Attempt, names: list[str]) -> list[_Set
             )
             if not result.ok or not isinstance(result.reply, Capabilities):
                 settled.error = f"capabilities: {result.describe()}"
-                break
+                return
             settled.caps = result.reply
             busy = settled.caps.phase in _BUSY_PHASES or (
                 settled.caps.phase == "preparing" and member.component == RESOURCES
             )
             if not busy or settled.caps.active_checkpoint_id != attempt.checkpoint_id:
-                break
+                return
             if time.time() + _SETTLE_POLL_S >= budget:
-                break  # still busy at the end of the budget: act anyway, the fence decides
+                return  # still busy at the end of the budget: act anyway, the fence decides
             await anyio.sleep(_SETTLE_POLL_S)
+
+    todo: list[tuple[_Settled, Member]] = []
+    for name in resume_sorted(attempt, names):
+        member = attempt.member(name)
+        settled = _Settled(member, name)
+        out.append(settled)
+        if member is None:
+            settled.error = "the config no longer names this server"
+        else:
+            todo.append((settled, member))
+    if ctx.config.fanout == "parallel" and len(todo) > 1:
+        async with anyio.create_task_group() as tg:
+            for settled, member in todo:
+                tg.start_soon(settle, settled, member)
+    else:
+        for settled, member in todo:
+            await settle(settled, member)
     return out
 
 
