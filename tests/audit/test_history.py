@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import anyio
 import pytest
@@ -127,3 +130,39 @@ def test_long_history_is_plain_text(
     assert lines[0].split()[:3] == ["checkpoint", "kind", "outcome"]
     assert [line.split()[0] for line in lines[1:]] == ["ck-ok", "ck-bad", "ck-open"]
     assert lines[3].rstrip().endswith("epoch 2")
+
+
+_HISTORY = """
+import sys
+from tools.cli.main import main
+
+code = main(["history", "--ledger", sys.argv[1], "--json"])
+print("MODULES", *sorted(sys.modules))
+raise SystemExit(code)
+"""
+
+
+def test_history_json_loads_no_sqlalchemy_pydantic_or_wire_models(tmp_path: Path) -> None:
+    """`quiesce history --json` on SQLite imports neither SQLAlchemy, pydantic nor the wire models:
+    it must start in well under a second (a fresh process on a 1,000,000-event ledger)."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
+    anyio.run(_write, url)
+    result = subprocess.run(
+        [sys.executable, "-c", _HISTORY, url],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    document, _, modules = result.stdout.partition("MODULES ")
+    assert [row["checkpoint_id"] for row in json.loads(document)] == ["ck-ok", "ck-bad", "ck-open"]
+    heavy = (
+        "sqlalchemy",
+        "alembic",
+        "pydantic",
+        "ledger.payloads",
+        "coordinator.protocol",
+        "httpx",
+        "fastapi",
+    )
+    assert [m for m in modules.split() if m.split(".")[0] in heavy or m in heavy] == []

@@ -3,20 +3,23 @@
 Ledger-derived text (server names, ids, reasons, reply details) is always wrapped in
 `rich.text.Text`, never interpolated into markup, so a hostile server reply cannot inject markup.
 Colours reach the terminal only (the shared console drops them when stdout is not a terminal).
+
+The attempt model and the wire routes (`coordinator.protocol`, pydantic) are imported by the
+functions that use them: `quiesce history` needs only `duration`, `short_at` and `widened`.
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from coordinator.protocol import PREFIX
-from tools.audit.attempts import AttemptView, Call, call_duration
-from tools.audit.check import CheckReport
+if TYPE_CHECKING:
+    from tools.audit.attempts import AttemptView, Call
+    from tools.audit.check import CheckReport
 
 OUTCOME_STYLE: Final = {
     "acknowledged": "green",
@@ -69,6 +72,8 @@ def short_at(at: str | None) -> str:
 
 
 def short_route(call: Call) -> str:
+    from coordinator.protocol import PREFIX
+
     path = call.path.split("?", 1)[0]
     return f"{call.method} {path[len(PREFIX) :] if path.startswith(PREFIX) else path}"
 
@@ -78,6 +83,8 @@ def _cell(text: str | None, style: str = "") -> Text:
 
 
 def calls_table(view: AttemptView) -> Table:
+    from tools.audit.attempts import call_duration
+
     table = Table(title="calls", title_justify="left", expand=False)
     for name in ("sent", "outcome", "phase", "server", "route", "result", "elapsed", "epoch"):
         table.add_column(name, justify="right" if name in ("sent", "outcome", "elapsed", "epoch") else "left")

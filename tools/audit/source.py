@@ -3,7 +3,8 @@
 Opening read-only claims no writership and never appends, so every tool here can run beside a
 live coordinator, on SQLite or PostgreSQL. Reads use the ledger's indexes: events of one
 checkpoint id (`checkpoint_id, seq`) and events of a few kinds (`kind, seq`); history reads only
-the `attempts` projection.
+the `attempts` projection. The attempt model (which loads the wire routes) and the bundle format
+are imported by the functions that use them, so `quiesce history` loads only what a read needs.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ledger import GENESIS_HASH, Ledger, LedgerError
 from ledger.events import Event
-from tools.audit.attempts import AttemptView, build_attempt
-from tools.audit.bundle import ExportSummary, Verification, claim_ranges, compare_claims, write_bundle
+
+if TYPE_CHECKING:
+    from tools.audit.attempts import AttemptView
+    from tools.audit.bundle import ExportSummary, Verification
 
 #: Coordinator-level events that give an attempt's events their context: who wrote them (epochs)
 #: and how recovery ended them.
@@ -59,6 +63,8 @@ async def attempt_events(ledger: Ledger, checkpoint_id: str, *, head_seq: int | 
 
 async def load_attempt(ledger: Ledger, checkpoint_id: str) -> tuple[AttemptView, list[Event]]:
     """The `AttemptView` of one attempt and the events it was built from (with context)."""
+    from tools.audit.attempts import build_attempt
+
     events = await attempt_events(ledger, checkpoint_id)
     return build_attempt(checkpoint_id, events), events
 
@@ -77,6 +83,8 @@ async def export_bundle(url: str, out: Path, checkpoint_id: str | None) -> Expor
     even while a coordinator appends. Written to a temporary file beside `out`, then renamed:
     a failed export leaves no partial bundle.
     """
+    from tools.audit.bundle import write_bundle
+
     async with open_readonly(url) as ledger:
         head = await ledger.head()
         head_seq, head_hash = (head.seq, head.hash) if head is not None else (0, GENESIS_HASH)
@@ -113,6 +121,8 @@ async def load_views(url: str, checkpoint_id: str | None, limit: int) -> list[At
 async def cross_check(url: str, result: Verification) -> None:
     """Compare every hash a verified bundle states (`result.claims`) with the ledger at `url`,
     reading only the claimed seq ranges; differences go to `result.ledger_problems`."""
+    from tools.audit.bundle import claim_ranges, compare_claims
+
     stored: dict[int, str] = {}
     async with open_readonly(url) as ledger:
         for first, last in claim_ranges(result.claims):
