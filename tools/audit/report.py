@@ -29,7 +29,8 @@ from html import escape
 from typing import Final
 
 from tools.audit.attempts import AttemptView, Call, Settled, call_duration
-from tools.audit.present import duration, short_at, short_route
+from tools.audit.present import short_route
+from tools.audit.timefmt import duration, short_at
 
 WIDTH: Final = 1100
 LABEL_W: Final = 170

@@ -20,7 +20,6 @@ from typing import cast
 
 from coordinator.errors import ConfigError, DiscoveryError, QuiesceError
 from tools.cli import commands
-from tools.cli.output import print_error
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -66,13 +65,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except QuiesceError as error:
         if args.debug:
             raise
-        print_error(error)
+        _print_error(error)
         return exit_code_for(error)
     except KeyboardInterrupt:
         if args.debug:
             raise
-        print_error("interrupted")
+        _print_error("interrupted")
         return 130
+
+
+def _print_error(error: BaseException | str) -> None:
+    from tools.cli.output import print_error  # rich: loaded only when there is something to say
+
+    print_error(error)
 
 
 if __name__ == "__main__":
