@@ -33,6 +33,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -176,6 +177,15 @@ class _Encoded:
         self.call_id = call_id
         self.data = data
         self.text = text
+
+
+def _others_ready() -> bool:
+    """Whether other callbacks wait to run in this asyncio loop (unknown loops: assume so)."""
+    try:
+        ready = asyncio.get_running_loop()._ready  # type: ignore[attr-defined]
+    except (RuntimeError, AttributeError):
+        return True
+    return len(ready) > 0
 
 
 class _Waiter:
@@ -433,8 +443,9 @@ class Ledger:
     async def _commit(self, items: list[_Encoded], *, new_epoch: bool = False) -> list[Event]:
         """Group commit: appends that are waiting at the same time share one transaction.
 
-        The first append to arrive leads: it yields once (so appends that are ready to run join
-        it), then commits everything queued in one transaction, and hands the lead to the oldest
+        The first append to arrive leads: it yields once when other callbacks are ready to run
+        in the loop (so appends that are ready join it; a lone append does not pay for a loop
+        iteration), then commits everything queued in one transaction, and hands the lead to the oldest
         append still queued. Every append still returns only once its own events are durable, in
         queue order (= seq order), with ``after_append`` called per append; a failed transaction
         fails every append in it. Concurrent fan-out thus costs one fsync per batch, not per event.
@@ -453,7 +464,8 @@ class Ledger:
             if waiter.lead:
                 group: list[_Waiter] = []
                 try:
-                    await anyio.lowlevel.checkpoint()
+                    if _others_ready():
+                        await anyio.lowlevel.checkpoint()  # let appends that are ready join
                     group, self._queue = self._queue, []
                     try:
                         results = await self._commit_groups([w.items for w in group])
