@@ -20,30 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from ledger.payloads import (
-        PAYLOADS,
-        AttemptAborted,
-        AttemptAborting,
-        AttemptCompleted,
-        AttemptPublished,
-        AttemptPublishing,
-        AttemptStarted,
-        CallFailed,
-        CallReplied,
-        CallSent,
-        CoordinatorId,
-        CoordinatorStarted,
-        DiscoveryCompleted,
-        NamedReason,
-        Participant,
-        Payload,
-        PhaseCompleted,
-        PhaseFailed,
-        PhaseStarted,
-        RecoveryCompleted,
-        RecoverySettled,
-        RecoveryStarted,
-    )
+    pass
 
 #: The kinds of the vocabulary (the keys of ``PAYLOADS``); ``Ledger.append`` refuses any other.
 KINDS: Final = frozenset(
@@ -68,38 +45,13 @@ KINDS: Final = frozenset(
     }
 )
 
-#: Names served from ``ledger.payloads`` on first use (see ``__getattr__``).
-_PAYLOAD_NAMES: Final = frozenset(
-    {
-        "PAYLOADS",
-        "AttemptAborted",
-        "AttemptAborting",
-        "AttemptCompleted",
-        "AttemptPublished",
-        "AttemptPublishing",
-        "AttemptStarted",
-        "CallFailed",
-        "CallReplied",
-        "CallSent",
-        "CoordinatorId",
-        "CoordinatorStarted",
-        "DiscoveryCompleted",
-        "NamedReason",
-        "Participant",
-        "Payload",
-        "PhaseCompleted",
-        "PhaseFailed",
-        "PhaseStarted",
-        "RecoveryCompleted",
-        "RecoverySettled",
-        "RecoveryStarted",
-    }
-)
-
 
 def __getattr__(name: str) -> Any:
-    if name in _PAYLOAD_NAMES:
-        return getattr(importlib.import_module("ledger.payloads"), name)
+    """Serve the payload models of ``ledger.payloads`` (loaded on first use; readers never need them)."""
+    if not name.startswith("__"):
+        payloads = importlib.import_module("ledger.payloads")
+        if name in payloads.__all__:
+            return getattr(payloads, name)
     raise AttributeError(f"module 'ledger.events' has no attribute {name!r}")
 
 
@@ -141,31 +93,4 @@ class AppendItem:
     data: Any = field(default_factory=dict)
 
 
-__all__ = [
-    "COLUMN_RULES",
-    "KINDS",
-    "PAYLOADS",
-    "AppendItem",
-    "AttemptAborted",
-    "AttemptAborting",
-    "AttemptCompleted",
-    "AttemptPublished",
-    "AttemptPublishing",
-    "AttemptStarted",
-    "CallFailed",
-    "CallReplied",
-    "CallSent",
-    "CoordinatorId",
-    "CoordinatorStarted",
-    "DiscoveryCompleted",
-    "Event",
-    "NamedReason",
-    "Participant",
-    "Payload",
-    "PhaseCompleted",
-    "PhaseFailed",
-    "PhaseStarted",
-    "RecoveryCompleted",
-    "RecoverySettled",
-    "RecoveryStarted",
-]
+__all__ = ["COLUMN_RULES", "KINDS", "AppendItem", "Event"]
