@@ -307,6 +307,18 @@ async def _each(
     return results
 
 
+async def record_phase_failed(
+    ctx: Context, checkpoint_id: str, phase: str, server: str | None, reason: str, code: str | None
+) -> None:
+    """Append `phase.failed` — durable before the caller rolls back, abandons or raises."""
+    await ctx.ledger.append(
+        "phase.failed",
+        checkpoint_id=checkpoint_id,
+        server=server,
+        data={"phase": phase, "server": server, "reason": reason, "code": code},
+    )
+
+
 async def run_phase(
     ctx: Context, attempt: Attempt, phase: str, body: Callable[[], Awaitable[dict[str, Any]]]
 ) -> dict[str, Any]:
@@ -773,16 +785,8 @@ async def roll_back(
         else "aborted"
     )
     if failure is not None:
-        await ctx.ledger.append(
-            "phase.failed",
-            checkpoint_id=attempt.checkpoint_id,
-            server=failure.server,
-            data={
-                "phase": failure.phase,
-                "server": failure.server,
-                "reason": failure.reason,
-                "code": failure.code,
-            },
+        await record_phase_failed(
+            ctx, attempt.checkpoint_id, failure.phase, failure.server, failure.reason, failure.code
         )
     await ctx.ledger.append("attempt.aborting", checkpoint_id=attempt.checkpoint_id, data={"reason": text})
     budget = _recovery_budget(ctx, attempt)
@@ -839,12 +843,7 @@ async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
         name = left[0]
         detail = next((r.describe() for n, r in failures if n == name), "no time left to call it")
         code = next((r.code for n, r in failures if n == name), None)
-        await ctx.ledger.append(
-            "phase.failed",
-            checkpoint_id=attempt.checkpoint_id,
-            server=name,
-            data={"phase": "resume", "server": name, "reason": detail, "code": code},
-        )
+        await record_phase_failed(ctx, attempt.checkpoint_id, "resume", name, detail, code)
         latest = read_latest(ctx.config.snapshots)
         raise PhaseError(
             f"resume of {attempt.checkpoint_id} failed at {name}: {detail}."
@@ -920,17 +919,7 @@ async def restore(
     except FencedError:
         raise
     except PhaseFailure as failure:
-        await ctx.ledger.append(
-            "phase.failed",
-            checkpoint_id=checkpoint_id,
-            server=failure.server,
-            data={
-                "phase": "restore",
-                "server": failure.server,
-                "reason": failure.reason,
-                "code": failure.code,
-            },
-        )
+        await record_phase_failed(ctx, checkpoint_id, "restore", failure.server, failure.reason, failure.code)
         reason = f"restore failed at {failure.server or 'the coordinator'}: {failure.reason}"
         await ctx.ledger.append(
             "attempt.aborted",
@@ -1222,12 +1211,7 @@ async def resume_recorded(ctx: Context, recorded: Recorded, *, reason: str) -> O
     if left:
         name = left[0]
         detail = next((r.describe() for n, r in failures if n == name), "no time left to call it")
-        await ctx.ledger.append(
-            "phase.failed",
-            checkpoint_id=attempt.checkpoint_id,
-            server=name,
-            data={"phase": "resume", "server": name, "reason": detail, "code": None},
-        )
+        await record_phase_failed(ctx, attempt.checkpoint_id, "resume", name, detail, None)
         raise PhaseError(
             f"resume of {attempt.checkpoint_id} failed at {name}: {detail}. Still paused: {', '.join(left)}.",
             phase="resume",

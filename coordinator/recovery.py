@@ -57,6 +57,7 @@ from coordinator.attempt import (
     Recorded,
     finish_resume,
     load_attempt,
+    record_phase_failed,
     restore_body,
     resume_members,
     resume_sorted,
@@ -417,17 +418,7 @@ async def _recover_restore(ctx: Context, recorded: Recorded, found: str) -> Atte
     try:
         await run_phase(ctx, attempt, "restore", lambda: restore_body(ctx, attempt, snapshot))
     except PhaseFailure as failure:
-        await ctx.ledger.append(
-            "phase.failed",
-            checkpoint_id=cid,
-            server=failure.server,
-            data={
-                "phase": "restore",
-                "server": failure.server,
-                "reason": failure.reason,
-                "code": failure.code,
-            },
-        )
+        await record_phase_failed(ctx, cid, "restore", failure.server, failure.reason, failure.code)
         return await _abandon(
             ctx,
             attempt,
