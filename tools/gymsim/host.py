@@ -72,7 +72,10 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _bind(host: str) -> socket.socket:
+def bind_listener(host: str) -> socket.socket:
+    """A non-blocking listening TCP socket on a free port of `host`, for uvicorn's `sockets=`.
+
+    proto=IPPROTO_TCP matters (see below); every loopback test server should bind with this."""
     # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when the
     # socket's proto is IPPROTO_TCP (proto 0 is not), and without it every reply written in
     # several pieces (headers, body) waits ~40 ms for the client's delayed ACK (Nagle).
@@ -105,12 +108,12 @@ class Host:
             server = self.servers[server_spec.name]
             if server_spec.prefix:
                 if shared is None:
-                    shared = _bind(spec.host)
+                    shared = bind_listener(spec.host)
                 prefixed[server.name] = server.asgi
                 port = shared.getsockname()[1]
                 self.urls[server.name] = f"http://{spec.host}:{port}{PREFIX_ROOT}{server.name}"
             else:
-                sock = _bind(spec.host)
+                sock = bind_listener(spec.host)
                 self._sockets.append((sock, server.asgi))
                 self.urls[server.name] = f"http://{spec.host}:{sock.getsockname()[1]}"
         if shared is not None:
