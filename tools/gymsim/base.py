@@ -20,6 +20,7 @@ from __future__ import annotations
 import hmac
 import json
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -193,7 +194,7 @@ async def _buffer_body(receive: Receive) -> tuple[bytes, Receive]:
     return body, replay
 
 
-class GymServer:
+class GymServer(ABC):
     """Base of the model, agent and resources servers: fence, capabilities, admin routes."""
 
     component: ClassVar[str]
@@ -218,11 +219,13 @@ class GymServer:
 
     # -- hooks -------------------------------------------------------------------------------
 
+    @abstractmethod
     def fence_rules(self) -> dict[str, OpRule]:
-        raise NotImplementedError
+        """The phase table of this component (spec §1.1): operation → allowed phases and outcome."""
 
+    @abstractmethod
     def add_routes(self) -> None:
-        raise NotImplementedError
+        """Mount this component's data-plane and control routes on `self.app`."""
 
     def wrap_gate(self, app: ASGIApp) -> ASGIApp:
         return app
