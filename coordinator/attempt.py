@@ -24,6 +24,15 @@ Deadline: one absolute `deadline_ts` per attempt. Every call's timeout is the ti
 each phase runs inside an anyio cancel scope whose deadline is `deadline_ts` converted to anyio's
 clock. Rollback and the resume after publication use `max(deadline_ts, now + control_timeout_s)`.
 
+Durability: every event is committed before the next step, but only those an outside action waits
+on are forced to disk when appended — `call.sent` (before its request), `attempt.publishing` (before
+the rename), `phase.failed`, and the events a user is answered on (`attempt.completed`,
+`attempt.aborted`). The others (`attempt.started`, `phase.started/completed`, call outcomes,
+`attempt.aborting`, `attempt.published`) are write-behind (`durable=False`): they survive a crash
+of the process at once and reach the disk with the next durable append, which always comes before
+the next request leaves. `attempt.published` needs no fsync of its own: the fsynced rename is the
+commit point and recovery reads publication from the filesystem.
+
 Everything a later coordinator needs is in the ledger: `load_attempt` rebuilds an `Attempt`
 (participants, touched servers, publication) from events alone; `FencedError` is never caught here.
 """
@@ -326,7 +335,9 @@ async def run_phase(
 
     Raises `PhaseFailure` (deadline=True when the scope expired) — the caller rolls back.
     """
-    await ctx.ledger.append("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": phase})
+    await ctx.ledger.append(
+        "phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": phase}, durable=False
+    )
     ctx.progress(Progress(attempt.checkpoint_id, phase))
     attempt.last_server = None
     summary: dict[str, Any] | None = None
@@ -339,7 +350,10 @@ async def run_phase(
         # the call in flight when the deadline hit is the one that did not finish in time
         raise PhaseFailure(phase, attempt.last_server, reason, deadline=True)
     await ctx.ledger.append(
-        "phase.completed", checkpoint_id=attempt.checkpoint_id, data={"phase": phase, "summary": summary}
+        "phase.completed",
+        checkpoint_id=attempt.checkpoint_id,
+        data={"phase": phase, "summary": summary},
+        durable=False,
     )
     return summary
 
@@ -400,6 +414,7 @@ async def start_attempt(ctx: Context, discovery: Discovery, *, deadline_s: float
             "participants": attempt.names,
             "staging_dir": str(staging),
         },
+        durable=False,
     )
     return attempt
 
@@ -629,15 +644,18 @@ def _verify_entry(staging: Path, entry: dict[str, Any]) -> list[str]:
 async def publish(ctx: Context, attempt: Attempt) -> Path:
     """Verify, write the manifest, rename into place (the commit point), point LATEST, retention.
 
-    `attempt.publishing` is durable before the rename and `attempt.published` after it (and its
-    fsync). A failure before the rename rolls back like a failed commit; after it, the snapshot is
-    published whatever happens next.
+    `attempt.publishing` is durable before the rename and `attempt.published` committed after it
+    (and its fsync; write-behind, as the fsynced rename already decides publication). A failure
+    before the rename rolls back like a failed commit; after it, the snapshot is published
+    whatever happens next.
     """
     _require(attempt, ("committed",), "publish")
     staging = attempt.staging_dir
     assert staging is not None
     final = ctx.config.snapshots / attempt.checkpoint_id
-    await ctx.ledger.append("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "publish"})
+    await ctx.ledger.append(
+        "phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "publish"}, durable=False
+    )
     ctx.progress(Progress(attempt.checkpoint_id, "publish"))
     written: list[bytes] = []
     manifests: list[dict[str, Any]] = []
@@ -695,6 +713,7 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
         "attempt.published",
         checkpoint_id=attempt.checkpoint_id,
         data={"final_dir": str(final), "manifest_sha256": hashlib.sha256(written[0]).hexdigest()},
+        durable=False,
     )
     attempt.state = "published"
     attempt.snapshot = final
@@ -716,6 +735,7 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
                 "staging_swept": [p.name for p in swept],
             },
         },
+        durable=False,
     )
     return final
 
@@ -788,7 +808,9 @@ async def roll_back(
         await record_phase_failed(
             ctx, attempt.checkpoint_id, failure.phase, failure.server, failure.reason, failure.code
         )
-    await ctx.ledger.append("attempt.aborting", checkpoint_id=attempt.checkpoint_id, data={"reason": text})
+    await ctx.ledger.append(
+        "attempt.aborting", checkpoint_id=attempt.checkpoint_id, data={"reason": text}, durable=False
+    )
     budget = _recovery_budget(ctx, attempt)
     _, resumed, not_paused, left, _ = await resume_members(
         ctx, attempt, list(attempt.touched), phase="rollback", deadline_ts=budget
@@ -835,7 +857,9 @@ async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
     resume can be retried) and raise `PhaseError` naming them.
     """
     budget = _recovery_budget(ctx, attempt)
-    await ctx.ledger.append("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"})
+    await ctx.ledger.append(
+        "phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"}, durable=False
+    )
     called, resumed, not_paused, left, failures = await resume_members(
         ctx, attempt, attempt.names, phase="resume", deadline_ts=budget
     )
@@ -863,6 +887,7 @@ async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
         "phase.completed",
         checkpoint_id=attempt.checkpoint_id,
         data={"phase": "resume", "summary": {"resumed": resumed, "not_paused": not_paused}},
+        durable=False,
     )
     outcome: Literal["published", "resumed"] = "published" if attempt.kind == "save" else "resumed"
     await ctx.ledger.append(
@@ -913,6 +938,7 @@ async def restore(
             "snapshot_dir": str(snapshot.path),
             "source_checkpoint_id": snapshot.checkpoint_id,
         },
+        durable=False,
     )
     try:
         await run_phase(ctx, attempt, "restore", lambda: restore_body(ctx, attempt, snapshot))
@@ -1169,6 +1195,7 @@ async def settle_publication(ctx: Context, recorded: Recorded) -> bool:
         "attempt.published",
         checkpoint_id=attempt.checkpoint_id,
         data={"final_dir": str(final), "manifest_sha256": digest},
+        durable=False,
     )
     await anyio.to_thread.run_sync(write_latest, final.parent, final.name)
     recorded.published = {"final_dir": str(final), "manifest_sha256": digest}
@@ -1204,7 +1231,9 @@ async def resume_recorded(ctx: Context, recorded: Recorded, *, reason: str) -> O
     if last.kind == "attempt.completed" and last.data.get("outcome") == "restored":
         return await finish_resume(ctx, attempt)
     budget = _recovery_budget(ctx, attempt)
-    await ctx.ledger.append("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"})
+    await ctx.ledger.append(
+        "phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"}, durable=False
+    )
     called, resumed, not_paused, left, failures = await resume_members(
         ctx, attempt, paused, phase="resume", deadline_ts=budget
     )
@@ -1225,6 +1254,7 @@ async def resume_recorded(ctx: Context, recorded: Recorded, *, reason: str) -> O
         "phase.completed",
         checkpoint_id=attempt.checkpoint_id,
         data={"phase": "resume", "summary": {"resumed": resumed, "not_paused": not_paused}},
+        durable=False,
     )
     await ctx.ledger.append(
         "attempt.completed",

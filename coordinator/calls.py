@@ -7,8 +7,11 @@ For every request, in this order:
    request body (or query). If the append fails (e.g. `FencedError`) nothing is sent.
 2. The request goes out with the shared `httpx.AsyncClient`, `Authorization: Bearer <token>`,
    timeout `max(0.001, deadline_ts - now)`, enforced as a total by an anyio cancel scope as well.
-3. The outcome is appended before the caller sees it: `call.replied` (200 and a reply that
-   validates against the route's model) or `call.failed` with an error class:
+3. The outcome is committed before the caller sees it, write-behind (`durable=False`): it survives a
+   crash of this process at once and reaches the disk with the next durable append — at the
+   latest the next call's `call.sent`, or the attempt's final event — so it is on disk before
+   any action taken on it leaves the process. `call.replied` (200 and a reply that validates
+   against the route's model) or `call.failed` with an error class:
    - `timeout`  — no complete reply within the time left to the deadline (or the caller's
      deadline scope cancelled the call: that is still recorded, then the cancellation propagates);
    - `connect`  — the connection could not be made, or broke before a complete reply;
@@ -62,7 +65,7 @@ class Target:
 
 @dataclass(frozen=True)
 class CallResult:
-    """What one control call produced, after its outcome is durable in the ledger.
+    """What one control call produced, after its outcome is committed to the ledger.
 
     `ok` is True only for a 200 whose body validated; then `reply` is the validated model.
     Otherwise `error` says which class of failure, with `status`, `code` and `detail` when known.
@@ -317,6 +320,7 @@ class Caller:
                 server=server,
                 call_id=call_id,
                 data={"status": exchange.status, "body": exchange.body, "elapsed_s": elapsed},
+                durable=False,
             )
         else:
             event = await self._ledger.append(
@@ -331,6 +335,7 @@ class Caller:
                     "detail": exchange.detail or exchange.error,
                     "elapsed_s": elapsed,
                 },
+                durable=False,
             )
         return event.seq
 

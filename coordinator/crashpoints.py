@@ -2,7 +2,7 @@
 
 **For tests and the crash matrix (`tools/crashmatrix.py`) only — never set these in production.**
 
-- `QUIESCE_CRASH_AT=<n>`: SIGKILL right after the coordinator's n-th durable ledger append
+- `QUIESCE_CRASH_AT=<n>`: SIGKILL right after the coordinator's n-th committed ledger append
   (1 is its `coordinator.started`; every `Ledger.append` / `append_many` counts once).
 - `QUIESCE_CRASH_BEFORE_SEND=<n>`: SIGKILL right before its n-th control request goes out:
   its `call.sent` is durable (calls.py records before it sends), the request is not sent.
@@ -12,8 +12,9 @@
 The variables are read once, when a coordinator opens (`from_env`); when neither is set nothing
 is installed, so an ordinary run pays nothing — no hook, no counter, no environment lookup per
 append or per call. SIGKILL (not an exception, not `os._exit`) is the point: no `finally`, no
-cleanup, no flush — exactly what a machine or OOM kill leaves behind. The ledger's append is
-durable before its hook runs, so "after the n-th append" means the n-th event batch is on disk.
+cleanup, no flush — exactly what an OOM kill leaves behind. The ledger's append is committed
+before its hook runs (durable, or write-behind: in the WAL, which a process crash keeps), so
+"after the n-th append" means the n-th event batch survives.
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ async def recover(ctx: Context, *, always_record: bool = True) -> RecoveryReport
         swept = await _sweep(ctx)
         return RecoveryReport(epoch, (), swept, recorded=False)
     ids = [row.checkpoint_id for row in rows]
-    await ctx.ledger.append("recovery.started", data={"attempts": ids})
+    await ctx.ledger.append("recovery.started", data={"attempts": ids}, durable=False)
     reports: list[AttemptReport] = []
     for row in rows:
         reports.append(await _recover_one(ctx, row.checkpoint_id, row.state))
@@ -299,6 +299,7 @@ async def _record_settled(
                 "action": s.action,
                 "result": s.result if not s.detail else f"{s.result}: {s.detail}",
             },
+            durable=False,
         )
         reports.append(ServerReport(s.name, s.phase, s.active, s.action, s.result, s.detail or s.error))
     return tuple(reports)
@@ -310,7 +311,7 @@ async def _abort(ctx: Context, recorded: Recorded, found: str) -> AttemptReport:
     cid = attempt.checkpoint_id
     settled = await _settle(ctx, attempt, list(attempt.touched))
     reason = f"recovered by epoch {ctx.ledger.epoch}: the coordinator died during {found}"
-    await ctx.ledger.append("attempt.aborting", checkpoint_id=cid, data={"reason": reason})
+    await ctx.ledger.append("attempt.aborting", checkpoint_id=cid, data={"reason": reason}, durable=False)
     to_resume: list[str] = []
     for s in settled:
         if s.member is None:

@@ -34,6 +34,10 @@ class Batch:
 
     ``expected_last`` is the writer's cached head seq and ``epoch`` the writer's epoch: the
     transaction refuses (``FencedError``) when the stored head differs or carries a newer epoch.
+    ``durable`` False (a write-behind batch): committed, so it survives a process crash, but not
+    forced to disk; it is on disk no later than the next durable batch's commit (SQLite: the same
+    WAL file, fsynced in order; PostgreSQL: WAL flushed up to a later commit record covers every
+    earlier one), and when the ledger closes.
     """
 
     rows: list[RawEvent]
@@ -41,6 +45,7 @@ class Batch:
     expected_last: int
     epoch: int
     where: str  # the ledger URL without password, for messages
+    durable: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +71,14 @@ class Tx(Protocol):
     """The statements of an append, inside a transaction the backend opened."""
 
     def head(self) -> tuple[int, int] | None: ...  # (seq, epoch) of the last row
-    def insert(self, rows: list[RawEvent]) -> None: ...
+    def insert_after(self, last: int, rows: list[RawEvent]) -> bool:
+        """Insert ``rows`` if the stored head seq is ``last`` (0: empty); False, inserting nothing, if not."""
+        ...
+
     def get_attempt(self, checkpoint_id: str) -> AttemptRow | None: ...
-    def put_attempt(self, row: AttemptRow) -> None: ...
+    def put_attempt(self, row: AttemptRow, existed: bool) -> None:
+        """Store ``row``; ``existed`` says whether a row with its checkpoint id is stored already."""
+        ...
 
 
 def fenced_message(where: str, detail: str) -> str:
@@ -104,25 +114,22 @@ class ProjectionCache:
 def apply_append(tx: Tx, batch: Batch, cache: ProjectionCache) -> dict[str, AttemptRow | None]:
     """Check the head, insert the rows, fold the projection: the body of every append transaction.
 
+    The head check is the insert's own condition: the rows go in only after the writer's last
+    known seq. A head that matches is one this writer wrote or loaded, so its epoch was checked
+    by the writer already; a newer epoch can only sit at a seq the writer does not know.
+
     Returns the projection rows written, for ``cache.committed`` once the transaction committed.
     """
-    head = tx.head()
-    last, head_epoch = head if head is not None else (0, 0)
-    if last != batch.expected_last:
-        raise FencedError(
-            fenced_message(
-                batch.where,
-                f"its head is seq {last}, but this writer's last known seq is {batch.expected_last}",
-            )
-        )
-    if head_epoch > batch.epoch:
-        raise FencedError(
-            fenced_message(
-                batch.where, f"epoch {head_epoch} exists, newer than this writer's epoch {batch.epoch}"
-            )
-        )
-    tx.insert(batch.rows)
+    if not tx.insert_after(batch.expected_last, batch.rows):
+        head = tx.head()
+        last, head_epoch = head if head is not None else (0, 0)
+        if head_epoch > batch.epoch:
+            detail = f"epoch {head_epoch} exists, newer than this writer's epoch {batch.epoch}"
+        else:
+            detail = f"its head is seq {last}, but this writer's last known seq is {batch.expected_last}"
+        raise FencedError(fenced_message(batch.where, detail))
     pending: dict[str, AttemptRow | None] = {}
+    existed: set[str] = set()
     cached = cache.rows
     for event in batch.events:
         for cid in touched(event):
@@ -132,10 +139,12 @@ def apply_append(tx: Tx, batch: Batch, cache: ProjectionCache) -> dict[str, Atte
                 row = cached.get(cid)
                 if row is None:
                     row = tx.get_attempt(cid)
+                if row is not None:
+                    existed.add(cid)
             pending[cid] = fold(row, event, cid)
-    for row in pending.values():
-        if row is not None:
-            tx.put_attempt(row)
+    for cid, new in pending.items():
+        if new is not None:
+            tx.put_attempt(new, cid in existed)
     return pending
 
 
@@ -164,10 +173,19 @@ class Backend(ABC):
 
     @abstractmethod
     async def append(self, batch: Batch) -> None:
-        """Commit ``batch`` in one transaction (see ``apply_append``); durable when it returns.
+        """Commit ``batch`` in one transaction (see ``apply_append``); durable when it returns
+        (unless ``batch.durable`` is False: then committed, on disk by the next durable batch).
 
         Not cancellable: once called, it completes (or fails) before returning.
         """
+
+    def append_now(self, batch: Batch) -> bool:
+        """Commit ``batch`` like ``append`` without leaving the calling thread, when that is cheap.
+
+        True when it committed; False when it did nothing (the caller then awaits ``append``).
+        Raises exactly as ``append`` does.
+        """
+        return False
 
     @abstractmethod
     async def head(self) -> RawEvent | None: ...

@@ -5,7 +5,9 @@
   ``pg_advisory_xact_lock(APPEND_LOCK_KEY)`` inside each append transaction, so commit order is
   seq order even if the claim were bypassed.
 - ``durability="process"`` sets ``synchronous_commit = off`` on the writer session: an append
-  survives the writer's crash but not a crash of the database server.
+  survives the writer's crash but not a crash of the database server. A write-behind append
+  (``durable=False``) under "full" sets it for its own transaction only (``SET LOCAL``); the next
+  synchronous commit flushes the WAL past it, and closing the ledger ends with one such commit.
 - Losing the writer session (the server ended it — e.g. a standby's ``pg_terminate_backend`` —
   or the connection broke) loses the writer lock with it, so an append that fails that way
   raises ``FencedError``: this writer must stop.
@@ -88,14 +90,18 @@ class _PgTx:
         ).first()
         return (int(row[0]), int(row[1])) if row is not None else None
 
-    def insert(self, rows: list[RawEvent]) -> None:
+    def insert_after(self, last: int, rows: list[RawEvent]) -> bool:
+        head = self.head()
+        if (head[0] if head is not None else 0) != last:
+            return False
         self._c.execute(insert(events), [dict(zip(EVENT_COLUMNS, row, strict=True)) for row in rows])
+        return True
 
     def get_attempt(self, checkpoint_id: str) -> AttemptRow | None:
         row = self._c.execute(select(*_ATTEMPT_COLS).where(attempts.c.checkpoint_id == checkpoint_id)).first()
         return from_columns(tuple(row)) if row is not None else None
 
-    def put_attempt(self, row: AttemptRow) -> None:
+    def put_attempt(self, row: AttemptRow, existed: bool) -> None:
         self._c.execute(_UPSERT, to_columns(row))
 
 
@@ -107,6 +113,7 @@ class PostgresBackend(Backend):
         self._engine: AsyncEngine = create_async_engine(url, pool_size=4, max_overflow=8)
         self._writer: AsyncConnection | None = None
         self._cache = ProjectionCache()
+        self._unsynced = False  # the last append was write-behind (not yet flushed for sure)
         #: ``pg_backend_pid()`` of the writer session once writership is claimed.
         self.writer_pid: int | None = None
 
@@ -168,6 +175,12 @@ class PostgresBackend(Backend):
             if writer is not None:
                 try:
                     await writer.rollback()
+                    if self._unsynced:
+                        # a transaction with an xid commits synchronously: the WAL is flushed
+                        # past every earlier write-behind commit before this returns
+                        await writer.execute(text("SELECT txid_current()"))
+                        await writer.commit()
+                        self._unsynced = False
                     await writer.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": WRITER_LOCK_KEY})
                     await writer.commit()
                 except (DBAPIError, OSError):
@@ -178,12 +191,15 @@ class PostgresBackend(Backend):
     def _append_sync(self, conn: Connection, batch: Batch) -> None:
         try:
             with conn.begin():
+                if not batch.durable and self._durability == "full":
+                    conn.execute(text("SET LOCAL synchronous_commit = off"))
                 conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": APPEND_LOCK_KEY})
                 written = apply_append(_PgTx(conn), batch, self._cache)
         except BaseException:
             self._cache.clear()
             raise
         self._cache.committed(written)
+        self._unsynced = not batch.durable and self._durability == "full"
 
     async def append(self, batch: Batch) -> None:
         if self._writer is None:

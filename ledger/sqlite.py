@@ -2,6 +2,9 @@
 
 - WAL journal. ``durability="full"``: ``synchronous=FULL``, an append is on disk when it returns.
   ``durability="process"``: ``synchronous=NORMAL``, which survives a process crash, not power loss.
+  A write-behind append (``durable=False``) under "full" commits with ``synchronous=NORMAL``: in
+  the WAL (survives a process crash) but not fsynced; the next FULL commit fsyncs the same WAL
+  file, which holds it too, and so does closing the ledger.
 - Writership: an exclusive ``flock`` on ``<file>.writer-lock`` held for the ledger's lifetime
   (the kernel releases it when the process dies), plus ``BEGIN IMMEDIATE`` around each append.
 - Connections: the standard library's ``sqlite3`` — one held connection for the writer, one for
@@ -39,7 +42,14 @@ if TYPE_CHECKING:
 _EV_COLS = ", ".join(EVENT_COLUMNS)
 _AT_COLS = ", ".join(COLUMNS)
 _INSERT_EVENT = f"INSERT INTO events ({_EV_COLS}) VALUES ({', '.join('?' * len(EVENT_COLUMNS))})"
+#: The first row of an append: inserted only while the stored head is the writer's last seq.
+_INSERT_AFTER = (
+    f"INSERT INTO events ({_EV_COLS}) SELECT {', '.join('?' * len(EVENT_COLUMNS))}"
+    " WHERE coalesce((SELECT max(seq) FROM events), 0) = ?"
+)
 _PUT_ATTEMPT = f"INSERT OR REPLACE INTO attempts ({_AT_COLS}) VALUES ({', '.join('?' * len(COLUMNS))})"
+_SET_ATTEMPT = ", ".join(f"{c} = ?" for c in COLUMNS[1:])  # every column but checkpoint_id (first)
+_UPDATE_ATTEMPT = f"UPDATE attempts SET {_SET_ATTEMPT} WHERE checkpoint_id = ?"
 _GET_ATTEMPT = f"SELECT {_AT_COLS} FROM attempts WHERE checkpoint_id = ?"
 _HEAD_SEQ_EPOCH = "SELECT seq, epoch FROM events ORDER BY seq DESC LIMIT 1"
 _HEAD_ROW = f"SELECT {_EV_COLS} FROM events ORDER BY seq DESC LIMIT 1"
@@ -57,18 +67,23 @@ class _SqliteTx:
         row = self._c.execute(_HEAD_SEQ_EPOCH).fetchone()
         return (row[0], row[1]) if row is not None else None
 
-    def insert(self, rows: list[RawEvent]) -> None:
-        if len(rows) == 1:
-            self._c.execute(_INSERT_EVENT, rows[0])
-        else:
-            self._c.executemany(_INSERT_EVENT, rows)
+    def insert_after(self, last: int, rows: list[RawEvent]) -> bool:
+        if self._c.execute(_INSERT_AFTER, (*rows[0], last)).rowcount != 1:
+            return False
+        if len(rows) > 1:
+            self._c.executemany(_INSERT_EVENT, rows[1:])
+        return True
 
     def get_attempt(self, checkpoint_id: str) -> AttemptRow | None:
         row = self._c.execute(_GET_ATTEMPT, (checkpoint_id,)).fetchone()
         return from_columns(row) if row is not None else None
 
-    def put_attempt(self, row: AttemptRow) -> None:
-        self._c.execute(_PUT_ATTEMPT, tuple(to_columns(row).values()))
+    def put_attempt(self, row: AttemptRow, existed: bool) -> None:
+        values = tuple(to_columns(row).values())
+        if existed:  # in place: the table's page only (a REPLACE rewrites its key's index entry too)
+            self._c.execute(_UPDATE_ATTEMPT, (*values[1:], values[0]))
+        else:
+            self._c.execute(_PUT_ATTEMPT, values)
 
 
 class SqliteBackend(Backend):
@@ -88,6 +103,7 @@ class SqliteBackend(Backend):
         self._wlimiter = anyio.CapacityLimiter(1)
         self._rlimiter = anyio.CapacityLimiter(1)
         self._commit_avg_s = 0.0
+        self._sync = "FULL" if durability == "full" else "NORMAL"  # the writer's current setting
         self._cache = ProjectionCache()
         if readonly and not self._path.exists():
             raise LedgerError(f"no ledger at {where}: the file {self._path} does not exist")
@@ -173,8 +189,11 @@ class SqliteBackend(Backend):
     async def close(self) -> None:
         w, r = self._w, self._r
         self._w = self._r = None
+        unsynced = w is not None and self._sync != ("FULL" if self._durability == "full" else "NORMAL")
 
         def close_all() -> None:
+            if unsynced:
+                self._fsync_wal()
             for conn in (r, w):
                 if conn is not None:
                     with contextlib.suppress(sqlite3.Error):
@@ -191,6 +210,13 @@ class SqliteBackend(Backend):
         if conn is None:
             raise LedgerError(f"ledger {self.where} is not open for writing")
         try:
+            if self._durability == "full":
+                # synchronous=NORMAL commits a write-behind batch without an fsync; the next
+                # FULL commit fsyncs the same WAL file, with every frame written before it
+                sync = "FULL" if batch.durable else "NORMAL"
+                if sync != self._sync:
+                    conn.execute(f"PRAGMA synchronous={sync}")
+                    self._sync = sync
             conn.execute("BEGIN IMMEDIATE")
             written = apply_append(_SqliteTx(conn), batch, self._cache)
             conn.execute("COMMIT")
@@ -208,17 +234,36 @@ class SqliteBackend(Backend):
                 raise LedgerError(f"ledger {self.where}: append failed: {error}") from error
             raise
 
-    async def append(self, batch: Batch) -> None:
+    def _timed_append(self, batch: Batch) -> None:
+        start = time.perf_counter()
+        try:
+            self._append_sync(batch)
+        finally:
+            self._commit_avg_s = 0.8 * self._commit_avg_s + 0.2 * (time.perf_counter() - start)
+
+    def append_now(self, batch: Batch) -> bool:
         # A hop to a worker thread costs about as much as a fast commit (0.1-0.2 ms on a VM), so
         # while commits are fast they run right here, blocking the event loop for at most about
         # INLINE_COMMIT_MAX_S; once the moving average says the disk is slow, they go to a thread.
-        start = time.perf_counter()
-        if self._commit_avg_s <= INLINE_COMMIT_MAX_S:
-            self._append_sync(batch)
-        else:
+        if self._commit_avg_s > INLINE_COMMIT_MAX_S:
+            return False
+        self._timed_append(batch)
+        return True
+
+    async def append(self, batch: Batch) -> None:
+        if not self.append_now(batch):
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._append_sync, batch, limiter=self._wlimiter)
-        self._commit_avg_s = 0.8 * self._commit_avg_s + 0.2 * (time.perf_counter() - start)
+                await anyio.to_thread.run_sync(self._timed_append, batch, limiter=self._wlimiter)
+
+    def _fsync_wal(self) -> None:
+        """Put write-behind commits on disk (at close, when the last commit was write-behind)."""
+        wal = self._path.with_name(self._path.name + "-wal")
+        with contextlib.suppress(FileNotFoundError):
+            fd = os.open(wal, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     async def replace_attempts(self, rows: Sequence[AttemptRow]) -> None:
         def swap() -> None:

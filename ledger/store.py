@@ -4,7 +4,9 @@ Invariants:
 
 - **Durable when it returns.** ``append``/``append_many``/``start_epoch`` return only after the
   transaction committed (SQLite ``synchronous=FULL`` by default). A cancelled caller still waits
-  for the commit to finish, so the writer's view of the head never goes stale.
+  for the commit to finish, so the writer's view of the head never goes stale. An append made
+  with ``durable=False`` (write-behind) is committed when it returns but reaches the disk with
+  the next durable append, which holds it too (commit order is seq order), or at close.
 - **One writer.** A non-readonly open claims writership for the ledger's lifetime (see the
   backend modules) or raises ``FencedError``. Every append transaction also checks that the stored
   head is still the writer's last append and that no newer epoch exists; otherwise it raises
@@ -191,10 +193,11 @@ def _others_ready() -> bool:
 class _Waiter:
     """One append waiting in the group-commit queue."""
 
-    __slots__ = ("done", "error", "events", "items", "lead")
+    __slots__ = ("done", "durable", "error", "events", "items", "lead")
 
-    def __init__(self, items: list[_Encoded]) -> None:
+    def __init__(self, items: list[_Encoded], durable: bool) -> None:
         self.items = items
+        self.durable = durable
         self.done = anyio.Event()
         self.lead = False
         self.events: list[Event] = []
@@ -440,20 +443,30 @@ class Ledger:
             )
             raise FencedError(str(self._fenced))
 
-    async def _commit(self, items: list[_Encoded], *, new_epoch: bool = False) -> list[Event]:
+    async def _commit(
+        self, items: list[_Encoded], *, new_epoch: bool = False, durable: bool = True
+    ) -> list[Event]:
         """Group commit: appends that are waiting at the same time share one transaction.
 
-        The first append to arrive leads: it yields once when other callbacks are ready to run
+        A lone append (nothing queued or committing, no other callback ready in the loop, a
+        backend that can commit without a thread hop) commits at once, without awaiting. Otherwise
+        the first append to arrive leads: it yields once when other callbacks are ready to run
         in the loop (so appends that are ready join it; a lone append does not pay for a loop
         iteration), then commits everything queued in one transaction, and hands the lead to the oldest
-        append still queued. Every append still returns only once its own events are durable, in
-        queue order (= seq order), with ``after_append`` called per append; a failed transaction
-        fails every append in it. Concurrent fan-out thus costs one fsync per batch, not per event.
+        append still queued. Every append still returns only once its own events are committed
+        (and durable, unless every append of the transaction is write-behind), in queue order
+        (= seq order), with ``after_append`` called per append; a failed transaction fails every
+        append in it. Concurrent fan-out thus costs one fsync per batch, not per event.
         """
         self._check_writable()
         if new_epoch:
-            return (await self._commit_groups([items], new_epoch=True))[0]
-        waiter = _Waiter(items)
+            return (await self._commit_groups([items], durable=True, new_epoch=True))[0]
+        if not (self._leading or self._queue or self._stale or self._lock.locked() or _others_ready()):
+            events = self._commit_now(items, durable)
+            if events is not None:
+                self._check_lease()  # committed, but a caller must not act on it once the lease ran out
+                return events
+        waiter = _Waiter(items, durable)
         self._queue.append(waiter)
         with anyio.CancelScope(shield=True):  # queued items are committed whatever happens
             if self._leading:
@@ -468,7 +481,9 @@ class Ledger:
                         await anyio.lowlevel.checkpoint()  # let appends that are ready join
                     group, self._queue = self._queue, []
                     try:
-                        results = await self._commit_groups([w.items for w in group])
+                        results = await self._commit_groups(
+                            [w.items for w in group], durable=any(w.durable for w in group)
+                        )
                     except BaseException as error:
                         for w in group:
                             w.error = error
@@ -486,11 +501,84 @@ class Ledger:
                         self._leading = False
         if waiter.error is not None:
             raise waiter.error
-        self._check_lease()  # durable, but a caller must not act on it once the lease ran out
+        self._check_lease()  # committed, but a caller must not act on it once the lease ran out
         return waiter.events
 
+    def _commit_now(self, items: list[_Encoded], durable: bool) -> list[Event] | None:
+        """Commit ``items`` on this thread, without awaiting; None (nothing written) if the backend cannot."""
+        self._check_writable()
+        batch = self._batch(items, durable=durable, new_epoch=False)
+        try:
+            done = self._backend.append_now(batch)
+        except FencedError as error:
+            self._fenced = error
+            raise
+        except BaseException:
+            self._stale = True  # the commit may or may not have happened; re-read the head next time
+            raise
+        return self._committed(batch, [items], new_epoch=False)[0] if done else None
+
+    def _batch(self, items: list[_Encoded], *, durable: bool, new_epoch: bool) -> Batch:
+        """Number and chain ``items`` after the writer's head (nothing is written)."""
+        epoch = self._head_epoch + 1 if new_epoch else self.epoch
+        if epoch < self._head_epoch:
+            raise FencedError(
+                f"ledger {self.url}: epoch {self._head_epoch} exists, newer than this writer's epoch "
+                f"{epoch}. Call start_epoch() before appending to a ledger another coordinator wrote; "
+                "a coordinator "
+                "that was already running is fenced and must stop making calls."
+            )
+        at = utc_now()
+        seq, prev = self._last_seq, self._last_hash
+        rows: list[RawEvent] = []
+        events: list[Event] = []
+        for item in items:
+            seq += 1
+            kind, cid, server, call_id, text = (item.kind, item.checkpoint_id, item.server, item.call_id,
+                                                item.text)  # fmt: skip
+            digest = chain_hash(
+                prev,
+                row_bytes(
+                    seq=seq,
+                    at=at,
+                    kind=kind,
+                    checkpoint_id=cid,
+                    server=server,
+                    call_id=call_id,
+                    epoch=epoch,
+                    data_text=text,
+                    prev_hash=prev,
+                ),
+            )
+            rows.append((seq, at, kind, cid, server, call_id, epoch, text, prev, digest))
+            events.append(Event(seq, at, kind, cid, server, call_id, epoch, item.data, prev, digest))
+            prev = digest
+        return Batch(
+            rows=rows,
+            events=events,
+            expected_last=self._last_seq,
+            epoch=epoch,
+            where=self.url,
+            durable=durable,
+        )
+
+    def _committed(self, batch: Batch, groups: list[list[_Encoded]], *, new_epoch: bool) -> list[list[Event]]:
+        """Advance the writer's head past ``batch`` (committed) and split its events per group."""
+        last = batch.events[-1]
+        self._last_seq, self._last_hash, self._head_epoch = last.seq, last.hash, batch.epoch
+        if new_epoch:
+            self.epoch = batch.epoch
+        out: list[list[Event]] = []
+        start = 0
+        for group in groups:
+            out.append(batch.events[start : start + len(group)])
+            start += len(group)
+            if self.after_append is not None:
+                self.after_append(out[-1])
+        return out
+
     async def _commit_groups(
-        self, groups: list[list[_Encoded]], *, new_epoch: bool = False
+        self, groups: list[list[_Encoded]], *, durable: bool, new_epoch: bool = False
     ) -> list[list[Event]]:
         """Chain and commit the items of ``groups`` in one transaction; their events, per group."""
         items = [item for group in groups for item in group]
@@ -500,64 +588,7 @@ class Ledger:
             if self._stale:
                 with anyio.CancelScope(shield=True):
                     await self._load_head()
-            epoch = self._head_epoch + 1 if new_epoch else self.epoch
-            if epoch < self._head_epoch:
-                raise FencedError(
-                    f"ledger {self.url}: epoch {self._head_epoch} exists, newer than this writer's epoch "
-                    f"{epoch}. Call start_epoch() before appending to a ledger another coordinator wrote; "
-                    "a coordinator "
-                    "that was already running is fenced and must stop making calls."
-                )
-            at = utc_now()
-            seq, prev = self._last_seq, self._last_hash
-            rows: list[RawEvent] = []
-            events: list[Event] = []
-            for item in items:
-                seq += 1
-                digest = chain_hash(
-                    prev,
-                    row_bytes(
-                        seq=seq,
-                        at=at,
-                        kind=item.kind,
-                        checkpoint_id=item.checkpoint_id,
-                        server=item.server,
-                        call_id=item.call_id,
-                        epoch=epoch,
-                        data_text=item.text,
-                        prev_hash=prev,
-                    ),
-                )
-                rows.append(
-                    (
-                        seq,
-                        at,
-                        item.kind,
-                        item.checkpoint_id,
-                        item.server,
-                        item.call_id,
-                        epoch,
-                        item.text,
-                        prev,
-                        digest,
-                    )
-                )
-                events.append(
-                    Event(
-                        seq,
-                        at,
-                        item.kind,
-                        item.checkpoint_id,
-                        item.server,
-                        item.call_id,
-                        epoch,
-                        item.data,
-                        prev,
-                        digest,
-                    )
-                )
-                prev = digest
-            batch = Batch(rows=rows, events=events, expected_last=self._last_seq, epoch=epoch, where=self.url)
+            batch = self._batch(items, durable=durable, new_epoch=new_epoch)
             try:
                 await self._backend.append(batch)  # shields itself while it awaits
             except FencedError as error:
@@ -566,17 +597,7 @@ class Ledger:
             except BaseException:
                 self._stale = True  # the commit may or may not have happened; re-read the head next time
                 raise
-            self._last_seq, self._last_hash, self._head_epoch = seq, prev, epoch
-            if new_epoch:
-                self.epoch = epoch
-            out: list[list[Event]] = []
-            start = 0
-            for group in groups:
-                out.append(events[start : start + len(group)])
-                start += len(group)
-                if self.after_append is not None:
-                    self.after_append(out[-1])
-            return out
+            return self._committed(batch, groups, new_epoch=new_epoch)
 
     async def append(
         self,
@@ -586,23 +607,32 @@ class Ledger:
         server: str | None = None,
         call_id: str | None = None,
         data: Mapping[str, Any] | BaseModel,
+        durable: bool = True,
     ) -> Event:
         """Validate, redact, chain and commit one event; durable when it returns.
+
+        ``durable=False`` makes it write-behind: committed when it returns (it survives a crash of
+        this process, and readers see it), but on disk only with the next durable append or when
+        the ledger closes. Use it only for an event that no outside action waits on — one that
+        is always followed by a durable append before the next call, rename or reply to a user.
 
         Raises ``LedgerError`` for an unknown kind or an invalid payload (nothing is written) and
         ``FencedError`` when another writer owns the ledger.
         """
-        return (await self._commit([self._encode(kind, checkpoint_id, server, call_id, data)]))[0]
+        return (
+            await self._commit([self._encode(kind, checkpoint_id, server, call_id, data)], durable=durable)
+        )[0]
 
-    async def append_many(self, items: Sequence[AppendItem]) -> list[Event]:
+    async def append_many(self, items: Sequence[AppendItem], *, durable: bool = True) -> list[Event]:
         """Commit ``items`` in one transaction (consecutive seqs).
 
-        All are durable when it returns, or none was written.
+        All are committed (and durable, unless ``durable=False``: see ``append``) when it
+        returns, or none was written.
         """
         if not items:
             return []
         encoded = [self._encode(i.kind, i.checkpoint_id, i.server, i.call_id, i.data) for i in items]
-        return await self._commit(encoded)
+        return await self._commit(encoded, durable=durable)
 
     async def start_epoch(self, data: Mapping[str, Any] | BaseModel) -> Event:
         """Append ``coordinator.started`` with epoch = the ledger's largest epoch + 1.

@@ -290,3 +290,87 @@ async def test_secrets_never_reach_the_database(ledger_url: str, tmp_path: Path)
         assert "<redacted>" in text
         assert token not in text
         assert "Bearer abc" not in text
+
+
+async def test_write_behind_appends_survive_a_process_crash(ledger_url: str) -> None:
+    """``durable=False`` events are committed when the append returns: readers see them at once,
+    and a SIGKILLed writer loses none of them (nor the durable ones around them)."""
+    child = textwrap.dedent(
+        f"""
+        import sys, anyio
+        from ledger import AppendItem, Ledger
+
+        async def main():
+            ledger = await Ledger.connect({ledger_url!r})
+            await ledger.append("attempt.started", checkpoint_id="c", data={started()!r}, durable=False)
+            await ledger.append("call.sent", checkpoint_id="c", server="s", call_id="k1", data={SENT!r})
+            await ledger.append(
+                "call.replied", checkpoint_id="c", server="s", call_id="k1", data={REPLIED!r}, durable=False
+            )
+            done = {{"phase": "prepare", "summary": {{}}}}
+            items = [AppendItem("phase.completed", checkpoint_id="c", data=done)]
+            ev = (await ledger.append_many(items, durable=False))[-1]
+            seen = [e.seq async for e in ledger.read()]
+            print(ev.seq, ev.hash, len(seen), flush=True)
+            await anyio.sleep(3600)
+
+        anyio.run(main)
+        """
+    )
+    line, returncode = await anyio.to_thread.run_sync(_run_and_kill, child)
+    seq, digest, seen = line.split()
+    assert returncode == -signal.SIGKILL
+    assert int(seen) == 4  # the writer's own reads saw the write-behind events
+    async with Ledger.open(ledger_url) as ledger:
+        head = await ledger.head()
+        assert head is not None
+        assert (head.seq, head.hash, head.kind) == (int(seq), digest, "phase.completed")
+        assert [e.kind async for e in ledger.read()] == [
+            "attempt.started", "call.sent", "call.replied", "phase.completed",
+        ]  # fmt: skip
+        row = await ledger.attempt("c")
+        assert row is not None
+        assert (row.calls, row.last_seq) == (1, 4)
+    report = await replay_url(ledger_url)
+    assert report.ok
+    assert report.events == 4
+
+
+async def test_write_behind_commits_skip_the_fsync_and_the_next_durable_one_takes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite under durability "full": a write-behind commit runs with synchronous=NORMAL, a
+    durable one with FULL (fsyncing the shared WAL), and closing after a write-behind commit
+    fsyncs the WAL; under "process" every commit stays NORMAL."""
+    import sqlite3
+
+    def mode(ledger: Ledger) -> int:
+        conn: sqlite3.Connection = ledger.backend._w  # type: ignore[attr-defined]
+        return int(conn.execute("PRAGMA synchronous").fetchone()[0])
+
+    full, normal = 2, 1
+    url = f"sqlite+aiosqlite:///{tmp_path / 'l.db'}"
+    async with Ledger.open(url) as ledger:
+        assert mode(ledger) == full
+        await ledger.append("call.sent", call_id="a", data=SENT, durable=False)
+        assert mode(ledger) == normal
+        await ledger.append("call.sent", call_id="b", data=SENT)
+        assert mode(ledger) == full
+        await ledger.append("call.sent", call_id="c", data=SENT, durable=False)
+        synced: list[str] = []
+        real_fsync = os.fsync
+
+        def spy(fd: int) -> None:
+            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+            real_fsync(fd)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "fsync", spy)
+            await ledger.aclose()
+        assert [Path(p).name for p in synced] == ["l.db-wal"]
+    async with Ledger.open(url, durability="process") as ledger:
+        await ledger.append("call.sent", call_id="d", data=SENT)
+        assert mode(ledger) == normal
+        await ledger.append("call.sent", call_id="e", data=SENT, durable=False)
+        assert mode(ledger) == normal
+    assert (await replay_url(url)).events == 5
