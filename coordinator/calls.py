@@ -5,8 +5,9 @@ For every request, in this order:
    the caller gets a `timeout` result with `sent=False`.
 1. `call.sent` is appended to the ledger (durable on return) — phase, method, path, url, timeout,
    request body (or query). If the append fails (e.g. `FencedError`) nothing is sent.
-2. The request goes out with the shared `httpx.AsyncClient`, `Authorization: Bearer <token>`,
-   timeout `max(0.001, deadline_ts - now)`, enforced as a total by an anyio cancel scope as well.
+2. The request goes out on the caller's one `aiohttp.ClientSession` (keep-alive pools per host;
+   never redirected, never retried), `Authorization: Bearer <token>`, timeout
+   `max(0.001, deadline_ts - now)` as a total, enforced by an anyio cancel scope as well.
 3. The outcome is committed before the caller sees it, write-behind (`durable=False`): it survives a
    crash of this process at once and reaches the disk with the next durable append — at the
    latest the next call's `call.sent`, or the attempt's final event — so it is on disk before
@@ -34,8 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+import aiohttp
 import anyio
-import httpx
 from pydantic import BaseModel, ValidationError
 
 from coordinator.protocol import (
@@ -119,38 +120,34 @@ class Caller:
         token: str,
         *,
         epoch: int,
-        http: httpx.AsyncClient | None = None,
+        session: aiohttp.ClientSession | None = None,
     ) -> None:
         self._ledger = ledger
         self._token = token
         self._epoch = epoch
-        self._http = http  # a client given by the caller is used for every server, never closed here
-        self._clients: dict[str, httpx.AsyncClient] = {}
-        self._ssl: ssl.SSLContext | None = None
+        self._given = session  # a session given by the caller is used for every call, never closed here
+        self._session: aiohttp.ClientSession | None = None
         self._counter = 0
 
-    def _client(self, base_url: str) -> httpx.AsyncClient:
-        """The HTTP client of one server (created on first use; one shared SSL context).
+    def _http(self) -> aiohttp.ClientSession:
+        """The HTTP session (created on first use, in the running event loop).
 
-        One client per server rather than one for all: httpcore's pool scans every connection
-        for every queued request, which made a parallel fan-out over N servers cost O(N²) CPU
-        (seconds at N = 256); per-server pools stay a connection or two deep.
+        aiohttp rather than httpx: measured in the same run, an httpx request cost about 1.4 ms
+        of CPU against 0.4 ms for aiohttp, which is most of a control call's own cost. The
+        connector has no connection limit (a parallel fan-out opens one connection per server at
+        once) and keeps a pool per host, so N servers cost O(N), not O(N²).
         """
-        if self._http is not None:
-            return self._http
-        client = self._clients.get(base_url)
-        if client is None:
-            if self._ssl is None:
-                self._ssl = httpx.create_ssl_context()
-            client = httpx.AsyncClient(follow_redirects=False, trust_env=False, verify=self._ssl)
-            self._clients[base_url] = client
-        return client
+        if self._given is not None:
+            return self._given
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=0, ssl=ssl.create_default_context())
+            self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
+        return self._session
 
     async def aclose(self) -> None:
-        clients = list(self._clients.values())
-        self._clients.clear()
-        for client in clients:
-            await client.aclose()
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
 
     def _call_id(self, checkpoint_id: str | None) -> str:
         self._counter += 1
@@ -259,7 +256,7 @@ class Caller:
         exchange: _Exchange | None = None
         try:
             with anyio.move_on_after(timeout_s) as scope:
-                exchange = await self._exchange(self._client(base_url), method, url, body, params, timeout_s)
+                exchange = await self._exchange(method, url, body, params, timeout_s)
             if scope.cancelled_caught or exchange is None:
                 exchange = _Exchange(
                     error="timeout", detail=f"no reply within {timeout_s:.3f}s (the deadline)"
@@ -341,7 +338,6 @@ class Caller:
 
     async def _exchange(
         self,
-        http: httpx.AsyncClient,
         method: str,
         url: str,
         body: dict[str, Any] | None,
@@ -349,30 +345,37 @@ class Caller:
         timeout_s: float,
     ) -> _Exchange:
         headers = {"Authorization": f"Bearer {self._token}", "Accept": "application/json"}
+        data: bytes | None = None
+        if method == "POST":
+            headers["Content-Type"] = "application/json"
+            data = json.dumps(body, separators=(",", ":")).encode("utf-8")
+        query = {k: _param(v) for k, v in params.items() if v is not None} if params else None
         try:
-            async with http.stream(
+            async with self._http().request(
                 method,
                 url,
-                json=body if method == "POST" else None,
-                params={k: _param(v) for k, v in params.items() if v is not None} if params else None,
+                data=data,
+                params=query,
                 headers=headers,
-                timeout=httpx.Timeout(timeout_s),
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+                allow_redirects=False,
             ) as response:
+                status = response.status
                 raw = bytearray()
                 too_big = False
-                async for chunk in response.aiter_bytes():
+                async for chunk in response.content.iter_any():
                     raw.extend(chunk)
                     if len(raw) > MAX_REPLY_BYTES:
                         too_big = True
+                        response.close()  # stop reading: the connection is dropped, not reused
                         break
-                status = response.status_code
-        except httpx.ConnectTimeout:
+        except aiohttp.ConnectionTimeoutError:
             return _Exchange(error="connect", detail="could not connect before the deadline")
-        except httpx.TimeoutException:
+        except TimeoutError:
             return _Exchange(error="timeout", detail=f"no reply within {timeout_s:.3f}s (the deadline)")
-        except httpx.ConnectError as error:
+        except aiohttp.ClientConnectorError as error:
             return _Exchange(error="connect", detail=f"could not connect: {_plain(error)}")
-        except httpx.TransportError as error:
+        except (aiohttp.ClientError, OSError) as error:
             return _Exchange(
                 error="connect", detail=f"connection lost before a complete reply: {_plain(error)}"
             )

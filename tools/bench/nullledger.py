@@ -42,10 +42,11 @@ class NullLedger:
         server: str | None = None,
         call_id: str | None = None,
         data: Mapping[str, Any] | BaseModel,
+        durable: bool = True,
     ) -> Event:
         return self._event(kind, checkpoint_id, server, call_id)
 
-    async def append_many(self, items: Sequence[AppendItem]) -> list[Event]:
+    async def append_many(self, items: Sequence[AppendItem], *, durable: bool = True) -> list[Event]:
         return [self._event(i.kind, i.checkpoint_id, i.server, i.call_id) for i in items]
 
     async def start_epoch(self, data: Mapping[str, Any] | BaseModel) -> Event:

@@ -31,7 +31,7 @@ import venv
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
 from coordinator.calls import Caller, Target
 from coordinator.protocol import AGENT, CommonBody, route
@@ -58,12 +58,12 @@ async def run_quiesce(url: str, n: int, dir: str) -> dict[str, Any]:
     bare: list[float] = []
     try:
         async with (
-            httpx.AsyncClient(follow_redirects=False, trust_env=False) as http,
+            aiohttp.ClientSession(trust_env=False) as http,
             Ledger.open(f"sqlite+aiosqlite:///{folder / 'ledger.db'}", secrets=[TOKEN]) as ledger,
         ):
             await ledger.start_epoch({"coordinator": {"host": "bench", "pid": os.getpid(), "uuid": "u"},
                                       "version": "bench"})  # fmt: skip
-            caller = Caller(ledger, TOKEN, epoch=ledger.epoch, http=http)
+            caller = Caller(ledger, TOKEN, epoch=ledger.epoch, session=http)
             target = Target("agent", AGENT, url)
             checkpoint_id = f"e{ledger.epoch}-000002"
             await ledger.append(
@@ -89,9 +89,9 @@ async def run_quiesce(url: str, n: int, dir: str) -> dict[str, Any]:
                 if not result.ok:
                     raise BenchError(f"recorded call failed: {result.describe()}")
                 start = time.perf_counter()
-                reply = await http.post(url + PATH, json=plain, headers=headers)
-                reply.raise_for_status()
-                reply.json()
+                async with http.post(url + PATH, json=plain, headers=headers, allow_redirects=False) as reply:
+                    reply.raise_for_status()
+                    await reply.json()
                 bare_s = time.perf_counter() - start
                 if i >= warm:
                     recorded.append(recorded_s)
@@ -224,7 +224,7 @@ def measure(ctx: Context) -> Result:
     result.value = f"{recorded.fmt(1e3, 3, 'ms')} per recorded call"
     rows = [{"per call": "quiesce recorded call (Caller: append, POST, validate, append)",
              "median [min–max]": recorded.fmt(1e3, 3, "ms")},
-            {"per call": "quiesce side: bare HTTP POST (httpx async, nothing recorded)",
+            {"per call": "quiesce side: bare HTTP POST (the same aiohttp session, nothing recorded)",
              "median [min–max]": stats_of(ours, "bare_async_s").fmt(1e3, 3, "ms")}]  # fmt: skip
     if python is None:
         result.status = "unavailable"
