@@ -30,7 +30,6 @@ an error message or a log line. Each call has a unique `call_id`: `<checkpoint_i
 from __future__ import annotations
 
 import json
-import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -140,7 +139,7 @@ class Caller:
         if self._given is not None:
             return self._given
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0, ssl=ssl.create_default_context())
+            connector = aiohttp.TCPConnector(limit=0)  # TLS: aiohttp's default verified context
             self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
         return self._session
 

@@ -44,7 +44,7 @@ __all__ = [
 class Payload(BaseModel):
     """Base of every payload model: unknown fields are refused on write."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
 
 # -- coordinator and discovery ------------------------------------------------------------
