@@ -85,6 +85,7 @@ from coordinator.protocol import (
 )
 from coordinator.publish import (
     MANIFEST,
+    Digests,
     Snapshot,
     apply_retention,
     build_manifest,
@@ -95,6 +96,7 @@ from coordinator.publish import (
     remove_tree,
     rename_into_place,
     sweep_staging,
+    tree_digests,
     verify_artifact,
     write_json_durably,
     write_latest,
@@ -613,16 +615,21 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
     }
 
 
-def _verify_entry(staging: Path, entry: dict[str, Any]) -> list[str]:
-    """A participant's manifest digest and artifact references against the files in `staging`."""
+def _verify_entry(staging: Path, entry: dict[str, Any], digests: Digests | None = None) -> list[str]:
+    """A participant's manifest digest and artifact references against the files in `staging`
+    (hashed here, or looked up in `digests` = `tree_digests(staging)`)."""
     name = entry["name"]
     problems: list[str] = []
     rel = entry["manifest"]
     path = staging / rel
-    if not path.is_file():
+    if digests is not None:
+        known = digests.get(Path(rel).as_posix())
+    else:
+        known = file_digest(path) if path.is_file() else None
+    if known is None:
         problems.append(f"{name}: its manifest {rel} is missing")
     else:
-        _, digest = file_digest(path)
+        _, digest = known
         if digest != entry["manifest_digest"]:
             problems.append(
                 f"{name}: manifest_digest {entry['manifest_digest'][:12]}… does not match the sha256 of {rel}"
@@ -635,7 +642,7 @@ def _verify_entry(staging: Path, entry: dict[str, Any]) -> list[str]:
             except ValidationError:
                 problems.append(f"{name}: {key} is not a valid artifact reference")
                 continue
-            problem = verify_artifact(staging, ref, what=f"{name} {key}")
+            problem = verify_artifact(staging, ref, what=f"{name} {key}", digests=digests)
             if problem:
                 problems.append(problem)
     return problems
@@ -661,9 +668,19 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
     manifests: list[dict[str, Any]] = []
 
     async def body() -> None:
-        problems: list[str] = []
-        for entry in attempt.commits.values():
-            problems += await anyio.to_thread.run_sync(_verify_entry, staging, entry)
+        entries = list(attempt.commits.values())
+
+        def verify() -> tuple[Digests, list[str]]:
+            # one pass hashes and fsyncs every file (and folder); checks and manifest reuse it
+            digests = tree_digests(staging, sync=True, skip=[MANIFEST])
+            return digests, [p for entry in entries for p in _verify_entry(staging, entry, digests)]
+
+        try:
+            digests, problems = await anyio.to_thread.run_sync(verify)
+        except OSError as error:
+            raise PhaseFailure(
+                "publish", None, f"cannot read the staging folder {staging}: {error}"
+            ) from None
         if problems:
             first = next(iter(attempt.commits))
             server = next(
@@ -686,6 +703,7 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
                     ledger_seq=head.seq if head else 0,
                     participants=list(attempt.commits.values()),
                     skipped=attempt.skipped,
+                    digests=digests,
                 )
             )
             written.append(await anyio.to_thread.run_sync(write_json_durably, staging / MANIFEST, manifest))

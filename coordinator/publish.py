@@ -7,7 +7,8 @@ Layout (DESIGN.md "Publication"):
     <snapshots>/LATEST                         the name of the latest snapshot, replaced atomically
 
 Invariants:
-- Every file and folder is fsynced before the staging folder is renamed; the rename (then an
+- Every file and folder is fsynced before the staging folder is renamed (`tree_digests`, which
+  hashes and fsyncs each file through one descriptor, many files at once); the rename (then an
   fsync of `<snapshots>`) is the commit point. A crash before it leaves the previous snapshot latest.
 - `LATEST` is written to a temporary file, fsynced, renamed over the old one, then the folder is
   fsynced: a reader sees the old or the new name, never a torn one.
@@ -25,10 +26,11 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from coordinator.errors import SnapshotError
 from coordinator.protocol import ArtifactRef
@@ -50,6 +52,7 @@ __all__ = [
     "rename_into_place",
     "resolve_snapshot",
     "sweep_staging",
+    "tree_digests",
     "verify_artifact",
     "verify_snapshot",
     "write_json_durably",
@@ -61,6 +64,21 @@ LATEST: Final = "LATEST"
 SNAPSHOT_FORMAT: Final = "quiesce-snapshot"
 _CHUNK: Final = 1 << 20
 _ID: Final = re.compile(r"^e(\d+)-(\d+)")
+#: Threads for per-file work (hashing + fsync, removal). fsyncs issued together share the
+#: filesystem's journal commits: 1,500 small files took 0.5 s one by one and 0.12 s with 32 threads.
+IO_THREADS: Final = 16
+#: (size in bytes, sha256 hex) of each file, by path relative to the tree's root (posix form).
+Digests = Mapping[str, tuple[int, str]]
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def _each(fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+    """``[fn(i) for i in items]`` on up to ``IO_THREADS`` threads (in order; the first error is raised)."""
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(IO_THREADS, len(items))) as pool:
+        return list(pool.map(fn, items))
 
 
 def file_digest(path: Path) -> tuple[int, str]:
@@ -74,17 +92,46 @@ def file_digest(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a folder so renames and new entries in it are durable."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+def _digest_synced(path: Path) -> tuple[int, str]:
+    """(size, sha256) of a file, read through one descriptor that is fsynced before it is closed."""
+    digest = hashlib.sha256()
+    size = 0
+    fd = os.open(path, os.O_RDONLY)
     try:
+        while chunk := os.read(fd, _CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
         os.fsync(fd)
     finally:
         os.close(fd)
+    return size, digest.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def tree_digests(root: Path, *, sync: bool, skip: Iterable[str] = ()) -> dict[str, tuple[int, str]]:
+    """(size, sha256) of every regular file under `root` (symlinks and `skip` paths left out).
+
+    With `sync`, each file is fsynced as it is read and then every folder of the tree: when this
+    returns, the tree's content and entries are durable. Files are read on ``IO_THREADS`` threads.
+    """
+    left_out = set(skip)
+    files: list[tuple[str, Path]] = []
+    for path in _walk(root):
+        rel = path.relative_to(root).as_posix()
+        if rel not in left_out and not path.is_symlink():
+            files.append((rel, path))
+    read = _digest_synced if sync else file_digest
+    sums = _each(read, [path for _, path in files])
+    if sync:
+        folders = {root}
+        for _, path in files:
+            folders.update(p for p in path.parents if root in p.parents)
+        _each(fsync_dir, sorted(folders))
+    return {rel: sums[i] for i, (rel, _) in enumerate(files)}
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder so renames and new entries in it are durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
     finally:
@@ -101,9 +148,17 @@ def make_staging(staging: Path) -> None:
 def remove_tree(path: Path) -> None:
     """Remove a folder if it exists (used for staging folders of rolled-back attempts)."""
     if path.exists():
-        shutil.rmtree(path, ignore_errors=True)
+        _rmtree(path)
         with contextlib.suppress(OSError):
             fsync_dir(path.parent)
+
+
+def _rmtree(path: Path) -> None:
+    """`shutil.rmtree(path, ignore_errors=True)`, its top-level subfolders removed on several threads."""
+    with contextlib.suppress(OSError):
+        children = [c for c in path.iterdir() if c.is_dir() and not c.is_symlink()]
+        _each(lambda c: shutil.rmtree(c, ignore_errors=True), children)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def write_json_durably(path: Path, document: Any) -> bytes:
@@ -119,15 +174,17 @@ def write_json_durably(path: Path, document: Any) -> bytes:
     return data
 
 
-def verify_artifact(root: Path, ref: ArtifactRef, *, what: str) -> str | None:
+def verify_artifact(root: Path, ref: ArtifactRef, *, what: str, digests: Digests | None = None) -> str | None:
     """Check one artifact reference against the file it names: bytes, sha256, record count.
 
     Returns a description of the first mismatch, or None. Records are the file's non-empty lines.
+    `digests` (from `tree_digests(root)`) saves hashing the file again.
     """
     path = root / ref.relative_path
+    known = digests.get(Path(ref.relative_path).as_posix()) if digests is not None else None
     if not path.is_file():
         return f"{what}: {ref.relative_path} is missing"
-    size, digest = file_digest(path)
+    size, digest = known if known is not None else file_digest(path)
     if size != ref.bytes:
         return f"{what}: {ref.relative_path} has {size} bytes, the reply says {ref.bytes}"
     if digest != ref.sha256:
@@ -154,20 +211,18 @@ def build_manifest(
     ledger_seq: int,
     participants: list[dict[str, Any]],
     skipped: list[dict[str, str]],
+    digests: Digests | None = None,
 ) -> dict[str, Any]:
-    """Describe every file under `staging` (size, sha256), fsyncing each file and folder on the way."""
-    files: list[dict[str, Any]] = []
-    folders: set[Path] = {staging}
-    for path in _walk(staging):
-        rel = path.relative_to(staging).as_posix()
-        if rel == MANIFEST or path.is_symlink():
-            continue
-        _fsync_file(path)
-        folders.update(p for p in path.parents if staging in p.parents or p == staging)
-        size, digest = file_digest(path)
-        files.append({"path": rel, "bytes": size, "sha256": digest})
-    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
-        fsync_dir(folder)
+    """Describe every file under `staging` (size, sha256).
+
+    `digests` must come from `tree_digests(staging, sync=True, skip=[MANIFEST])` (then every file
+    and folder is already durable); without it, that is computed here.
+    """
+    if digests is None:
+        digests = tree_digests(staging, sync=True, skip=[MANIFEST])
+    files = [
+        {"path": rel, "bytes": size, "sha256": digest} for rel, (size, digest) in sorted(digests.items())
+    ]
     return {
         "format": SNAPSHOT_FORMAT,
         "version": 1,
@@ -308,12 +363,13 @@ def verify_snapshot(path: Path, *, participants: Mapping[str, str]) -> Snapshot:
     for entry in snapshot.manifest.get("files", []):
         if isinstance(entry, dict) and isinstance(entry.get("path"), str):
             listed[entry["path"]] = entry
+    present = sorted(rel for rel in listed if (path / rel).is_file())
+    sums = dict(zip(present, _each(file_digest, [path / rel for rel in present]), strict=True))
     for rel, entry in sorted(listed.items()):
-        file = path / rel
-        if not file.is_file():
+        if rel not in sums:
             differences.append(f"{rel}: missing")
             continue
-        size, digest = file_digest(file)
+        size, digest = sums[rel]
         if size != entry.get("bytes"):
             differences.append(f"{rel}: {size} bytes, the manifest says {entry.get('bytes')}")
         elif digest != entry.get("sha256"):
@@ -362,7 +418,7 @@ def apply_retention(snapshots: Path, keep: int, *, protect: Iterable[Path] = ())
     for snapshot in doomed:
         if snapshot.path.resolve() in protected:
             continue
-        shutil.rmtree(snapshot.path, ignore_errors=True)
+        _rmtree(snapshot.path)
         removed.append(snapshot.path)
     if removed:
         fsync_dir(snapshots)
@@ -377,7 +433,7 @@ def sweep_staging(staging_root: Path, finished: Iterable[str]) -> list[Path]:
     removed: list[Path] = []
     for child in staging_root.iterdir():
         if child.is_dir() and child.name in done:
-            shutil.rmtree(child, ignore_errors=True)
+            _rmtree(child)
             removed.append(child)
     if removed:
         fsync_dir(staging_root)
