@@ -17,8 +17,10 @@ from coordinator.publish import (
     LATEST,
     apply_retention,
     build_manifest,
+    file_digest,
     read_latest,
     sweep_staging,
+    tree_digests,
     verify_snapshot,
     write_json_durably,
     write_latest,
@@ -60,6 +62,35 @@ def test_latest_retention_and_sweep(tmp_path: Path) -> None:
         (staging / name).mkdir(parents=True)
     assert sweep_staging(staging, {"done", "elsewhere"}) == [staging / "done"]
     assert [p.name for p in staging.iterdir()] == ["running"]
+
+
+def test_tree_digests_hash_and_fsync_every_file_and_folder_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    root = tmp_path / "staging"
+    files = [f"s{i}/d/f{j}.jsonl" for i in range(20) for j in range(3)] + ["top.json", "manifest.json"]
+    for k, rel in enumerate(files):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(os.urandom(k * 97))
+    (root / "link").symlink_to(root / "top.json")
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), root))
+        real_fsync(fd)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", spy)
+        digests = tree_digests(root, sync=True, skip=["manifest.json"])
+    expected = sorted(rel for rel in files if rel != "manifest.json")
+    assert sorted(digests) == expected  # no symlink, nothing skipped
+    assert all(digests[rel] == file_digest(root / rel) for rel in expected)
+    folders = {".", *(f"s{i}" for i in range(20)), *(f"s{i}/d" for i in range(20))}
+    assert sorted(synced) == sorted([*expected, *folders])  # each file and folder exactly once
+    assert tree_digests(root, sync=False) == {**digests, "manifest.json": file_digest(root / "manifest.json")}
 
 
 def test_verify_snapshot_lists_every_difference(tmp_path: Path) -> None:
