@@ -1,0 +1,119 @@
+"""Checking stored ``events`` rows against the hash chain of ``ledger.canonical``, a page at a time.
+
+``check_rows(rows, after)`` returns the first problem of ``rows`` (consecutive stored rows in seq
+order) as ``(seq, what is wrong)``, or None. Each row is checked, in this order, for:
+
+1. its seq: the previous row's seq + 1 (else "missing" rows, reported at the first missing seq,
+   or "out of order", reported at this seq);
+2. its ``prev_hash``: the previous row's stored ``hash``;
+3. its ``hash``: ``chain_hash(prev_hash, row_bytes(row))``.
+
+``after`` is ``(seq, hash)`` of the row before ``rows[0]`` — ``(0, GENESIS_HASH)`` before the first
+row of a chain — or None, which skips checks 1 and 2 for ``rows[0]``: its caller links it with
+``link`` once the row before is known (a parallel replay checks ranges of seqs independently).
+
+The verdict is always the one of the row-by-row definition (``_check_exact``, built on
+``row_bytes`` and ``chain_hash``). The fast path only accepts: it builds every row's bytes by
+plain splicing, which equals ``row_bytes`` when the text columns are ``str`` holding no ``"``
+nor ``\\`` (the only characters besides control characters that the canonical encoding escapes;
+a control character left raw makes the bytes differ, which fails the page, never passes it),
+``epoch`` and ``seq`` are ``int``, and each ``prev_hash`` equals the previous row's verified
+hash (hex digits). A page it does not accept, for whatever reason, is checked by the definition.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from functools import partial
+from operator import is_not
+from typing import Any, TypeAlias
+
+from ledger.canonical import chain_hash, row_bytes
+
+#: ``(seq, what is wrong)``: the first bad seq of a chain and the reason.
+Problem: TypeAlias = tuple[int, str]
+
+EDITED = "hash mismatch: the stored row differs from what was hashed (row edited)"
+UNLINKED = "prev_hash does not match the hash of the previous row"
+
+_not_none = partial(is_not, None)
+_sha256 = hashlib.sha256
+_Q = '"'
+_INT = {int}
+
+
+def link(after: tuple[int, str], seq: int, prev_hash: str) -> Problem | None:
+    """Checks 1 and 2 of a row with ``seq`` and ``prev_hash`` following ``after`` = (seq, hash)."""
+    last_seq, last_hash = after
+    if seq != last_seq + 1:
+        if seq > last_seq + 1:
+            missing = f"{last_seq + 1}" if seq == last_seq + 2 else f"{last_seq + 1}..{seq - 1}"
+            return last_seq + 1, f"seq {missing} missing (rows deleted); next seq is {seq}"
+        return seq, f"seq {seq} out of order after seq {last_seq}"
+    if prev_hash != last_hash:
+        return seq, UNLINKED
+    return None
+
+
+def check_rows(rows: Sequence[Sequence[Any]], after: tuple[int, str] | None) -> Problem | None:
+    """The first problem of ``rows`` (see the module docstring), or None."""
+    if not rows or _fast(rows, after):
+        return None
+    return _check_exact(rows, after)
+
+
+def _check_exact(rows: Sequence[Sequence[Any]], after: tuple[int, str] | None) -> Problem | None:
+    """The definition: each row linked to the previous one and its hash recomputed."""
+    for row in rows:
+        seq, at, kind, cid, server, call_id, epoch, data_text, prev_hash, digest = row
+        if after is not None:
+            problem = link(after, seq, prev_hash)
+            if problem is not None:
+                return problem
+        try:
+            expected = chain_hash(
+                prev_hash,
+                row_bytes(seq=seq, at=at, kind=kind, checkpoint_id=cid, server=server, call_id=call_id,
+                          epoch=epoch, data_text=data_text, prev_hash=prev_hash),
+            )  # fmt: skip
+        except (TypeError, ValueError) as error:  # a column of the wrong type (UnicodeError included)
+            return seq, f"the stored row cannot be hashed ({type(error).__name__}: {error})"
+        if expected != digest:
+            return seq, EDITED
+        after = (seq, digest)
+    return None
+
+
+def _fast(rows: Sequence[Sequence[Any]], after: tuple[int, str] | None) -> bool:
+    """True only if every row of ``rows`` passes all three checks (see the module docstring)."""
+    seqs, ats, kinds, cids, servers, call_ids, epochs, datas, prevs, hashes = zip(*rows, strict=True)
+    first = seqs[0]
+    if after is not None and (first != after[0] + 1 or prevs[0] != after[1]):
+        return False
+    if type(first) is not int or seqs != tuple(range(first, first + len(seqs))):
+        return False
+    if {*map(type, seqs), *map(type, epochs)} != _INT:  # ints only: no format spec needed below
+        return False
+    if prevs[1:] != hashes[:-1]:
+        return False
+    try:
+        "".join(datas)  # TypeError unless every one is a str
+        for column in (ats, kinds, *(filter(_not_none, c) for c in (cids, servers, call_ids))):
+            text = "".join(column)
+            if _Q in text or "\\" in text:
+                return False
+        quoted = {value: f'"{value}"' for value in {*kinds, *cids, *servers}}
+        quoted[None] = "null"
+        q = _Q
+        digests = [
+            _sha256(
+                f'{p}{{"at":"{at}","call_id":{"null" if ci is None else q + ci + q},'
+                f'"checkpoint_id":{quoted[c]},"data":{d},"epoch":{e},"kind":{quoted[k]},'
+                f'"prev_hash":"{p}","seq":{s},"server":{quoted[sv]}}}'.encode()
+            ).hexdigest()
+            for s, at, k, c, sv, ci, e, d, p, _ in rows
+        ]
+    except (TypeError, ValueError):  # a column of the wrong type: the definition decides
+        return False
+    return digests == list(hashes)
