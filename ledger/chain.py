@@ -41,6 +41,7 @@ _not_none = partial(is_not, None)
 _sha256 = hashlib.sha256
 _Q = '"'
 _INT = {int}
+_HEX_LENGTH = {64}
 
 
 def link(after: tuple[int, str], seq: int, prev_hash: str) -> Problem | None:
@@ -85,9 +86,42 @@ def _check_exact(rows: Sequence[Sequence[Any]], after: tuple[int, str] | None) -
     return None
 
 
+class _Refused(Exception):
+    """A value the fast path does not splice: the page goes to the definition."""
+
+
+class _Quoted(dict[Any, str]):
+    """A ``str`` without quote nor backslash -> itself in quotes, which is its canonical encoding;
+    ``None`` -> ``null`` when ``nullable``. Any other value raises ``_Refused``. Kept between pages
+    (kinds, checkpoint ids and servers recur), emptied past ``_QUOTED_MAX`` entries."""
+
+    def __init__(self, *, nullable: bool) -> None:
+        super().__init__()
+        self._nullable = nullable
+        self.clear()
+
+    def clear(self) -> None:
+        super().clear()
+        if self._nullable:
+            self[None] = "null"
+
+    def __missing__(self, value: Any) -> str:
+        if type(value) is not str or _Q in value or "\\" in value:
+            raise _Refused
+        if len(self) >= _QUOTED_MAX:
+            self.clear()
+        text = self[value] = f'"{value}"'
+        return text
+
+
+_QUOTED_MAX = 4096
+_quoted_kind = _Quoted(nullable=False)
+_quoted_opt = _Quoted(nullable=True)
+
+
 def _fast(rows: Sequence[Sequence[Any]], after: tuple[int, str] | None) -> bool:
     """True only if every row of ``rows`` passes all three checks (see the module docstring)."""
-    seqs, ats, kinds, cids, servers, call_ids, epochs, datas, prevs, hashes = zip(*rows, strict=True)
+    seqs, ats, _, _, _, call_ids, epochs, datas, prevs, hashes = zip(*rows, strict=True)
     first = seqs[0]
     if after is not None and (first != after[0] + 1 or prevs[0] != after[1]):
         return False
@@ -99,21 +133,20 @@ def _fast(rows: Sequence[Sequence[Any]], after: tuple[int, str] | None) -> bool:
         return False
     try:
         "".join(datas)  # TypeError unless every one is a str
-        for column in (ats, kinds, *(filter(_not_none, c) for c in (cids, servers, call_ids))):
+        for column in (ats, filter(_not_none, call_ids)):  # the others: _Quoted
             text = "".join(column)
             if _Q in text or "\\" in text:
                 return False
-        quoted = {value: f'"{value}"' for value in {*kinds, *cids, *servers}}
-        quoted[None] = "null"
-        q = _Q
+        kq, oq, q = _quoted_kind, _quoted_opt, _Q
         digests = [
             _sha256(
                 f'{p}{{"at":"{at}","call_id":{"null" if ci is None else q + ci + q},'
-                f'"checkpoint_id":{quoted[c]},"data":{d},"epoch":{e},"kind":{quoted[k]},'
-                f'"prev_hash":"{p}","seq":{s},"server":{quoted[sv]}}}'.encode()
-            ).hexdigest()
+                f'"checkpoint_id":{oq[c]},"data":{d},"epoch":{e},"kind":{kq[k]},'
+                f'"prev_hash":"{p}","seq":{s},"server":{oq[sv]}}}'.encode()
+            ).digest()
             for s, at, k, c, sv, ci, e, d, p, _ in rows
         ]
-    except (TypeError, ValueError):  # a column of the wrong type: the definition decides
+        # Every stored hash is 64 characters and together they are the digests in lowercase hex.
+        return set(map(len, hashes)) == _HEX_LENGTH and b"".join(digests).hex() == "".join(hashes)
+    except (TypeError, ValueError, _Refused):  # a column of the wrong type, or to escape
         return False
-    return digests == list(hashes)
