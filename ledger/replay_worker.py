@@ -66,7 +66,8 @@ def check_range(conn: sqlite3.Connection, lo: int, hi: int, page_size: int = PAG
 
 def bounds(conn: sqlite3.Connection) -> tuple[int, int] | None:
     """The smallest and the largest seq stored (None when ``events`` is empty)."""
-    low, high = conn.execute("SELECT min(seq), max(seq) FROM events").fetchone()
+    # Two subqueries: SQLite answers a lone min() or max() from the index end, not a pair of them.
+    low, high = conn.execute("SELECT (SELECT min(seq) FROM events), (SELECT max(seq) FROM events)").fetchone()
     return None if low is None else (int(low), int(high))
 
 
