@@ -27,6 +27,7 @@ import json
 import os
 import pickle
 import subprocess
+import sys
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -188,7 +189,7 @@ async def _plan(path: Path, workers: int | None, chunk_events: int) -> tuple[int
     """How many worker processes check which seq ranges ``(lo, hi]``; (0, []): replay in-process."""
     automatic = workers is None
     count = _available_cpus() if workers is None else workers
-    if count < (2 if automatic else 1):
+    if count < (2 if automatic else 1) or not sys.executable:  # no interpreter to start: in-process
         return 0, []
 
     def read_bounds() -> tuple[int, int] | None:
