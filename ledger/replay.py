@@ -22,7 +22,6 @@ read when the replay starts: events appended meanwhile are left for the next rep
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import pickle
@@ -54,6 +53,7 @@ PAGE_SIZE = 5000
 PARALLEL_MIN_EVENTS: Final = 50_000
 #: The seqs one worker request covers; smaller ranges balance the workers on a busy machine.
 CHUNK_EVENTS: Final = 25_000
+MIN_CHUNK_EVENTS: Final = 4_000
 _BEFORE_ALL: Final = -(2**63)  # below every BIGINT seq
 
 
@@ -205,8 +205,16 @@ async def _plan(path: Path, workers: int | None, chunk_events: int) -> tuple[int
     low, high = found
     if automatic and high - low + 1 < PARALLEL_MIN_EVENTS:
         return 0, []
-    edges = [*range(low - 1, high, max(1, chunk_events)), high]
-    ranges = list(itertools.pairwise(edges))
+    # Ranges of chunk_events seqs, shrinking towards the end (down to MIN_CHUNK_EVENTS) so that
+    # the workers finish close together.
+    largest = max(1, chunk_events)
+    smallest = min(largest, MIN_CHUNK_EVENTS)
+    ranges: list[tuple[int, int]] = []
+    start = low - 1
+    while start < high:
+        size = min(largest, max(smallest, (high - start) // (2 * count)))
+        ranges.append((start, min(high, start + size)))
+        start += size
     return min(count, len(ranges)), ranges
 
 
