@@ -77,6 +77,8 @@ class ReplayReport:
     problem: str | None = None
     differences: list[Difference] = field(default_factory=list)
     rebuilt: bool = False
+    #: Worker processes that checked the chain (0: read in this process). Not part of ``to_json``.
+    workers: int = 0
 
     @property
     def projections_ok(self) -> bool:
@@ -332,6 +334,7 @@ async def replay_open(
             await _check_in_workers(ledger.url, path, count, ranges, replayer.feed_chunk)
 
         await _together(read_live, check)  # this process reads while the workers check
+        replayer.report.workers = count
     else:
         await _read_in_process(replayer, ledger, page_size)
         live = await backend.attempts(None, None)

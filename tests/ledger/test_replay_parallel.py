@@ -208,6 +208,7 @@ def test_workers_agree_with_one_pass_on_a_sound_ledger(sqlite_url: str) -> None:
         assert single.ok, single.differences[:3]
         assert parallel.to_json() == single.to_json()
         assert parallel.events == 500
+        assert (single.workers, parallel.workers) == (0, min(2, -(-500 // chunk_events)))
 
 
 # Chunks of 7 seqs: (0, 7], (7, 14], (14, 21], ... — 15 starts a chunk, 14 ends one, 17 is inside.

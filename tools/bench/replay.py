@@ -66,10 +66,10 @@ async def run_replay(path: str) -> dict[str, Any]:
         "seconds": seconds,
         "events_per_s": report.events / seconds,
         "ok": report.ok,
-        # replay's worker processes (one per CPU on a ledger this size), all ended and waited for:
-        # RUSAGE_CHILDREN holds the largest peak RSS among them, and their CPU time.
-        "workers": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "worker_peak_rss_mb": children.ru_maxrss / 1024,
+        # replay's worker processes, all ended and waited for: RUSAGE_CHILDREN holds the largest
+        # peak RSS among them, and their CPU time.
+        "workers": report.workers,
+        "worker_peak_rss_mb": children.ru_maxrss / 1024 if report.workers else 0.0,
         "cpu_s": sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
                      for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)),
     }  # fmt: skip
