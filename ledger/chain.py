@@ -14,16 +14,18 @@ row of a chain — or None, which skips checks 1 and 2 for ``rows[0]``: its call
 
 The verdict is always the one of the row-by-row definition (``_check_exact``, built on
 ``row_bytes`` and ``chain_hash``). The fast path only accepts: it builds every row's bytes by
-plain splicing, which equals ``row_bytes`` when the text columns are ``str`` holding no ``"``
-nor ``\\`` (the only characters besides control characters that the canonical encoding escapes;
-a control character left raw makes the bytes differ, which fails the page, never passes it),
-``epoch`` and ``seq`` are ``int``, and each ``prev_hash`` equals the previous row's verified
-hash (hex digits). A page it does not accept, for whatever reason, is checked by the definition.
+plain splicing, which equals ``row_bytes`` exactly when the text columns are ``str`` holding no
+character the canonical encoding escapes (``"``, ``\\``, U+0000 to U+001F), ``epoch`` and ``seq``
+are ``int``, and each ``prev_hash`` equals the previous row's verified hash (hex digits; for an
+unlinked ``rows[0]`` that is for ``link`` to establish, and ``link`` comes first). So even a hash
+forged over such spliced bytes cannot pass it. A page it does not accept, for whatever reason,
+is checked by the definition.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 from functools import partial
 from operator import is_not
@@ -40,6 +42,8 @@ UNLINKED = "prev_hash does not match the hash of the previous row"
 _not_none = partial(is_not, None)
 _sha256 = hashlib.sha256
 _Q = '"'
+#: The characters ``json.encoder.encode_basestring`` (the canonical encoding of text) escapes.
+_ESCAPED = re.compile(r'["\\\x00-\x1f]')
 _INT = {int}
 _HEX_LENGTH = {64}
 
@@ -91,7 +95,7 @@ class _Refused(Exception):
 
 
 class _Quoted(dict[Any, str]):
-    """A ``str`` without quote nor backslash -> itself in quotes, which is its canonical encoding;
+    """A ``str`` with no character to escape -> itself in quotes, which is its canonical encoding;
     ``None`` -> ``null`` when ``nullable``. Any other value raises ``_Refused``. Kept between pages
     (kinds, checkpoint ids and servers recur), emptied past ``_QUOTED_MAX`` entries."""
 
@@ -106,7 +110,7 @@ class _Quoted(dict[Any, str]):
             self[None] = "null"
 
     def __missing__(self, value: Any) -> str:
-        if type(value) is not str or _Q in value or "\\" in value:
+        if type(value) is not str or _ESCAPED.search(value):
             raise _Refused
         if len(self) >= _QUOTED_MAX:
             self.clear()
@@ -134,8 +138,7 @@ def _fast(rows: Sequence[Sequence[Any]], after: tuple[int, str] | None) -> bool:
     try:
         "".join(datas)  # TypeError unless every one is a str
         for column in (ats, filter(_not_none, call_ids)):  # the others: _Quoted
-            text = "".join(column)
-            if _Q in text or "\\" in text:
+            if _ESCAPED.search("".join(column)):
                 return False
         kq, oq, q = _quoted_kind, _quoted_opt, _Q
         digests = [

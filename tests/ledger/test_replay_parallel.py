@@ -82,6 +82,21 @@ def test_page_check_agrees_with_the_definition_on_sound_and_awkward_rows() -> No
             assert check_rows(rows[start:], None) is None
 
 
+def _relinked(rows: list[Row], start: int) -> list[Row]:
+    """``rows`` with every row from ``start`` on linked to the one before and hashed canonically:
+    a forger who rewrote the rest of the chain."""
+    out = rows[:start]
+    for seq, at, kind, cid, server, call_id, epoch, text, _, _ in rows[start:]:
+        prev = out[-1][9]
+        digest = chain_hash(
+            prev,
+            row_bytes(seq=seq, at=at, kind=kind, checkpoint_id=cid, server=server, call_id=call_id,
+                      epoch=epoch, data_text=text, prev_hash=prev),
+        )  # fmt: skip
+        out.append((seq, at, kind, cid, server, call_id, epoch, text, prev, digest))
+    return out
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -91,19 +106,26 @@ def test_page_check_agrees_with_the_definition_on_sound_and_awkward_rows() -> No
         {"at": b"2025-01-01T00:00:00.000001Z"},
         {"server": 's","call_id":"x'},  # a quote spliced in instead of escaped
         {"cid": "c\\1"},
+        {"kind": "call.sent\n"},
         {"call_id": "k\u0001"},
+        {"at": "2025-01-01T00:00:00.000021Z\x1f"},
+        {"server": "\x00"},
     ],
 )
 def test_a_row_hashed_without_the_canonical_encoding_is_refused(change: dict[str, Any]) -> None:
-    """The fast path splices columns as they are: it must not accept a hash made that way."""
+    """The fast path splices columns as they are: it must not accept a hash made that way, even
+    with the rest of the chain rewritten to follow it."""
     rows = _rows(random_items(random.Random(3), 40))
     rows[20] = _rehash(rows[20], **change)
+    rows = _relinked(rows, 21)
     expected = _check_exact(rows, (0, GENESIS_HASH))
     assert expected is not None
     assert expected[0] == 21
+    assert _check_exact(rows[21:], (rows[20][0], rows[20][9])) is None, "only row 21 is wrong"
     assert check_rows(rows, (0, GENESIS_HASH)) == expected
     assert check_rows(rows[15:], None) == expected
     assert check_rows(rows[20:], None) == expected
+    assert check_rows(rows[20:21], None) == expected
 
 
 @given(
