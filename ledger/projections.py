@@ -25,8 +25,10 @@ Rules (``fold(row, event)``, for each checkpoint id in ``touched(event)``):
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from operator import attrgetter
+from typing import Any, Final, TypeAlias
 
 from ledger.canonical import canonical_text
 from ledger.events import Event
@@ -82,9 +84,12 @@ class AttemptRow:
     last_seq: int
 
 
+_columns_of = attrgetter(*COLUMNS)
+
+
 def replace(row: AttemptRow, **changes: Any) -> AttemptRow:
     """``row`` with ``changes`` applied (a faster ``dataclasses.replace``)."""
-    values = {name: getattr(row, name) for name in COLUMNS}
+    values = dict(zip(COLUMNS, _columns_of(row), strict=True))
     values.update(changes)
     return AttemptRow(**values)
 
@@ -105,6 +110,24 @@ def touched(event: Event) -> tuple[str, ...]:
             return (event.checkpoint_id, *ids)
         return ids
     return () if event.checkpoint_id is None else (event.checkpoint_id,)
+
+
+#: The kind whose only effect is to count: ``fold`` of it is ``count_calls(row, 1, seq)``.
+COUNTED_KIND: Final = "call.sent"
+
+
+def count_calls(row: AttemptRow | None, n: int, last_seq: int) -> AttemptRow | None:
+    """The row after ``n`` consecutive ``call.sent`` events for it, the last one at ``last_seq``.
+
+    Equal to ``fold`` applied ``n`` times (the definition ``fold`` itself uses): ``calls`` grows by
+    ``n`` and ``last_seq`` becomes ``last_seq`` whatever the state; no row stays no row.
+    """
+    if row is None:
+        return None
+    return AttemptRow(
+        row.checkpoint_id, row.kind, row.state, row.outcome, row.started_at, row.ended_at,
+        row.deadline_ts, row.participants, row.epoch, row.calls + n, row.failures, row.recovered_by, last_seq,
+    )  # fmt: skip
 
 
 def _started(event: Event, checkpoint_id: str) -> AttemptRow:
@@ -141,11 +164,8 @@ def fold(row: AttemptRow | None, event: Event, checkpoint_id: str | None = None)
             return _started(event, cid)
         return None
     seq = event.seq
-    if kind == "call.sent":  # the most frequent event: built directly, no generic replace
-        return AttemptRow(
-            row.checkpoint_id, row.kind, row.state, row.outcome, row.started_at, row.ended_at,
-            row.deadline_ts, row.participants, row.epoch, row.calls + 1, row.failures, row.recovered_by, seq,
-        )  # fmt: skip
+    if kind == COUNTED_KIND:  # the most frequent event
+        return count_calls(row, 1, seq)
     if kind == "call.failed":
         return replace(row, failures=row.failures + 1, last_seq=seq)
     if kind == "recovery.settled":
@@ -182,6 +202,99 @@ def fold(row: AttemptRow | None, event: Event, checkpoint_id: str | None = None)
             last_seq=seq,
         )
     return replace(row, last_seq=seq)
+
+
+#: What ``fold_items`` folds: a stored ``events`` row (10 columns, ``ledger.layout.EVENT_COLUMNS``
+#: order), or ``(checkpoint_id, n, last_seq)`` standing for ``n`` consecutive ``call.sent`` events of
+#: that id (``count_calls``). Plain tuples: they cross process boundaries cheaply.
+FoldItem: TypeAlias = tuple[Any, ...]
+
+
+class FoldFeed:
+    """Reduces stored ``events`` rows, added in seq order, to the items ``fold_items`` folds.
+
+    Folding the items gives the rows that ``fold`` over every event gives, because for each
+    checkpoint id the items keep the order of the events touching it, and a run of its
+    ``call.sent`` events with no other event touching that id in between becomes one count: an
+    event for an id first flushes that id's pending count, and ``recovery.completed`` (which may
+    touch any id) flushes all of them. Rows touching no id (``touched`` is empty) are dropped.
+    """
+
+    __slots__ = ("_counts", "items")
+
+    def __init__(self) -> None:
+        self.items: list[FoldItem] = []
+        self._counts: dict[str, list[int]] = {}
+
+    def add(self, rows: Iterable[Sequence[Any]]) -> None:
+        """Take stored rows (columns in ``ledger.layout.EVENT_COLUMNS`` order) following those added."""
+        counts = self._counts
+        items = self.items
+        counted, untouching = COUNTED_KIND, UNTOUCHING_KINDS
+        for row in rows:
+            kind = row[2]
+            if kind == counted:
+                cid = row[3]
+                if cid is not None:
+                    pending = counts.get(cid)
+                    if pending is None:
+                        counts[cid] = [1, row[0]]
+                    else:
+                        pending[0] += 1
+                        pending[1] = row[0]
+            elif kind not in untouching:
+                cid = row[3]
+                if kind == "recovery.completed":
+                    self.flush()
+                elif cid is None:
+                    continue
+                else:
+                    pending = counts.pop(cid, None)
+                    if pending is not None:
+                        items.append((cid, pending[0], pending[1]))
+                items.append(tuple(row))
+
+    def flush(self) -> None:
+        """Turn every pending count into an item."""
+        self.items.extend((cid, n, last) for cid, (n, last) in self._counts.items())
+        self._counts.clear()
+
+    def take(self) -> list[FoldItem]:
+        """The items so far (pending counts flushed); the feed starts empty again."""
+        self.flush()
+        items, self.items = self.items, []
+        return items
+
+
+def _event(row: Sequence[Any]) -> Event:
+    seq, at, kind, cid, server, call_id, epoch, data_text, prev_hash, digest = row
+    data: dict[str, Any] = {}
+    if kind in KINDS_READ_BY_FOLD:
+        try:
+            parsed = json.loads(data_text)
+        except (ValueError, TypeError):
+            parsed = {}
+        data = parsed if isinstance(parsed, dict) else {}
+    return Event(seq, at, kind, cid, server, call_id, epoch, data, prev_hash, digest)
+
+
+def fold_items(rows: dict[str, AttemptRow], items: Iterable[FoldItem]) -> None:
+    """Fold ``items`` (from ``FoldFeed``, in order) into ``rows`` (checkpoint id -> row), in place.
+
+    Only the payloads ``fold`` reads (``KINDS_READ_BY_FOLD``) are decoded.
+    """
+    for item in items:
+        if len(item) == 3:
+            cid, n, last_seq = item
+            counted = count_calls(rows.get(cid), n, last_seq)
+            if counted is not None:
+                rows[cid] = counted
+            continue
+        event = _event(item)
+        for touched_id in touched(event):
+            new = fold(rows.get(touched_id), event, touched_id)
+            if new is not None:
+                rows[touched_id] = new
 
 
 _participants_cache: dict[tuple[str, ...], str] = {}

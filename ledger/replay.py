@@ -1,38 +1,60 @@
 """Replay: recompute the hash chain and rebuild the projections from ``events``.
 
-``replay_url(url)`` streams every event in seq order (``PAGE_SIZE`` rows per query; memory is one
-page plus one projection row per checkpoint id), and
+``replay_url(url)`` reads every event in seq order, and
 
-- checks the chain (``ledger.canonical``): seqs start at 1 without gaps, each ``prev_hash`` is the
-  previous row's ``hash``, each ``hash`` recomputes from the stored row. The first bad seq is
-  reported with what is wrong with it. Limitation: a chain cannot reveal rows removed from its
-  end; compare ``head_seq``/``head_hash`` with a copy kept elsewhere for that.
-- folds ``ledger.projections.fold`` over the stream and compares the result with the live
-  ``attempts`` table, column by column;
+- checks the chain (``ledger.chain``, which follows ``ledger.canonical``): seqs start at 1 without
+  gaps, each ``prev_hash`` is the previous row's ``hash``, each ``hash`` recomputes from the stored
+  row. The first bad seq is reported with what is wrong with it. Limitation: a chain cannot
+  reveal rows removed from its end; compare ``head_seq``/``head_hash`` with a copy kept elsewhere.
+- folds ``ledger.projections.fold`` over the stream (through ``FoldFeed``) and compares the result
+  with the live ``attempts`` table, column by column;
 - with ``rebuild=True`` (needs writership; refused when the chain is broken) replaces the live
   ``attempts`` table with the rebuilt rows in one transaction.
+
+Reading: PostgreSQL, and SQLite ledgers under ``PARALLEL_MIN_EVENTS`` events, are read in this
+process, ``PAGE_SIZE`` rows per query (memory: two pages plus one projection row per checkpoint
+id). A larger SQLite ledger is split into seq ranges of ``CHUNK_EVENTS`` checked by worker
+processes (``ledger.replay_worker``, one per CPU, each holding one page at a time); this process
+links the ranges to each other (``ledger.chain.link``) and folds their items in seq order, so the
+verdict, first bad seq included, is the one a single pass gives. The ranges end at the head seq
+read when the replay starts: events appended meanwhile are left for the next replay.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Iterable
+import os
+import pickle
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from json.encoder import encode_basestring
-from typing import Any
+from pathlib import Path
+from typing import Any, Final
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
+from anyio.streams.buffered import BufferedByteReceiveStream
 
+from ledger import replay_worker
 from ledger.backend import RawEvent
 from ledger.canonical import GENESIS_HASH
+from ledger.chain import check_rows, link
 from ledger.errors import LedgerError
-from ledger.events import Event
-from ledger.projections import COLUMNS, KINDS_READ_BY_FOLD, AttemptRow, fold, touched
+from ledger.projections import COLUMNS, AttemptRow, FoldFeed, fold_items
+from ledger.replay_worker import Chunk
 from ledger.store import Ledger
+from ledger.urls import parse, plain_sqlite_path
 
 PAGE_SIZE = 5000
+#: With ``workers`` left automatic, a SQLite ledger spanning fewer seqs is replayed in-process
+#: (starting worker processes would cost more than they save).
+PARALLEL_MIN_EVENTS: Final = 50_000
+#: The seqs one worker request covers; smaller ranges balance the workers on a busy machine.
+CHUNK_EVENTS: Final = 25_000
+MIN_CHUNK_EVENTS: Final = 4_000
+_BEFORE_ALL: Final = -(2**63)  # below every BIGINT seq
 
 
 @dataclass
@@ -55,6 +77,8 @@ class ReplayReport:
     problem: str | None = None
     differences: list[Difference] = field(default_factory=list)
     rebuilt: bool = False
+    #: Worker processes that checked the chain (0: read in this process). Not part of ``to_json``.
+    workers: int = 0
 
     @property
     def projections_ok(self) -> bool:
@@ -83,6 +107,7 @@ class Replayer:
         self.rows: dict[str, AttemptRow] = {}
         self._last_seq = 0
         self._last_hash = GENESIS_HASH
+        self._feed = FoldFeed()
 
     def _bad(self, seq: int, problem: str) -> None:
         report = self.report
@@ -92,57 +117,34 @@ class Replayer:
             report.problem = problem
 
     def feed(self, page: Iterable[RawEvent]) -> None:
-        rows = self.rows
-        report = self.report
-        enc = encode_basestring
-        sha256 = hashlib.sha256
-        last_seq, last_hash = self._last_seq, self._last_hash
-        count = 0
-        for raw in page:
-            seq, at, kind, cid, server, call_id, epoch, data_text, prev_hash, digest = raw
-            count += 1
-            if report.chain_ok:
-                if seq != last_seq + 1:
-                    if seq > last_seq + 1:
-                        missing = f"{last_seq + 1}" if seq == last_seq + 2 else f"{last_seq + 1}..{seq - 1}"
-                        self._bad(last_seq + 1, f"seq {missing} missing (rows deleted); next seq is {seq}")
-                    else:
-                        self._bad(seq, f"seq {seq} out of order after seq {last_seq}")
-                elif prev_hash != last_hash:
-                    self._bad(seq, "prev_hash does not match the hash of the previous row")
-                # ledger.canonical.row_bytes + chain_hash, inlined (tests check they agree)
-                elif (
-                    sha256(
-                        (
-                            f'{prev_hash}{{"at":{enc(at)},'
-                            f'"call_id":{"null" if call_id is None else enc(call_id)},'
-                            f'"checkpoint_id":{"null" if cid is None else enc(cid)},"data":{data_text},'
-                            f'"epoch":{int(epoch)},"kind":{enc(kind)},"prev_hash":{enc(prev_hash)},'
-                            f'"seq":{int(seq)},"server":{"null" if server is None else enc(server)}}}'
-                        ).encode()
-                    ).hexdigest()
-                    != digest
-                ):
-                    self._bad(seq, "hash mismatch: the stored row differs from what was hashed (row edited)")
-            last_seq, last_hash = seq, digest
-            if cid is None and kind != "recovery.completed":
-                continue
-            data: dict[str, Any] = {}
-            if kind in KINDS_READ_BY_FOLD:
-                try:
-                    parsed = json.loads(data_text)
-                except ValueError:
-                    parsed = {}
-                data = parsed if isinstance(parsed, dict) else {}
-            event = Event(seq, at, kind, cid, server, call_id, epoch, data, prev_hash, digest)
-            for touched_id in touched(event):
-                new = fold(rows.get(touched_id), event, touched_id)
-                if new is not None:
-                    rows[touched_id] = new
+        """Take the next stored rows (``ledger.chain`` checks them; the fold takes them)."""
+        rows = page if isinstance(page, list) else list(page)
+        if not rows:
+            return
+        if self.report.chain_ok:
+            problem = check_rows(rows, (self._last_seq, self._last_hash))
+            if problem is not None:
+                self._bad(*problem)
+        self._advance(len(rows), rows[-1][0], rows[-1][9])
+        self._feed.add(rows)
+        fold_items(self.rows, self._feed.take())
+
+    def feed_chunk(self, chunk: Chunk) -> None:
+        """Take the next range of rows, as checked and reduced by a worker (``ledger.replay_worker``)."""
+        if chunk.first is None or chunk.last is None:
+            return
+        if self.report.chain_ok:
+            problem = link((self._last_seq, self._last_hash), *chunk.first) or chunk.problem
+            if problem is not None:
+                self._bad(*problem)
+        self._advance(chunk.count, *chunk.last)
+        fold_items(self.rows, chunk.items)
+
+    def _advance(self, count: int, last_seq: int, last_hash: str) -> None:
         self._last_seq, self._last_hash = last_seq, last_hash
+        report = self.report
         report.events += count
-        if count:
-            report.head_seq, report.head_hash = last_seq, last_hash
+        report.head_seq, report.head_hash = last_seq, last_hash
 
     def compare(self, live: Iterable[AttemptRow]) -> None:
         """Record every difference between ``live`` rows and the rebuilt ones."""
@@ -153,6 +155,8 @@ class Replayer:
             rebuilt = self.rows.get(row.checkpoint_id)
             if rebuilt is None:
                 diffs.append(Difference(row.checkpoint_id, "(row)", "present", None))
+                continue
+            if rebuilt == row:
                 continue
             for column in COLUMNS:
                 a, b = getattr(row, column), getattr(rebuilt, column)
@@ -166,14 +170,125 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-async def replay_open(ledger: Ledger, *, rebuild: bool = False, page_size: int = PAGE_SIZE) -> ReplayReport:
-    """Replay an open ledger (a writer, when ``rebuild``)."""
-    if rebuild and ledger.readonly:
-        raise LedgerError(f"ledger {ledger.url} is open readonly; rebuilding projections needs the writer")
+def _sqlite_file(ledger: Ledger) -> Path | None:
+    """The file of a SQLite ledger (None for PostgreSQL)."""
+    from ledger.sqlite import SqliteBackend
+
+    if not isinstance(ledger.backend, SqliteBackend):
+        return None
+    database = plain_sqlite_path(ledger.url) or parse(ledger.url)[1].database
+    return Path(database).resolve() if database else None
+
+
+def _available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+async def _plan(path: Path, workers: int | None, chunk_events: int) -> tuple[int, list[tuple[int, int]]]:
+    """How many worker processes check which seq ranges ``(lo, hi]``; (0, []): replay in-process."""
+    automatic = workers is None
+    count = _available_cpus() if workers is None else workers
+    if count < (2 if automatic else 1) or not sys.executable:  # no interpreter to start: in-process
+        return 0, []
+
+    def read_bounds() -> tuple[int, int] | None:
+        conn = replay_worker.connect(str(path))
+        try:
+            return replay_worker.bounds(conn)
+        finally:
+            conn.close()
+
+    found = await anyio.to_thread.run_sync(read_bounds)
+    if found is None:
+        return 0, []
+    low, high = found
+    if automatic and high - low + 1 < PARALLEL_MIN_EVENTS:
+        return 0, []
+    # Ranges of chunk_events seqs, shrinking towards the end (down to MIN_CHUNK_EVENTS) so that
+    # the workers finish close together.
+    largest = max(1, chunk_events)
+    smallest = min(largest, MIN_CHUNK_EVENTS)
+    ranges: list[tuple[int, int]] = []
+    start = low - 1
+    while start < high:
+        size = min(largest, max(smallest, (high - start) // (2 * count)))
+        ranges.append((start, min(high, start + size)))
+        start += size
+    return min(count, len(ranges)), ranges
+
+
+async def _check_in_workers(
+    where: str, path: Path, workers: int, ranges: list[tuple[int, int]], take: Callable[[Chunk], None]
+) -> None:
+    """Each range checked by one of ``workers`` processes (``ledger.replay_worker``); ``take`` gets
+    the chunks in range order, each as soon as those before it have come."""
+    arrived: dict[int, Chunk] = {}
+    queue = iter(range(len(ranges)))
+    taken = 0
+
+    def arrive(index: int, chunk: Chunk) -> None:
+        nonlocal taken
+        arrived[index] = chunk
+        while taken in arrived:
+            take(arrived.pop(taken))
+            taken += 1
+
+    async def work() -> None:
+        try:
+            async with await anyio.open_process(
+                replay_worker.command(path), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None
+            ) as process:
+                assert process.stdin is not None
+                assert process.stdout is not None
+                answers = BufferedByteReceiveStream(process.stdout)
+                for index in queue:
+                    try:
+                        await process.stdin.send(json.dumps(ranges[index]).encode() + b"\n")
+                        (size,) = replay_worker.HEADER.unpack(
+                            await answers.receive_exactly(replay_worker.HEADER.size)
+                        )
+                        status, value = pickle.loads(await answers.receive_exactly(size))
+                    except (anyio.BrokenResourceError, anyio.IncompleteRead, anyio.EndOfStream):
+                        raise LedgerError(
+                            f"ledger {where}: a replay worker process ended without answering"
+                        ) from None
+                    if status != "ok":
+                        raise LedgerError(f"ledger {where}: a replay worker failed:\n{value}")
+                    arrive(index, value)
+                await process.stdin.aclose()
+        except OSError as error:
+            raise LedgerError(f"ledger {where}: could not run a replay worker process: {error}") from error
+
+    await _together(*[work] * workers)
+    if taken != len(ranges):
+        raise LedgerError(f"ledger {where}: replay workers left seq ranges unchecked")
+
+
+async def _together(*functions: Callable[[], Awaitable[None]]) -> None:
+    """Run ``functions`` concurrently; the first ``LedgerError`` cancels the others and is raised as is."""
+    errors: list[LedgerError] = []
+
+    async def run(function: Callable[[], Awaitable[None]], cancel: anyio.CancelScope) -> None:
+        try:
+            await function()
+        except LedgerError as error:
+            errors.append(error)
+            cancel.cancel()
+
+    async with anyio.create_task_group() as tg:
+        for function in functions:
+            tg.start_soon(run, function, tg.cancel_scope)
+    if errors:
+        raise errors[0]
+
+
+async def _read_in_process(replayer: Replayer, ledger: Ledger, page_size: int) -> None:
     backend = ledger.backend
-    replayer = Replayer()
     # Read the next page while this one is checked: two pages in memory at most.
-    page = await backend.read_page(0, None, None, page_size)
+    page = await backend.read_page(_BEFORE_ALL, None, None, page_size)  # seqs <= 0 are problems too
     while True:
         if len(page) < page_size:
             replayer.feed(page)
@@ -188,7 +303,42 @@ async def replay_open(ledger: Ledger, *, rebuild: bool = False, page_size: int =
             await anyio.lowlevel.checkpoint()
             replayer.feed(page)
         page = next_page
-    replayer.compare(await backend.attempts(None, None))
+
+
+async def replay_open(
+    ledger: Ledger,
+    *,
+    rebuild: bool = False,
+    page_size: int = PAGE_SIZE,
+    workers: int | None = None,
+    chunk_events: int = CHUNK_EVENTS,
+) -> ReplayReport:
+    """Replay an open ledger (a writer, when ``rebuild``).
+
+    ``workers``: worker processes checking a SQLite ledger (None: as many as CPUs once it holds
+    ``PARALLEL_MIN_EVENTS``; 0: none). A PostgreSQL ledger is always read in this process.
+    """
+    if rebuild and ledger.readonly:
+        raise LedgerError(f"ledger {ledger.url} is open readonly; rebuilding projections needs the writer")
+    backend = ledger.backend
+    replayer = Replayer()
+    path = _sqlite_file(ledger)
+    count, ranges = (0, []) if path is None else await _plan(path, workers, chunk_events)
+    live: list[AttemptRow] = []
+    if path is not None and count:
+
+        async def read_live() -> None:
+            live.extend(await backend.attempts(None, None))
+
+        async def check() -> None:
+            await _check_in_workers(ledger.url, path, count, ranges, replayer.feed_chunk)
+
+        await _together(read_live, check)  # this process reads while the workers check
+        replayer.report.workers = count
+    else:
+        await _read_in_process(replayer, ledger, page_size)
+        live = await backend.attempts(None, None)
+    replayer.compare(live)
     report = replayer.report
     if rebuild:
         if not report.chain_ok:
@@ -202,7 +352,16 @@ async def replay_open(ledger: Ledger, *, rebuild: bool = False, page_size: int =
     return report
 
 
-async def replay_url(url: str, *, rebuild: bool = False, page_size: int = PAGE_SIZE) -> ReplayReport:
+async def replay_url(
+    url: str,
+    *,
+    rebuild: bool = False,
+    page_size: int = PAGE_SIZE,
+    workers: int | None = None,
+    chunk_events: int = CHUNK_EVENTS,
+) -> ReplayReport:
     """Open ``url`` (readonly unless ``rebuild``) and replay it; see the module docstring."""
     async with Ledger.open(url, readonly=not rebuild) as ledger:
-        return await replay_open(ledger, rebuild=rebuild, page_size=page_size)
+        return await replay_open(
+            ledger, rebuild=rebuild, page_size=page_size, workers=workers, chunk_events=chunk_events
+        )
