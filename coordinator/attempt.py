@@ -25,12 +25,13 @@ each phase runs inside an anyio cancel scope whose deadline is `deadline_ts` con
 clock. Rollback and the resume after publication use `max(deadline_ts, now + control_timeout_s)`.
 
 Durability: every event is committed before the next step, but only those an outside action waits
-on are forced to disk when appended — `call.sent` (before its request), `attempt.publishing` (before
-the rename), `phase.failed`, and the events a user is answered on (`attempt.completed`,
-`attempt.aborted`). The others (`attempt.started`, `phase.started/completed`, call outcomes,
-`attempt.aborting`, `attempt.published`) are write-behind (`durable=False`): they survive a crash
-of the process at once and reach the disk with the next durable append, which always comes before
-the next request leaves. `attempt.published` needs no fsync of its own: the fsynced rename is the
+on are forced to disk when appended — the `call.sent` of the first POST to each server in an
+attempt (it makes the server *touched*: recovery resumes every touched server, whatever else was
+lost), `attempt.publishing` (before the rename), `phase.failed`, and the events a user is answered
+on (`attempt.completed`, `attempt.aborted`). The others (`attempt.started`, `phase.started/completed`,
+later calls to touched servers, reads, call outcomes, `attempt.aborting`, `attempt.published`) are
+write-behind (`durable=False`): they survive a crash of the process at once and reach the disk with
+the next durable append. `attempt.published` needs no fsync of its own: the fsynced rename is the
 commit point and recovery reads publication from the filesystem.
 
 Everything a later coordinator needs is in the ledger: `load_attempt` rebuilds an `Attempt`

@@ -5,7 +5,7 @@
 - `QUIESCE_CRASH_AT=<n>`: SIGKILL right after the coordinator's n-th committed ledger append
   (1 is its `coordinator.started`; every `Ledger.append` / `append_many` counts once).
 - `QUIESCE_CRASH_BEFORE_SEND=<n>`: SIGKILL right before its n-th control request goes out:
-  its `call.sent` is durable (calls.py records before it sends), the request is not sent.
+  its `call.sent` is committed (calls.py records before it sends), the request is not sent.
   Capabilities reads count too. Both hang off the ledger's `after_append` hook, because the
   instant after a `call.sent` commit *is* the instant before that request leaves.
 

@@ -6,6 +6,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -222,3 +223,58 @@ async def test_connect_and_timeout(tmp_path: Path) -> None:
         ("call.sent", None),
         ("call.failed", "timeout"),
     ]
+
+
+@pytest.mark.anyio
+async def test_only_the_first_post_to_a_server_per_attempt_is_fsynced_first(tmp_path: Path) -> None:
+    """The `call.sent` that makes a server touched is durable; reads, later POSTs and outcomes are
+    write-behind (committed, on disk with the next durable append)."""
+    import time
+
+    from coordinator.calls import Target
+    from coordinator.protocol import AGENT, CommonBody, route
+    from ledger import Event
+
+    reply = json.dumps({"state": "prepared", "ready_to_commit": True, "running": 0, "parked": 0, "active": 0})
+    seen: list[tuple[str, str | None, bool]] = []
+    async with (
+        _raw_server(lambda head: _http(200, reply.encode())) as url,
+        Ledger.open(f"sqlite+aiosqlite:///{tmp_path / 'l.db'}") as ledger,
+    ):
+        await ledger.start_epoch({"coordinator": {"host": "h", "pid": 1, "uuid": "u"}, "version": "t"})
+        backend = ledger.backend
+        real_append_now = backend.append_now
+
+        def spy(batch: Any) -> bool:
+            for event in batch.events:
+                assert isinstance(event, Event)
+                seen.append((event.kind, event.server, batch.durable))
+            return real_append_now(batch)
+
+        backend.append_now = spy  # type: ignore[method-assign]
+        caller = Caller(ledger, "t", epoch=ledger.epoch)
+        deadline = time.time() + 30
+        try:
+            for cid, server, op in [
+                ("e1-000001", "a", "prepare"),  # first POST to a: durable
+                ("e1-000001", "a", "status"),  # a read: write-behind
+                ("e1-000001", "a", "prepare"),  # a is touched already: write-behind
+                ("e1-000001", "b", "prepare"),  # first POST to b: durable
+                ("e1-000002", "a", "prepare"),  # a new attempt: durable again
+            ]:
+                body = CommonBody(checkpoint_id=cid, deadline_ts=deadline) if op == "prepare" else None
+                result = await caller.call(
+                    Target(server, AGENT, url),
+                    route(AGENT, op),
+                    phase="prepare",
+                    checkpoint_id=cid,
+                    deadline_ts=deadline,
+                    body=body,
+                    params={"checkpoint_id": cid} if op == "status" else None,
+                )
+                assert result.ok, result.describe()
+        finally:
+            await caller.aclose()
+    sent = [(server, durable) for kind, server, durable in seen if kind == "call.sent"]
+    assert sent == [("a", True), ("a", False), ("a", False), ("b", True), ("a", True)]
+    assert {durable for kind, _, durable in seen if kind != "call.sent"} == {False}
