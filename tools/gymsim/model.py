@@ -206,23 +206,23 @@ class ModelServer(GymServer):
         for suffix in GATED_MODEL_PATH_SUFFIXES:
             app.add_api_route(suffix, self._responses, methods=["POST"])
 
-        @app.post(route(MODEL, "pause").full_path)
+        @self.control_route("POST", route(MODEL, "pause").full_path)
         async def pause(body: CommonBody) -> JSONResponse:
             return await self._policy_only("pause", body, self._pause)
 
-        @app.get(route(MODEL, "status").full_path)
+        @self.control_route("GET", route(MODEL, "status").full_path)
         async def status(q: Annotated[StatusQuery, Query()]) -> JSONResponse:
             return await self.query(lambda: self._status(q))
 
-        @app.post(route(MODEL, "commit").full_path)
+        @self.control_route("POST", route(MODEL, "commit").full_path)
         async def commit(body: ModelCommitBody) -> JSONResponse:
             return await self._policy_only("commit", body, lambda: self._commit(body))
 
-        @app.post(route(MODEL, "restore").full_path)
+        @self.control_route("POST", route(MODEL, "restore").full_path)
         async def restore(body: CheckpointDirBody) -> JSONResponse:
             return await self._policy_only("restore", body, lambda: self._restore(body))
 
-        @app.post(route(MODEL, "resume").full_path)
+        @self.control_route("POST", route(MODEL, "resume").full_path)
         async def resume(body: CommonBody) -> JSONResponse:
             return await self._policy_only("resume", body, self._resume)
 
