@@ -54,6 +54,9 @@ from tools.gymsim.faults import UNDELIVERED, Fault, FaultMiddleware, FaultSet
 from tools.gymsim.fence import Action, Fence, OpRule
 from tools.gymsim.spec import ServerSpec
 
+#: Scope key: `(body, json.loads(body))` of a control POST, so the body is parsed once per request.
+PARSED_BODY = "gymsim.parsed_body"
+
 
 def route_path(scope: Scope) -> str:
     """The request path as the server sees it (without a hosting prefix in `root_path`)."""
@@ -137,6 +140,8 @@ class ControlMiddleware:
                 document = json.loads(body) if body else None
             except ValueError:
                 document = None
+            else:
+                scope[PARSED_BODY] = (body, document)
             if isinstance(document, dict) and isinstance(document.get("checkpoint_id"), str):
                 checkpoint_id = document["checkpoint_id"]
         else:
@@ -276,7 +281,9 @@ class LeanControl:
             try:
                 if not body or not _is_json(scope.get("headers", [])):
                     raise ValueError("not a JSON body")
-                args = (lean.body.model_validate(json.loads(body)),)
+                parsed = scope.get(PARSED_BODY)
+                document = parsed[1] if parsed is not None and parsed[0] == body else json.loads(body)
+                args = (lean.body.model_validate(document),)
             except Exception:  # whatever FastAPI makes of this input, it makes it itself
                 await self.fallback(scope, receive, send)
                 return
