@@ -215,6 +215,21 @@ async def test_commit_with_a_bad_index_is_ledger_mismatch(gym: Gym, tmp_path: Pa
     assert not (tmp_path / "model-ledger").exists()
 
 
+async def test_commit_fails_on_the_first_bad_index_in_order(gym: Gym, tmp_path: Path) -> None:
+    await call(gym, "r1", 1)
+    await pause_until_prepared(gym)
+    unknown_call = write_index(tmp_path, [row("r1", "call-9")])
+    missing = {**unknown_call, "relative_path": "agent/nothing.jsonl"}
+    for indexes, named in (([unknown_call, missing], "call-9"), ([missing, unknown_call], "nothing.jsonl")):
+        reply = await gym.op(
+            "policy_model", "commit", checkpoint_dir=str(tmp_path), continuation_indexes=indexes
+        )
+        assert reply.status_code == 409
+        assert code(reply) == "ledger_mismatch"
+        assert named in reply.json()["error"]["detail"]
+        assert await gym.fence("policy_model") == ("prepared", "c1")
+
+
 async def committed_model(gym: Gym, folder: Path) -> dict[str, Any]:
     for turn in (1, 2, 3):
         await call(gym, "r1", turn)

@@ -10,11 +10,15 @@ does one warm-up cycle and times one cycle (``Coordinator.checkpoint()``: prepar
 commit → publish → resume). Runs alternate the two fan-outs. Goal: parallel at 512 <= 2 s.
 Growth with N is reported as ms per participant and the log-log slope between successive N
 (1.0 = linear).
+'coordinator CPU' is the run's own CPU time per timed cycle; 'gymsim CPU' is the cluster process's
+(user + system, from ``/proc/<pid>/stat``) over the same timed cycles: with an idle cluster, what
+the simulated servers spend answering the cycle's control requests.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import secrets
 import statistics
 import time
@@ -45,8 +49,21 @@ def spec_for(n: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-async def run_scale(config: dict[str, Any], token: str, fanout: str, cycles: int, dir: str) -> dict[str, Any]:
-    """One run of #4: discover, one warm-up cycle, then ``cycles`` timed cycles; their median."""
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat``, all its threads)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        # the command name (field 2) may hold spaces: split after its closing parenthesis
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_scale(
+    config: dict[str, Any], token: str, fanout: str, cycles: int, dir: str, cluster_pid: int
+) -> dict[str, Any]:
+    """One run of #4: discover, one warm-up cycle, then ``cycles`` timed cycles; their median.
+
+    ``cpu_s`` is this process's CPU per timed cycle, ``gymsim_cpu_s`` the cluster process's.
+    """
     folder = Path(dir)
     cfg = parse_config(
         {
@@ -66,14 +83,17 @@ async def run_scale(config: dict[str, Any], token: str, fanout: str, cycles: int
         await timed_cycle(coord)
         before = await coord.ledger.head()
         cpu = time.process_time()
+        gymsim_cpu = process_cpu_s(cluster_pid)
         for _ in range(cycles):
             times.append(await timed_cycle(coord))
+        gymsim_cpu = (process_cpu_s(cluster_pid) - gymsim_cpu) / cycles
         cpu = (time.process_time() - cpu) / cycles
         after = await coord.ledger.head()
     events = (after.seq if after else 0) - (before.seq if before else 0)
     return {
         "cycle_s": statistics.median(times),
         "cpu_s": cpu,
+        "gymsim_cpu_s": gymsim_cpu,
         "discover_s": discover_s,
         "participants": len(found.participants),
         "events_per_cycle": events / cycles,
@@ -96,13 +116,16 @@ def measure(ctx: Context) -> Result:
                     folder = ctx.work / f"scale-{n}"  # one ledger per cluster: new epoch, new ids
                     folder.mkdir(exist_ok=True)
                     params = {"config": running.config(), "token": token, "fanout": fanout,
-                              "cycles": cycles, "dir": str(folder)}  # fmt: skip
+                              "cycles": cycles, "dir": str(folder), "cluster_pid": running.pid}  # fmt: skip
                     table.setdefault((n, fanout), []).append(
                         run_child("scale:run_scale", params, timeout_s=1800)
                     )
-                ctx.log(f"  N={n} run {index + 1}/{ctx.runs}: sequential"
-                        f" {table[(n, 'sequential')][-1]['cycle_s']:.2f} s,"
-                        f" parallel {table[(n, 'parallel')][-1]['cycle_s']:.2f} s")  # fmt: skip
+                line = ", ".join(
+                    f"{mode} {r['cycle_s']:.2f} s (gymsim CPU {r['gymsim_cpu_s']:.2f} s,"
+                    f" coordinator CPU {r['cpu_s']:.2f} s)"
+                    for mode, r in ((f, table[(n, f)][-1]) for f in ("sequential", "parallel"))
+                )
+                ctx.log(f"  N={n} run {index + 1}/{ctx.runs}: {line}")
     rows = []
     previous: dict[str, tuple[int, float]] = {}
     for n in sizes:
@@ -121,12 +144,14 @@ def measure(ctx: Context) -> Result:
                 "cycle (s)": cycle.fmt(1, 3),
                 "ms per participant": f"{cycle.median / participants * 1e3:.2f}",
                 "coordinator CPU (s)": stats_of(runs, "cpu_s").fmt(1, 3),
+                "gymsim CPU (s)": stats_of(runs, "gymsim_cpu_s").fmt(1, 3),
                 "log-log slope vs previous N": slope,
                 "events per cycle": f"{runs[0]['events_per_cycle']:.0f}",
                 "discover (s)": stats_of(runs, "discover_s").fmt(1, 3),
                 "peak RSS (MB)": stats_of(runs, "peak_rss_mb").fmt(1, 0),
             })  # fmt: skip
             result.metric(f"cycle_s_{fanout}_{participants}", cycle, "s")
+            result.metric(f"gymsim_cpu_s_{fanout}_{participants}", stats_of(runs, "gymsim_cpu_s"), "s")
     largest = sizes[-1]
     top = stats_of(table[(largest, "parallel")], "cycle_s")
     seq = stats_of(table[(largest, "sequential")], "cycle_s")
@@ -143,6 +168,6 @@ def measure(ctx: Context) -> Result:
         f"{cycles} timed cycle(s) per run after one warm-up; idle servers (no rollouts); the whole"
         " cluster is one gymsim process (one event loop) on the same machine as the coordinator, so"
         " the wall time includes the simulated servers' CPU; 'coordinator CPU' is the coordinator"
-        " process's own CPU time per cycle"
+        " process's own CPU time per cycle, 'gymsim CPU' the cluster process's over the same cycles"
     )
     return result

@@ -243,23 +243,23 @@ class AgentServer(GymServer):
                 raise HTTPException(404, f"no rollout {rollout_id}")
             return JSONResponse(rollout.view())
 
-        @app.post(route(AGENT, "prepare").full_path)
+        @self.control_route("POST", route(AGENT, "prepare").full_path)
         async def prepare(body: CommonBody) -> JSONResponse:
             return await self.control("prepare", body, lambda: self._prepare(body))
 
-        @app.get(route(AGENT, "status").full_path)
+        @self.control_route("GET", route(AGENT, "status").full_path)
         async def status(q: Annotated[StatusQuery, Query()]) -> JSONResponse:
             return await self.query(lambda: self._status(q))
 
-        @app.post(route(AGENT, "commit").full_path)
+        @self.control_route("POST", route(AGENT, "commit").full_path)
         async def commit(body: CheckpointDirBody) -> JSONResponse:
             return await self.control("commit", body, lambda: self._commit(body))
 
-        @app.post(route(AGENT, "restore").full_path)
+        @self.control_route("POST", route(AGENT, "restore").full_path)
         async def restore(body: CheckpointDirBody) -> JSONResponse:
             return await self.control("restore", body, lambda: self._restore(body))
 
-        @app.post(route(AGENT, "resume").full_path)
+        @self.control_route("POST", route(AGENT, "resume").full_path)
         async def resume(body: CommonBody) -> JSONResponse:
             return await self.control("resume", body, self._resume)
 

@@ -8,7 +8,10 @@ Request path through one server (outermost first):
    token on everything but `GET /capabilities` (401 before any body validation).
 2. the component's data-plane gate (the model's admission and in-flight tracking);
 3. `FaultMiddleware` — injected faults (see `faults.py`);
-4. the FastAPI app: control routes (bodies validated by `coordinator.protocol`
+4. `LeanControl` — the control routes' fast path: a request FastAPI would hand to a
+   control endpoint with a valid argument is handed to that same endpoint here,
+   without FastAPI's per-request machinery; every other request goes on to
+5. the FastAPI app: control routes (bodies validated by `coordinator.protocol`
    models → 422 on anything else), data-plane routes, admin routes.
 
 Admin routes (`/gymsim/admin/...`) need no token: they exist for tests and never
@@ -18,19 +21,22 @@ touch the fence.
 from __future__ import annotations
 
 import hmac
+import inspect
 import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
-from urllib.parse import parse_qs
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args, get_origin, get_type_hints
+from urllib.parse import parse_qs, parse_qsl
 
 import httpx
 from fastapi import Body, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from starlette.responses import JSONResponse
+from fastapi.params import Query
+from pydantic import BaseModel
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from coordinator.protocol import (
@@ -47,6 +53,9 @@ from tools.gymsim.common import INTERNAL_ERROR, ControlRejection, error_response
 from tools.gymsim.faults import UNDELIVERED, Fault, FaultMiddleware, FaultSet
 from tools.gymsim.fence import Action, Fence, OpRule
 from tools.gymsim.spec import ServerSpec
+
+#: Scope key: `(body, json.loads(body))` of a control POST, so the body is parsed once per request.
+PARSED_BODY = "gymsim.parsed_body"
 
 
 def route_path(scope: Scope) -> str:
@@ -131,6 +140,8 @@ class ControlMiddleware:
                 document = json.loads(body) if body else None
             except ValueError:
                 document = None
+            else:
+                scope[PARSED_BODY] = (body, document)
             if isinstance(document, dict) and isinstance(document.get("checkpoint_id"), str):
                 checkpoint_id = document["checkpoint_id"]
         else:
@@ -194,6 +205,115 @@ async def _buffer_body(receive: Receive) -> tuple[bytes, Receive]:
     return body, replay
 
 
+Endpoint = Callable[..., Awaitable[Response]]
+E = TypeVar("E", bound=Endpoint)
+
+
+@dataclass(frozen=True)
+class LeanRoute:
+    """A control endpoint and the model of its one argument: the JSON body (POST) or the query (GET)."""
+
+    endpoint: Endpoint
+    body: type[BaseModel] | None = None
+    query: type[BaseModel] | None = None
+
+
+def lean_route(method: Literal["GET", "POST"], endpoint: Endpoint) -> LeanRoute:
+    """The `LeanRoute` of a FastAPI endpoint of one of the shapes FastAPI reads the same way.
+
+    POST: one parameter annotated with a pydantic model (FastAPI: the whole JSON body).
+    GET: no parameter, or one annotated `Annotated[Model, Query()]` (FastAPI: a query model).
+    Any other shape raises `TypeError`: its arguments would not be read as FastAPI reads them.
+    """
+    hints = get_type_hints(endpoint, include_extras=True)
+    parameters = list(inspect.signature(endpoint).parameters)
+    if method == "GET" and not parameters:
+        return LeanRoute(endpoint)
+    if len(parameters) == 1:
+        hint = hints.get(parameters[0])
+        if method == "POST" and isinstance(hint, type) and issubclass(hint, BaseModel):
+            return LeanRoute(endpoint, body=hint)
+        if method == "GET" and get_origin(hint) is Annotated:
+            model, *marks = get_args(hint)
+            if (
+                isinstance(model, type)
+                and issubclass(model, BaseModel)
+                and any(isinstance(mark, Query) for mark in marks)
+            ):
+                return LeanRoute(endpoint, query=model)
+    raise TypeError(f"{method} endpoint {endpoint.__name__} has no shape the lean control path reads")
+
+
+def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
+    """True when the request's content type is exactly `application/json` (parameters allowed)."""
+    for key, value in headers:
+        if key == b"content-type":
+            return value.split(b";", 1)[0].strip().lower() == b"application/json"
+    return False
+
+
+class LeanControl:
+    """Serves the control routes without FastAPI's per-request routing, dependency and exception stack.
+
+    Invariant: a request is answered here only when FastAPI would call the same endpoint
+    with an equal argument — exact method and route path; for a POST, a non-empty body
+    with content type `application/json` that parses as JSON and validates against the
+    endpoint's model; for a GET, a query string with no repeated name that validates
+    against the query model. Every other request (unknown route, wrong method, any input
+    FastAPI would reject or read differently) goes to `fallback`, the FastAPI app, so
+    every status code and error body stays FastAPI's own. An endpoint that raises is
+    answered as FastAPI's outermost middleware answers it (500, `Internal Server Error`)
+    and the exception goes on to the server; control endpoints raise no `HTTPException`.
+    """
+
+    def __init__(self, routes: dict[tuple[str, str], LeanRoute], fallback: ASGIApp) -> None:
+        self.routes = routes
+        self.fallback = fallback
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        lean = self.routes.get((scope["method"], route_path(scope))) if scope["type"] == "http" else None
+        if lean is None:
+            await self.fallback(scope, receive, send)
+            return
+        args: tuple[BaseModel, ...] = ()
+        if lean.body is not None:
+            body, receive = await _buffer_body(receive)
+            try:
+                if not body or not _is_json(scope.get("headers", [])):
+                    raise ValueError("not a JSON body")
+                parsed = scope.get(PARSED_BODY)
+                document = parsed[1] if parsed is not None and parsed[0] == body else json.loads(body)
+                args = (lean.body.model_validate(document),)
+            except Exception:  # whatever FastAPI makes of this input, it makes it itself
+                await self.fallback(scope, receive, send)
+                return
+        elif lean.query is not None:
+            pairs = parse_qsl(bytes(scope.get("query_string", b"")).decode("latin-1"), keep_blank_values=True)
+            values = dict(pairs)
+            try:
+                if len(values) != len(pairs):
+                    raise ValueError("a repeated query parameter")
+                args = (lean.query.model_validate(values),)
+            except Exception:
+                await self.fallback(scope, receive, send)
+                return
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            response = await lean.endpoint(*args)
+            await response(scope, receive, tracked_send)
+        except Exception:
+            if not started:
+                await PlainTextResponse("Internal Server Error", status_code=500)(scope, receive, send)
+            raise
+
+
 class GymServer(ABC):
     """Base of the model, agent and resources servers: fence, capabilities, admin routes."""
 
@@ -211,10 +331,11 @@ class GymServer(ABC):
         self.faults.set(list(spec.faults))
         self.control_log: list[dict[str, Any]] = []
         self.app = FastAPI(title=f"gymsim {self.name}", openapi_url=None, docs_url=None, redoc_url=None)
+        self.lean = LeanControl({}, self.app)
         self._add_common_routes()
         self.add_routes()
         self.asgi: ASGIApp = ControlMiddleware(
-            self, self.wrap_gate(FaultMiddleware(self.app, self.faults, path_of=route_path))
+            self, self.wrap_gate(FaultMiddleware(self.lean, self.faults, path_of=route_path))
         )
 
     # -- hooks -------------------------------------------------------------------------------
@@ -247,6 +368,16 @@ class GymServer(ABC):
         self.faults.clear()
 
     # -- shared ------------------------------------------------------------------------------
+
+    def control_route(self, method: Literal["GET", "POST"], path: str) -> Callable[[E], E]:
+        """Decorator: serve `endpoint` at `method path` from the FastAPI app and from `LeanControl`."""
+
+        def register(endpoint: E) -> E:
+            self.lean.routes[(method, path)] = lean_route(method, endpoint)
+            self.app.add_api_route(path, endpoint, methods=[method])
+            return endpoint
+
+        return register
 
     def capabilities(self) -> Capabilities:
         workers = self.spec.workers
@@ -292,7 +423,7 @@ class GymServer(ABC):
             # FastAPI's default body, made renderable when the input held NaN or infinity.
             return JSONResponse(status_code=422, content={"detail": _finite(jsonable_encoder(exc.errors()))})
 
-        @app.get(CAPABILITIES_PATH)
+        @self.control_route("GET", CAPABILITIES_PATH)
         async def capabilities() -> JSONResponse:
             return JSONResponse(self.capabilities().model_dump(mode="json"))
 

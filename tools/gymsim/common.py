@@ -1,10 +1,11 @@
 """Small pieces shared by every reference server: rejections, notifications, durable files.
 
 Durability rule of every commit in `tools/gymsim`: each data file is written to a
-temporary name, fsynced and renamed into place; `manifest.json` is written the
-same way *after* every file it names, then the folder is fsynced. A reply
-naming a `manifest_digest` is only sent once the manifest is durable, so a
-manifest on disk always describes complete files.
+temporary name, fsynced and renamed into place; the folder is fsynced once after
+the last of them, so every rename is durable before `manifest.json` is written the
+same way; then the folder is fsynced again. A reply naming a `manifest_digest` is
+only sent once the manifest is durable, so a manifest on disk always describes
+complete files.
 """
 
 from __future__ import annotations
@@ -103,32 +104,47 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_durable(path: Path, data: bytes) -> None:
-    """Write `data` to `path` atomically (temp file, fsync, rename, fsync of the folder)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _replace_synced(path: Path, data: bytes) -> None:
+    """Write `data` to a temporary name beside `path`, fsync it, rename it to `path` (no folder fsync)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+    # os-level calls: the same file as open(tmp, "wb") gives, without its isatty/fstat/lseek calls
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 class ArtifactWriter:
     """Writes a participant's folder inside a checkpoint dir: files first, `manifest.json` last.
 
     Paths handed in and recorded are relative to the checkpoint dir (POSIX, no `..`).
+    Durability as the module docstring states: the folder is fsynced once between the
+    last data file and the manifest, and once after the manifest.
     """
 
     def __init__(self, checkpoint_dir: str, folder: str) -> None:
         self.root = Path(checkpoint_dir)
         self.folder = folder
         self.files: list[ArtifactRef] = []
+        self._path = self.root / folder
+        self._made = False
+        self._renamed = False  #: a data file was renamed into place since the last folder fsync
+
+    def _dir(self) -> Path:
+        if not self._made:
+            self._path.mkdir(parents=True, exist_ok=True)
+            self._made = True
+        return self._path
 
     def write(self, name: str, data: bytes, records: int) -> ArtifactRef:
         relative = f"{self.folder}/{name}"
-        write_durable(self.root / relative, data)
+        _replace_synced(self._dir() / name, data)
+        self._renamed = True
         ref = ArtifactRef(relative_path=relative, sha256=sha256_hex(data), records=records, bytes=len(data))
         self.files.append(ref)
         return ref
@@ -138,7 +154,12 @@ class ArtifactWriter:
         body = dict(document)
         body["files"] = [ref.model_dump(mode="json") for ref in self.files]
         data = (json.dumps(body, indent=2, sort_keys=True) + "\n").encode("utf-8")
-        write_durable(self.root / self.folder / "manifest.json", data)
+        folder = self._dir()
+        if self._renamed:
+            _fsync_dir(folder)
+        _replace_synced(folder / "manifest.json", data)
+        _fsync_dir(folder)
+        self._renamed = False
         return sha256_hex(data)
 
 

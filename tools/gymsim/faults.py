@@ -78,6 +78,11 @@ class FaultSet:
             self._faults.append(fault)
             self._left.append(fault.times)
 
+    @property
+    def armed(self) -> bool:
+        """True while any fault is set (fired out or not)."""
+        return bool(self._faults)
+
     def clear(self) -> None:
         self._faults.clear()
         self._left.clear()
@@ -140,7 +145,7 @@ class FaultMiddleware:
         self.path_of = path_of
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or not self.faults.armed:
             await self.app(scope, receive, send)
             return
         path: str = self.path_of(scope)

@@ -73,7 +73,8 @@ class Fence:
         self.phase: Phase = "idle"
         self.active_checkpoint_id: str | None = None
         self.deadline_ts: float | None = None
-        self._results: dict[tuple[str, str], Result] = {}
+        #: recorded successful results: checkpoint id → operation → result
+        self._results: dict[str, dict[str, Result]] = {}
         self._retired: set[str] = set()
         self._inflight: dict[tuple[str, str], asyncio.Future[Result]] = {}
 
@@ -108,12 +109,13 @@ class Fence:
         """Run `action` under the fence rules; raises `ControlRejection` for every refusal or failure."""
         checkpoint_id = body.checkpoint_id
         key = (checkpoint_id, operation)
+        recorded = self._results.get(checkpoint_id, {}).get(operation)
         if checkpoint_id in self._retired:
-            if key in self._results:
-                return self._results[key]
+            if recorded is not None:
+                return recorded
             raise ControlRejection(STALE_CHECKPOINT, f"checkpoint {checkpoint_id} is retired")
-        if key in self._results:
-            return self._results[key]
+        if recorded is not None:
+            return recorded
         pending = self._inflight.get(key)
         if pending is not None:
             return await asyncio.shield(pending)
@@ -152,7 +154,7 @@ class Fence:
             del self._inflight[key]
             raise
         done = outcome if isinstance(outcome, Done) else Done(outcome)
-        self._results[key] = done.result
+        self._results.setdefault(checkpoint_id, {})[operation] = done.result
         del self._inflight[key]
         if op_rule.retires:
             self._retire(checkpoint_id)
@@ -166,5 +168,6 @@ class Fence:
         self.active_checkpoint_id = None
         self.deadline_ts = None
         self._retired.add(checkpoint_id)
-        for key in [k for k in self._results if k[0] == checkpoint_id and k[1] != "resume"]:
-            del self._results[key]
+        kept = self._results.get(checkpoint_id, {})
+        for operation in [op for op in kept if op != "resume"]:
+            del kept[operation]

@@ -206,23 +206,23 @@ class ModelServer(GymServer):
         for suffix in GATED_MODEL_PATH_SUFFIXES:
             app.add_api_route(suffix, self._responses, methods=["POST"])
 
-        @app.post(route(MODEL, "pause").full_path)
+        @self.control_route("POST", route(MODEL, "pause").full_path)
         async def pause(body: CommonBody) -> JSONResponse:
             return await self._policy_only("pause", body, self._pause)
 
-        @app.get(route(MODEL, "status").full_path)
+        @self.control_route("GET", route(MODEL, "status").full_path)
         async def status(q: Annotated[StatusQuery, Query()]) -> JSONResponse:
             return await self.query(lambda: self._status(q))
 
-        @app.post(route(MODEL, "commit").full_path)
+        @self.control_route("POST", route(MODEL, "commit").full_path)
         async def commit(body: ModelCommitBody) -> JSONResponse:
             return await self._policy_only("commit", body, lambda: self._commit(body))
 
-        @app.post(route(MODEL, "restore").full_path)
+        @self.control_route("POST", route(MODEL, "restore").full_path)
         async def restore(body: CheckpointDirBody) -> JSONResponse:
             return await self._policy_only("restore", body, lambda: self._restore(body))
 
-        @app.post(route(MODEL, "resume").full_path)
+        @self.control_route("POST", route(MODEL, "resume").full_path)
         async def resume(body: CommonBody) -> JSONResponse:
             return await self._policy_only("resume", body, self._resume)
 
@@ -352,16 +352,8 @@ class ModelServer(GymServer):
                 LEDGER_NOT_QUIESCENT, f"admission is {self.admission} with {len(self.inflight)} in flight"
             )
         selected: dict[str, tuple[ContinuationRow, list[dict[str, Any]]]] = {}
-        for ref in body.continuation_indexes:
-            path = f"{body.checkpoint_dir}/{ref.relative_path}"
-            try:
-                data = await asyncio.to_thread(_read_bytes, path)
-            except OSError as exc:
-                raise ControlRejection(LEDGER_MISMATCH, f"cannot read {ref.relative_path}: {exc}") from exc
-            if len(data) != ref.bytes or sha256_hex(data) != ref.sha256 or count_records(data) != ref.records:
-                raise ControlRejection(
-                    LEDGER_MISMATCH, f"{ref.relative_path} does not match its bytes, sha256 or record count"
-                )
+        indexes, unreadable = await asyncio.to_thread(_read_indexes, body)
+        for ref, data in zip(body.continuation_indexes, indexes, strict=False):
             for line in data.splitlines():
                 if not line.strip():
                     continue
@@ -378,6 +370,8 @@ class ModelServer(GymServer):
                         f"{row.last_committed_model_call_id} is not in this ledger ({len(calls)} calls)",
                     )
                 selected[row.capture_key] = (row, calls[:number])
+        if unreadable is not None:
+            raise unreadable
         keys = sorted(selected)
         rows = [call for key in keys for call in selected[key][1]]
         excluded_inactive = sum(1 for key in self.ledger if key not in selected)
@@ -476,3 +470,24 @@ class ModelServer(GymServer):
 def _read_bytes(path: str) -> bytes:
     with open(path, "rb") as handle:
         return handle.read()
+
+
+def _read_indexes(body: ModelCommitBody) -> tuple[list[bytes], ControlRejection | None]:
+    """The continuation indexes' bytes, in order, up to the first one unreadable or not as its ref says.
+
+    That first failure comes back as the rejection to raise once the indexes before it are
+    checked, so a commit fails on the same index, with the same reply, as reading them one
+    by one would; one thread hop reads them all.
+    """
+    contents: list[bytes] = []
+    for ref in body.continuation_indexes:
+        try:
+            data = _read_bytes(f"{body.checkpoint_dir}/{ref.relative_path}")
+        except OSError as exc:
+            return contents, ControlRejection(LEDGER_MISMATCH, f"cannot read {ref.relative_path}: {exc}")
+        if len(data) != ref.bytes or sha256_hex(data) != ref.sha256 or count_records(data) != ref.records:
+            return contents, ControlRejection(
+                LEDGER_MISMATCH, f"{ref.relative_path} does not match its bytes, sha256 or record count"
+            )
+        contents.append(data)
+    return contents, None

@@ -162,23 +162,23 @@ class ResourcesServer(GymServer):
         async def verify(body: VerifyBody) -> JSONResponse:
             return await self._verify(body)
 
-        @app.post(route(RESOURCES, "prepare").full_path)
+        @self.control_route("POST", route(RESOURCES, "prepare").full_path)
         async def prepare(body: CommonBody) -> JSONResponse:
             return await self.control("prepare", body, lambda: self._prepare(body))
 
-        @app.get(route(RESOURCES, "status").full_path)
+        @self.control_route("GET", route(RESOURCES, "status").full_path)
         async def status(q: Annotated[StatusQuery, Query()]) -> JSONResponse:
             return await self.query(lambda: self._status(q))
 
-        @app.post(route(RESOURCES, "commit").full_path)
+        @self.control_route("POST", route(RESOURCES, "commit").full_path)
         async def commit(body: CheckpointDirBody) -> JSONResponse:
             return await self.control("commit", body, lambda: self._commit(body))
 
-        @app.post(route(RESOURCES, "restore").full_path)
+        @self.control_route("POST", route(RESOURCES, "restore").full_path)
         async def restore(body: CheckpointDirBody) -> JSONResponse:
             return await self.control("restore", body, lambda: self._restore(body))
 
-        @app.post(route(RESOURCES, "resume").full_path)
+        @self.control_route("POST", route(RESOURCES, "resume").full_path)
         async def resume(body: CommonBody) -> JSONResponse:
             return await self.control("resume", body, self._resume)
 
