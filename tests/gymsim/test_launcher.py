@@ -171,21 +171,3 @@ def test_spawn_cluster_exposes_urls_config_and_dies_on_sigkill(tmp_path: Path) -
         assert cluster.returncode == -signal.SIGKILL
         with httpx.Client(trust_env=False) as http, pytest.raises(httpx.ConnectError):
             http.get(cluster.urls["judge"] + CAPABILITIES_PATH)
-
-
-def test_servers_run_on_uvloop_where_installed_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib.util
-
-    from tools.gymsim.host import LOOP_ENV, new_event_loop
-
-    def kind() -> str:
-        loop = new_event_loop()
-        try:
-            return type(loop).__module__.split(".")[0]
-        finally:
-            loop.close()
-
-    monkeypatch.delenv(LOOP_ENV, raising=False)
-    assert kind() == ("uvloop" if importlib.util.find_spec("uvloop") else "asyncio")
-    monkeypatch.setenv(LOOP_ENV, "asyncio")
-    assert kind() == "asyncio"

@@ -36,7 +36,7 @@ import yaml
 
 from coordinator.protocol import TOKEN_ENV
 from tools.gymsim.base import GymServer
-from tools.gymsim.host import Host, run_in_loop
+from tools.gymsim.host import Host
 from tools.gymsim.spec import ClusterSpec, SpecLike, load_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -132,13 +132,15 @@ def start_cluster(spec: SpecLike = None, *, token: str | None) -> Iterator[Runni
     `token` is the control-plane bearer token the servers accept (None: every
     control request is 401). On exit every server is stopped and the thread joined.
     """
+    import asyncio
+
     host = Host(load_spec(spec), token=token)
     started = threading.Event()
     failure: list[BaseException] = []
 
     def run() -> None:
         try:
-            run_in_loop(host.serve(on_started=started.set))
+            asyncio.run(host.serve(on_started=started.set))
         except BaseException as exc:
             failure.append(exc)
             started.set()

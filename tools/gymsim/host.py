@@ -5,22 +5,15 @@ servers with `prefix: true` share one port and live under `/s/<name>`
 (`http://127.0.0.1:PORT/s/agent_17`), so hundreds of participants fit in one
 process. All servers of a process run in one event loop; sockets are bound before
 anything starts, so URLs are known up front and no port can be taken in between.
-
-That loop is uvloop's when uvloop is installed (a dependency on Linux: less CPU per
-request than asyncio's), else asyncio's; `GYMSIM_LOOP=asyncio` forces asyncio's. It
-is gymsim's own loop, in its own process or thread: whoever drives the servers keeps
-whatever loop it runs on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
-import os
 import socket
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 from starlette.responses import PlainTextResponse
@@ -34,33 +27,11 @@ from tools.gymsim.resources import ResourcesServer
 from tools.gymsim.spec import ClusterSpec, ServerSpec
 
 PREFIX_ROOT = "/s/"
-#: Set to `asyncio` to serve from asyncio's event loop even where uvloop is installed.
-LOOP_ENV = "GYMSIM_LOOP"
-T = TypeVar("T")
 _KINDS: dict[str, type[GymServer]] = {
     "model": ModelServer,
     "agent": AgentServer,
     "resources": ResourcesServer,
 }
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A new loop for gymsim's servers: uvloop's if installed and not switched off, else asyncio's."""
-    if os.environ.get(LOOP_ENV, "").strip().lower() != "asyncio":
-        try:
-            uvloop = importlib.import_module("uvloop")  # optional: not on every platform
-        except ImportError:
-            pass
-        else:
-            loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-            return loop
-    return asyncio.new_event_loop()
-
-
-def run_in_loop(main: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run(main)` on a loop from `new_event_loop()`."""
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(main)
 
 
 def make_server(spec: ServerSpec, ctx: HostContext) -> GymServer:

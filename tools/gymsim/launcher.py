@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
 from tools.gymsim.cluster import cluster_config, write_yaml_atomic
-from tools.gymsim.host import Host, run_in_loop
+from tools.gymsim.host import Host
 from tools.gymsim.spec import ClusterSpec, load_spec
 
 DEFAULT_CONFIG_OUT = "quiesce-sim.yaml"
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, ValidationError) as exc:
         print(f"error: bad gymsim spec: {exc}", file=sys.stderr)
         return 2
-    run_in_loop(serve(spec, args, read_token()))
+    asyncio.run(serve(spec, args, read_token()))
     return 0
 
 
