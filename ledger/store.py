@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -508,15 +508,22 @@ class Ledger:
         """Commit ``items`` on this thread, without awaiting; None (nothing written) if the backend cannot."""
         self._check_writable()
         batch = self._batch(items, durable=durable, new_epoch=False)
-        try:
+        with self._committing():
             done = self._backend.append_now(batch)
+        return self._committed(batch, [items], new_epoch=False)[0] if done else None
+
+    @contextlib.contextmanager
+    def _committing(self) -> Iterator[None]:
+        """Around a backend commit: a ``FencedError`` fences this writer for good; any other
+        failure leaves the commit's outcome unknown, so the head is re-read before the next one."""
+        try:
+            yield
         except FencedError as error:
             self._fenced = error
             raise
         except BaseException:
-            self._stale = True  # the commit may or may not have happened; re-read the head next time
+            self._stale = True
             raise
-        return self._committed(batch, [items], new_epoch=False)[0] if done else None
 
     def _batch(self, items: list[_Encoded], *, durable: bool, new_epoch: bool) -> Batch:
         """Number and chain ``items`` after the writer's head (nothing is written)."""
@@ -589,14 +596,8 @@ class Ledger:
                 with anyio.CancelScope(shield=True):
                     await self._load_head()
             batch = self._batch(items, durable=durable, new_epoch=new_epoch)
-            try:
+            with self._committing():
                 await self._backend.append(batch)  # shields itself while it awaits
-            except FencedError as error:
-                self._fenced = error
-                raise
-            except BaseException:
-                self._stale = True  # the commit may or may not have happened; re-read the head next time
-                raise
             return self._committed(batch, groups, new_epoch=new_epoch)
 
     async def append(
