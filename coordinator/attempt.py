@@ -25,14 +25,18 @@ each phase runs inside an anyio cancel scope whose deadline is `deadline_ts` con
 clock. Rollback and the resume after publication use `max(deadline_ts, now + control_timeout_s)`.
 
 Durability: every event is committed before the next step, but only those an outside action waits
-on are forced to disk when appended — the `call.sent` of the first POST to each server in an
-attempt (it makes the server *touched*: recovery resumes every touched server, whatever else was
-lost), `attempt.publishing` (before the rename), `phase.failed`, and the events a user is answered
-on (`attempt.completed`, `attempt.aborted`). The others (`attempt.started`, `phase.started/completed`,
-later calls to touched servers, reads, call outcomes, `attempt.aborting`, `attempt.published`) are
-write-behind (`durable=False`): they survive a crash of the process at once and reach the disk with
-the next durable append. `attempt.published` needs no fsync of its own: the fsynced rename is the
-commit point and recovery reads publication from the filesystem.
+on are forced to disk when appended: `attempt.started` (it lists every participant — every server
+the attempt may touch — before the first request leaves), `attempt.publishing` (before the
+rename), `phase.failed`, and the terminal events of a failure (`attempt.aborted`) or of a restore
+(`attempt.completed {restored}`). The others (every `call.sent` and outcome, `phase.started/
+completed`, `attempt.aborting`, `attempt.published`, a resume's `attempt.completed`) are write-behind
+(`durable=False`): they survive a crash of the process at once and reach the disk with the next
+durable append, the ledger's close, or the kernel's writeback. After a power failure the ledger is
+a prefix of what was committed, so a lost `call.sent` can only hide a touched server among the
+participants of a durable `attempt.started`; recovery asks those servers whether they saw the
+checkpoint id (`recovery.py`). `attempt.published` and the `attempt.completed` of a resume need no
+fsync of their own: the fsynced rename is the commit point and recovery reads publication from the
+filesystem, then resumes again (the servers replay their recorded resume).
 
 Everything a later coordinator needs is in the ledger: `load_attempt` rebuilds an `Attempt`
 (participants, touched servers, publication) from events alone; `FencedError` is never caught here.
@@ -386,8 +390,7 @@ async def _rolled_back_on_failure(
 
 async def _next_checkpoint_id(ledger: Ledger) -> str:
     """`e<epoch>-<seq>`: the seq its `attempt.started` will get (single writer), zero-padded."""
-    head = await ledger.head()
-    return f"e{ledger.epoch}-{(head.seq if head else 0) + 1:06d}"
+    return f"e{ledger.epoch}-{await ledger.last_seq() + 1:06d}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,7 +420,7 @@ async def start_attempt(ctx: Context, discovery: Discovery, *, deadline_s: float
             "participants": attempt.names,
             "staging_dir": str(staging),
         },
-        durable=False,
+        # durable: it names every server this attempt may touch, so every call.sent may be write-behind
     )
     return attempt
 
@@ -693,7 +696,7 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
                 first,
             )
             raise PhaseFailure("publish", server, "; ".join(problems))
-        head = await ctx.ledger.head()
+        ledger_seq = await ctx.ledger.last_seq()
         try:
             manifest = await anyio.to_thread.run_sync(
                 lambda: build_manifest(
@@ -701,23 +704,48 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
                     checkpoint_id=attempt.checkpoint_id,
                     created=utc_now(),
                     epoch=ctx.ledger.epoch,
-                    ledger_seq=head.seq if head else 0,
+                    ledger_seq=ledger_seq,
                     participants=list(attempt.commits.values()),
                     skipped=attempt.skipped,
                     digests=digests,
                 )
             )
-            written.append(await anyio.to_thread.run_sync(write_json_durably, staging / MANIFEST, manifest))
-            manifests.append(manifest)
         except OSError as error:
             raise PhaseFailure(
                 "publish", None, f"cannot write the snapshot manifest in {staging}: {error}"
             ) from None
-        await ctx.ledger.append(
-            "attempt.publishing",
-            checkpoint_id=attempt.checkpoint_id,
-            data={"staging_dir": str(staging), "final_dir": str(final)},
-        )
+        # The manifest's write and `attempt.publishing` are made durable at once (their fsyncs can
+        # share a journal commit): the rename waits for both. A publishing record without the
+        # manifest is harmless — recovery finds no final folder and aborts.
+        failed: list[BaseException] = []
+
+        async def write_manifest() -> None:
+            try:
+                data = await anyio.to_thread.run_sync(write_json_durably, staging / MANIFEST, manifest)
+                written.append(data)
+            except OSError as error:
+                failed.append(error)
+
+        async def record_publishing() -> None:
+            try:
+                await ctx.ledger.append(
+                    "attempt.publishing",
+                    checkpoint_id=attempt.checkpoint_id,
+                    data={"staging_dir": str(staging), "final_dir": str(final)},
+                )
+            except Exception as error:  # FencedError or LedgerError: raised as is, below
+                failed.insert(0, error)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write_manifest)
+            tg.start_soon(record_publishing)
+        if failed:
+            if isinstance(failed[0], OSError):
+                raise PhaseFailure(
+                    "publish", None, f"cannot write the snapshot manifest in {staging}: {failed[0]}"
+                ) from None
+            raise failed[0]
+        manifests.append(manifest)
         attempt.state = "publishing"
         try:
             await anyio.to_thread.run_sync(rename_into_place, staging, final)
@@ -740,8 +768,7 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
     removed = await anyio.to_thread.run_sync(
         lambda: apply_retention(ctx.config.snapshots, ctx.config.keep_latest, protect=[final])
     )
-    finished = {row.checkpoint_id for row in await ctx.ledger.attempts() if row.outcome is not None}
-    swept = await anyio.to_thread.run_sync(sweep_staging, ctx.config.staging_root, finished)
+    swept = await _sweep_finished(ctx)
     await ctx.ledger.append(
         "phase.completed",
         checkpoint_id=attempt.checkpoint_id,
@@ -757,6 +784,28 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
         durable=False,
     )
     return final
+
+
+async def _sweep_finished(ctx: Context) -> list[Path]:
+    """Remove the staging folders of finished attempts (a rename leaves none of its own behind).
+
+    Only the checkpoint ids found under the staging root are looked up, so a publish costs no
+    ledger read while that root is empty — the usual case — however long the history.
+    """
+    root = ctx.config.staging_root
+
+    def names() -> list[str]:
+        return [p.name for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+
+    found = await anyio.to_thread.run_sync(names)
+    if not found:
+        return []
+    finished = []
+    for name in found:
+        row = await ctx.ledger.attempt(name)
+        if row is not None and row.outcome is not None:
+            finished.append(name)
+    return await anyio.to_thread.run_sync(sweep_staging, root, finished) if finished else []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -909,8 +958,15 @@ async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
         durable=False,
     )
     outcome: Literal["published", "resumed"] = "published" if attempt.kind == "save" else "resumed"
+    # write-behind: what it answers is already durable — the fsynced snapshot and
+    # `attempt.publishing` (a save), or the servers' own resumed state; were it lost with a power
+    # failure, recovery finds the publication on disk, resumes again (the servers replay) and
+    # records it again
     await ctx.ledger.append(
-        "attempt.completed", checkpoint_id=attempt.checkpoint_id, data={"servers": called, "outcome": outcome}
+        "attempt.completed",
+        checkpoint_id=attempt.checkpoint_id,
+        data={"servers": called, "outcome": outcome},
+        durable=False,
     )
     attempt.state = "completed"
     return Outcome(attempt.checkpoint_id, outcome, tuple(called), tuple(resumed), tuple(not_paused), ())
@@ -957,7 +1013,7 @@ async def restore(
             "snapshot_dir": str(snapshot.path),
             "source_checkpoint_id": snapshot.checkpoint_id,
         },
-        durable=False,
+        # durable: it names every server this attempt may touch, so every call.sent may be write-behind
     )
     try:
         await run_phase(ctx, attempt, "restore", lambda: restore_body(ctx, attempt, snapshot))

@@ -5,11 +5,12 @@ For every request, in this order:
    the caller gets a `timeout` result with `sent=False`.
 1. `call.sent` is appended to the ledger — phase, method, path, url, timeout, request body (or
    query) — and committed before the request leaves. If the append fails (e.g. `FencedError`)
-   nothing is sent. It is also on disk (fsynced) before the request leaves when the request is
-   the first POST this caller sends to that server for that checkpoint id: that is the record
-   that makes the server *touched*, which is what recovery resumes after any crash, power loss
-   included. A GET (a read) and a later POST to an already touched server are write-behind:
-   committed (they survive a crash of this process) and on disk with the next durable append.
+   nothing is sent. It is write-behind (`durable=False`): committed, so it survives a crash of
+   this process, and on disk with the next durable append. What makes that safe after a power
+   loss too is a rule of the callers (attempt.py): a POST is only ever sent under a checkpoint
+   id whose `attempt.started` — durable, listing every participant — is already on disk, so the
+   set of servers an attempt may have touched is known from durable events alone, and recovery
+   asks each listed server without a surviving `call.sent` whether it saw this checkpoint id.
 2. The request goes out on the caller's one `aiohttp.ClientSession` (keep-alive pools per host;
    never redirected, never retried), `Authorization: Bearer <token>`, timeout
    `max(0.001, deadline_ts - now)` as a total, enforced by an anyio cancel scope as well.
@@ -51,11 +52,9 @@ from coordinator.protocol import (
 )
 from ledger import Ledger
 
-__all__ = ["MAX_REPLY_BYTES", "SEND_MARGIN_S", "TOUCH_MEMORY", "CallResult", "Caller", "ErrorClass", "Target"]
+__all__ = ["MAX_REPLY_BYTES", "SEND_MARGIN_S", "CallResult", "Caller", "ErrorClass", "Target"]
 
 MAX_REPLY_BYTES: Final = 1 << 20
-#: How many checkpoint ids the caller remembers touched servers for (older ones: durable again).
-TOUCH_MEMORY: Final = 16
 #: A call with less than this left to its deadline is not sent (a request must leave before the deadline).
 SEND_MARGIN_S: Final = 0.01
 ErrorClass = Literal["timeout", "connect", "http", "protocol"]
@@ -134,8 +133,6 @@ class Caller:
         self._given = session  # a session given by the caller is used for every call, never closed here
         self._session: aiohttp.ClientSession | None = None
         self._counter = 0
-        #: servers with a durable POST `call.sent`, per checkpoint id (the latest `TOUCH_MEMORY` ids)
-        self._touched: dict[str, set[str]] = {}
 
     def _http(self) -> aiohttp.ClientSession:
         """The HTTP session (created on first use, in the running event loop).
@@ -156,14 +153,6 @@ class Caller:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
-
-    def _remember_touch(self, checkpoint_id: str, server: str) -> None:
-        touched = self._touched.get(checkpoint_id)
-        if touched is None:
-            if len(self._touched) >= TOUCH_MEMORY:
-                del self._touched[next(iter(self._touched))]  # the oldest checkpoint id
-            touched = self._touched[checkpoint_id] = set()
-        touched.add(server)
 
     def _call_id(self, checkpoint_id: str | None) -> str:
         self._counter += 1
@@ -253,8 +242,6 @@ class Caller:
         timeout_s = max(0.001, left)
         url = base_url + path
         recorded_body: Any = body if method == "POST" else ({"query": params} if params else None)
-        touched = self._touched.get(checkpoint_id) if checkpoint_id is not None else None
-        first_touch = method == "POST" and (touched is None or server not in touched)
         with anyio.CancelScope(shield=True):
             sent = await self._ledger.append(
                 "call.sent",
@@ -269,10 +256,8 @@ class Caller:
                     "timeout_s": timeout_s,
                     "body": recorded_body,
                 },
-                durable=first_touch,
+                durable=False,
             )
-        if first_touch and checkpoint_id is not None:
-            self._remember_touch(checkpoint_id, server)
         started = time.monotonic()
         exchange: _Exchange | None = None
         try:

@@ -5,10 +5,15 @@ Run by `Coordinator.open` (after it took its epoch, so the dead coordinator is f
 
 1. **Settle** each server the attempt touched (or, for a publication, every participant): read
    its capabilities through `calls.py` (phase `recovery`, recorded like every call) — its fence
-   phase and active checkpoint id. A server still inside an operation of this attempt that a
-   resume may not interrupt (`committing`, `restoring`, a resources server's `preparing`: the
-   dead coordinator's request is still running there) is read again until it leaves that phase
-   (at most the budget), so a resume does not race the operation it undoes.
+   phase and active checkpoint id. *Touched* is a server with a `call.sent` in the ledger, or a
+   participant without one that reports this checkpoint id as active: `call.sent` is
+   write-behind, so after a power failure the ledger may have lost the last ones, but never the
+   durable `attempt.started` that lists every participant (see attempt.py). A participant that
+   shows no trace of the attempt (or cannot be read) is left alone and not reported. A server
+   still inside an operation of this attempt that a resume may not interrupt (`committing`,
+   `restoring`, a resources server's `preparing`: the dead coordinator's request is still
+   running there) is read again until it leaves that phase (at most the budget), so a resume
+   does not race the operation it undoes.
 2. **Act**, by what the ledger and the filesystem say:
    - *save with `attempt.publishing` or `attempt.published`*: the filesystem decides. The final
      folder with a manifest naming this checkpoint id means published: `attempt.published` is
@@ -284,6 +289,23 @@ async def _settle(ctx: Context, attempt: Attempt, names: list[str]) -> list[_Set
     return out
 
 
+async def _settle_touched(ctx: Context, attempt: Attempt) -> list[_Settled]:
+    """Settle the touched servers: those with a `call.sent` in the ledger, and every other
+    participant that reports this checkpoint id as active (its `call.sent` was lost with a power
+    failure). Those found that way are added to `attempt.touched`."""
+    recorded = set(attempt.touched)
+    unrecorded = [name for name in attempt.names if name not in recorded]
+    settled = await _settle(ctx, attempt, list(attempt.touched) + unrecorded)
+    out: list[_Settled] = []
+    for s in settled:
+        if s.name in recorded:
+            out.append(s)
+        elif s.active == attempt.checkpoint_id:
+            attempt.touch(s.name)
+            out.append(s)
+    return out
+
+
 async def _record_settled(
     ctx: Context, attempt: Attempt, settled: list[_Settled]
 ) -> tuple[ServerReport, ...]:
@@ -309,7 +331,7 @@ async def _abort(ctx: Context, recorded: Recorded, found: str) -> AttemptReport:
     """Roll back a save before publication: resume every touched server of this attempt."""
     attempt = recorded.attempt
     cid = attempt.checkpoint_id
-    settled = await _settle(ctx, attempt, list(attempt.touched))
+    settled = await _settle_touched(ctx, attempt)
     reason = f"recovered by epoch {ctx.ledger.epoch}: the coordinator died during {found}"
     await ctx.ledger.append("attempt.aborting", checkpoint_id=cid, data={"reason": reason}, durable=False)
     to_resume: list[str] = []
@@ -408,7 +430,7 @@ async def _recover_restore(ctx: Context, recorded: Recorded, found: str) -> Atte
             snapshot = await anyio.to_thread.run_sync(lambda: verify_snapshot(path, participants=expected))
         except SnapshotError as error:
             problem = "; ".join(error.differences[:5]) or str(error)
-    settled = await _settle(ctx, attempt, list(attempt.touched))
+    settled = await _settle_touched(ctx, attempt)
     if snapshot is None:
         return await _abandon(
             ctx, attempt, settled, found, f"the snapshot {path} is gone or damaged: {problem}"

@@ -671,6 +671,21 @@ class Ledger:
                 return
             after = int(page[-1][0])
 
+    async def last_seq(self) -> int:
+        """The seq of this writer's last committed event (0 for an empty ledger).
+
+        The single writer knows its head, so this costs no query — unless a commit failed with an
+        unknown outcome, in which case the head is read again first. A readonly ledger reads it.
+        """
+        if self.readonly:
+            head = await self._backend.head()
+            return int(head[0]) if head is not None else 0
+        if self._stale:
+            async with self._lock:
+                if self._stale:
+                    await self._load_head()
+        return self._last_seq
+
     async def head(self) -> Event | None:
         """The last stored event, or ``None`` for an empty ledger."""
         raw = await self._backend.head()

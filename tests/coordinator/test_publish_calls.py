@@ -226,55 +226,49 @@ async def test_connect_and_timeout(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
-async def test_only_the_first_post_to_a_server_per_attempt_is_fsynced_first(tmp_path: Path) -> None:
-    """The `call.sent` that makes a server touched is durable; reads, later POSTs and outcomes are
-    write-behind (committed, on disk with the next durable append)."""
-    import time
-
-    from coordinator.calls import Target
-    from coordinator.protocol import AGENT, CommonBody, route
+async def test_a_save_fsyncs_only_what_recovery_and_the_rename_wait_on(
+    cluster: Any, sqlite_url: str, configure: Any
+) -> None:
+    """Against the reference cluster: of a whole save, only `attempt.started` (it lists every server
+    the attempt may touch) and `attempt.publishing` (before the rename) are fsynced when appended;
+    every call and outcome, phase boundary, `attempt.published` and `attempt.completed` is
+    write-behind — committed at once, on disk with the next durable append or the close."""
+    from coordinator import Coordinator
     from ledger import Event
 
-    reply = json.dumps({"state": "prepared", "ready_to_commit": True, "running": 0, "parked": 0, "active": 0})
-    seen: list[tuple[str, str | None, bool]] = []
-    async with (
-        _raw_server(lambda head: _http(200, reply.encode())) as url,
-        Ledger.open(f"sqlite+aiosqlite:///{tmp_path / 'l.db'}") as ledger,
-    ):
-        await ledger.start_epoch({"coordinator": {"host": "h", "pid": 1, "uuid": "u"}, "version": "t"})
-        backend = ledger.backend
-        real_append_now = backend.append_now
+    config = configure(cluster, sqlite_url)
+    seen: list[tuple[str, bool]] = []
+    async with Coordinator.open(config) as coord:
+        await coord.discover()
+        backend = coord.ledger.backend
+        real_now, real_append = backend.append_now, backend.append
 
-        def spy(batch: Any) -> bool:
+        noted: set[int] = set()  # the queued path's backend.append may commit through append_now
+
+        def note(batch: Any) -> None:
             for event in batch.events:
                 assert isinstance(event, Event)
-                seen.append((event.kind, event.server, batch.durable))
-            return real_append_now(batch)
+                if event.seq not in noted:
+                    noted.add(event.seq)
+                    seen.append((event.kind, batch.durable))
 
-        backend.append_now = spy  # type: ignore[method-assign]
-        caller = Caller(ledger, "t", epoch=ledger.epoch)
-        deadline = time.time() + 30
-        try:
-            for cid, server, op in [
-                ("e1-000001", "a", "prepare"),  # first POST to a: durable
-                ("e1-000001", "a", "status"),  # a read: write-behind
-                ("e1-000001", "a", "prepare"),  # a is touched already: write-behind
-                ("e1-000001", "b", "prepare"),  # first POST to b: durable
-                ("e1-000002", "a", "prepare"),  # a new attempt: durable again
-            ]:
-                body = CommonBody(checkpoint_id=cid, deadline_ts=deadline) if op == "prepare" else None
-                result = await caller.call(
-                    Target(server, AGENT, url),
-                    route(AGENT, op),
-                    phase="prepare",
-                    checkpoint_id=cid,
-                    deadline_ts=deadline,
-                    body=body,
-                    params={"checkpoint_id": cid} if op == "status" else None,
-                )
-                assert result.ok, result.describe()
-        finally:
-            await caller.aclose()
-    sent = [(server, durable) for kind, server, durable in seen if kind == "call.sent"]
-    assert sent == [("a", True), ("a", False), ("a", False), ("b", True), ("a", True)]
-    assert {durable for kind, _, durable in seen if kind != "call.sent"} == {False}
+        def spy_now(batch: Any) -> bool:
+            done = real_now(batch)
+            if done:
+                note(batch)
+            return done
+
+        async def spy_append(batch: Any) -> None:
+            await real_append(batch)
+            note(batch)
+
+        backend.append_now = spy_now  # type: ignore[method-assign]
+        backend.append = spy_append  # type: ignore[method-assign]
+        attempt = await coord.checkpoint(deadline_s=30)
+    assert attempt.snapshot is not None
+    kinds = {kind for kind, _ in seen}
+    assert {"call.sent", "call.replied", "phase.started", "attempt.published", "attempt.completed"} <= kinds
+    assert [kind for kind, durable in seen if durable] == ["attempt.started", "attempt.publishing"]
+    async with Ledger.open(sqlite_url, readonly=True) as ledger:  # closed: everything is on disk
+        stored = [e.kind async for e in ledger.read(checkpoint_id=attempt.checkpoint_id)]
+    assert stored == [kind for kind, _ in seen]

@@ -116,6 +116,77 @@ async def test_death_after_prepare_resumes_every_touched_server(
     await assert_protocol_ok(sqlite_url)
 
 
+@pytest.mark.parametrize(
+    ("dies_after", "touched"),
+    [
+        # every participant prepared: each must be found by what it reports
+        (kind_is("phase.completed", phase="prepare"), ["tools", "policy_model", "simple_agent"]),
+        # only the model paused (death before the agent's prepare left): the agent and tools show
+        # no trace of the attempt and are left alone
+        (kind_is("call.sent", server="simple_agent", phase="prepare"), ["policy_model"]),
+    ],
+)
+async def test_power_loss_that_drops_the_write_behind_calls_still_resumes_every_touched_server(
+    cluster: Any,
+    sqlite_url: str,
+    configure: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    dies_after: Any,
+    touched: list[str],
+) -> None:
+    """After a power failure the ledger holds only what was fsynced: here, everything up to the
+    durable `attempt.started` of the dying attempt and none of its (write-behind) calls. The next
+    coordinator opens that prefix — a copy taken the instant `attempt.started` was committed — and
+    must still find and resume every server the dead one touched, from their own reports."""
+    import sqlite3
+
+    from coordinator import crashpoints
+    from tests.recovery.helpers import Dying
+
+    config = configure(cluster, sqlite_url)
+    previous = await _first_snapshot(config)
+    prefix = tmp_path / "on-disk-at-power-loss.db"
+    source = sqlite_url.removeprefix("sqlite+aiosqlite:///")
+
+    class PowerLoss(Dying):
+        def after_append(self, events: Any) -> None:
+            if any(e.kind == "attempt.started" for e in events):
+                with sqlite3.connect(source) as src, sqlite3.connect(prefix) as dst:
+                    src.backup(dst)
+            super().after_append(events)
+
+    dying = PowerLoss(dies_after, 1)
+    opened = {"n": 0}
+
+    def from_env(environ: object = None) -> crashpoints.CrashPoints | None:
+        opened["n"] += 1
+        return dying if opened["n"] == 1 else None
+
+    monkeypatch.setattr(crashpoints, "from_env", from_env)
+    async with httpx.AsyncClient() as http:
+        await _start(http, cluster)
+        cid = await _die_during_checkpoint(config)
+        states = await server_states(http, cluster)
+        assert states["policy_model"][0] in ("preparing", "prepared")
+        prefix_url = f"sqlite+aiosqlite:///{prefix}"
+        lost = [e for e in await read_events(prefix_url, cid) if e.kind.startswith("call.")]
+        assert lost == []  # the dead coordinator's calls are all gone from the prefix
+        report = await _recover(config.model_copy(update={"ledger": prefix_url}))
+        await assert_all_accepting(http, cluster)
+        await _finish_rollouts(http, cluster)
+    found = report.attempts[0]
+    assert (found.checkpoint_id, found.action) == (cid, "resumed")
+    assert [s.name for s in found.servers] == touched
+    assert {s.result for s in found.servers} == {"resumed"}
+    events = await read_events(prefix_url, cid)
+    assert sorted(_settled(events)) == sorted(touched)
+    aborted = events[-1]
+    assert aborted.kind == "attempt.aborted"
+    assert (sorted(aborted.data["resumed"]), aborted.data["left_paused"]) == (sorted(touched), [])
+    assert read_latest(config.snapshots) == previous
+
+
 async def test_request_recorded_but_never_sent_is_not_paused(
     cluster: Any, sqlite_url: str, configure: Any, die_after: Any
 ) -> None:

@@ -10,10 +10,19 @@ its own epoch, so checkpoint ids never collide) — discover, do one warm-up cyc
 alternate measured cycles in ABBA order. A cycle is ``Coordinator.checkpoint()``: prepare →
 commit → publish (manifest, fsync, rename, ``LATEST``) → resume. The per-run medians give the
 overhead ``real / null - 1``. Goal: the ledger adds <= 10%.
+
+Before each measured cycle the rollouts run for a settle time (untimed; the same for both cycles
+of a pair: 50 ms plus a random part of up to 25 ms, about one turn). A checkpoint in an RL run
+comes minutes after the last one, at a random point of the rollouts' turns. Back to back, a cycle
+that starts within a millisecond or two of the previous resume pauses the model before the resumed
+rollouts have sent their next model call, so its prepare does not wait for a 20 ms call to drain,
+while a cycle that starts a few milliseconds later does: the measure then compares where each
+cycle happens to land in a turn more than what the ledger costs.
 """
 
 from __future__ import annotations
 
+import random
 import secrets
 import statistics
 import time
@@ -44,6 +53,11 @@ SPEC: dict[str, Any] = {
         {"kind": "resources", "name": "tools", "judge": "judge"},
     ]
 }
+
+
+#: Untimed run time of the rollouts before each measured cycle: SETTLE_S + up to SETTLE_JITTER_S.
+SETTLE_S = 0.05
+SETTLE_JITTER_S = 0.025
 
 
 @contextmanager
@@ -95,18 +109,25 @@ async def run_cycles(config: dict[str, Any], token: str, cycles: int, dir: str) 
     null_cfg = parse_config({**config, "snapshots": str(folder / "null")}, base_dir=folder)
     real_s: list[float] = []
     null_s: list[float] = []
+    rng = random.Random()
+
+    async def settled_cycle(coord: Coordinator, settle_s: float) -> float:
+        await anyio.sleep(settle_s)
+        return await timed_cycle(coord)
+
     async with Coordinator.open(real_cfg, token=token) as real, open_null(null_cfg, token) as null:
         await real.discover()
         await null.discover()
         await timed_cycle(real)
         await timed_cycle(null)
         for i in range(cycles):
+            settle_s = SETTLE_S + rng.random() * SETTLE_JITTER_S
             if i % 2 == 0:
-                real_s.append(await timed_cycle(real))
-                null_s.append(await timed_cycle(null))
+                real_s.append(await settled_cycle(real, settle_s))
+                null_s.append(await settled_cycle(null, settle_s))
             else:
-                null_s.append(await timed_cycle(null))
-                real_s.append(await timed_cycle(real))
+                null_s.append(await settled_cycle(null, settle_s))
+                real_s.append(await settled_cycle(real, settle_s))
         head = await real.ledger.head()
         events = head.seq if head is not None else 0
     real_m, null_m = statistics.median(real_s), statistics.median(null_s)
@@ -146,7 +167,9 @@ def measure(ctx: Context) -> Result:
     result.notes.append(
         f"{cycles} measured cycles per side per run (ABBA order, after one warm-up each); about"
         f" {per_cycle.median:.0f} ledger events per cycle; 4 rollouts running on simple_agent;"
-        " policy model 20 ms per call"
+        f" policy model 20 ms per call; before each cycle the rollouts run {SETTLE_S * 1e3:.0f}"
+        f"-{(SETTLE_S + SETTLE_JITTER_S) * 1e3:.0f} ms (random, the same for both sides of a pair;"
+        " untimed), so a cycle starts at a random point of the rollouts' turns"
     )
     return result
 

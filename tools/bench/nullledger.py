@@ -1,10 +1,11 @@
 """``NullLedger``: a ``Ledger``-compatible object that stores nothing — the baseline of measure #3.
 
-It has the methods the coordinator calls (``append``, ``append_many``, ``start_epoch``, ``head``,
-``read``, ``attempts``, ``attempt``, ``epoch``) and does none of a ledger's work: no validation,
-no redaction, no canonical encoding, no hash, no transaction, no fsync. ``append`` only counts
-seqs (so checkpoint ids stay unique) and returns an ``Event`` with an empty payload; reads find
-nothing. The same coordinator code run on it shows what the ledger itself costs.
+It has the methods the coordinator calls (``append``, ``append_many``, ``start_epoch``,
+``last_seq``, ``head``, ``read``, ``attempts``, ``attempt``, ``epoch``) and does none of a
+ledger's work: no validation, no redaction, no canonical encoding, no hash, no transaction, no
+fsync. ``append`` only counts seqs (so checkpoint ids stay unique) and returns an ``Event`` with
+an empty payload; reads find nothing. The same coordinator code run on it shows what the ledger
+itself costs.
 
 Bench-only: it must never be used to drive real servers (nothing would be recoverable).
 """
@@ -51,6 +52,9 @@ class NullLedger:
 
     async def start_epoch(self, data: Mapping[str, Any] | BaseModel) -> Event:
         return self._event("coordinator.started", None, None, None)
+
+    async def last_seq(self) -> int:
+        return self._seq
 
     async def head(self) -> Event | None:
         return self._head
