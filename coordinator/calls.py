@@ -25,7 +25,8 @@ For every request, in this order:
    - `http`     — a status other than 200; `status`, `error.code` and its detail are kept;
    - `protocol` — a 200 whose body is not JSON, does not match the schema, or exceeds 1 MiB
      (the body is streamed and reading stops past the cap).
-   Outcome appends are shielded from cancellation so a started call always has an outcome row.
+   An append is never interrupted by a cancellation (`Ledger.append`), so a started call always
+   has an outcome row.
 
 The token is handed to the ledger as a secret (redacted from every payload) and is never put in
 an error message or a log line. Each call has a unique `call_id`: `<checkpoint_id>/<n>` (with
@@ -242,22 +243,23 @@ class Caller:
         timeout_s = max(0.001, left)
         url = base_url + path
         recorded_body: Any = body if method == "POST" else ({"query": params} if params else None)
-        with anyio.CancelScope(shield=True):
-            sent = await self._ledger.append(
-                "call.sent",
-                checkpoint_id=checkpoint_id,
-                server=server,
-                call_id=call_id,
-                data={
-                    "phase": phase,
-                    "method": method,
-                    "path": path,
-                    "url": url,
-                    "timeout_s": timeout_s,
-                    "body": recorded_body,
-                },
-                durable=False,
-            )
+        # no shield needed here or around the outcome: an append, once called, is never
+        # interrupted (Ledger.append); a cancellation reaches this task at its next checkpoint
+        sent = await self._ledger.append(
+            "call.sent",
+            checkpoint_id=checkpoint_id,
+            server=server,
+            call_id=call_id,
+            data={
+                "phase": phase,
+                "method": method,
+                "path": path,
+                "url": url,
+                "timeout_s": timeout_s,
+                "body": recorded_body,
+            },
+            durable=False,
+        )
         started = time.monotonic()
         exchange: _Exchange | None = None
         try:
@@ -295,8 +297,7 @@ class Caller:
                         error="protocol",
                         detail=f"reply does not match {reply_model.__name__}: {_summarize(error)}",
                     )
-        with anyio.CancelScope(shield=True):
-            outcome = await self._record(checkpoint_id, server, call_id, exchange, elapsed)
+        outcome = await self._record(checkpoint_id, server, call_id, exchange, elapsed)
         return CallResult(
             call_id=call_id,
             server=server,

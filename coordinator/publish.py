@@ -7,9 +7,11 @@ Layout (DESIGN.md "Publication"):
     <snapshots>/LATEST                         the name of the latest snapshot, replaced atomically
 
 Invariants:
-- Every file and folder is fsynced before the staging folder is renamed (`tree_digests`, which
-  hashes and fsyncs each file through one descriptor, many files at once); the rename (then an
-  fsync of `<snapshots>`) is the commit point. A crash before it leaves the previous snapshot latest.
+- Every file and folder is durable before the staging folder is renamed (`tree_digests`: each
+  file hashed and fsynced through one descriptor, many files at once — or, for a tree of
+  `SYNCFS_MIN_FILES` files or more on Linux, hashed, then one `syncfs(2)` of its filesystem); the
+  rename (then an fsync of `<snapshots>`) is the commit point. A crash before it leaves the
+  previous snapshot latest.
 - `LATEST` is written to a temporary file, fsynced, renamed over the old one, then the folder is
   fsynced: a reader sees the old or the new name, never a torn one.
 - Retention never deletes the snapshot `LATEST` names, nor anything that is not a snapshot of ours
@@ -21,6 +23,8 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -52,6 +56,8 @@ __all__ = [
     "rename_into_place",
     "resolve_snapshot",
     "sweep_staging",
+    "syncfs",
+    "syncfs_available",
     "tree_digests",
     "verify_artifact",
     "verify_snapshot",
@@ -67,6 +73,11 @@ _ID: Final = re.compile(r"^e(\d+)-(\d+)")
 #: Threads for per-file work (hashing + fsync, removal). fsyncs issued together share the
 #: filesystem's journal commits: 1,500 small files took 0.5 s one by one and 0.12 s with 32 threads.
 IO_THREADS: Final = 16
+#: From this many files on, `tree_digests(sync=True)` makes a tree durable with one syncfs(2) of
+#: its filesystem instead of an fsync per file and folder (Linux): 1,000 small files took 0.15 s
+#: of fsyncs on 16 threads and 15 ms with one syncfs. syncfs also writes back whatever else is
+#: dirty on that filesystem, so a small tree keeps its own fsyncs.
+SYNCFS_MIN_FILES: Final = 64
 #: (size in bytes, sha256 hex) of each file, by path relative to the tree's root (posix form).
 Digests = Mapping[str, tuple[int, str]]
 _T = TypeVar("_T")
@@ -110,8 +121,10 @@ def _digest_synced(path: Path) -> tuple[int, str]:
 def tree_digests(root: Path, *, sync: bool, skip: Iterable[str] = ()) -> dict[str, tuple[int, str]]:
     """(size, sha256) of every regular file under `root` (symlinks and `skip` paths left out).
 
-    With `sync`, each file is fsynced as it is read and then every folder of the tree: when this
-    returns, the tree's content and entries are durable. Files are read on ``IO_THREADS`` threads.
+    With `sync`, each file is fsynced as it is read and then every folder of the tree — or, from
+    `SYNCFS_MIN_FILES` files on where syncfs(2) exists, the files are read and then the tree's
+    filesystem is synced once: when this returns, the tree's content and entries are durable.
+    Files are read on ``IO_THREADS`` threads.
     """
     left_out = set(skip)
     files: list[tuple[str, Path]] = []
@@ -119,6 +132,10 @@ def tree_digests(root: Path, *, sync: bool, skip: Iterable[str] = ()) -> dict[st
         rel = path.relative_to(root).as_posix()
         if rel not in left_out and not path.is_symlink():
             files.append((rel, path))
+    if sync and len(files) >= SYNCFS_MIN_FILES and syncfs_available():
+        sums = _each(file_digest, [path for _, path in files])
+        syncfs(root)
+        return {rel: sums[i] for i, (rel, _) in enumerate(files)}
     read = _digest_synced if sync else file_digest
     sums = _each(read, [path for _, path in files])
     if sync:
@@ -127,6 +144,41 @@ def tree_digests(root: Path, *, sync: bool, skip: Iterable[str] = ()) -> dict[st
             folders.update(p for p in path.parents if root in p.parents)
         _each(fsync_dir, sorted(folders))
     return {rel: sums[i] for i, (rel, _) in enumerate(files)}
+
+
+@functools.cache
+def _syncfs_call() -> Callable[[int], int] | None:
+    """libc's syncfs(2), or None where there is none (not Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    call = getattr(libc, "syncfs", None)
+    if call is None:
+        return None
+    call.argtypes = [ctypes.c_int]
+    call.restype = ctypes.c_int
+    return call  # type: ignore[no-any-return]
+
+
+def syncfs_available() -> bool:
+    """Whether `syncfs` works on this system (Linux)."""
+    return _syncfs_call() is not None
+
+
+def syncfs(path: Path) -> None:
+    """Write back everything dirty on the filesystem holding `path` (data, inodes, folders) and
+    wait for it; raise `OSError` on a writeback error (Linux 5.8+ reports them). Linux only."""
+    call = _syncfs_call()
+    if call is None:
+        raise OSError(f"syncfs(2) is not available on this system (needed for {path})")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if call(fd) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"syncfs: {os.strerror(errno)}", str(path))
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: Path) -> None:

@@ -617,6 +617,9 @@ class Ledger:
         the ledger closes. Use it only for an event that no outside action waits on — one that
         is always followed by a durable append before the next call, rename or reply to a user.
 
+        Once called it runs to completion: a cancellation of the calling task does not interrupt
+        it (the commit is shielded) and reaches the task at its next checkpoint after it returns.
+
         Raises ``LedgerError`` for an unknown kind or an invalid payload (nothing is written) and
         ``FencedError`` when another writer owns the ledger.
         """

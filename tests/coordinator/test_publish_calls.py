@@ -16,6 +16,7 @@ from coordinator.calls import MAX_REPLY_BYTES, Caller
 from coordinator.errors import SnapshotError
 from coordinator.publish import (
     LATEST,
+    SYNCFS_MIN_FILES,
     apply_retention,
     build_manifest,
     file_digest,
@@ -92,6 +93,39 @@ def test_tree_digests_hash_and_fsync_every_file_and_folder_once(
     folders = {".", *(f"s{i}" for i in range(20)), *(f"s{i}/d" for i in range(20))}
     assert sorted(synced) == sorted([*expected, *folders])  # each file and folder exactly once
     assert tree_digests(root, sync=False) == {**digests, "manifest.json": file_digest(root / "manifest.json")}
+
+
+def test_a_large_tree_is_made_durable_by_one_syncfs_not_an_fsync_per_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from coordinator import publish
+
+    if not publish.syncfs_available():
+        pytest.skip("no syncfs(2) on this system: every file is fsynced (the test above)")
+    root = tmp_path / "staging"
+    files = [f"s{i}/f{j}.jsonl" for i in range(SYNCFS_MIN_FILES // 2) for j in range(2)]
+    for k, rel in enumerate(files):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(os.urandom(k * 31))
+    fsynced: list[int] = []
+    synced: list[Path] = []
+    real_syncfs = publish.syncfs
+
+    def spy(path: Path) -> None:
+        synced.append(path)
+        real_syncfs(path)  # the real system call, on the real filesystem
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", fsynced.append)
+        patch.setattr(publish, "syncfs", spy)
+        digests = tree_digests(root, sync=True)
+    assert (synced, fsynced) == ([root], [])
+    assert digests == tree_digests(root, sync=False)
+    assert all(digests[rel] == file_digest(root / rel) for rel in files)
+    with pytest.raises(FileNotFoundError, match="missing"):
+        publish.syncfs(tmp_path / "missing")
 
 
 def test_verify_snapshot_lists_every_difference(tmp_path: Path) -> None:

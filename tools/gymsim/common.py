@@ -1,11 +1,14 @@
 """Small pieces shared by every reference server: rejections, notifications, durable files.
 
-Durability rule of every commit in `tools/gymsim`: each data file is written to a
-temporary name, fsynced and renamed into place; the folder is fsynced once after
-the last of them, so every rename is durable before `manifest.json` is written the
-same way; then the folder is fsynced again. A reply naming a `manifest_digest` is
-only sent once the manifest is durable, so a manifest on disk always describes
-complete files.
+Durability rule of every commit in `tools/gymsim`: the data files are durable before
+`manifest.json` is written, and the manifest is durable before the reply naming its
+`manifest_digest` is sent, so a manifest on disk always describes complete files. Each file is
+written to a temporary name and renamed into place. Where syncfs(2) exists (Linux) the two
+barriers — after the data files, after the manifest — are each one `GroupSync` of the
+filesystem, shared by every commit waiting at that moment: many servers hosted in one process
+(path prefixes) make their commits durable together, as one host with one disk would, instead
+of an fsync per file and folder each. Elsewhere each file is fsynced before its rename and the
+folder after the last data file and after the manifest.
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ import asyncio
 import json
 import os
 import re
+import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 from starlette.responses import JSONResponse
 
 from coordinator.protocol import ArtifactRef, sha256_hex
+from coordinator.publish import syncfs, syncfs_available
 
 #: Rollout ids travel in file names and headers: same alphabet as checkpoint ids.
 ROLLOUT_ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -104,8 +109,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _replace_synced(path: Path, data: bytes) -> None:
-    """Write `data` to a temporary name beside `path`, fsync it, rename it to `path` (no folder fsync)."""
+def _replace_synced(path: Path, data: bytes, *, fsync: bool = True) -> None:
+    """Write `data` to a temporary name beside `path`, fsync it (unless `fsync=False`: the
+    caller syncs the filesystem later), rename it to `path` (no folder fsync)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     # os-level calls: the same file as open(tmp, "wb") gives, without its isatty/fstat/lseek calls
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
@@ -113,18 +119,69 @@ def _replace_synced(path: Path, data: bytes) -> None:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
-        os.fsync(fd)
+        if fsync:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+class GroupSync:
+    """Group commit of durability: `sync(path)` returns once a syncfs(2) of `path`'s filesystem
+    that *started after the call* has completed. Callers that wait at the same time (threads)
+    share one syncfs: the first runs it, the others wait for it or for the next one. A failed
+    syncfs raises in the thread that ran it; its waiters run the next one themselves.
+    One per filesystem (`for_path`)."""
+
+    _by_device: ClassVar[dict[int, GroupSync]] = {}
+    _guard: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._started = 0  #: number of the last syncfs started
+        self._done = 0  #: number of the last syncfs completed
+        self._running = False
+        self.runs = 0  #: syncfs calls made (tests, diagnostics)
+
+    @classmethod
+    def for_path(cls, path: Path) -> GroupSync:
+        device = os.stat(path).st_dev
+        with cls._guard:
+            group = cls._by_device.get(device)
+            if group is None:
+                group = cls._by_device[device] = cls()
+            return group
+
+    def sync(self, path: Path) -> None:
+        with self._cond:
+            ticket = self._started + 1  # the next syncfs to start: it starts after this call
+            while self._done < ticket:
+                if self._running:
+                    self._cond.wait()
+                    continue
+                self._running = True
+                self._started += 1
+                number = self._started
+                self.runs += 1
+                synced = False
+                self._cond.release()
+                try:
+                    syncfs(path)
+                    synced = True
+                finally:
+                    self._cond.acquire()
+                    self._running = False
+                    if synced:
+                        self._done = number
+                    self._cond.notify_all()
 
 
 class ArtifactWriter:
     """Writes a participant's folder inside a checkpoint dir: files first, `manifest.json` last.
 
     Paths handed in and recorded are relative to the checkpoint dir (POSIX, no `..`).
-    Durability as the module docstring states: the folder is fsynced once between the
-    last data file and the manifest, and once after the manifest.
+    Durability as the module docstring states: one barrier between the last data file and
+    the manifest, one after the manifest.
     """
 
     def __init__(self, checkpoint_dir: str, folder: str) -> None:
@@ -134,6 +191,7 @@ class ArtifactWriter:
         self._path = self.root / folder
         self._made = False
         self._renamed = False  #: a data file was renamed into place since the last folder fsync
+        self._grouped = syncfs_available()  #: barriers are `GroupSync`s (else fsyncs per file/folder)
 
     def _dir(self) -> Path:
         if not self._made:
@@ -143,7 +201,7 @@ class ArtifactWriter:
 
     def write(self, name: str, data: bytes, records: int) -> ArtifactRef:
         relative = f"{self.folder}/{name}"
-        _replace_synced(self._dir() / name, data)
+        _replace_synced(self._dir() / name, data, fsync=not self._grouped)
         self._renamed = True
         ref = ArtifactRef(relative_path=relative, sha256=sha256_hex(data), records=records, bytes=len(data))
         self.files.append(ref)
@@ -155,10 +213,17 @@ class ArtifactWriter:
         body["files"] = [ref.model_dump(mode="json") for ref in self.files]
         data = (json.dumps(body, indent=2, sort_keys=True) + "\n").encode("utf-8")
         folder = self._dir()
-        if self._renamed:
+        if self._grouped:
+            group = GroupSync.for_path(folder)
+            if self._renamed:
+                group.sync(folder)
+            _replace_synced(folder / "manifest.json", data, fsync=False)
+            group.sync(folder)
+        else:
+            if self._renamed:
+                _fsync_dir(folder)
+            _replace_synced(folder / "manifest.json", data)
             _fsync_dir(folder)
-        _replace_synced(folder / "manifest.json", data)
-        _fsync_dir(folder)
         self._renamed = False
         return sha256_hex(data)
 
