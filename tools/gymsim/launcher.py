@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import signal
 import sys
@@ -72,6 +73,10 @@ async def serve(spec: ClusterSpec, args: argparse.Namespace, token: str | None) 
         loop.add_signal_handler(sig, host.stop)
 
     def started() -> None:
+        # Everything built so far (modules, every hosted server) lives as long as the process:
+        # frozen, the cyclic GC no longer walks it in each full collection (hundreds of hosted
+        # servers make those collections long, and they land in the middle of requests).
+        gc.freeze()
         config = cluster_config(spec, host.urls, ledger_url=args.ledger, snapshots_dir=args.snapshots)
         path = write_yaml_atomic(args.config_out, config)
         width = max(len(name) for name in host.urls)
