@@ -652,8 +652,11 @@ def _verify_entry(staging: Path, entry: dict[str, Any], digests: Digests | None 
     return problems
 
 
-async def publish(ctx: Context, attempt: Attempt) -> Path:
+async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False) -> Path:
     """Verify, write the manifest, rename into place (the commit point), point LATEST, retention.
+
+    With `defer_delete`, retention only moves the snapshots it removes into the trash; the caller
+    deletes them (`publish.empty_trash`), e.g. while the servers resume.
 
     `attempt.publishing` is durable before the rename and `attempt.published` committed after it
     (and its fsync; write-behind, as the fsynced rename already decides publication). A failure
@@ -766,7 +769,9 @@ async def publish(ctx: Context, attempt: Attempt) -> Path:
     attempt.snapshot = final
     await anyio.to_thread.run_sync(write_latest, ctx.config.snapshots, final.name)
     removed = await anyio.to_thread.run_sync(
-        lambda: apply_retention(ctx.config.snapshots, ctx.config.keep_latest, protect=[final])
+        lambda: apply_retention(
+            ctx.config.snapshots, ctx.config.keep_latest, protect=[final], defer_delete=defer_delete
+        )
     )
     swept = await _sweep_finished(ctx)
     await ctx.ledger.append(

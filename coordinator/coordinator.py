@@ -50,7 +50,7 @@ from coordinator.config import ClusterConfig, load_config, resolve_token
 from coordinator.discovery import Discovery, discover
 from coordinator.errors import ConfigError, QuiesceError
 from coordinator.lease import keep_lease
-from coordinator.publish import read_latest, resolve_snapshot, verify_snapshot
+from coordinator.publish import empty_trash, read_latest, resolve_snapshot, verify_snapshot
 from ledger import AttemptRow, LeaseTerms, Ledger
 
 __all__ = ["Coordinator", "quiesce_version", "read_history"]
@@ -288,7 +288,8 @@ class Coordinator:
     async def save(self, *, deadline_s: float | None = None) -> AsyncIterator[Attempt]:
         """Prepare and commit on entry; yield the attempt (write into `attempt.staging_dir`).
 
-        Normal exit publishes, then resumes (`attempt.snapshot` is then the published folder). An
+        Normal exit publishes, then resumes (`attempt.snapshot` is then the published folder); the
+        snapshots retention removed are deleted while the servers resume, not before. An
         exception inside the block rolls back (every touched server resumed, staging removed) and
         is re-raised unchanged; what the rollback did is in the ledger and in a note on the error.
         """
@@ -303,8 +304,17 @@ class Coordinator:
                 )
             exc.add_note(str(error))
             raise
-        await self.publish(attempt)
-        await self.resume(attempt)
+        await _attempt.publish(self._ctx, attempt, defer_delete=True)
+        # the snapshots retention removed are deleted while the servers resume, not before
+        failed: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, empty_trash, self._ctx.config.snapshots)
+            try:
+                await self.resume(attempt)
+            except Exception as error:  # raised once the deleting is done
+                failed = error
+        if failed is not None:
+            raise failed
 
     async def checkpoint(self, *, deadline_s: float | None = None) -> Attempt:
         """prepare → commit → publish → resume, with nothing added by the caller."""

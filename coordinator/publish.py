@@ -15,7 +15,8 @@ Invariants:
 - `LATEST` is written to a temporary file, fsynced, renamed over the old one, then the folder is
   fsynced: a reader sees the old or the new name, never a torn one.
 - Retention never deletes the snapshot `LATEST` names, nor anything that is not a snapshot of ours
-  (a folder with a `quiesce-snapshot` manifest).
+  (a folder with a `quiesce-snapshot` manifest). It may move a snapshot into `.trash/` (one
+  rename) and delete it later (`empty_trash`), so the deleting runs while the servers resume.
 - The ledger side (`attempt.publishing` before the rename, `attempt.published` after) is the
   caller's job (`attempt.py`); this module only touches files.
 """
@@ -43,9 +44,11 @@ __all__ = [
     "LATEST",
     "MANIFEST",
     "SNAPSHOT_FORMAT",
+    "TRASH",
     "Snapshot",
     "apply_retention",
     "build_manifest",
+    "empty_trash",
     "file_digest",
     "fsync_dir",
     "list_snapshots",
@@ -67,6 +70,8 @@ __all__ = [
 
 MANIFEST: Final = "manifest.json"
 LATEST: Final = "LATEST"
+#: Where retention moves snapshots it removes, until `empty_trash` deletes them.
+TRASH: Final = ".trash"
 SNAPSHOT_FORMAT: Final = "quiesce-snapshot"
 _CHUNK: Final = 1 << 20
 _ID: Final = re.compile(r"^e(\d+)-(\d+)")
@@ -458,8 +463,14 @@ def verify_snapshot(path: Path, *, participants: Mapping[str, str]) -> Snapshot:
     return snapshot
 
 
-def apply_retention(snapshots: Path, keep: int, *, protect: Iterable[Path] = ()) -> list[Path]:
-    """Delete all but the newest `keep` snapshots (never a protected one, never LATEST's). Returns removed."""
+def apply_retention(
+    snapshots: Path, keep: int, *, protect: Iterable[Path] = (), defer_delete: bool = False
+) -> list[Path]:
+    """Remove all but the newest `keep` snapshots (never a protected one, never LATEST's). Returns removed.
+
+    With `defer_delete`, each is only renamed into `<snapshots>/.trash/` (one rename: it is no
+    longer a snapshot at once) and `empty_trash` deletes it later — off the path of whoever waits.
+    """
     protected = {p.resolve() for p in protect}
     latest = read_latest(snapshots)
     if latest is not None:
@@ -467,14 +478,35 @@ def apply_retention(snapshots: Path, keep: int, *, protect: Iterable[Path] = ())
     all_snapshots = list_snapshots(snapshots)
     doomed = all_snapshots[: max(0, len(all_snapshots) - keep)]
     removed: list[Path] = []
+    trash = snapshots / TRASH
     for snapshot in doomed:
         if snapshot.path.resolve() in protected:
             continue
-        _rmtree(snapshot.path)
+        if defer_delete:
+            trash.mkdir(exist_ok=True)
+            os.replace(snapshot.path, trash / f"{snapshot.path.name}-{os.urandom(4).hex()}")
+        else:
+            _rmtree(snapshot.path)
         removed.append(snapshot.path)
     if removed:
         fsync_dir(snapshots)
     return removed
+
+
+def empty_trash(snapshots: Path) -> int:
+    """Delete what `apply_retention(defer_delete=True)` moved to `<snapshots>/.trash/`; returns how
+    many folders. Best effort, never raises: what it cannot delete now is deleted next time (a
+    crash in between only leaves more to delete)."""
+    trash = snapshots / TRASH
+    try:
+        doomed = [p for p in trash.iterdir() if p.is_dir() and not p.is_symlink()]
+    except OSError:  # no trash (nothing was removed), or unreadable: next time
+        return 0
+    _each(_rmtree, doomed)
+    if doomed:
+        with contextlib.suppress(OSError):
+            fsync_dir(trash)
+    return len(doomed)
 
 
 def sweep_staging(staging_root: Path, finished: Iterable[str]) -> list[Path]:

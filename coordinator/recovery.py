@@ -8,8 +8,10 @@ Run by `Coordinator.open` (after it took its epoch, so the dead coordinator is f
    phase and active checkpoint id. *Touched* is a server with a `call.sent` in the ledger, or a
    participant without one that reports this checkpoint id as active: `call.sent` is
    write-behind, so after a power failure the ledger may have lost the last ones, but never the
-   durable `attempt.started` that lists every participant (see attempt.py). A participant that
-   shows no trace of the attempt (or cannot be read) is left alone and not reported. A server
+   durable `attempt.started` that lists every participant (see attempt.py). Rolling back a save,
+   an agent or resources participant at `idle` counts as touched too (a prepare it refused
+   leaves no trace in its capabilities; see `_settle_touched`). Any other participant that shows
+   no trace of the attempt (or cannot be read) is left alone and not reported. A server
    still inside an operation of this attempt that a resume may not interrupt (`committing`,
    `restoring`, a resources server's `preparing`: the dead coordinator's request is still
    running there) is read again until it leaves that phase (at most the budget), so a resume
@@ -71,9 +73,10 @@ from coordinator.attempt import (
 )
 from coordinator.discovery import Member
 from coordinator.errors import PhaseError, SnapshotError
-from coordinator.protocol import RESOURCES, Capabilities
+from coordinator.protocol import MODEL, RESOURCES, Capabilities
 from coordinator.publish import (
     apply_retention,
+    empty_trash,
     read_latest,
     remove_tree,
     sweep_staging,
@@ -89,6 +92,8 @@ Action = Literal["resumed", "published", "restored", "abandoned", "none"]
 #: resume is not allowed (gym-control-v1 §1.1): wait for them to end. (A resources server's
 #: `preparing` too; a model or an agent may be resumed while preparing.)
 _BUSY_PHASES: Final = frozenset({"committing", "restoring"})
+#: The detail of an idle agent or resources participant resumed without a recorded request.
+_UNRECORDED: Final = "no request of this attempt is recorded for it; resumed in case one was lost"
 #: How often a busy server's capabilities are read again.
 _SETTLE_POLL_S: Final = 0.05
 
@@ -289,18 +294,28 @@ async def _settle(ctx: Context, attempt: Attempt, names: list[str]) -> list[_Set
     return out
 
 
-async def _settle_touched(ctx: Context, attempt: Attempt) -> list[_Settled]:
-    """Settle the touched servers: those with a `call.sent` in the ledger, and every other
-    participant that reports this checkpoint id as active (its `call.sent` was lost with a power
-    failure). Those found that way are added to `attempt.touched`."""
+async def _settle_touched(ctx: Context, attempt: Attempt, *, idle_may_be_touched: bool) -> list[_Settled]:
+    """Settle the servers the attempt may have touched; those found so are added to `attempt.touched`.
+
+    A server with a `call.sent` in the ledger was touched. A participant without one (its
+    `call.sent` may have been lost with a power failure) counts as touched when it reports this
+    checkpoint id as active — and, with `idle_may_be_touched` (rolling back a save), when it is an
+    agent or resources server at `idle` with no active id: a prepare they refused (an agent's
+    `agent_prepare_incomplete`) leaves their fence idle but their admission closed, and nothing
+    in their capabilities tells it; a resume from idle is allowed and only retires this id. A
+    model's pause always leaves the id active, so an idle model was not touched.
+    """
     recorded = set(attempt.touched)
     unrecorded = [name for name in attempt.names if name not in recorded]
     settled = await _settle(ctx, attempt, list(attempt.touched) + unrecorded)
     out: list[_Settled] = []
     for s in settled:
-        if s.name in recorded:
-            out.append(s)
-        elif s.active == attempt.checkpoint_id:
+        touched = s.name in recorded or s.active == attempt.checkpoint_id
+        if not touched and idle_may_be_touched and s.member is not None and s.caps is not None:
+            touched = s.member.component != MODEL and s.phase == "idle" and s.active is None
+            if touched:
+                s.detail = _UNRECORDED
+        if touched:
             attempt.touch(s.name)
             out.append(s)
     return out
@@ -331,7 +346,7 @@ async def _abort(ctx: Context, recorded: Recorded, found: str) -> AttemptReport:
     """Roll back a save before publication: resume every touched server of this attempt."""
     attempt = recorded.attempt
     cid = attempt.checkpoint_id
-    settled = await _settle_touched(ctx, attempt)
+    settled = await _settle_touched(ctx, attempt, idle_may_be_touched=True)
     reason = f"recovered by epoch {ctx.ledger.epoch}: the coordinator died during {found}"
     await ctx.ledger.append("attempt.aborting", checkpoint_id=cid, data={"reason": reason}, durable=False)
     to_resume: list[str] = []
@@ -430,7 +445,7 @@ async def _recover_restore(ctx: Context, recorded: Recorded, found: str) -> Atte
             snapshot = await anyio.to_thread.run_sync(lambda: verify_snapshot(path, participants=expected))
         except SnapshotError as error:
             problem = "; ".join(error.differences[:5]) or str(error)
-    settled = await _settle_touched(ctx, attempt)
+    settled = await _settle_touched(ctx, attempt, idle_may_be_touched=False)
     if snapshot is None:
         return await _abandon(
             ctx, attempt, settled, found, f"the snapshot {path} is gone or damaged: {problem}"
@@ -485,7 +500,9 @@ async def _abandon(
 
 
 async def _sweep(ctx: Context) -> tuple[str, ...]:
-    """Remove every staging folder that belongs to no unfinished attempt."""
+    """Remove every staging folder that belongs to no unfinished attempt, and empty the trash
+    (snapshots retention removed but a dead coordinator had not deleted yet)."""
+    await anyio.to_thread.run_sync(empty_trash, ctx.config.snapshots)
     root = ctx.config.staging_root
     if not await anyio.to_thread.run_sync(root.is_dir):
         return ()

@@ -17,9 +17,12 @@ from coordinator.errors import SnapshotError
 from coordinator.publish import (
     LATEST,
     SYNCFS_MIN_FILES,
+    TRASH,
     apply_retention,
     build_manifest,
+    empty_trash,
     file_digest,
+    list_snapshots,
     read_latest,
     sweep_staging,
     tree_digests,
@@ -64,6 +67,20 @@ def test_latest_retention_and_sweep(tmp_path: Path) -> None:
         (staging / name).mkdir(parents=True)
     assert sweep_staging(staging, {"done", "elsewhere"}) == [staging / "done"]
     assert [p.name for p in staging.iterdir()] == ["running"]
+
+
+def test_retention_can_defer_deleting_to_the_trash(tmp_path: Path) -> None:
+    made = [_snapshot(tmp_path, f"e1-{s:06d}", 1, s, []) for s in (1, 2, 3)]
+    write_latest(tmp_path, made[2].name)
+    assert empty_trash(tmp_path) == 0  # no trash yet
+    removed = apply_retention(tmp_path, 1, defer_delete=True)
+    assert removed == made[:2]
+    assert [p.exists() for p in made] == [False, False, True]  # gone from the snapshots at once
+    assert [s.path for s in list_snapshots(tmp_path)] == [made[2]]
+    trash = sorted(p.name for p in (tmp_path / TRASH).iterdir())
+    assert [name.rsplit("-", 1)[0] for name in trash] == [made[0].name, made[1].name]
+    assert empty_trash(tmp_path) == 2
+    assert list((tmp_path / TRASH).iterdir()) == []
 
 
 def test_tree_digests_hash_and_fsync_every_file_and_folder_once(

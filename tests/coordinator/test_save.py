@@ -205,3 +205,9 @@ async def test_retention_keeps_latest_n(cluster: Any, sqlite_url: str, configure
     assert left == sorted(p.name for p in published[-2:] if p)
     assert read_latest(config.snapshots) == published[-1]
     assert not any((config.staging_root).iterdir())
+    # removed snapshots went through the trash, deleted while the servers resumed: none is left
+    assert not any((config.snapshots / ".trash").iterdir())
+    events = await read_events(sqlite_url)
+    removed = [n for e in events if e.data.get("phase") == "publish" and e.kind == "phase.completed"
+               for n in e.data["summary"]["retention_removed"]]  # fmt: skip
+    assert sorted(removed) == sorted(p.name for p in published[:2] if p)
