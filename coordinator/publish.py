@@ -24,8 +24,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import hashlib
 import json
 import os
@@ -37,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
+from coordinator.durable import fsync_dir, syncfs, syncfs_available
 from coordinator.errors import SnapshotError
 from coordinator.protocol import ArtifactRef
 
@@ -59,8 +58,6 @@ __all__ = [
     "rename_into_place",
     "resolve_snapshot",
     "sweep_staging",
-    "syncfs",
-    "syncfs_available",
     "tree_digests",
     "verify_artifact",
     "verify_snapshot",
@@ -149,50 +146,6 @@ def tree_digests(root: Path, *, sync: bool, skip: Iterable[str] = ()) -> dict[st
             folders.update(p for p in path.parents if root in p.parents)
         _each(fsync_dir, sorted(folders))
     return {rel: sums[i] for i, (rel, _) in enumerate(files)}
-
-
-@functools.cache
-def _syncfs_call() -> Callable[[int], int] | None:
-    """libc's syncfs(2), or None where there is none (not Linux)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-    call = getattr(libc, "syncfs", None)
-    if call is None:
-        return None
-    call.argtypes = [ctypes.c_int]
-    call.restype = ctypes.c_int
-    return call  # type: ignore[no-any-return]
-
-
-def syncfs_available() -> bool:
-    """Whether `syncfs` works on this system (Linux)."""
-    return _syncfs_call() is not None
-
-
-def syncfs(path: Path) -> None:
-    """Write back everything dirty on the filesystem holding `path` (data, inodes, folders) and
-    wait for it; raise `OSError` on a writeback error (Linux 5.8+ reports them). Linux only."""
-    call = _syncfs_call()
-    if call is None:
-        raise OSError(f"syncfs(2) is not available on this system (needed for {path})")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if call(fd) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"syncfs: {os.strerror(errno)}", str(path))
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a folder so renames and new entries in it are durable."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def make_staging(staging: Path) -> None:

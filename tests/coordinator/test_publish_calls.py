@@ -117,9 +117,9 @@ def test_a_large_tree_is_made_durable_by_one_syncfs_not_an_fsync_per_file(
 ) -> None:
     import os
 
-    from coordinator import publish
+    from coordinator import durable, publish
 
-    if not publish.syncfs_available():
+    if not durable.syncfs_available():
         pytest.skip("no syncfs(2) on this system: every file is fsynced (the test above)")
     root = tmp_path / "staging"
     files = [f"s{i}/f{j}.jsonl" for i in range(SYNCFS_MIN_FILES // 2) for j in range(2)]
@@ -142,7 +142,7 @@ def test_a_large_tree_is_made_durable_by_one_syncfs_not_an_fsync_per_file(
     assert digests == tree_digests(root, sync=False)
     assert all(digests[rel] == file_digest(root / rel) for rel in files)
     with pytest.raises(FileNotFoundError, match="missing"):
-        publish.syncfs(tmp_path / "missing")
+        durable.syncfs(tmp_path / "missing")
 
 
 def test_verify_snapshot_lists_every_difference(tmp_path: Path) -> None:

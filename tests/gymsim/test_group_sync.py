@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.durable import syncfs_available
 from coordinator.protocol import sha256_hex
-from coordinator.publish import syncfs_available
 from tools.gymsim import common
 from tools.gymsim.common import ArtifactWriter, GroupSync
 

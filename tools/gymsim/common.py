@@ -24,8 +24,8 @@ from typing import Any, ClassVar, Final
 
 from starlette.responses import JSONResponse
 
+from coordinator.durable import fsync_dir, syncfs, syncfs_available
 from coordinator.protocol import ArtifactRef, sha256_hex
-from coordinator.publish import syncfs, syncfs_available
 
 #: Rollout ids travel in file names and headers: same alphabet as checkpoint ids.
 ROLLOUT_ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -99,14 +99,6 @@ def jsonl_bytes(rows: Iterable[Any]) -> tuple[bytes, int]:
 
 def count_records(data: bytes) -> int:
     return sum(1 for line in data.splitlines() if line.strip())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _replace_synced(path: Path, data: bytes, *, fsync: bool = True) -> None:
@@ -221,9 +213,9 @@ class ArtifactWriter:
             group.sync(folder)
         else:
             if self._renamed:
-                _fsync_dir(folder)
+                fsync_dir(folder)
             _replace_synced(folder / "manifest.json", data)
-            _fsync_dir(folder)
+            fsync_dir(folder)
         self._renamed = False
         return sha256_hex(data)
 
