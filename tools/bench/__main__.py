@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, argparse.ArgumentTypeError) as error:
         parser.error(str(error))
     runs = args.runs if args.runs is not None else (1 if args.quick else 5)
-    out: Path = args.out
+    out: Path = args.out.resolve()  # children run in other folders: every path they get is absolute
     out.mkdir(parents=True, exist_ok=True)
-    cache: Path = args.cache or out / ".cache"
+    cache: Path = args.cache.resolve() if args.cache else out / ".cache"
     cache.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="quiesce-bench-", dir=out))
     try:
