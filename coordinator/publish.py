@@ -134,13 +134,12 @@ def tree_digests(root: Path, *, sync: bool, skip: Iterable[str] = ()) -> dict[st
         rel = path.relative_to(root).as_posix()
         if rel not in left_out and not path.is_symlink():
             files.append((rel, path))
-    if sync and len(files) >= SYNCFS_MIN_FILES and syncfs_available():
-        sums = _each(file_digest, [path for _, path in files])
-        syncfs(root)
-        return {rel: sums[i] for i, (rel, _) in enumerate(files)}
-    read = _digest_synced if sync else file_digest
+    whole_fs = sync and len(files) >= SYNCFS_MIN_FILES and syncfs_available()
+    read = _digest_synced if sync and not whole_fs else file_digest
     sums = _each(read, [path for _, path in files])
-    if sync:
+    if whole_fs:
+        syncfs(root)
+    elif sync:
         folders = {root}
         for _, path in files:
             folders.update(p for p in path.parents if root in p.parents)
