@@ -179,13 +179,16 @@ class Backend(ABC):
         Not cancellable: once called, it completes (or fails) before returning.
         """
 
-    def append_now(self, batch: Batch) -> bool:
-        """Commit ``batch`` like ``append`` without leaving the calling thread, when that is cheap.
-
-        True when it committed; False when it did nothing (the caller then awaits ``append``).
-        Raises exactly as ``append`` does.
-        """
+    def can_append_now(self) -> bool:
+        """Whether ``append_now`` may be called: committing on the calling thread is cheap now."""
         return False
+
+    def append_now(self, batch: Batch) -> None:
+        """Commit ``batch`` like ``append`` without leaving the calling thread.
+
+        Only when ``can_append_now()`` said so; raises exactly as ``append`` does.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot commit on the calling thread")
 
     @abstractmethod
     async def head(self) -> RawEvent | None: ...

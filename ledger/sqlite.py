@@ -241,17 +241,19 @@ class SqliteBackend(Backend):
         finally:
             self._commit_avg_s = 0.8 * self._commit_avg_s + 0.2 * (time.perf_counter() - start)
 
-    def append_now(self, batch: Batch) -> bool:
+    def can_append_now(self) -> bool:
         # A hop to a worker thread costs about as much as a fast commit (0.1-0.2 ms on a VM), so
         # while commits are fast they run right here, blocking the event loop for at most about
         # INLINE_COMMIT_MAX_S; once the moving average says the disk is slow, they go to a thread.
-        if self._commit_avg_s > INLINE_COMMIT_MAX_S:
-            return False
+        return self._commit_avg_s <= INLINE_COMMIT_MAX_S
+
+    def append_now(self, batch: Batch) -> None:
         self._timed_append(batch)
-        return True
 
     async def append(self, batch: Batch) -> None:
-        if not self.append_now(batch):
+        if self.can_append_now():
+            self.append_now(batch)
+        else:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._timed_append, batch, limiter=self._wlimiter)
 

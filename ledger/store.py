@@ -7,6 +7,14 @@ Invariants:
   for the commit to finish, so the writer's view of the head never goes stale. An append made
   with ``durable=False`` (write-behind) is committed when it returns but reaches the disk with
   the next durable append, which holds it too (commit order is seq order), or at close.
+- **Staged events ride with the next commit.** ``stage`` validates and chains an event at once
+  (its seq and hash are final) but writes nothing: it is committed at the front of the next
+  transaction — the next append's, ``flush``, a read by this writer, or ``aclose`` — in seq
+  order, and is as durable as that transaction. Until then it lives only in this process, so a
+  crash loses it, exactly as if the crash had come just before it. The committed ledger is
+  therefore always a prefix of the chain. A failed transaction that carried staged events (or
+  had some chained after it) loses them; the ledger then refuses every later append and stage
+  (``LedgerError``): its owner must reopen it.
 - **One writer.** A non-readonly open claims writership for the ledger's lifetime (see the
   backend modules) or raises ``FencedError``. Every append transaction also checks that the stored
   head is still the writer's last append and that no newer epoch exists; otherwise it raises
@@ -59,6 +67,12 @@ from ledger.urls import SQLITE_PREFIX, parse, plain_sqlite_path, safe
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
+
+#: The columns each kind must name (``COLUMN_RULES`` resolved per kind, once).
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    kind: tuple(name for prefix, names in COLUMN_RULES.items() if kind.startswith(prefix) for name in names)
+    for kind in KINDS
+}
 
 Durability = Literal["full", "process"]
 PAGE_SIZE = 1000
@@ -217,9 +231,15 @@ class Ledger:
         self._lock = anyio.Lock(fast_acquire=True)
         self._queue: list[_Waiter] = []
         self._leading = False
+        # the committed head: the last stored row as this writer knows it
         self._last_seq = 0
         self._last_hash = GENESIS_HASH
         self._head_epoch = 0
+        # the chain's tail: the last event chained (committed, being committed, or staged)
+        self._tail_seq = 0
+        self._tail_hash = GENESIS_HASH
+        self._staged: list[tuple[RawEvent, Event]] = []
+        self._lost: LedgerError | None = None
         self._fenced: FencedError | None = None
         self._stale = False
         self._closed = False
@@ -317,15 +337,23 @@ class Ledger:
             await ledger.aclose()
 
     async def aclose(self) -> None:
-        """Close the connections and release writership (and the lease, if held). Idempotent."""
+        """Commit any staged events, close the connections and release writership (and the
+        lease, if held). Idempotent. A failure to commit the staged events is raised once closed."""
         if not self._closed:
-            self._closed = True
-            with anyio.CancelScope(shield=True):
-                lease, self._lease = self._lease, None
-                if lease is not None and self._fenced is None:
-                    with contextlib.suppress(LedgerError, OSError), anyio.move_on_after(2.0):
-                        await self._backend.lease_release(lease.name, lease.holder)
-                await self._backend.close()
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._flush_for_read()
+            finally:
+                self._closed = True
+                await self._close_backend()
+
+    async def _close_backend(self) -> None:
+        with anyio.CancelScope(shield=True):
+            lease, self._lease = self._lease, None
+            if lease is not None and self._fenced is None:
+                with contextlib.suppress(LedgerError, OSError), anyio.move_on_after(2.0):
+                    await self._backend.lease_release(lease.name, lease.holder)
+            await self._backend.close()
 
     # -- the coordinator lease ---------------------------------------------------------------------
 
@@ -393,6 +421,7 @@ class Ledger:
             self._last_seq, self._last_hash, self._head_epoch = 0, GENESIS_HASH, 0
         else:
             self._last_seq, self._last_hash, self._head_epoch = int(raw[0]), raw[9], int(raw[6])
+        self._tail_seq, self._tail_hash = self._last_seq, self._last_hash
         self._stale = False
 
     # -- writing -------------------------------------------------------------------------------
@@ -400,14 +429,14 @@ class Ledger:
     def _encode(
         self, kind: str, checkpoint_id: str | None, server: str | None, call_id: str | None, data: Any
     ) -> _Encoded:
-        if kind not in KINDS:
+        required = _REQUIRED.get(kind)
+        if required is None:
             raise LedgerError(f"unknown event kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}")
-        for prefix, required in COLUMN_RULES.items():
-            if kind.startswith(prefix):
-                given = {"checkpoint_id": checkpoint_id, "server": server, "call_id": call_id}
-                missing = [name for name in required if given[name] is None]
-                if missing:
-                    raise LedgerError(f"a {kind} event needs {' and '.join(missing)}")
+        if required:
+            given = {"checkpoint_id": checkpoint_id, "server": server, "call_id": call_id}
+            missing = [name for name in required if given[name] is None]
+            if missing:
+                raise LedgerError(f"a {kind} event needs {' and '.join(missing)}")
         validate = self._validate
         if validate is None:
             # the payload models (pydantic): loaded by the first append, so readers never build them
@@ -432,6 +461,8 @@ class Ledger:
             raise LedgerError(f"ledger {self.url} was opened readonly; it cannot append")
         if self._fenced is not None:
             raise FencedError(str(self._fenced))
+        if self._lost is not None:
+            raise self._lost
         self._check_lease()
 
     def _check_lease(self) -> None:
@@ -507,27 +538,62 @@ class Ledger:
     def _commit_now(self, items: list[_Encoded], durable: bool) -> list[Event] | None:
         """Commit ``items`` on this thread, without awaiting; None (nothing written) if the backend cannot."""
         self._check_writable()
-        batch = self._batch(items, durable=durable, new_epoch=False)
-        with self._committing():
-            done = self._backend.append_now(batch)
-        return self._committed(batch, [items], new_epoch=False)[0] if done else None
+        if not self._backend.can_append_now():
+            return None
+        batch, carried = self._batch(items, durable=durable, new_epoch=False)
+        if not batch.rows:
+            return []
+        with self._committing(carried):
+            self._backend.append_now(batch)
+        return self._committed(batch, carried, [items], new_epoch=False)[0]
 
     @contextlib.contextmanager
-    def _committing(self) -> Iterator[None]:
+    def _committing(self, carried: int) -> Iterator[None]:
         """Around a backend commit: a ``FencedError`` fences this writer for good; any other
-        failure leaves the commit's outcome unknown, so the head is re-read before the next one."""
+        failure leaves the commit's outcome unknown, so the head is re-read before the next one.
+
+        Staged events lost with the failure — ``carried`` by it, or chained after it meanwhile —
+        make the ledger refuse every later append (see the module docstring)."""
         try:
             yield
         except FencedError as error:
             self._fenced = error
+            self._staged = []
             raise
         except BaseException:
             self._stale = True
+            lost = carried + len(self._staged)
+            self._staged = []
+            if lost and self._lost is None:
+                self._lost = LedgerError(
+                    f"ledger {self.url}: an append failed and {lost} staged event(s) of this writer were"
+                    " lost with it; close and reopen the ledger (a new coordinator recovers from the"
+                    " servers' own state)"
+                )
             raise
 
-    def _batch(self, items: list[_Encoded], *, durable: bool, new_epoch: bool) -> Batch:
-        """Number and chain ``items`` after the writer's head (nothing is written)."""
+    def _batch(self, items: list[_Encoded], *, durable: bool, new_epoch: bool) -> tuple[Batch, int]:
+        """The staged events, then ``items`` chained after them: one transaction's batch (nothing
+        is written), and how many staged events it carries. The chain's tail moves past it."""
         epoch = self._head_epoch + 1 if new_epoch else self.epoch
+        rows, events = self._chain(items, epoch)
+        carried = len(self._staged)
+        if carried:
+            rows = [row for row, _ in self._staged] + rows
+            events = [event for _, event in self._staged] + events
+            self._staged = []
+        batch = Batch(
+            rows=rows,
+            events=events,
+            expected_last=self._last_seq,
+            epoch=epoch,
+            where=self.url,
+            durable=durable,
+        )
+        return batch, carried
+
+    def _chain(self, items: list[_Encoded], epoch: int) -> tuple[list[RawEvent], list[Event]]:
+        """Number and chain ``items`` after the chain's tail, which moves past them."""
         if epoch < self._head_epoch:
             raise FencedError(
                 f"ledger {self.url}: epoch {self._head_epoch} exists, newer than this writer's epoch "
@@ -536,7 +602,7 @@ class Ledger:
                 "that was already running is fenced and must stop making calls."
             )
         at = utc_now()
-        seq, prev = self._last_seq, self._last_hash
+        seq, prev = self._tail_seq, self._tail_hash
         rows: list[RawEvent] = []
         events: list[Event] = []
         for item in items:
@@ -560,23 +626,23 @@ class Ledger:
             rows.append((seq, at, kind, cid, server, call_id, epoch, text, prev, digest))
             events.append(Event(seq, at, kind, cid, server, call_id, epoch, item.data, prev, digest))
             prev = digest
-        return Batch(
-            rows=rows,
-            events=events,
-            expected_last=self._last_seq,
-            epoch=epoch,
-            where=self.url,
-            durable=durable,
-        )
+        self._tail_seq, self._tail_hash = seq, prev
+        return rows, events
 
-    def _committed(self, batch: Batch, groups: list[list[_Encoded]], *, new_epoch: bool) -> list[list[Event]]:
-        """Advance the writer's head past ``batch`` (committed) and split its events per group."""
+    def _committed(
+        self, batch: Batch, carried: int, groups: list[list[_Encoded]], *, new_epoch: bool
+    ) -> list[list[Event]]:
+        """Advance the writer's head past ``batch`` (committed) and split its events per group
+        (after the ``carried`` staged events, each of which is its own group for ``after_append``)."""
         last = batch.events[-1]
         self._last_seq, self._last_hash, self._head_epoch = last.seq, last.hash, batch.epoch
         if new_epoch:
             self.epoch = batch.epoch
+        if self.after_append is not None:
+            for event in batch.events[:carried]:
+                self.after_append([event])
         out: list[list[Event]] = []
-        start = 0
+        start = carried
         for group in groups:
             out.append(batch.events[start : start + len(group)])
             start += len(group)
@@ -595,10 +661,12 @@ class Ledger:
             if self._stale:
                 with anyio.CancelScope(shield=True):
                     await self._load_head()
-            batch = self._batch(items, durable=durable, new_epoch=new_epoch)
-            with self._committing():
+            batch, carried = self._batch(items, durable=durable, new_epoch=new_epoch)
+            if not batch.rows:
+                return [[] for _ in groups]
+            with self._committing(carried):
                 await self._backend.append(batch)  # shields itself while it awaits
-            return self._committed(batch, groups, new_epoch=new_epoch)
+            return self._committed(batch, carried, groups, new_epoch=new_epoch)
 
     async def append(
         self,
@@ -638,6 +706,52 @@ class Ledger:
         encoded = [self._encode(i.kind, i.checkpoint_id, i.server, i.call_id, i.data) for i in items]
         return await self._commit(encoded, durable=durable)
 
+    async def stage(
+        self,
+        kind: str,
+        *,
+        checkpoint_id: str | None = None,
+        server: str | None = None,
+        call_id: str | None = None,
+        data: Mapping[str, Any] | BaseModel,
+    ) -> Event:
+        """Validate, redact and chain one event now; commit it with the next transaction.
+
+        The returned event is final (seq, hash, stored data). Nothing is written: the event is
+        committed at the front of the next append's transaction (in seq order, and as durable as
+        that append), or by ``flush``, a read through this ledger, or ``aclose``. A crash before
+        then loses it. Use it only for an event whose loss would leave the ledger as if the
+        process had died just before it — an outcome, a phase boundary — and never for one an
+        outside action must follow (a ``call.sent`` before its request, a record before a
+        rename): such an action is preceded by an append, which carries every staged event.
+
+        Raises like ``append`` for an invalid event, or when the ledger is fenced.
+        """
+        encoded = self._encode(kind, checkpoint_id, server, call_id, data)
+        self._check_writable()
+        if self._stale:  # the head is unknown after a failed commit: read it before chaining on it
+            async with self._lock:
+                if self._stale:
+                    with anyio.CancelScope(shield=True):
+                        await self._load_head()
+            self._check_writable()
+        rows, events = self._chain([encoded], self.epoch)
+        self._staged.append((rows[0], events[0]))
+        return events[0]
+
+    async def flush(self) -> None:
+        """Commit every event staged before this call (write-behind: see ``append``).
+
+        Returns at once when nothing is staged or being committed.
+        """
+        if self._staged or self._leading or self._lock.locked():
+            await self._commit([], durable=False)
+
+    async def _flush_for_read(self) -> None:
+        """A writer's reads see its own staged events: they are committed first."""
+        if self._staged and self._fenced is None and self._lost is None and not self._closed:
+            await self.flush()
+
     async def start_epoch(self, data: Mapping[str, Any] | BaseModel) -> Event:
         """Append ``coordinator.started`` with epoch = the ledger's largest epoch + 1.
 
@@ -663,6 +777,7 @@ class Ledger:
         """
         if self._closed:
             raise LedgerError(f"ledger {self.url} is closed")
+        await self._flush_for_read()
         kind_list = list(kinds) if kinds is not None else None
         if kind_list is not None and not kind_list:
             return
@@ -675,9 +790,9 @@ class Ledger:
             after = int(page[-1][0])
 
     async def last_seq(self) -> int:
-        """The seq of this writer's last committed event (0 for an empty ledger).
+        """The seq of this writer's last event — committed, or staged (0 for an empty ledger).
 
-        The single writer knows its head, so this costs no query — unless a commit failed with an
+        The single writer knows its chain, so this costs no query — unless a commit failed with an
         unknown outcome, in which case the head is read again first. A readonly ledger reads it.
         """
         if self.readonly:
@@ -687,10 +802,11 @@ class Ledger:
             async with self._lock:
                 if self._stale:
                     await self._load_head()
-        return self._last_seq
+        return self._tail_seq
 
     async def head(self) -> Event | None:
         """The last stored event, or ``None`` for an empty ledger."""
+        await self._flush_for_read()
         raw = await self._backend.head()
         return event_from_raw(raw) if raw is not None else None
 
@@ -703,8 +819,10 @@ class Ledger:
         """
         if isinstance(since, datetime):
             since = since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        await self._flush_for_read()
         return await self._backend.attempts(since, outcome)
 
     async def attempt(self, checkpoint_id: str) -> AttemptRow | None:
         """The projection row of one attempt, or ``None``."""
+        await self._flush_for_read()
         return await self._backend.attempt(checkpoint_id)
