@@ -24,18 +24,22 @@ Deadline: one absolute `deadline_ts` per attempt. Every call's timeout is the ti
 each phase runs inside an anyio cancel scope whose deadline is `deadline_ts` converted to anyio's
 clock. Rollback and the resume after publication use `max(deadline_ts, now + control_timeout_s)`.
 
-Durability: every event is committed before the next step, but only those an outside action waits
-on are forced to disk when appended: `attempt.started` (it lists every participant — every server
-the attempt may touch — before the first request leaves), `attempt.publishing` (before the
-rename), `phase.failed`, and the terminal events of a failure (`attempt.aborted`) or of a restore
-(`attempt.completed {restored}`). The others (every `call.sent` and outcome, `phase.started/
-completed`, `attempt.aborting`, `attempt.published`, a resume's `attempt.completed`) are write-behind
-(`durable=False`): they survive a crash of the process at once and reach the disk with the next
-durable append, the ledger's close, or the kernel's writeback. After a power failure the ledger is
-a prefix of what was committed, so a lost `call.sent` can only hide a touched server among the
-participants of a durable `attempt.started`; recovery asks those servers whether they saw the
-checkpoint id (`recovery.py`). `attempt.published` and the `attempt.completed` of a resume need no
-fsync of their own: the fsynced rename is the commit point and recovery reads publication from the
+Durability: every event is committed before any action that follows it leaves the process, but
+only those an outside action waits on are forced to disk: `attempt.started` (it lists every
+participant — every server the attempt may touch — before the first request leaves),
+`attempt.publishing` (before the rename), `phase.failed`, and the terminal events of a failure
+(`attempt.aborted`) or of a restore (`attempt.completed {restored}`). Every `call.sent` and a
+resume's `attempt.completed` are write-behind (`durable=False`): committed when appended, on disk
+with the next durable append, the ledger's close, or the kernel's writeback. Outcomes, phase
+boundaries, `attempt.aborting` and `attempt.published` are staged (`Ledger.stage`): chained at
+once and committed in the transaction of the next append — a `call.sent`, a durable record, or
+the operation's last event — so a save of k requests costs k + 3 transactions (two fsynced),
+whatever its number of events. A crash loses only staged events, and a staged event lost leaves
+the ledger as a crash just before it would have. After a power failure the ledger is a prefix of
+what was committed, so a lost `call.sent` can only hide a touched server among the participants
+of a durable `attempt.started`; recovery asks those servers whether they saw the checkpoint id
+(`recovery.py`). `attempt.published` and the `attempt.completed` of a resume need no fsync of
+their own: the fsynced rename is the commit point and recovery reads publication from the
 filesystem, then resumes again (the servers replay their recorded resume).
 
 Everything a later coordinator needs is in the ledger: `load_attempt` rebuilds an `Attempt`
@@ -342,9 +346,7 @@ async def run_phase(
 
     Raises `PhaseFailure` (deadline=True when the scope expired) — the caller rolls back.
     """
-    await ctx.ledger.append(
-        "phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": phase}, durable=False
-    )
+    await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": phase})
     ctx.progress(Progress(attempt.checkpoint_id, phase))
     attempt.last_server = None
     summary: dict[str, Any] | None = None
@@ -356,11 +358,8 @@ async def run_phase(
             reason += f" while draining: {attempt.inflight} requests still in flight"
         # the call in flight when the deadline hit is the one that did not finish in time
         raise PhaseFailure(phase, attempt.last_server, reason, deadline=True)
-    await ctx.ledger.append(
-        "phase.completed",
-        checkpoint_id=attempt.checkpoint_id,
-        data={"phase": phase, "summary": summary},
-        durable=False,
+    await ctx.ledger.stage(
+        "phase.completed", checkpoint_id=attempt.checkpoint_id, data={"phase": phase, "summary": summary}
     )
     return summary
 
@@ -667,9 +666,7 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
     staging = attempt.staging_dir
     assert staging is not None
     final = ctx.config.snapshots / attempt.checkpoint_id
-    await ctx.ledger.append(
-        "phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "publish"}, durable=False
-    )
+    await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "publish"})
     ctx.progress(Progress(attempt.checkpoint_id, "publish"))
     written: list[bytes] = []
     manifests: list[dict[str, Any]] = []
@@ -759,11 +756,10 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
 
     await _rolled_back_on_failure(ctx, attempt, "publish", body)
     manifest = manifests[0]
-    await ctx.ledger.append(
+    await ctx.ledger.stage(
         "attempt.published",
         checkpoint_id=attempt.checkpoint_id,
         data={"final_dir": str(final), "manifest_sha256": hashlib.sha256(written[0]).hexdigest()},
-        durable=False,
     )
     attempt.state = "published"
     attempt.snapshot = final
@@ -774,7 +770,7 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
         )
     )
     swept = await _sweep_finished(ctx)
-    await ctx.ledger.append(
+    await ctx.ledger.stage(
         "phase.completed",
         checkpoint_id=attempt.checkpoint_id,
         data={
@@ -786,7 +782,6 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
                 "staging_swept": [p.name for p in swept],
             },
         },
-        durable=False,
     )
     return final
 
@@ -881,9 +876,7 @@ async def roll_back(
         await record_phase_failed(
             ctx, attempt.checkpoint_id, failure.phase, failure.server, failure.reason, failure.code
         )
-    await ctx.ledger.append(
-        "attempt.aborting", checkpoint_id=attempt.checkpoint_id, data={"reason": text}, durable=False
-    )
+    await ctx.ledger.stage("attempt.aborting", checkpoint_id=attempt.checkpoint_id, data={"reason": text})
     budget = _recovery_budget(ctx, attempt)
     _, resumed, not_paused, left, _ = await resume_members(
         ctx, attempt, list(attempt.touched), phase="rollback", deadline_ts=budget
@@ -930,9 +923,7 @@ async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
     resume can be retried) and raise `PhaseError` naming them.
     """
     budget = _recovery_budget(ctx, attempt)
-    await ctx.ledger.append(
-        "phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"}, durable=False
-    )
+    await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"})
     called, resumed, not_paused, left, failures = await resume_members(
         ctx, attempt, attempt.names, phase="resume", deadline_ts=budget
     )
@@ -956,11 +947,10 @@ async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
             not_resumed=left,
             latest_snapshot=str(latest) if latest else None,
         )
-    await ctx.ledger.append(
+    await ctx.ledger.stage(
         "phase.completed",
         checkpoint_id=attempt.checkpoint_id,
         data={"phase": "resume", "summary": {"resumed": resumed, "not_paused": not_paused}},
-        durable=False,
     )
     outcome: Literal["published", "resumed"] = "published" if attempt.kind == "save" else "resumed"
     # write-behind: what it answers is already durable — the fsynced snapshot and
@@ -1271,11 +1261,10 @@ async def settle_publication(ctx: Context, recorded: Recorded) -> bool:
     if snapshot.checkpoint_id != attempt.checkpoint_id:
         return False
     _, digest = await anyio.to_thread.run_sync(file_digest, final / MANIFEST)
-    await ctx.ledger.append(
+    await ctx.ledger.stage(
         "attempt.published",
         checkpoint_id=attempt.checkpoint_id,
         data={"final_dir": str(final), "manifest_sha256": digest},
-        durable=False,
     )
     await anyio.to_thread.run_sync(write_latest, final.parent, final.name)
     recorded.published = {"final_dir": str(final), "manifest_sha256": digest}
@@ -1311,9 +1300,7 @@ async def resume_recorded(ctx: Context, recorded: Recorded, *, reason: str) -> O
     if last.kind == "attempt.completed" and last.data.get("outcome") == "restored":
         return await finish_resume(ctx, attempt)
     budget = _recovery_budget(ctx, attempt)
-    await ctx.ledger.append(
-        "phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"}, durable=False
-    )
+    await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"})
     called, resumed, not_paused, left, failures = await resume_members(
         ctx, attempt, paused, phase="resume", deadline_ts=budget
     )
@@ -1330,11 +1317,10 @@ async def resume_recorded(ctx: Context, recorded: Recorded, *, reason: str) -> O
             resumed=resumed + not_paused,
             not_resumed=left,
         )
-    await ctx.ledger.append(
+    await ctx.ledger.stage(
         "phase.completed",
         checkpoint_id=attempt.checkpoint_id,
         data={"phase": "resume", "summary": {"resumed": resumed, "not_paused": not_paused}},
-        durable=False,
     )
     await ctx.ledger.append(
         "attempt.completed",

@@ -14,11 +14,13 @@ For every request, in this order:
 2. The request goes out on the caller's one `aiohttp.ClientSession` (keep-alive pools per host;
    never redirected, never retried), `Authorization: Bearer <token>`, timeout
    `max(0.001, deadline_ts - now)` as a total, enforced by an anyio cancel scope as well.
-3. The outcome is committed before the caller sees it, write-behind (`durable=False`): it survives a
-   crash of this process at once and reaches the disk with the next durable append — at the
-   latest the next call's `call.sent`, or the attempt's final event — so it is on disk before
-   any action taken on it leaves the process. `call.replied` (200 and a reply that validates
-   against the route's model) or `call.failed` with an error class:
+3. The outcome is staged (`Ledger.stage`) before the caller sees it: validated, chained and given
+   its seq at once, and committed in front of the next append — the next call's `call.sent`, or
+   the operation's next record (`attempt.publishing`, `phase.failed`, its final event) — so it
+   is committed before any action taken on it leaves the process, and durable with the next
+   durable append. A crash before then loses it, which leaves the ledger exactly as a crash
+   just before the reply arrived would. `call.replied` (200 and a reply that validates against
+   the route's model) or `call.failed` with an error class:
    - `timeout`  — no complete reply within the time left to the deadline (or the caller's
      deadline scope cancelled the call: that is still recorded, then the cancellation propagates);
    - `connect`  — the connection could not be made, or broke before a complete reply;
@@ -26,7 +28,7 @@ For every request, in this order:
    - `protocol` — a 200 whose body is not JSON, does not match the schema, or exceeds 1 MiB
      (the body is streamed and reading stops past the cap).
    An append is never interrupted by a cancellation (`Ledger.append`), so a started call always
-   has an outcome row.
+   has an outcome row once the process carries on.
 
 The token is handed to the ledger as a secret (redacted from every payload) and is never put in
 an error message or a log line. Each call has a unique `call_id`: `<checkpoint_id>/<n>` (with
@@ -318,16 +320,15 @@ class Caller:
         self, checkpoint_id: str | None, server: str, call_id: str, exchange: _Exchange, elapsed: float
     ) -> int:
         if exchange.error is None:
-            event = await self._ledger.append(
+            event = await self._ledger.stage(
                 "call.replied",
                 checkpoint_id=checkpoint_id,
                 server=server,
                 call_id=call_id,
                 data={"status": exchange.status, "body": exchange.body, "elapsed_s": elapsed},
-                durable=False,
             )
         else:
-            event = await self._ledger.append(
+            event = await self._ledger.stage(
                 "call.failed",
                 checkpoint_id=checkpoint_id,
                 server=server,
@@ -339,7 +340,6 @@ class Caller:
                     "detail": exchange.detail or exchange.error,
                     "elapsed_s": elapsed,
                 },
-                durable=False,
             )
         return event.seq
 

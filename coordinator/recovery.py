@@ -102,7 +102,8 @@ _SETTLE_POLL_S: Final = 0.05
 class ServerReport:
     """One settled server: what its capabilities said and where recovery left it.
 
-    `result`: `resumed`, `not_paused` (409 invalid_phase: it never paused), `restored` (left
+    `result`: `resumed`, `not_paused` (409 invalid_phase, or idle with no checkpoint id: it never
+    paused), `restored` (left
     paused for the caller's resume), `left_paused` (a call failed; `detail` says why),
     `other_checkpoint` (paused by another checkpoint id, not touched), `unknown_server` (the
     config no longer names it).
@@ -213,7 +214,7 @@ async def recover(ctx: Context, *, always_record: bool = True) -> RecoveryReport
         swept = await _sweep(ctx)
         return RecoveryReport(epoch, (), swept, recorded=False)
     ids = [row.checkpoint_id for row in rows]
-    await ctx.ledger.append("recovery.started", data={"attempts": ids}, durable=False)
+    await ctx.ledger.stage("recovery.started", data={"attempts": ids})
     reports: list[AttemptReport] = []
     for row in rows:
         reports.append(await _recover_one(ctx, row.checkpoint_id, row.state))
@@ -326,7 +327,7 @@ async def _record_settled(
 ) -> tuple[ServerReport, ...]:
     reports: list[ServerReport] = []
     for s in settled:
-        await ctx.ledger.append(
+        await ctx.ledger.stage(
             "recovery.settled",
             checkpoint_id=attempt.checkpoint_id,
             server=s.name,
@@ -336,7 +337,6 @@ async def _record_settled(
                 "action": s.action,
                 "result": s.result if not s.detail else f"{s.result}: {s.detail}",
             },
-            durable=False,
         )
         reports.append(ServerReport(s.name, s.phase, s.active, s.action, s.result, s.detail or s.error))
     return tuple(reports)
@@ -348,7 +348,7 @@ async def _abort(ctx: Context, recorded: Recorded, found: str) -> AttemptReport:
     cid = attempt.checkpoint_id
     settled = await _settle_touched(ctx, attempt, idle_may_be_touched=True)
     reason = f"recovered by epoch {ctx.ledger.epoch}: the coordinator died during {found}"
-    await ctx.ledger.append("attempt.aborting", checkpoint_id=cid, data={"reason": reason}, durable=False)
+    await ctx.ledger.stage("attempt.aborting", checkpoint_id=cid, data={"reason": reason})
     to_resume: list[str] = []
     for s in settled:
         if s.member is None:
@@ -487,10 +487,14 @@ async def _abandon(
     ctx: Context, attempt: Attempt, settled: list[_Settled], found: str, why: str
 ) -> AttemptReport:
     for s in settled:
-        s.action, s.result = "none", "left_paused"
-        s.detail = "half-restored state must not run"
+        if s.phase == "idle" and s.active is None:  # its restore request never reached it
+            s.action, s.result = "none", "not_paused"
+            s.detail = "it never received the restore; it runs its own state as before"
+        else:
+            s.action, s.result = "none", "left_paused"
+            s.detail = "half-restored state must not run"
     servers = await _record_settled(ctx, attempt, settled)
-    paused = [s.name for s in settled]
+    paused = [s.name for s in settled if s.result == "left_paused"]
     message = (
         f"restore {attempt.checkpoint_id} was abandoned: {why}. The servers it touched stay paused"
         f" (half-restored state must not run): {', '.join(paused) or 'none'}. To proceed, restart those"

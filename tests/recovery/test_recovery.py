@@ -86,18 +86,21 @@ async def test_death_after_prepare_resumes_every_touched_server(
 ) -> None:
     config = configure(cluster, sqlite_url)
     previous = await _first_snapshot(config)
+    # `phase.completed prepare` is staged: it commits with the first commit request's call.sent,
+    # and the coordinator dies right then, before that request leaves
     die_after(kind_is("phase.completed", phase="prepare"))
     async with httpx.AsyncClient() as http:
         await _start(http, cluster)
         cid = await _die_during_checkpoint(config)
         states = await server_states(http, cluster)
         assert states["policy_model"] == ("prepared", "paused")
+        assert states["simple_agent"][0] == "prepared"  # the commit never reached it
         report = await _recover(config)
         await assert_all_accepting(http, cluster)
         await _finish_rollouts(http, cluster)
     assert [a.checkpoint_id for a in report.attempts] == [cid]
     found = report.attempts[0]
-    assert (found.found, found.action) == ("prepare", "resumed")
+    assert (found.found, found.action) == ("commit", "resumed")
     assert [(s.name, s.reported_phase, s.result) for s in found.servers] == [
         ("tools", "prepared", "resumed"),
         ("policy_model", "prepared", "resumed"),
@@ -369,6 +372,7 @@ async def test_cli_recover_json(
     config = configure(cluster, sqlite_url)
     config_file = tmp_path / "cluster.yaml"
     config_file.write_text(json.dumps(cluster.config(sqlite_url, str(config.snapshots))))
+    # the agent's prepare reply (staged) commits with the tools prepare's call.sent; death there
     die_after(kind_is("call.replied", server="simple_agent"), nth=2)  # discovery, prepare
     async with httpx.AsyncClient() as http:
         await _start(http, cluster)
@@ -382,8 +386,7 @@ async def test_cli_recover_json(
     assert [(a["checkpoint_id"], a["found"], a["action"]) for a in document["attempts"]] == [
         (cid, "prepare", "resumed")
     ]
-    unrecorded = "no request of this attempt is recorded for it; resumed in case one was lost"
-    tools = {"name": "tools", "reported_phase": "idle", "result": "resumed", "detail": unrecorded}
+    tools = {"name": "tools", "reported_phase": "idle", "result": "resumed"}  # recorded, never sent
     assert document["attempts"][0]["servers"] in (
         [
             tools,
@@ -458,7 +461,7 @@ async def test_interrupted_restore_is_redriven_then_left_paused(
             rollouts = await client.wait_finished(http, fresh.urls["simple_agent"], timeout_s=60)
     found = report.attempts[0]
     assert (found.kind, found.found, found.action) == ("restore", "restore", "restored")
-    assert [(s.name, s.result) for s in found.servers] == [
+    assert sorted((s.name, s.result) for s in found.servers) == [
         ("policy_model", "restored"),
         ("simple_agent", "restored"),
         ("tools", "restored"),
@@ -481,6 +484,8 @@ async def test_restore_with_its_snapshot_gone_is_abandoned_and_stays_paused(
     snapshot, _ = await _snapshot_mid_rollout(make_cluster, configure, sqlite_url)
     with make_cluster(None) as fresh:
         config = configure(fresh, sqlite_url)
+        # the policy's restore reply (staged) commits with the agent restore's call.sent: the agent
+        # is recorded as touched, but its request never left
         die_after(kind_is("call.replied", server="policy_model", status=200), nth=2)  # discovery, restore
         cid = await _die_during_restore(config, snapshot)
         shutil.rmtree(snapshot)
@@ -493,9 +498,11 @@ async def test_restore_with_its_snapshot_gone_is_abandoned_and_stays_paused(
     found = report.attempts[0]
     assert found.action == "abandoned"
     assert [(s.name, s.reported_phase, s.result) for s in found.servers] == [
-        ("policy_model", "restored_paused", "left_paused")
+        ("policy_model", "restored_paused", "left_paused"),
+        ("simple_agent", "idle", "not_paused"),
     ]
     assert "restore another snapshot" in found.message
+    assert "stay paused (half-restored state must not run): policy_model." in found.message
     assert states["policy_model"][0] == "restored_paused"  # half-restored state must not run
     assert states["simple_agent"] == ("idle", "accepting")  # never touched
     async with Ledger.open(sqlite_url, readonly=True) as ledger:

@@ -1,9 +1,9 @@
 """``NullLedger``: a ``Ledger``-compatible object that stores nothing — the baseline of measure #3.
 
-It has the methods the coordinator calls (``append``, ``append_many``, ``start_epoch``,
-``last_seq``, ``head``, ``read``, ``attempts``, ``attempt``, ``epoch``) and does none of a
+It has the methods the coordinator calls (``append``, ``stage``, ``flush``, ``append_many``,
+``start_epoch``, ``last_seq``, ``head``, ``read``, ``attempts``, ``attempt``, ``epoch``) and does none of a
 ledger's work: no validation, no redaction, no canonical encoding, no hash, no transaction, no
-fsync. ``append`` only counts seqs (so checkpoint ids stay unique) and returns an ``Event`` with
+fsync. ``append`` and ``stage`` only count seqs (so checkpoint ids stay unique) and returns an ``Event`` with
 an empty payload; reads find nothing. The same coordinator code run on it shows what the ledger
 itself costs.
 
@@ -46,6 +46,20 @@ class NullLedger:
         durable: bool = True,
     ) -> Event:
         return self._event(kind, checkpoint_id, server, call_id)
+
+    async def stage(
+        self,
+        kind: str,
+        *,
+        checkpoint_id: str | None = None,
+        server: str | None = None,
+        call_id: str | None = None,
+        data: Mapping[str, Any] | BaseModel,
+    ) -> Event:
+        return self._event(kind, checkpoint_id, server, call_id)
+
+    async def flush(self) -> None:
+        return None
 
     async def append_many(self, items: Sequence[AppendItem], *, durable: bool = True) -> list[Event]:
         return [self._event(i.kind, i.checkpoint_id, i.server, i.call_id) for i in items]
