@@ -526,7 +526,8 @@ async def _drain(ctx: Context, attempt: Attempt, m: Member, workers: Workers) ->
 
 
 async def commit(ctx: Context, attempt: Attempt) -> None:
-    """Commit: agents → policy (with every agent's continuation index) → resources; verify digests.
+    """Commit: agents → policy (with every agent's continuation index) → resources; each role
+    group's manifest digests and artifact references are verified before the next group is called.
 
     The staging folder is created (durably) first; a failure rolls back and removes it.
     """
@@ -560,7 +561,7 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
             checkpoint_dir=checkpoint_dir,
         )
 
-    async def record(m: Member, reply: BaseModel, digest: str, refs: dict[str, ArtifactRef | None]) -> None:
+    def record(m: Member, reply: BaseModel, digest: str, refs: dict[str, ArtifactRef | None]) -> None:
         entry: dict[str, Any] = {
             "name": m.name,
             "component": m.component,
@@ -572,19 +573,29 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
         for key, ref in refs.items():
             if ref is not None:
                 entry[key] = ref.model_dump(mode="json")
-        problems = await anyio.to_thread.run_sync(_verify_entry, staging, entry)
-        if problems:
-            raise PhaseFailure(phase, m.name, "; ".join(problems))
         attempt.commits[m.name] = entry
+
+    async def verify(group: Sequence[Member]) -> None:
+        # one pass (one worker thread) per role group, before the next group is called: the
+        # agents' continuation indexes are checked before they go to the model's commit
+        entries = [attempt.commits[m.name] for m in group if m.name in attempt.commits]
+
+        def check() -> list[tuple[str, list[str]]]:
+            return [(e["name"], _verify_entry(staging, e)) for e in entries]
+
+        for name, problems in await anyio.to_thread.run_sync(check):
+            if problems:
+                raise PhaseFailure(phase, name, "; ".join(problems))
 
     async def agent(m: Member) -> AgentCommitReply:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
         result = await _call(ctx, attempt, m, "commit", phase, body=dir_body())
         reply = _expect(result, AgentCommitReply, phase, "agent commit")
-        await record(m, reply, reply.manifest_digest, {"continuation_index": reply.continuation_index})
+        record(m, reply, reply.manifest_digest, {"continuation_index": reply.continuation_index})
         return reply
 
     agents = await _each(ctx, attempt.group("agent"), agent)
+    await verify(attempt.group("agent"))
     indexes = [agents[m.name].continuation_index for m in attempt.group("agent")]
 
     async def policy(m: Member) -> ModelCommitReply:
@@ -597,20 +608,20 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
         )
         result = await _call(ctx, attempt, m, "commit", phase, body=body)
         reply = _expect(result, ModelCommitReply, phase, "model commit")
-        await record(
-            m, reply, reply.manifest_digest, {"storage_reference_index": reply.storage_reference_index}
-        )
+        record(m, reply, reply.manifest_digest, {"storage_reference_index": reply.storage_reference_index})
         return reply
 
     async def resources(m: Member) -> ResourcesCommitReply:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
         result = await _call(ctx, attempt, m, "commit", phase, body=dir_body())
         reply = _expect(result, ResourcesCommitReply, phase, "resources commit")
-        await record(m, reply, reply.manifest_digest, {})
+        record(m, reply, reply.manifest_digest, {})
         return reply
 
     models = await _each(ctx, attempt.group("policy"), policy)
+    await verify(attempt.group("policy"))
     res = await _each(ctx, attempt.group("resources"), resources)
+    await verify(attempt.group("resources"))
     return {
         "agents": {n: {"records": a.records} for n, a in agents.items()},
         "policy": {n: {"rollouts": p.rollouts, "rows": p.rows} for n, p in models.items()},

@@ -23,6 +23,7 @@ from tests.coordinator.helpers import (
     assert_all_accepting,
     assert_protocol_ok,
     clear_faults,
+    control_log,
     read_events,
     set_faults,
 )
@@ -225,6 +226,39 @@ async def test_agent_prepare_incomplete_is_retried(cluster: Any, ledger_url: str
     assert len(prepares) == 4
     failed = [ev for ev in events if ev.kind == "call.failed"]
     assert [ev.data["code"] for ev in failed] == [AGENT_PREPARE_INCOMPLETE] * 3
+
+
+async def test_a_commit_whose_files_do_not_match_its_digest_is_rolled_back(
+    cluster: Any, sqlite_url: str, configure: Any
+) -> None:
+    """A valid commit reply whose `manifest_digest` is not the sha256 of the manifest it wrote:
+    the coordinator checks the agents' files before the model's commit is called, and the
+    resources' after theirs; either way the attempt rolls back naming the server, nothing is
+    published, and every server accepts again."""
+    config = configure(cluster, sqlite_url)
+    async with httpx.AsyncClient() as http, Coordinator.open(config) as coord:
+        for server, path in (
+            ("simple_agent", "/agent-checkpoint/commit"),
+            ("tools", "/resources-checkpoint/commit"),
+        ):
+            await set_faults(http, cluster.urls[server], [{"kind": "wrong_digest", "path": path, "times": 1}])
+            with pytest.raises(PhaseError) as caught:
+                await coord.checkpoint(deadline_s=20)
+            assert (caught.value.phase, caught.value.server) == ("commit", server)
+            assert "manifest_digest e3b0c44298fc" in caught.value.reason
+            assert "does not match the sha256" in caught.value.reason
+            await assert_all_accepting(http, cluster)
+        commits = [
+            e for e in await control_log(http, cluster.urls["policy_model"]) if e["path"].endswith("/commit")
+        ]
+        assert len(commits) == 1, "the model commit runs only once the agents' files were verified"
+        assert coord.latest_snapshot is None
+        assert (await coord.checkpoint(deadline_s=20)).snapshot is not None
+    failed = [ev for ev in await read_events(config.ledger) if ev.kind == "phase.failed"]
+    assert [(ev.data["phase"], ev.server) for ev in failed] == [
+        ("commit", "simple_agent"),
+        ("commit", "tools"),
+    ]
 
 
 async def test_protocol_failures_are_recorded(cluster: Any, sqlite_url: str, configure: Any) -> None:

@@ -7,7 +7,9 @@ on the agent throughout, so every prepare parks running rollouts and drains the 
 One run (``run_cycles``, a fresh process): two coordinators on the same code — one on a real
 SQLite ledger (WAL, ``synchronous=FULL``), one whose ledger is ``NullLedger`` (appends nothing;
 its own epoch, so checkpoint ids never collide) — discover, do one warm-up cycle each, then
-alternate measured cycles in ABBA order. A cycle is ``Coordinator.checkpoint()``: prepare →
+alternate 30 measured cycles each in ABBA order (a cycle's duration varies by ±20% with where the
+rollouts are in their turns, so fewer make the per-run median move more than the ledger costs). A
+cycle is ``Coordinator.checkpoint()``: prepare →
 commit → publish (manifest, fsync, rename, ``LATEST``) → resume. The per-run medians give the
 overhead ``real / null - 1``. Goal: the ledger adds <= 10%.
 
@@ -141,7 +143,7 @@ async def run_cycles(config: dict[str, Any], token: str, cycles: int, dir: str) 
 
 def measure(ctx: Context) -> Result:
     """Measure #3 (see the module docstring)."""
-    cycles = 2 if ctx.quick else 10
+    cycles = 2 if ctx.quick else 30
     result = Result(3, "save cycle, 4-server reference cluster: real vs null ledger", "ledger adds <= 10%")
     token = "bench-" + secrets.token_hex(8)
     runs: list[dict[str, Any]] = []

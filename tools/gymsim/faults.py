@@ -14,7 +14,9 @@ and fires `times` times (None: every match). Kinds:
 - `hang`: never run nor answer the request until the faults are cleared — on a
   model data-plane route the request counts as in flight, so a drain never ends;
 - `malformed`: run the route, then answer 200 with truncated JSON;
-- `wrong_schema`: run the route, then answer 200 with JSON that matches no reply model.
+- `wrong_schema`: run the route, then answer 200 with JSON that matches no reply model;
+- `wrong_digest`: run the route, then answer its own reply with every `manifest_digest` replaced
+  by a digest of nothing (a commit whose files do not match what it reports).
 
 Admin routes (`/gymsim/admin/...`) are never faulted.
 """
@@ -31,13 +33,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from coordinator.protocol import ROLLOUT_ID_HEADER
 
-FaultKind = Literal["delay", "fail", "drop", "hang", "malformed", "wrong_schema"]
+FaultKind = Literal["delay", "fail", "drop", "hang", "malformed", "wrong_schema", "wrong_digest"]
 ADMIN_PREFIX = "/gymsim/admin"
 #: Scope key set when a reply was deliberately not delivered (drop, hang).
 UNDELIVERED = "gymsim.undelivered"
 
 MALFORMED_BODY = b'{"state": "accepting", "workers": {"acknowledged": '
 WRONG_SCHEMA_BODY = {"gymsim_fault": "wrong_schema", "schema_version": 1}
+#: sha256 of the empty string: what `wrong_digest` reports instead of the real manifest digest.
+EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 
 class Fault(BaseModel):
@@ -186,6 +190,13 @@ class FaultMiddleware:
             raise DroppedConnection("gymsim drop fault: reply not delivered")
         elif fault.kind == "malformed":
             await _send_raw(send, 200, MALFORMED_BODY)
+        elif fault.kind == "wrong_digest":
+            start = next((m for m in messages if m["type"] == "http.response.start"), None)
+            body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+            document = json.loads(body) if body else None
+            if isinstance(document, dict) and "manifest_digest" in document:
+                document["manifest_digest"] = EMPTY_SHA256
+            await _send_json(send, start["status"] if start else 200, document)
         else:  # wrong_schema
             await _send_json(send, 200, WRONG_SCHEMA_BODY)
 
