@@ -1,14 +1,19 @@
 """Small pieces shared by every reference server: rejections, notifications, durable files.
 
-Durability rule of every commit in `tools/gymsim`: the data files are durable before
-`manifest.json` is written, and the manifest is durable before the reply naming its
-`manifest_digest` is sent, so a manifest on disk always describes complete files. Each file is
-written to a temporary name and renamed into place. Where syncfs(2) exists (Linux) the two
-barriers — after the data files, after the manifest — are each one `GroupSync` of the
-filesystem, shared by every commit waiting at that moment: many servers hosted in one process
-(path prefixes) make their commits durable together, as one host with one disk would, instead
-of an fsync per file and folder each. Elsewhere each file is fsynced before its rename and the
-folder after the last data file and after the manifest.
+Durability rule of every commit in `tools/gymsim`: `manifest.json` is written after every data
+file it names, and all of them are durable before the reply naming its `manifest_digest` is
+sent. Each file is written to a temporary name and renamed into place. Where syncfs(2) exists
+(Linux) the barrier before the reply is one `GroupSync` of the filesystem, shared by every
+commit waiting at that moment: many servers hosted in one process (path prefixes) make their
+commits durable together, as one host with one disk would, instead of an fsync per file and
+folder each. Elsewhere each file is fsynced before its rename and the folder after the last
+data file and after the manifest, so the manifest also reaches the disk after its files.
+
+With syncfs the files and the manifest reach the disk together: until the reply, a power loss
+may leave a manifest beside incomplete files. Nothing trusts such a folder — the coordinator
+verifies every file against the manifests and fsyncs the staging tree itself before it
+publishes, and rolls back (removing the folder) an attempt whose commit never answered — and
+gym-control-v1 asks a commit only to write the manifest last.
 """
 
 from __future__ import annotations
@@ -172,8 +177,8 @@ class ArtifactWriter:
     """Writes a participant's folder inside a checkpoint dir: files first, `manifest.json` last.
 
     Paths handed in and recorded are relative to the checkpoint dir (POSIX, no `..`).
-    Durability as the module docstring states: one barrier between the last data file and
-    the manifest, one after the manifest.
+    Durability as the module docstring states: with syncfs, one barrier after the manifest;
+    otherwise fsyncs per file, and of the folder before and after the manifest.
     """
 
     def __init__(self, checkpoint_dir: str, folder: str) -> None:
@@ -206,11 +211,8 @@ class ArtifactWriter:
         data = (json.dumps(body, indent=2, sort_keys=True) + "\n").encode("utf-8")
         folder = self._dir()
         if self._grouped:
-            group = GroupSync.for_path(folder)
-            if self._renamed:
-                group.sync(folder)
             _replace_synced(folder / "manifest.json", data, fsync=False)
-            group.sync(folder)
+            GroupSync.for_path(folder).sync(folder)  # data files and manifest, before the reply
         else:
             if self._renamed:
                 fsync_dir(folder)
