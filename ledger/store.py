@@ -338,11 +338,14 @@ class Ledger:
 
     async def aclose(self) -> None:
         """Commit any staged events, close the connections and release writership (and the
-        lease, if held). Idempotent. A failure to commit the staged events is raised once closed."""
+        lease, if held). Idempotent. A failure to commit the staged events is raised once closed,
+        except that a fenced writer (its lease ran out) writes nothing and drops them quietly."""
         if not self._closed:
             try:
                 with anyio.CancelScope(shield=True):
-                    await self._flush_for_read()
+                    await self._flush_staged()
+            except FencedError:
+                pass
             finally:
                 self._closed = True
                 await self._close_backend()
@@ -747,8 +750,9 @@ class Ledger:
         if self._staged or self._leading or self._lock.locked():
             await self._commit([], durable=False)
 
-    async def _flush_for_read(self) -> None:
-        """A writer's reads see its own staged events: they are committed first."""
+    async def _flush_staged(self) -> None:
+        """Commit the staged events, if any and if this writer may still write: a writer's reads
+        see its own staged events, and closing keeps them."""
         if self._staged and self._fenced is None and self._lost is None and not self._closed:
             await self.flush()
 
@@ -777,7 +781,7 @@ class Ledger:
         """
         if self._closed:
             raise LedgerError(f"ledger {self.url} is closed")
-        await self._flush_for_read()
+        await self._flush_staged()
         kind_list = list(kinds) if kinds is not None else None
         if kind_list is not None and not kind_list:
             return
@@ -806,7 +810,7 @@ class Ledger:
 
     async def head(self) -> Event | None:
         """The last stored event, or ``None`` for an empty ledger."""
-        await self._flush_for_read()
+        await self._flush_staged()
         raw = await self._backend.head()
         return event_from_raw(raw) if raw is not None else None
 
@@ -819,10 +823,10 @@ class Ledger:
         """
         if isinstance(since, datetime):
             since = since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        await self._flush_for_read()
+        await self._flush_staged()
         return await self._backend.attempts(since, outcome)
 
     async def attempt(self, checkpoint_id: str) -> AttemptRow | None:
         """The projection row of one attempt, or ``None``."""
-        await self._flush_for_read()
+        await self._flush_staged()
         return await self._backend.attempt(checkpoint_id)

@@ -296,3 +296,18 @@ async def test_a_killed_writer_keeps_what_was_carried_and_loses_only_the_staged_
     async with Ledger.open(ledger_url) as ledger:  # a new writer chains on the stored head
         await ledger.start_epoch(COORDINATOR)
         assert await ledger.last_seq() == int(sent_seq) + 1
+
+
+async def test_a_writer_whose_lease_ran_out_drops_its_staged_events_at_close(tmp_path: Path) -> None:
+    """Closing commits what is staged — unless the writer may no longer write (its lease ran out:
+    a standby may own the ledger now). Then nothing is written and closing does not raise."""
+    from ledger import LeaseTerms
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    async with Ledger.open(url) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        kept = await ledger.append("attempt.started", checkpoint_id="c", data=started())
+        await ledger.stage("phase.started", checkpoint_id="c", data={"phase": "prepare"})
+        ledger._lease, ledger._lease_until = LeaseTerms(holder="test", ttl_s=0.1), 0.0  # ran out
+    assert (await _stored(url))[-1] == kept
+    assert (await replay_url(url)).ok
