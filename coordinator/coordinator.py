@@ -35,8 +35,6 @@ import socket
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as _dist_version
 from pathlib import Path
 
 import anyio
@@ -51,16 +49,15 @@ from coordinator.discovery import Discovery, discover
 from coordinator.errors import ConfigError, QuiesceError
 from coordinator.lease import keep_lease
 from coordinator.publish import empty_trash, read_latest, resolve_snapshot, verify_snapshot
+from coordinator.version import VERSION
 from ledger import AttemptRow, LeaseTerms, Ledger
 
 __all__ = ["Coordinator", "quiesce_version", "read_history"]
 
 
 def quiesce_version() -> str:
-    try:
-        return _dist_version("quiesce")
-    except PackageNotFoundError:
-        return "0+unknown"
+    """The version recorded in `coordinator.started` (a constant: no package metadata scan)."""
+    return VERSION
 
 
 def _as_config(config: ClusterConfig | str | os.PathLike[str]) -> ClusterConfig:

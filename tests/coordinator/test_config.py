@@ -89,3 +89,14 @@ def test_token_from_env_with_fallback(tmp_path: Path) -> None:
     assert TOKEN_ENV in str(caught.value)
     custom = load_config(_write(tmp_path, "token_env: MY_TOKEN\n" + GOOD))
     assert resolve_token(custom, {"MY_TOKEN": "c", TOKEN_ENV: "a"}) == "c"
+
+
+def test_the_version_constant_is_the_installed_package_version() -> None:
+    """pyproject reads the version from `coordinator.version` at build time; the metadata of the
+    installed package (what pip shows) must agree with what `coordinator.started` records."""
+    from importlib.metadata import version
+
+    from coordinator.coordinator import quiesce_version
+    from coordinator.version import VERSION
+
+    assert version("quiesce") == VERSION == quiesce_version()

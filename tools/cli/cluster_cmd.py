@@ -11,14 +11,23 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
-from rich.markup import escape
-from rich.status import Status
 
 from coordinator import Coordinator, Outcome, PhaseError, Progress, load_config
-from tools.cli.output import console, emit_json, err_console, print_error
+from tools.cli import output
+from tools.cli.output import emit_json, print_error
+
+if TYPE_CHECKING:
+    from rich.status import Status
+
+
+def escape(text: str) -> str:
+    """rich markup escaping, loading rich only once something is printed for people."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -46,10 +55,10 @@ class ProgressLine:
 @contextmanager
 def progress_line(enabled: bool = True) -> Iterator[ProgressLine]:
     """A `ProgressLine` shown while the block runs (silent when stderr is not a terminal)."""
-    if not enabled or not err_console.is_terminal:
+    if not enabled or not output.err_console.is_terminal:
         yield ProgressLine(None)
         return
-    with err_console.status("starting…") as status:
+    with output.err_console.status("starting…") as status:
         yield ProgressLine(status)
 
 
@@ -59,7 +68,7 @@ def phase_error_json(error: PhaseError) -> dict[str, Any]:
 
 def print_warnings(warnings: tuple[str, ...] | list[str]) -> None:
     for warning in warnings:
-        err_console.print(f"[bold yellow]warning:[/] {escape(warning)}", soft_wrap=True)
+        output.err_console.print(f"[bold yellow]warning:[/] {escape(warning)}", soft_wrap=True)
 
 
 def run_outcome(args: argparse.Namespace, what: str) -> int:
@@ -95,11 +104,11 @@ def run_outcome(args: argparse.Namespace, what: str) -> int:
     if args.json:
         emit_json(result.as_json())
     elif result.outcome == "none":
-        console.print(
+        output.console.print(
             "nothing to do: no server was left paused" if what == "resume" else "no attempt in progress"
         )
     else:
-        console.print(
+        output.console.print(
             f"{escape(result.checkpoint_id or '')}: {result.outcome} —"
             f" {escape(', '.join(result.servers) or 'no server')}"
         )

@@ -8,15 +8,30 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.markup import escape
+if TYPE_CHECKING:
+    from rich.console import Console
 
-#: People-facing output on stdout; rich drops colour when stdout is not a terminal.
-console = Console(highlight=False)
-#: Progress and errors on stderr.
-err_console = Console(stderr=True, highlight=False)
+_consoles: dict[str, Console] = {}
+
+
+def _console(name: str) -> Console:
+    made = _consoles.get(name)
+    if made is None:
+        from rich.console import Console  # rich: loaded by the first line printed for people
+
+        made = _consoles[name] = Console(stderr=name == "err_console", highlight=False)
+    return made
+
+
+def __getattr__(name: str) -> Console:
+    """``console``: people-facing output on stdout (rich drops colour when stdout is not a
+    terminal); ``err_console``: progress and errors on stderr. Both are made on first use, so a
+    command that only prints JSON never imports rich (``quiesce recover --json`` starts faster)."""
+    if name in ("console", "err_console"):
+        return _console(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def emit_json(document: Any) -> None:
@@ -27,4 +42,6 @@ def emit_json(document: Any) -> None:
 
 def print_error(error: BaseException | str) -> None:
     """Print an error message for people: no traceback, the message says what to do."""
-    err_console.print(f"[bold red]error:[/] {escape(str(error))}", markup=True, soft_wrap=True)
+    from rich.markup import escape
+
+    _console("err_console").print(f"[bold red]error:[/] {escape(str(error))}", markup=True, soft_wrap=True)

@@ -19,12 +19,12 @@ import argparse
 from typing import Any
 
 import anyio
-from rich.markup import escape
 
 from coordinator import Coordinator, load_config
 from coordinator.recovery import RecoveryReport
+from tools.cli import output
 from tools.cli.cluster_cmd import add_common, progress_line
-from tools.cli.output import console, emit_json, print_error
+from tools.cli.output import emit_json, print_error
 
 
 def register(subparsers: Any) -> None:
@@ -50,21 +50,28 @@ def handle(args: argparse.Namespace) -> int:
     report = found[0]
     if args.json:
         emit_json(report.as_json())
-    elif not report.attempts:
-        console.print(f"nothing to recover (epoch {report.epoch})")
     else:
-        for attempt in report.attempts:
-            servers = ", ".join(f"{s.name} {s.result}" for s in attempt.servers) or "no server"
-            console.print(
-                f"{escape(attempt.checkpoint_id)} ({escape(attempt.kind)}, found {escape(attempt.found)}):"
-                f" {attempt.action} — {escape(servers)}"
-            )
-            if attempt.message:
-                console.print(f"  {escape(attempt.message)}")
-    if report.swept and not args.json:
-        console.print(f"removed orphaned staging folders: {escape(', '.join(report.swept))}")
+        _print_report(report)
     if not report.ok:
         problems = [a.message for a in report.attempts if a.action == "abandoned" or a.left_paused]
         print_error(" ".join(problems))
         return 1
     return 0
+
+
+def _print_report(report: RecoveryReport) -> None:
+    from rich.markup import escape  # people-facing output only: --json never loads rich
+
+    console = output.console
+    if not report.attempts:
+        console.print(f"nothing to recover (epoch {report.epoch})")
+    for attempt in report.attempts:
+        servers = ", ".join(f"{s.name} {s.result}" for s in attempt.servers) or "no server"
+        console.print(
+            f"{escape(attempt.checkpoint_id)} ({escape(attempt.kind)}, found {escape(attempt.found)}):"
+            f" {attempt.action} — {escape(servers)}"
+        )
+        if attempt.message:
+            console.print(f"  {escape(attempt.message)}")
+    if report.swept:
+        console.print(f"removed orphaned staging folders: {escape(', '.join(report.swept))}")
