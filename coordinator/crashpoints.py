@@ -3,7 +3,8 @@
 **For tests and the crash matrix (`tools/crashmatrix.py`) only — never set these in production.**
 
 - `QUIESCE_CRASH_AT=<n>`: SIGKILL right after the coordinator's n-th committed ledger append
-  (1 is its `coordinator.started`; every `Ledger.append` / `append_many` counts once).
+  (1 is its `coordinator.started`; every `Ledger.append` / `append_many` / `stage` counts once,
+  a staged event when the transaction that carries it — the next append's — has committed).
 - `QUIESCE_CRASH_BEFORE_SEND=<n>`: SIGKILL right before its n-th control request goes out:
   its `call.sent` is committed (calls.py records before it sends), the request is not sent.
   Capabilities reads count too. Both hang off the ledger's `after_append` hook, because the
@@ -14,7 +15,8 @@ is installed, so an ordinary run pays nothing — no hook, no counter, no enviro
 append or per call. SIGKILL (not an exception, not `os._exit`) is the point: no `finally`, no
 cleanup, no flush — exactly what an OOM kill leaves behind. The ledger's append is committed
 before its hook runs (durable, or write-behind: in the WAL, which a process crash keeps), so
-"after the n-th append" means the n-th event batch survives.
+"after the n-th append" means the n-th event batch survives — with the rest of its transaction
+when the n-th was a staged event.
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ Invariants:
   returned by ``append`` is exactly what was stored.
 - Appends from concurrent tasks of one event loop are serialised; a Ledger belongs to one loop.
 - ``after_append`` (optional hook, set at open or as an attribute) is called with the events of
-  each append once they are durable, before the append returns — the coordinator's test-only
-  crash points hang off it. The ledger itself never interprets it.
+  each append once they are durable, before the append returns; a staged event gets its own call
+  once the transaction that carries it committed, before that transaction's own events — the
+  coordinator's test-only crash points hang off it. The ledger itself never interprets it.
 - **The coordinator lease** (PostgreSQL; ``LeaseTerms``): a writer opened with ``lease=`` takes
   the lease row once it holds writership and keeps it while ``renew_lease`` is called in time. A
   ``standby`` open first waits until the holder's lease has expired (database clock), takes it,

@@ -2,7 +2,7 @@
 
     python -m tools.crashmatrix [--ledger sqlite|postgres] [--cycle save|restore|both] [--sample K]
 
-For every *append point* (`QUIESCE_CRASH_AT=n`: SIGKILL right after the coordinator's n-th durable
+For every *append point* (`QUIESCE_CRASH_AT=n`: SIGKILL right after the coordinator's n-th committed
 append) and every *send point* (`QUIESCE_CRASH_BEFORE_SEND=n`: SIGKILL right before its n-th
 request leaves) of one full cycle — the counts come from an uncrashed dry run — against the
 reference Gym cluster with rollouts running:
