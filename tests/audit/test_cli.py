@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -122,7 +123,7 @@ def test_replay_verify_includes_protocol(ledger_url: str, capsys: pytest.Capture
 # -- bundles ------------------------------------------------------------------------------------
 
 
-def _lines(path: Path) -> list[dict[str, object]]:
+def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
@@ -167,7 +168,7 @@ def test_one_attempt_bundle_carries_anchors(
     assert len(anchors) == 2  # seq 1 (coordinator.started), then the attempt's run
     for index, anchor in anchors:
         nxt = lines[index + 1]
-        assert nxt["seq"] == anchor["seq"] + 1  # type: ignore[operator]
+        assert nxt["seq"] == anchor["seq"] + 1
         assert nxt["prev_hash"] == anchor["hash"]
     code, result = _json(capsys, ["verify-bundle", str(out), "--json"])
     assert (code, result["ok"], result["complete"]) == (0, True, False)
@@ -201,7 +202,7 @@ def test_tampered_bundles_name_the_seq(
 
     # an altered payload: the event's own hash no longer matches
     edited = [dict(line) for line in lines]
-    data = dict(edited[event_at[target]]["data"])  # type: ignore[call-overload]
+    data = dict(edited[event_at[target]]["data"])
     data["phase"] = "forged"
     edited[event_at[target]]["data"] = data
     assert seqs(verify("altered.jsonl", edited)) == [target]

@@ -28,9 +28,10 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
 
 @pytest.fixture
 def config_file(cluster: Any, tmp_path: Path, token: str) -> Path:
-    return cluster.write_config(
+    path: Path = cluster.write_config(
         tmp_path / "cluster.yaml", f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", "snaps"
     )
+    return path
 
 
 def _states(cluster: Any) -> dict[str, tuple[str, str]]:

@@ -171,6 +171,7 @@ async def test_tampered_manifest_fails_publish(cluster: Any, ledger_url: str, co
         await _start_rollouts(http, cluster)
         with pytest.raises(PhaseError) as caught:  # noqa: PT012 - the failure is at the block's exit
             async with coord.save(deadline_s=20) as attempt:
+                assert attempt.staging_dir is not None
                 manifest = attempt.staging_dir / agent_instance_dir("simple_agent") / "manifest.json"
                 manifest.write_bytes(manifest.read_bytes() + b" ")
         error = caught.value

@@ -77,6 +77,7 @@ async def test_seed_example_save_cycle(cluster: Any, ledger_url: str, configure:
         async with Coordinator.open(config) as coord:
             await coord.discover()
             async with coord.save() as attempt:
+                assert attempt.staging_dir is not None
                 (attempt.staging_dir / "trainer").mkdir()
                 (attempt.staging_dir / "trainer" / "weights.bin").write_bytes(b"w" * 1000)
             checkpoint_id = attempt.checkpoint_id
@@ -84,6 +85,7 @@ async def test_seed_example_save_cycle(cluster: Any, ledger_url: str, configure:
         assert attempt.snapshot == config.snapshots / checkpoint_id
         assert read_latest(config.snapshots) == attempt.snapshot
         assert not (config.staging_root / checkpoint_id).exists()
+        assert attempt.snapshot is not None
         manifest = load_snapshot(attempt.snapshot).manifest
         assert {p["name"] for p in manifest["participants"]} == {"policy_model", "simple_agent", "tools"}
         assert {f["path"] for f in manifest["files"]} >= {"trainer/weights.bin"}
@@ -97,7 +99,7 @@ async def test_seed_example_save_cycle(cluster: Any, ledger_url: str, configure:
     sent = {ev.call_id: ev for ev in events if ev.kind == "call.sent"}
     outcomes = [ev for ev in events if ev.kind in ("call.replied", "call.failed")]
     # every call.sent has exactly one outcome, later in the ledger
-    assert sorted(ev.call_id for ev in outcomes) == sorted(sent)
+    assert sorted(str(ev.call_id) for ev in outcomes) == sorted(str(cid) for cid in sent)
     for ev in outcomes:
         assert ev.call_id is not None
         assert sent[ev.call_id].seq < ev.seq

@@ -168,7 +168,7 @@ async def test_a_writer_that_lost_its_claim_is_fenced_in_the_transaction(ledger_
     try:
         await stale.start_epoch(COORDINATOR)
         await stale.backend.close()  # drops the claim (and connections) behind the Ledger's back
-        stale._backend = type(stale.backend)(
+        stale._backend = type(stale.backend)(  # type: ignore[call-arg]
             stale.backend._url if is_sqlite(ledger_url) else _pg_url(stale),  # type: ignore[attr-defined]
             where=stale.url, durability="full", readonly=False,
         )  # fmt: skip
