@@ -148,6 +148,22 @@ def apply_append(tx: Tx, batch: Batch, cache: ProjectionCache) -> dict[str, Atte
     return pending
 
 
+class InlineAppend(ABC):
+    """A backend that can also commit on the calling thread, without awaiting (SQLite).
+
+    The Ledger builds a batch for ``append_now`` only after ``can_append_now()`` said yes, so
+    staged events are never taken into a batch that then goes unwritten.
+    """
+
+    @abstractmethod
+    def can_append_now(self) -> bool:
+        """Whether committing on the calling thread is cheap now."""
+
+    @abstractmethod
+    def append_now(self, batch: Batch) -> None:
+        """Commit ``batch`` like ``Backend.append`` without leaving the calling thread; raises as it does."""
+
+
 class Backend(ABC):
     """One open ledger database. Methods are called from one event loop; the Ledger serialises appends."""
 
@@ -178,17 +194,6 @@ class Backend(ABC):
 
         Not cancellable: once called, it completes (or fails) before returning.
         """
-
-    def can_append_now(self) -> bool:
-        """Whether ``append_now`` may be called: committing on the calling thread is cheap now."""
-        return False
-
-    def append_now(self, batch: Batch) -> None:
-        """Commit ``batch`` like ``append`` without leaving the calling thread.
-
-        Only when ``can_append_now()`` said so; raises exactly as ``append`` does.
-        """
-        raise NotImplementedError(f"{type(self).__name__} cannot commit on the calling thread")
 
     @abstractmethod
     async def head(self) -> RawEvent | None: ...

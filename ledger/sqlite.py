@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.to_thread
 
-from ledger.backend import Backend, Batch, ProjectionCache, RawEvent, apply_append
+from ledger.backend import Backend, Batch, InlineAppend, ProjectionCache, RawEvent, apply_append
 from ledger.errors import FencedError, LedgerError
 from ledger.layout import EVENT_COLUMNS, VERSION_TABLE
 from ledger.projections import COLUMNS, AttemptRow, from_columns, to_columns
@@ -86,7 +86,7 @@ class _SqliteTx:
             self._c.execute(_PUT_ATTEMPT, values)
 
 
-class SqliteBackend(Backend):
+class SqliteBackend(Backend, InlineAppend):
     def __init__(self, url: str | URL, *, where: str, durability: str, readonly: bool) -> None:
         database = plain_sqlite_path(url) if isinstance(url, str) else None
         if database is None:  # a URL object, or a string only SQLAlchemy reads

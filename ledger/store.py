@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import anyio
 import anyio.lowlevel
 
-from ledger.backend import Backend, Batch, LeaseState, RawEvent
+from ledger.backend import Backend, Batch, InlineAppend, LeaseState, RawEvent
 from ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
 from ledger.errors import FencedError, LedgerError
 from ledger.events import COLUMN_RULES, KINDS, AppendItem, Event
@@ -542,13 +542,14 @@ class Ledger:
     def _commit_now(self, items: list[_Encoded], durable: bool) -> list[Event] | None:
         """Commit ``items`` on this thread, without awaiting; None (nothing written) if the backend cannot."""
         self._check_writable()
-        if not self._backend.can_append_now():
+        backend = self._backend
+        if not isinstance(backend, InlineAppend) or not backend.can_append_now():
             return None
         batch, carried = self._batch(items, durable=durable, new_epoch=False)
         if not batch.rows:
             return []
         with self._committing(carried):
-            self._backend.append_now(batch)
+            backend.append_now(batch)
         return self._committed(batch, carried, [items], new_epoch=False)[0]
 
     @contextlib.contextmanager

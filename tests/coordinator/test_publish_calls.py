@@ -292,7 +292,7 @@ async def test_a_save_fsyncs_only_what_recovery_and_the_rename_wait_on(
     batches: list[tuple[list[str], bool]] = []
     async with Coordinator.open(config) as coord:
         await coord.discover()
-        backend = coord.ledger.backend
+        backend: Any = coord.ledger.backend
         real_now, real_append = backend.append_now, backend.append
         noted: set[int] = set()  # the awaited path's backend.append may commit through append_now
 
@@ -310,8 +310,8 @@ async def test_a_save_fsyncs_only_what_recovery_and_the_rename_wait_on(
             await real_append(batch)
             note(batch)
 
-        backend.append_now = spy_now  # type: ignore[method-assign]
-        backend.append = spy_append  # type: ignore[method-assign]
+        backend.append_now = spy_now
+        backend.append = spy_append
         attempt = await coord.checkpoint(deadline_s=30)
     assert attempt.snapshot is not None
     assert [kinds[-1] for kinds, durable in batches if durable] == ["attempt.started", "attempt.publishing"]

@@ -1,8 +1,14 @@
-"""Payload samples, a random event generator, and raw SQL access for the ledger tests."""
+"""Payload samples, a random event generator, raw SQL access, and a killed child writer for the
+ledger tests."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
@@ -173,3 +179,18 @@ def random_items(rng: random.Random, n: int) -> list[AppendItem]:
             outcomes = {c: rng.choice(["aborted", "abandoned", "published"]) for c in chosen}
             items.append(AppendItem("recovery.completed", data={"outcomes": outcomes}))
     return items[:n]
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_and_kill(code: str) -> tuple[str, int]:
+    """Start ``code`` in a child Python, read its first line, SIGKILL it; (line, return code)."""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return line, proc.returncode

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -14,10 +12,9 @@ import pytest
 from sqlalchemy.exc import DBAPIError
 
 from ledger import AppendItem, FencedError, Ledger, LedgerError, replay_url
-from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, is_sqlite, raw_sql, started
+from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, is_sqlite, raw_sql, run_and_kill, started
 
 pytestmark = pytest.mark.anyio
-REPO = Path(__file__).resolve().parents[2]
 
 
 async def test_append_read_head_and_chain(ledger_url: str) -> None:
@@ -205,18 +202,6 @@ async def test_events_refuse_update_and_delete_at_the_database(ledger_url: str) 
     assert await raw_sql(ledger_url, "SELECT seq, kind FROM events") == [(1, "call.sent")]
 
 
-def _run_and_kill(code: str) -> tuple[str, int]:
-    """Start ``code`` in a child Python, read its first line, SIGKILL it."""
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    return line, proc.returncode
-
-
 async def test_append_is_durable_when_it_returns(ledger_url: str) -> None:
     """A child appends, reports the seq, and is SIGKILLed: the event is there, the chain verifies."""
     child = textwrap.dedent(
@@ -234,7 +219,7 @@ async def test_append_is_durable_when_it_returns(ledger_url: str) -> None:
         anyio.run(main)
         """
     )
-    line, returncode = await anyio.to_thread.run_sync(_run_and_kill, child)
+    line, returncode = await anyio.to_thread.run_sync(run_and_kill, child)
     seq, digest = line.split()
     assert returncode == -signal.SIGKILL
     async with Ledger.open(ledger_url) as ledger:
@@ -317,7 +302,7 @@ async def test_write_behind_appends_survive_a_process_crash(ledger_url: str) -> 
         anyio.run(main)
         """
     )
-    line, returncode = await anyio.to_thread.run_sync(_run_and_kill, child)
+    line, returncode = await anyio.to_thread.run_sync(run_and_kill, child)
     seq, digest, seen = line.split()
     assert returncode == -signal.SIGKILL
     assert int(seen) == 4  # the writer's own reads saw the write-behind events

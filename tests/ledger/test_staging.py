@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
+import contextlib
 import signal
-import subprocess
-import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,33 +14,54 @@ import anyio.lowlevel
 import pytest
 
 from ledger import Event, FencedError, Ledger, LedgerError, replay_url
-from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, started
+from ledger.backend import InlineAppend
+from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, run_and_kill, started
 
 pytestmark = pytest.mark.anyio
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _counting(ledger: Ledger) -> list[list[str]]:
     """Spy on the backend's transactions: the kinds each one wrote (both commit paths)."""
-    backend = ledger.backend
+    backend: Any = ledger.backend
+    inline = isinstance(backend, InlineAppend)  # SQLite: commits on the calling thread too
     transactions: list[list[str]] = []
-    real_now, real_append = backend.append_now, backend.append
+    real_append = backend.append
 
-    def now(batch: Any) -> None:
-        real_now(batch)
-        transactions.append([e.kind for e in batch.events])
+    if inline:
+        real_now = backend.append_now
+
+        def now(batch: Any) -> None:
+            real_now(batch)
+            transactions.append([e.kind for e in batch.events])
+
+        backend.append_now = now
 
     async def later(batch: Any) -> None:
-        if backend.can_append_now():  # commits through append_now, counted there
+        if inline and backend.can_append_now():  # commits through append_now, counted there
             await real_append(batch)
             return
         await real_append(batch)
         transactions.append([e.kind for e in batch.events])
 
-    backend.append_now = now  # type: ignore[method-assign]
-    backend.append = later  # type: ignore[method-assign]
+    backend.append = later
     return transactions
+
+
+@contextlib.contextmanager
+def _failing_commits(backend: Any) -> Iterator[None]:
+    """Every commit raises an injected disk error, on both commit paths, until the block ends."""
+
+    def fail(batch: Any) -> None:
+        raise LedgerError("disk I/O error (injected)")
+
+    async def fail_later(batch: Any) -> None:
+        fail(batch)
+
+    backend.append_now, backend.append = fail, fail_later  # instance attributes shadow the methods
+    try:
+        yield
+    finally:
+        del backend.append_now, backend.append
 
 
 async def _stored(url: str) -> list[Event]:
@@ -190,19 +209,8 @@ async def test_a_failed_transaction_loses_its_staged_events_and_stops_the_writer
         await ledger.start_epoch(COORDINATOR)
         kept = await ledger.append("attempt.started", checkpoint_id="c", data=started())
         await ledger.stage("phase.started", checkpoint_id="c", data={"phase": "prepare"})
-        backend: Any = ledger.backend
-        real_now, real_append = backend.append_now, backend.append
-
-        def broken_now(batch: Any) -> None:
-            raise LedgerError("disk I/O error (injected)")
-
-        async def broken_append(batch: Any) -> None:
-            raise LedgerError("disk I/O error (injected)")
-
-        backend.append_now, backend.append = broken_now, broken_append
-        with pytest.raises(LedgerError, match="injected"):
+        with _failing_commits(ledger.backend), pytest.raises(LedgerError, match="injected"):
             await ledger.append("call.sent", checkpoint_id="c", server="s", call_id="k", data=SENT)
-        backend.append_now, backend.append = real_now, real_append
         with pytest.raises(LedgerError, match=r"1 staged event\(s\) of this writer were lost.*reopen"):
             await ledger.append("call.sent", checkpoint_id="c", server="s", call_id="k", data=SENT)
         with pytest.raises(LedgerError, match="reopen"):
@@ -217,19 +225,8 @@ async def test_a_failed_transaction_loses_its_staged_events_and_stops_the_writer
 async def test_a_failed_transaction_without_staged_events_only_rereads_the_head(ledger_url: str) -> None:
     async with Ledger.open(ledger_url) as ledger:
         await ledger.start_epoch(COORDINATOR)
-        backend: Any = ledger.backend
-        real_now, real_append = backend.append_now, backend.append
-
-        def broken_now(batch: Any) -> None:
-            raise LedgerError("disk I/O error (injected)")
-
-        async def broken_append(batch: Any) -> None:
-            raise LedgerError("disk I/O error (injected)")
-
-        backend.append_now, backend.append = broken_now, broken_append
-        with pytest.raises(LedgerError, match="injected"):
+        with _failing_commits(ledger.backend), pytest.raises(LedgerError, match="injected"):
             await ledger.append("attempt.started", checkpoint_id="c", data=started())
-        backend.append_now, backend.append = real_now, real_append
         ev = await ledger.stage("phase.started", checkpoint_id="c", data={"phase": "prepare"})
         assert ev.seq == 2  # the head was read again before chaining on it
         await ledger.append("attempt.started", checkpoint_id="c", data=started())
@@ -242,18 +239,6 @@ async def test_a_fenced_writer_refuses_to_stage(ledger_url: str) -> None:
         ledger._fenced = FencedError("another coordinator took over (test)")
         with pytest.raises(FencedError, match="took over"):
             await ledger.stage("phase.started", checkpoint_id="c", data={"phase": "prepare"})
-
-
-def _run_and_kill(code: str) -> tuple[str, int]:
-    """Start ``code`` in a child Python, read its first line, SIGKILL it."""
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    return line, proc.returncode
 
 
 async def test_a_killed_writer_keeps_what_was_carried_and_loses_only_the_staged_tail(ledger_url: str) -> None:
@@ -283,7 +268,7 @@ async def test_a_killed_writer_keeps_what_was_carried_and_loses_only_the_staged_
         anyio.run(main)
         """
     )
-    line, returncode = await anyio.to_thread.run_sync(_run_and_kill, child)
+    line, returncode = await anyio.to_thread.run_sync(run_and_kill, child)
     assert returncode == -signal.SIGKILL
     carried_seq, carried_hash, sent_seq, lost_seq = line.split()
     stored = await _stored(ledger_url)
