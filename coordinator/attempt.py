@@ -62,6 +62,7 @@ from pydantic import BaseModel, ValidationError
 
 from coordinator.calls import Caller, CallResult
 from coordinator.config import ClusterConfig
+from coordinator.digests import DigestCache, file_digest, read_facts
 from coordinator.discovery import Discovery, Member
 from coordinator.errors import DeadlineExceeded, FencedError, PhaseError, QuiesceError, SnapshotError
 from coordinator.phases import Role, resume_order
@@ -94,11 +95,9 @@ from coordinator.protocol import (
 )
 from coordinator.publish import (
     MANIFEST,
-    Digests,
     Snapshot,
     apply_retention,
     build_manifest,
-    file_digest,
     load_snapshot,
     make_staging,
     read_latest,
@@ -213,6 +212,12 @@ class Attempt:
     skipped: list[dict[str, str]] = field(default_factory=list)
     inflight: int | None = None
     last_server: str | None = None
+    #: facts of the staging files read so far: publish does not read again what commit verified
+    digests: DigestCache = field(default_factory=DigestCache, repr=False, compare=False)
+    _touched: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._touched.update(self.touched)
 
     @property
     def names(self) -> list[str]:
@@ -225,7 +230,8 @@ class Attempt:
         return next((m for m in self.participants if m.name == name), None)
 
     def touch(self, name: str) -> None:
-        if name not in self.touched:
+        if name not in self._touched:
+            self._touched.add(name)
             self.touched.append(name)
 
 
@@ -581,7 +587,7 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
         entries = [attempt.commits[m.name] for m in group if m.name in attempt.commits]
 
         def check() -> list[tuple[str, list[str]]]:
-            return [(e["name"], _verify_entry(staging, e)) for e in entries]
+            return [(e["name"], _verify_entry(staging, e, attempt.digests)) for e in entries]
 
         for name, problems in await anyio.to_thread.run_sync(check):
             if problems:
@@ -629,26 +635,24 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
     }
 
 
-def _verify_entry(staging: Path, entry: dict[str, Any], digests: Digests | None = None) -> list[str]:
+def _verify_entry(staging: Path, entry: dict[str, Any], cache: DigestCache | None = None) -> list[str]:
     """A participant's manifest digest and artifact references against the files in `staging`
-    (hashed here, or looked up in `digests` = `tree_digests(staging)`)."""
+    (read now, or taken from `cache` for a file unchanged since it was read)."""
     name = entry["name"]
     problems: list[str] = []
     rel = entry["manifest"]
     path = staging / rel
-    if digests is not None:
-        known = digests.get(Path(rel).as_posix())
-    else:
-        known = file_digest(path) if path.is_file() else None
-    if known is None:
+    try:
+        digest: str | None = read_facts(path, cache=cache).sha256 if path.is_file() else None
+    except OSError:
+        digest = None
+    if digest is None:
         problems.append(f"{name}: its manifest {rel} is missing")
-    else:
-        _, digest = known
-        if digest != entry["manifest_digest"]:
-            problems.append(
-                f"{name}: manifest_digest {entry['manifest_digest'][:12]}… does not match the sha256 of {rel}"
-                f" ({digest[:12]}…)"
-            )
+    elif digest != entry["manifest_digest"]:
+        problems.append(
+            f"{name}: manifest_digest {entry['manifest_digest'][:12]}… does not match the sha256 of {rel}"
+            f" ({digest[:12]}…)"
+        )
     for key in ("continuation_index", "storage_reference_index"):
         if key in entry:
             try:
@@ -656,7 +660,7 @@ def _verify_entry(staging: Path, entry: dict[str, Any], digests: Digests | None 
             except ValidationError:
                 problems.append(f"{name}: {key} is not a valid artifact reference")
                 continue
-            problem = verify_artifact(staging, ref, what=f"{name} {key}", digests=digests)
+            problem = verify_artifact(staging, ref, what=f"{name} {key}", cache=cache)
             if problem:
                 problems.append(problem)
     return problems
@@ -685,10 +689,12 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
     async def body() -> None:
         entries = list(attempt.commits.values())
 
-        def verify() -> tuple[Digests, list[str]]:
-            # one pass hashes and fsyncs every file (and folder); checks and manifest reuse it
-            digests = tree_digests(staging, sync=True, skip=[MANIFEST])
-            return digests, [p for entry in entries for p in _verify_entry(staging, entry, digests)]
+        def verify() -> tuple[dict[str, tuple[int, str]], list[str]]:
+            # one pass hashes (what commit did not) and fsyncs every file and folder; the checks
+            # and the manifest reuse it
+            cache = attempt.digests
+            digests = tree_digests(staging, sync=True, skip=[MANIFEST], cache=cache)
+            return digests, [p for entry in entries for p in _verify_entry(staging, entry, cache)]
 
         try:
             digests, problems = await anyio.to_thread.run_sync(verify)

@@ -13,6 +13,7 @@ import pytest
 from anyio.abc import SocketStream
 
 from coordinator.calls import MAX_REPLY_BYTES, Caller
+from coordinator.digests import file_digest
 from coordinator.errors import SnapshotError
 from coordinator.publish import (
     LATEST,
@@ -21,7 +22,6 @@ from coordinator.publish import (
     apply_retention,
     build_manifest,
     empty_trash,
-    file_digest,
     list_snapshots,
     read_latest,
     sweep_staging,
@@ -265,12 +265,38 @@ async def test_connect_and_timeout(tmp_path: Path) -> None:
                 )
                 tg.cancel_scope.cancel()
             assert (late.error, late.ok) == ("timeout", False)
+
+            async def trickle(stream: SocketStream) -> None:
+                # headers at once, then a byte of a never-ending chunked body every 20 ms
+                async with stream:
+                    await stream.receive()
+                    await stream.send(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                      b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+                    with suppress(Exception):
+                        while True:
+                            await stream.send(b"1\r\n \r\n")
+                            await anyio.sleep(0.02)
+
+            slow = await anyio.create_tcp_listener(local_host="127.0.0.1")
+            slow_port = slow.extra(anyio.abc.SocketAttribute.local_port)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(slow.serve, trickle)
+                started = time.monotonic()
+                dribbled = await caller.capabilities(
+                    "trickle", f"http://127.0.0.1:{slow_port}", deadline_ts=time.time() + 0.3
+                )
+                took = time.monotonic() - started
+                tg.cancel_scope.cancel()
+            assert (dribbled.error, dribbled.ok, dribbled.status) == ("timeout", False, None)
+            assert took < 5  # cut off at the deadline, not when the body ends (never)
         finally:
             await caller.aclose()
         kinds = [(ev.kind, ev.data.get("error")) async for ev in ledger.read() if ev.kind.startswith("call.")]
     assert kinds == [
         ("call.sent", None),
         ("call.failed", "connect"),
+        ("call.sent", None),
+        ("call.failed", "timeout"),
         ("call.sent", None),
         ("call.failed", "timeout"),
     ]

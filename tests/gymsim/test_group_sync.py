@@ -130,8 +130,9 @@ def test_the_writer_syncs_once_with_the_real_syscall_and_writes_the_same_files(t
     assert [p.name for p in (tmp_path / "agent/x").iterdir() if p.name.startswith(".")] == []
 
 
+@pytest.mark.parametrize("existing", [False, True])
 def test_without_syncfs_every_file_and_the_folder_are_fsynced(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, existing: bool
 ) -> None:
     import os
 
@@ -142,12 +143,19 @@ def test_without_syncfs_every_file_and_the_folder_are_fsynced(
         synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
         real_fsync(fd)
 
+    if existing:  # a repeated commit into a folder that is there already
+        (tmp_path / "res").mkdir()
+        (tmp_path / "res" / "a.json").write_bytes(b"old\n")
     writer = ArtifactWriter(str(tmp_path), "res")
     writer._grouped = False  # a system without syncfs(2)
     monkeypatch.setattr(os, "fsync", spy)
     writer.write("a.json", b"{}\n", 1)
     writer.write("b.json", b"{}\n", 1)
     writer.write_manifest({"schema_version": 1})
-    # each file under its temporary name, then the folder before and after the manifest
-    tmp = f".tmp-{os.getpid()}"
-    assert synced == [f".a.json{tmp}", f".b.json{tmp}", "res", f".manifest.json{tmp}", "res"]
+    # each file (under its temporary name in a folder that existed), then the folder before
+    # and after the manifest
+    tmp = f".tmp-{os.getpid()}" if existing else ""
+    name = (lambda n: f".{n}{tmp}") if existing else (lambda n: n)
+    assert synced == [name("a.json"), name("b.json"), "res", name("manifest.json"), "res"]
+    assert sorted(p.name for p in (tmp_path / "res").iterdir()) == ["a.json", "b.json", "manifest.json"]
+    assert (tmp_path / "res" / "a.json").read_bytes() == b"{}\n"

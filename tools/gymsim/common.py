@@ -2,7 +2,9 @@
 
 Durability rule of every commit in `tools/gymsim`: `manifest.json` is written after every data
 file it names, and all of them are durable before the reply naming its `manifest_digest` is
-sent. Each file is written to a temporary name and renamed into place. Where syncfs(2) exists
+sent. In a folder the commit itself created (a fresh staging folder: nothing reads it before
+the reply) files are written in place; in one that existed already (a repeated commit), each
+file is written to a temporary name and renamed into place. Where syncfs(2) exists
 (Linux) the barrier before the reply is one `GroupSync` of the filesystem, shared by every
 commit waiting at that moment: many servers hosted in one process (path prefixes) make their
 commits durable together, as one host with one disk would, instead of an fsync per file and
@@ -106,10 +108,11 @@ def count_records(data: bytes) -> int:
     return sum(1 for line in data.splitlines() if line.strip())
 
 
-def _replace_synced(path: Path, data: bytes, *, fsync: bool = True) -> None:
+def _replace_synced(path: Path, data: bytes, *, fsync: bool = True, in_place: bool = False) -> None:
     """Write `data` to a temporary name beside `path`, fsync it (unless `fsync=False`: the
-    caller syncs the filesystem later), rename it to `path` (no folder fsync)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    caller syncs the filesystem later), rename it to `path` (no folder fsync). With `in_place`
+    (a folder no reader looks at yet) `data` is written to `path` itself."""
+    tmp = path if in_place else path.with_name(f".{path.name}.tmp-{os.getpid()}")
     # os-level calls: the same file as open(tmp, "wb") gives, without its isatty/fstat/lseek calls
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     try:
@@ -120,7 +123,8 @@ def _replace_synced(path: Path, data: bytes, *, fsync: bool = True) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, path)
+    if not in_place:
+        os.replace(tmp, path)
 
 
 class GroupSync:
@@ -187,18 +191,24 @@ class ArtifactWriter:
         self.files: list[ArtifactRef] = []
         self._path = self.root / folder
         self._made = False
-        self._renamed = False  #: a data file was renamed into place since the last folder fsync
+        self._fresh = False  #: this writer created the folder: files go in place (module docstring)
+        self._renamed = False  #: a data file was added since the last folder fsync
         self._grouped = syncfs_available()  #: barriers are `GroupSync`s (else fsyncs per file/folder)
 
     def _dir(self) -> Path:
         if not self._made:
-            self._path.mkdir(parents=True, exist_ok=True)
+            try:
+                self._path.mkdir(parents=True)
+                self._fresh = True
+            except FileExistsError:
+                self._fresh = False
             self._made = True
         return self._path
 
     def write(self, name: str, data: bytes, records: int) -> ArtifactRef:
         relative = f"{self.folder}/{name}"
-        _replace_synced(self._dir() / name, data, fsync=not self._grouped)
+        folder = self._dir()
+        _replace_synced(folder / name, data, fsync=not self._grouped, in_place=self._fresh)
         self._renamed = True
         ref = ArtifactRef(relative_path=relative, sha256=sha256_hex(data), records=records, bytes=len(data))
         self.files.append(ref)
@@ -211,12 +221,12 @@ class ArtifactWriter:
         data = (json.dumps(body, indent=2, sort_keys=True) + "\n").encode("utf-8")
         folder = self._dir()
         if self._grouped:
-            _replace_synced(folder / "manifest.json", data, fsync=False)
+            _replace_synced(folder / "manifest.json", data, fsync=False, in_place=self._fresh)
             GroupSync.for_path(folder).sync(folder)  # data files and manifest, before the reply
         else:
             if self._renamed:
                 fsync_dir(folder)
-            _replace_synced(folder / "manifest.json", data)
+            _replace_synced(folder / "manifest.json", data, in_place=self._fresh)
             fsync_dir(folder)
         self._renamed = False
         return sha256_hex(data)
