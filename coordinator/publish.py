@@ -24,11 +24,13 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
 import shutil
 import stat
+import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -452,11 +454,41 @@ def empty_trash(snapshots: Path) -> int:
         doomed = [p for p in trash.iterdir() if p.is_dir() and not p.is_symlink()]
     except OSError:  # no trash (nothing was removed), or unreadable: next time
         return 0
-    _each(_rmtree, doomed)
+    if doomed and not _rm_rf(doomed):
+        _each(_rmtree, [p for p in doomed if p.exists()])
     if doomed:
         with contextlib.suppress(OSError):
             fsync_dir(trash)
     return len(doomed)
+
+
+@functools.cache
+def _rm_binary() -> str | None:
+    return shutil.which("rm")
+
+
+def _rm_rf(paths: Sequence[Path]) -> bool:
+    """Delete `paths` with `rm -rf` in a child process; whether it ran and succeeded.
+
+    A child process deletes on another core without ever taking this interpreter's lock, which
+    the event loop needs while the servers resume: deleting a 512-server snapshot (1,500 entries)
+    on threads here cost the resume round about a third of its time. Where there is no `rm`, or
+    it fails, the caller deletes on threads.
+    """
+    rm = _rm_binary()
+    if rm is None:
+        return False
+    try:
+        done = subprocess.run(
+            [rm, "-rf", "--", *(str(p) for p in paths)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+        )
+    except OSError:
+        return False
+    return done.returncode == 0
 
 
 def sweep_staging(staging_root: Path, finished: Iterable[str]) -> list[Path]:

@@ -83,6 +83,21 @@ def test_retention_can_defer_deleting_to_the_trash(tmp_path: Path) -> None:
     assert list((tmp_path / TRASH).iterdir()) == []
 
 
+@pytest.mark.parametrize("rm", [None, "/bin/false"])
+def test_the_trash_is_emptied_on_threads_without_a_working_rm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rm: str | None
+) -> None:
+    from coordinator import publish
+
+    made = [_snapshot(tmp_path, f"e1-{s:06d}", 1, s, []) for s in (1, 2, 3)]
+    write_latest(tmp_path, made[2].name)
+    apply_retention(tmp_path, 1, defer_delete=True)
+    monkeypatch.setattr(publish, "_rm_binary", lambda: rm)  # no rm on PATH, or one that fails
+    assert empty_trash(tmp_path) == 2
+    assert list((tmp_path / TRASH).iterdir()) == []
+    assert [s.path for s in list_snapshots(tmp_path)] == [made[2]]
+
+
 def test_tree_digests_hash_and_fsync_every_file_and_folder_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
