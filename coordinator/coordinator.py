@@ -47,6 +47,7 @@ from coordinator.calls import Caller
 from coordinator.config import ClusterConfig, load_config, resolve_token
 from coordinator.discovery import Discovery, discover
 from coordinator.errors import ConfigError, QuiesceError
+from coordinator.heap import frozen_step, heap_frozen
 from coordinator.lease import keep_lease
 from coordinator.publish import empty_trash, read_latest, resolve_snapshot, verify_snapshot
 from coordinator.version import VERSION
@@ -127,12 +128,14 @@ class Coordinator:
                 async with _lease_kept(ledger, cfg.lease_s / 3):
                     coord = cls(Context(cfg, ledger, caller, on_progress))
                     if recover:
-                        coord._last_recovery = await recovery.recover(coord._ctx, always_record=False)
+                        with heap_frozen():
+                            coord._last_recovery = await recovery.recover(coord._ctx, always_record=False)
                     yield coord
             finally:
                 with anyio.CancelScope(shield=True):
                     await caller.aclose()
 
+    @frozen_step
     async def recover(self) -> recovery.RecoveryReport:
         """Run recovery now (`quiesce recover`): always records `recovery.started`/`completed`."""
         self._idle("recover")
@@ -179,6 +182,7 @@ class Coordinator:
 
     # -- discovery -----------------------------------------------------------------------------
 
+    @frozen_step
     async def discover(self, *, strict: bool = True) -> Discovery:
         """Capabilities of every configured server → participants (see `discovery.py`).
 
@@ -208,6 +212,7 @@ class Coordinator:
 
     # -- save, step-wise -----------------------------------------------------------------------
 
+    @frozen_step
     async def prepare(self, *, deadline_s: float | None = None) -> Attempt:
         """Start a save attempt and prepare it (pause, prepare, drain). Rolls back and raises on failure."""
         self._idle("prepare")
@@ -217,17 +222,20 @@ class Coordinator:
         await _attempt.prepare(self._ctx, attempt)
         return attempt
 
+    @frozen_step
     async def commit(self, attempt: Attempt | None = None) -> Attempt:
         """Commit a prepared attempt into its staging folder; verifies every digest. Rolls back on failure."""
         chosen = self._pick(attempt, "commit")
         await _attempt.commit(self._ctx, chosen)
         return chosen
 
+    @frozen_step
     async def publish(self, attempt: Attempt | None = None) -> Path:
         """Publish a committed attempt (manifest, rename, LATEST, retention); returns the snapshot folder."""
         chosen = self._pick(attempt, "publish")
         return await _attempt.publish(self._ctx, chosen)
 
+    @frozen_step
     async def abort(self, attempt: Attempt | None = None, *, reason: str = "aborted by request") -> Outcome:
         """Roll back an attempt before publication: resume every touched server, remove staging.
 
@@ -258,6 +266,7 @@ class Coordinator:
             tuple(error.not_resumed),
         )
 
+    @frozen_step
     async def resume(self, attempt: Attempt | None = None) -> Outcome:
         """Resume the servers an attempt left paused (a published save, or a restore).
 
@@ -295,21 +304,22 @@ class Coordinator:
         try:
             yield attempt
         except BaseException as exc:
-            with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True), heap_frozen():
                 error = await _attempt.roll_back(
                     self._ctx, attempt, None, reason=f"the caller's block raised {type(exc).__name__}"
                 )
             exc.add_note(str(error))
             raise
-        await _attempt.publish(self._ctx, attempt, defer_delete=True)
         # the snapshots retention removed are deleted while the servers resume, not before
         failed: Exception | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(anyio.to_thread.run_sync, empty_trash, self._ctx.config.snapshots)
-            try:
-                await self.resume(attempt)
-            except Exception as error:  # raised once the deleting is done
-                failed = error
+        with heap_frozen():
+            await _attempt.publish(self._ctx, attempt, defer_delete=True)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.to_thread.run_sync, empty_trash, self._ctx.config.snapshots)
+                try:
+                    await self.resume(attempt)
+                except Exception as error:  # raised once the deleting is done
+                    failed = error
         if failed is not None:
             raise failed
 
@@ -321,6 +331,7 @@ class Coordinator:
 
     # -- restore -------------------------------------------------------------------------------
 
+    @frozen_step
     async def restore(
         self, snapshot: str | os.PathLike[str] | None = None, *, deadline_s: float | None = None
     ) -> Attempt:
