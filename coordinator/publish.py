@@ -153,9 +153,29 @@ def _rmtree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def write_json_durably(path: Path, document: Any) -> bytes:
-    """Write JSON via a temp file + fsync + rename + fsync of the folder. Returns the bytes written."""
-    data = (json.dumps(document, indent=2, sort_keys=True) + "\n").encode("utf-8")
+def readable_json(document: Mapping[str, Any]) -> str:
+    """``document`` as sorted-key JSON with one top-level key per line and one item of a list per
+    line (a manifest's files and participants), each item compact.
+
+    Every piece is encoded by the C encoder: ``json.dumps(indent=...)`` runs the pure-Python one,
+    which took 25 ms for the manifest of a 512-server snapshot.
+    """
+    parts: list[str] = []
+    for key in sorted(document):
+        value = document[key]
+        name = json.dumps(key)
+        if isinstance(value, list) and value:
+            items = ",\n".join("    " + json.dumps(item, sort_keys=True) for item in value)
+            parts.append(f"  {name}: [\n{items}\n  ]")
+        else:
+            parts.append(f"  {name}: {json.dumps(value, sort_keys=True)}")
+    return "{\n" + ",\n".join(parts) + "\n}" if parts else "{}"
+
+
+def write_json_durably(path: Path, document: Mapping[str, Any]) -> bytes:
+    """Write `readable_json(document)` via a temp file + fsync + rename + fsync of the folder.
+    Returns the bytes written."""
+    data = (readable_json(document) + "\n").encode("utf-8")
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("wb") as handle:
         handle.write(data)

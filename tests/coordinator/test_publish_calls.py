@@ -24,6 +24,7 @@ from coordinator.publish import (
     empty_trash,
     list_snapshots,
     read_latest,
+    readable_json,
     sweep_staging,
     tree_digests,
     verify_snapshot,
@@ -48,6 +49,25 @@ def _snapshot(root: Path, name: str, epoch: int, seq: int, participants: list[di
     )
     write_json_durably(folder / "manifest.json", manifest)
     return folder
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {},
+        {"files": []},
+        {"epoch": 3, "files": [{"path": "a/b", "bytes": 1}, {"path": "c"}], "name": '\u00e9\n"x'},
+        {"participants": [{"reply": {"z": [1, {"y": None}]}, "name": "m"}], "skipped": [], "f": 1.5},
+    ],
+)
+def test_readable_json_has_a_line_per_key_and_per_list_item(document: dict[str, Any]) -> None:
+    text = readable_json(document)
+    assert json.loads(text) == document
+    lines = text.splitlines()
+    items = sum(len(v) for v in document.values() if isinstance(v, list))
+    empty_or_scalar = sum(1 for v in document.values() if not (isinstance(v, list) and v))
+    lists = len(document) - empty_or_scalar  # a line to open each non-empty list and one to close it
+    assert len(lines) == (2 + empty_or_scalar + 2 * lists + items if document else 1)
 
 
 def test_latest_retention_and_sweep(tmp_path: Path) -> None:

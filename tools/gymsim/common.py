@@ -218,7 +218,7 @@ class ArtifactWriter:
         """Write `manifest.json` (naming every file written before) and return its sha256."""
         body = dict(document)
         body["files"] = [ref.model_dump(mode="json") for ref in self.files]
-        data = (json.dumps(body, indent=2, sort_keys=True) + "\n").encode("utf-8")
+        data = (json.dumps(body, sort_keys=True) + "\n").encode("utf-8")  # C encoder: no indent
         folder = self._dir()
         if self._grouped:
             _replace_synced(folder / "manifest.json", data, fsync=False, in_place=self._fresh)
