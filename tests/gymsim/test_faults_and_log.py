@@ -210,3 +210,16 @@ async def test_prefix_hosted_servers_and_a_benchmark_sized_spec() -> None:
             assert (await http.get(root + "/s/nobody/ng-control/v1/capabilities")).status_code == 404
             log = await gym.admin("agent_17", "GET", "control-log")
             assert log[0]["path"] == "/ng-control/v1/capabilities"  # paths as the server sees them
+
+
+async def test_the_control_log_keeps_only_the_newest_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tools.gymsim import base
+
+    monkeypatch.setattr(base, "CONTROL_LOG_MAX", 3)  # read when a server is built
+    with start_cluster(SPEC, token=TOKEN) as running:
+        async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
+            gym = Gym(running.urls, http)
+            for i in range(5):
+                await gym.status("policy_model", f"c{i}", timeout_s=0)
+            log = await gym.admin("policy_model", "GET", "control-log")
+    assert [entry["checkpoint_id"] for entry in log] == ["c2", "c3", "c4"]

@@ -25,6 +25,7 @@ import inspect
 import json
 import math
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args, get_origin, get_type_hints
@@ -314,6 +315,10 @@ class LeanControl:
             raise
 
 
+#: Control requests a server remembers for `/gymsim/admin/control-log` (the oldest go first).
+CONTROL_LOG_MAX = 10_000
+
+
 class GymServer(ABC):
     """Base of the model, agent and resources servers: fence, capabilities, admin routes."""
 
@@ -329,7 +334,8 @@ class GymServer(ABC):
         self.fence = Fence(self.fence_rules())
         self.faults = FaultSet()
         self.faults.set(list(spec.faults))
-        self.control_log: list[dict[str, Any]] = []
+        #: the last CONTROL_LOG_MAX control requests (a long benchmark must not grow the heap)
+        self.control_log: deque[dict[str, Any]] = deque(maxlen=CONTROL_LOG_MAX)
         self.app = FastAPI(title=f"gymsim {self.name}", openapi_url=None, docs_url=None, redoc_url=None)
         self.lean = LeanControl({}, self.app)
         self._add_common_routes()
