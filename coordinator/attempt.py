@@ -642,13 +642,15 @@ def _verify_entry(staging: Path, entry: dict[str, Any], cache: DigestCache | Non
     problems: list[str] = []
     rel = entry["manifest"]
     path = staging / rel
-    try:
-        digest: str | None = read_facts(path, cache=cache).sha256 if path.is_file() else None
-    except OSError:
-        digest = None
-    if digest is None:
+    digest: str | None = None
+    if not path.is_file():
         problems.append(f"{name}: its manifest {rel} is missing")
-    elif digest != entry["manifest_digest"]:
+    else:
+        try:
+            digest = read_facts(path, cache=cache).sha256
+        except OSError as error:
+            problems.append(f"{name}: its manifest {rel} cannot be read: {error.strerror or error}")
+    if digest is not None and digest != entry["manifest_digest"]:
         problems.append(
             f"{name}: manifest_digest {entry['manifest_digest'][:12]}… does not match the sha256 of {rel}"
             f" ({digest[:12]}…)"

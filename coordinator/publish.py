@@ -197,11 +197,16 @@ def verify_artifact(
     path = root / ref.relative_path
     try:
         st = os.stat(path)
-        facts = read_facts(path, records=True, cache=cache, st=st) if stat.S_ISREG(st.st_mode) else None
-    except OSError:
-        facts = None
-    if facts is None:
+    except FileNotFoundError:
         return f"{what}: {ref.relative_path} is missing"
+    except OSError as error:
+        return f"{what}: {ref.relative_path} cannot be read: {error.strerror or error}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{what}: {ref.relative_path} is missing (not a regular file)"
+    try:
+        facts = read_facts(path, records=True, cache=cache, st=st)
+    except OSError as error:
+        return f"{what}: {ref.relative_path} cannot be read: {error.strerror or error}"
     if facts.size != ref.bytes:
         return f"{what}: {ref.relative_path} has {facts.size} bytes, the reply says {ref.bytes}"
     if facts.sha256 != ref.sha256:
