@@ -196,7 +196,7 @@ def verify_artifact(
     """
     path = root / ref.relative_path
     try:
-        st = os.stat(path)
+        st = os.lstat(path)  # a symlink is not followed: the tree's digests leave symlinks out
     except FileNotFoundError:
         return f"{what}: {ref.relative_path} is missing"
     except OSError as error:

@@ -132,6 +132,13 @@ def test_a_missing_or_non_regular_artifact_is_reported_missing(tmp_path: Path) -
     assert verify_artifact(tmp_path, ref, what="a", cache=DigestCache()) == (
         "a: agent/a/rows.jsonl is missing (not a regular file)"
     )
+    (tmp_path / "agent" / "a" / "rows.jsonl").rmdir()
+    (tmp_path / "elsewhere").write_bytes(b"")
+    (tmp_path / "agent" / "a" / "rows.jsonl").symlink_to(tmp_path / "elsewhere")  # right digest, but a link
+    assert verify_artifact(tmp_path, ref.model_copy(update={"sha256": hashlib.sha256(b"").hexdigest()}),
+                           what="a", cache=DigestCache()) == (
+        "a: agent/a/rows.jsonl is missing (not a regular file)"
+    )  # fmt: skip
 
 
 def test_an_unreadable_artifact_is_reported_not_raised(
