@@ -773,7 +773,10 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
             if staging.exists() or not (final / MANIFEST).is_file():
                 raise PhaseFailure("publish", None, f"cannot rename {staging} to {final}: {error}") from None
 
-    await _rolled_back_on_failure(ctx, attempt, "publish", body)
+    try:
+        await _rolled_back_on_failure(ctx, attempt, "publish", body)
+    finally:
+        attempt.digests.clear()  # read only by commit's checks and publish's: not kept past them
     manifest = manifests[0]
     await ctx.ledger.stage(
         "attempt.published",

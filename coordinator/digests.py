@@ -63,6 +63,10 @@ class DigestCache:
     def __len__(self) -> int:
         return len(self._facts)
 
+    def clear(self) -> None:
+        with self._lock:
+            self._facts.clear()
+
     def get(self, path: Path, st: os.stat_result) -> FileFacts | None:
         with self._lock:
             found = self._facts.get(str(path))

@@ -6,10 +6,12 @@ import hashlib
 import os
 import time
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
-from coordinator import digests
+from coordinator import Coordinator, digests
 from coordinator.digests import RACY_S, DigestCache, file_digest, read_facts
 from coordinator.protocol import ArtifactRef
 from coordinator.publish import tree_digests, verify_artifact
@@ -156,3 +158,21 @@ def test_an_unreadable_artifact_is_reported_not_raised(
     ref = ArtifactRef(relative_path="agent/a/rows.jsonl", sha256="0" * 64, records=1, bytes=2)
     problem = verify_artifact(tmp_path, ref, what="a", cache=DigestCache())
     assert problem == "a: agent/a/rows.jsonl cannot be read: Permission denied"
+
+
+@pytest.mark.anyio
+async def test_a_save_keeps_file_facts_from_commit_to_publish_only(
+    cluster: Any, sqlite_url: str, configure: Any
+) -> None:
+    config = configure(cluster, sqlite_url)
+    async with Coordinator.open(config) as coord:
+        attempt = await coord.prepare(deadline_s=20)
+        await coord.commit(attempt)
+        assert attempt.staging_dir is not None
+        await anyio.sleep(RACY_S * 2)
+        for path in sorted(p for p in attempt.staging_dir.rglob("*") if p.is_file()):
+            read_facts(path, cache=attempt.digests)  # as commit's checks would, for files this old
+        assert len(attempt.digests) > 0
+        await coord.publish(attempt)
+        assert len(attempt.digests) == 0  # dropped once published: only commit and publish read it
+        await coord.resume(attempt)
