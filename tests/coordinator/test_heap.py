@@ -96,6 +96,28 @@ async def test_frozen_step_wraps_an_async_function() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_step_that_fails_or_is_cancelled_hands_the_heap_back() -> None:
+    import anyio
+
+    @frozen_step
+    async def failing() -> None:
+        assert gc.get_freeze_count() > 0
+        raise RuntimeError("the step failed")
+
+    @frozen_step
+    async def slow() -> None:
+        await anyio.sleep(30)
+
+    with pytest.raises(RuntimeError, match="the step failed"):
+        await failing()
+    assert gc.get_freeze_count() == 0
+    with anyio.move_on_after(0.05) as scope:
+        await slow()
+    assert scope.cancelled_caught
+    assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.anyio
 async def test_a_save_against_real_servers_runs_frozen_and_leaves_nothing_frozen(
     cluster: Any, sqlite_url: str, configure: Any
 ) -> None:
