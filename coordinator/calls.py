@@ -365,14 +365,19 @@ class Caller:
                 allow_redirects=False,
             ) as response:
                 status = response.status
-                raw = bytearray()
                 too_big = False
-                async for chunk in response.content.iter_any():
-                    raw.extend(chunk)
-                    if len(raw) > MAX_REPLY_BYTES:
-                        too_big = True
-                        response.close()  # stop reading: the connection is dropped, not reused
-                        break
+                raw: bytes | bytearray
+                length = response.content_length
+                if length is not None and length <= MAX_REPLY_BYTES:
+                    raw = await response.read()  # framed by its Content-Length: never more
+                else:  # no length, or a larger one: streamed, and cut off past the cap
+                    raw = bytearray()
+                    async for chunk in response.content.iter_any():
+                        raw.extend(chunk)
+                        if len(raw) > MAX_REPLY_BYTES:
+                            too_big = True
+                            response.close()  # stop reading: the connection is dropped, not reused
+                            break
         except aiohttp.ConnectionTimeoutError:
             return _Exchange(error="connect", detail="could not connect before the deadline")
         except TimeoutError:
@@ -386,7 +391,7 @@ class Caller:
         if too_big:
             return _Exchange(status=status, error="protocol", detail="reply larger than 1 MiB")
         try:
-            parsed: Any = json.loads(bytes(raw)) if raw else None
+            parsed: Any = json.loads(raw) if raw else None
         except (ValueError, UnicodeDecodeError):
             parsed = None
             if status == 200:

@@ -272,6 +272,31 @@ async def test_reply_classes(tmp_path: Path, status: int, body: bytes, error: st
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("size", [100, MAX_REPLY_BYTES + 10])
+async def test_a_reply_without_a_length_is_read_up_to_the_cap(tmp_path: Path, size: int) -> None:
+    body = b'{"a": "' + b"x" * (size - 9) + b'"}'
+    chunks = b"".join(f"{len(part):x}\r\n".encode() + part + b"\r\n" for part in (body[:50], body[50:]))
+    framed = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    async with (
+        _raw_server(lambda head: framed + chunks + b"0\r\n\r\n") as url,
+        Ledger.open(f"sqlite+aiosqlite:///{tmp_path / 'l.db'}") as ledger,
+    ):
+        await ledger.start_epoch({"coordinator": {"host": "h", "pid": 1, "uuid": "u"}, "version": "t"})
+        caller = Caller(ledger, "t", epoch=ledger.epoch)
+        try:
+            result = await caller.capabilities("srv", url, deadline_ts=2e9)
+        finally:
+            await caller.aclose()
+    if size > MAX_REPLY_BYTES:
+        assert (result.error, result.detail) == ("protocol", "reply larger than 1 MiB")
+    else:  # read whole: a JSON object that is not a capabilities document
+        assert result.error == "protocol"
+        assert result.detail is not None
+        assert result.detail.startswith("reply does not match Capabilities")
+
+
+@pytest.mark.anyio
 async def test_connect_and_timeout(tmp_path: Path) -> None:
     import time
 

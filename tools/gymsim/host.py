@@ -134,6 +134,7 @@ class Host:
                 timeout_graceful_shutdown=1,
                 timeout_keep_alive=30,
                 backlog=2048,
+                proxy_headers=False,  # never behind a proxy: no X-Forwarded-* rewriting per request
             )
             self._uvicorns.append(_Server(config))
         tasks = [
