@@ -62,7 +62,7 @@ from pydantic import BaseModel, ValidationError
 
 from coordinator.calls import Caller, CallResult
 from coordinator.config import ClusterConfig
-from coordinator.digests import DigestCache, file_digest, read_facts
+from coordinator.digests import DigestCache, file_digest, regular_facts
 from coordinator.discovery import Discovery, Member
 from coordinator.errors import DeadlineExceeded, FencedError, PhaseError, QuiesceError, SnapshotError
 from coordinator.phases import Role, resume_order
@@ -641,15 +641,11 @@ def _verify_entry(staging: Path, entry: dict[str, Any], cache: DigestCache | Non
     name = entry["name"]
     problems: list[str] = []
     rel = entry["manifest"]
-    path = staging / rel
-    digest: str | None = None
-    if path.is_symlink() or not path.is_file():  # the tree's digests leave symlinks out
-        problems.append(f"{name}: its manifest {rel} is missing")
-    else:
-        try:
-            digest = read_facts(path, cache=cache).sha256
-        except OSError as error:
-            problems.append(f"{name}: its manifest {rel} cannot be read: {error.strerror or error}")
+    facts = regular_facts(staging / rel, cache=cache)  # no symlink: the tree's digests leave them out
+    digest = facts.sha256 if not isinstance(facts, str) else None
+    if isinstance(facts, str):
+        unreadable = facts.startswith("cannot be read")
+        problems.append(f"{name}: its manifest {rel} {facts if unreadable else 'is missing'}")
     if digest is not None and digest != entry["manifest_digest"]:
         problems.append(
             f"{name}: manifest_digest {entry['manifest_digest'][:12]}… does not match the sha256 of {rel}"

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-__all__ = ["RACY_S", "DigestCache", "FileFacts", "file_digest", "fsync_file", "read_facts"]
+from coordinator.durable import fsync_file
+
+__all__ = ["RACY_S", "DigestCache", "FileFacts", "file_digest", "read_facts", "regular_facts"]
 
 _CHUNK: Final = 1 << 20
 #: A file stamped less than this before its read began is not cached (see the module docstring).
@@ -138,10 +141,18 @@ def file_digest(path: Path) -> tuple[int, str]:
     return facts.size, facts.sha256
 
 
-def fsync_file(path: Path) -> None:
-    """fsync a file (its data and inode) without reading it."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+def regular_facts(path: Path, *, records: bool = False, cache: DigestCache | None = None) -> FileFacts | str:
+    """``read_facts`` of a regular file, never through a symlink; else what is wrong with it:
+    ``"missing"``, ``"not a regular file"`` (a folder, a symlink, ...) or ``"cannot be read: ..."``."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as error:
+        return f"cannot be read: {error.strerror or error}"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    try:
+        return read_facts(path, records=records, cache=cache, st=st)
+    except OSError as error:
+        return f"cannot be read: {error.strerror or error}"

@@ -12,16 +12,25 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["fsync_dir", "syncfs", "syncfs_available"]
+__all__ = ["fsync_dir", "fsync_file", "syncfs", "syncfs_available"]
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a folder so renames and new entries in it are durable."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder so renames and new entries in it are durable."""
+    _fsync(path, getattr(os, "O_DIRECTORY", 0))
+
+
+def fsync_file(path: Path) -> None:
+    """fsync a file (its data and inode) without reading it."""
+    _fsync(path, 0)
 
 
 @functools.cache

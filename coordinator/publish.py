@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import stat
 import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from coordinator.digests import DigestCache, file_digest, read_facts
+from coordinator.digests import DigestCache, file_digest, read_facts, regular_facts
 from coordinator.durable import fsync_dir, syncfs, syncfs_available
 from coordinator.errors import SnapshotError
 from coordinator.protocol import ArtifactRef
@@ -194,19 +193,12 @@ def verify_artifact(
     Returns a description of the first mismatch, or None. Records are the file's non-empty lines.
     A file `cache` knows unchanged since it was read is not read again.
     """
-    path = root / ref.relative_path
-    try:
-        st = os.lstat(path)  # a symlink is not followed: the tree's digests leave symlinks out
-    except FileNotFoundError:
-        return f"{what}: {ref.relative_path} is missing"
-    except OSError as error:
-        return f"{what}: {ref.relative_path} cannot be read: {error.strerror or error}"
-    if not stat.S_ISREG(st.st_mode):
+    # a symlink is not followed: the tree's digests leave symlinks out
+    facts = regular_facts(root / ref.relative_path, records=True, cache=cache)
+    if facts == "not a regular file":
         return f"{what}: {ref.relative_path} is missing (not a regular file)"
-    try:
-        facts = read_facts(path, records=True, cache=cache, st=st)
-    except OSError as error:
-        return f"{what}: {ref.relative_path} cannot be read: {error.strerror or error}"
+    if isinstance(facts, str):  # missing, or cannot be read
+        return f"{what}: {ref.relative_path} {'is missing' if facts == 'missing' else facts}"
     if facts.size != ref.bytes:
         return f"{what}: {ref.relative_path} has {facts.size} bytes, the reply says {ref.bytes}"
     if facts.sha256 != ref.sha256:

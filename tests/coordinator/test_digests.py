@@ -146,15 +146,13 @@ def test_a_missing_or_non_regular_artifact_is_reported_missing(tmp_path: Path) -
 def test_an_unreadable_artifact_is_reported_not_raised(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from coordinator import publish
-
     path = tmp_path / "agent" / "a" / "rows.jsonl"
     _aged(path, b"x\n")
 
     def denied(*args: object, **kwargs: object) -> None:
         raise PermissionError(13, "Permission denied")  # as a file mode would, for a non-root user
 
-    monkeypatch.setattr(publish, "read_facts", denied)
+    monkeypatch.setattr(digests, "read_facts", denied)
     ref = ArtifactRef(relative_path="agent/a/rows.jsonl", sha256="0" * 64, records=1, bytes=2)
     problem = verify_artifact(tmp_path, ref, what="a", cache=DigestCache())
     assert problem == "a: agent/a/rows.jsonl cannot be read: Permission denied"

@@ -12,7 +12,7 @@ import anyio
 import pytest
 from anyio.abc import SocketStream
 
-from coordinator.calls import MAX_REPLY_BYTES, Caller
+from coordinator.calls import MAX_REPLY_BYTES, Caller, CallResult
 from coordinator.digests import file_digest
 from coordinator.errors import SnapshotError
 from coordinator.publish import (
@@ -219,6 +219,16 @@ async def _raw_server(reply: Callable[[bytes], bytes]) -> AsyncIterator[str]:
             tg.cancel_scope.cancel()
 
 
+async def _capabilities(ledger: Ledger, url: str, token: str) -> CallResult:
+    """One recorded capabilities call to `url` from a new epoch of `ledger`."""
+    await ledger.start_epoch({"coordinator": {"host": "h", "pid": 1, "uuid": "u"}, "version": "t"})
+    caller = Caller(ledger, token, epoch=ledger.epoch)
+    try:
+        return await caller.capabilities("srv", url, deadline_ts=2e9)
+    finally:
+        await caller.aclose()
+
+
 def _http(status: int, body: bytes) -> bytes:
     return (
         f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
@@ -253,12 +263,7 @@ async def test_reply_classes(tmp_path: Path, status: int, body: bytes, error: st
         _raw_server(reply) as url,
         Ledger.open(f"sqlite+aiosqlite:///{tmp_path / 'l.db'}", secrets=("sekret",)) as ledger,
     ):
-        await ledger.start_epoch({"coordinator": {"host": "h", "pid": 1, "uuid": "u"}, "version": "t"})
-        caller = Caller(ledger, "sekret", epoch=ledger.epoch)
-        try:
-            result = await caller.capabilities("srv", url, deadline_ts=2e9)
-        finally:
-            await caller.aclose()
+        result = await _capabilities(ledger, url, "sekret")
         events = [ev async for ev in ledger.read()]
     assert (result.ok, result.error, result.code) == (False, error, code)
     if status != 200:
@@ -282,12 +287,7 @@ async def test_a_reply_without_a_length_is_read_up_to_the_cap(tmp_path: Path, si
         _raw_server(lambda head: framed + chunks + b"0\r\n\r\n") as url,
         Ledger.open(f"sqlite+aiosqlite:///{tmp_path / 'l.db'}") as ledger,
     ):
-        await ledger.start_epoch({"coordinator": {"host": "h", "pid": 1, "uuid": "u"}, "version": "t"})
-        caller = Caller(ledger, "t", epoch=ledger.epoch)
-        try:
-            result = await caller.capabilities("srv", url, deadline_ts=2e9)
-        finally:
-            await caller.aclose()
+        result = await _capabilities(ledger, url, "t")
     if size > MAX_REPLY_BYTES:
         assert (result.error, result.detail) == ("protocol", "reply larger than 1 MiB")
     else:  # read whole: a JSON object that is not a capabilities document
