@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from coordinator.calls import token_problem
 from coordinator.errors import ConfigError
 from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK, InstanceRole
 
@@ -199,6 +200,11 @@ def resolve_token(config: ClusterConfig, environ: Mapping[str, str] | None = Non
     for name in (config.token_env, TOKEN_ENV_FALLBACK):
         value = env.get(name)
         if value:
+            problem = token_problem(value)
+            if problem is not None:
+                raise ConfigError(
+                    f"{problem} (from the environment variable {name}); set it to the bearer token alone"
+                )
             return value
     raise ConfigError(
         f"no control token: set the environment variable {config.token_env}"

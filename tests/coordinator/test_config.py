@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
 from coordinator import ConfigError, load_config, resolve_token
+from coordinator.calls import Caller, token_problem
 from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
 
 GOOD = """
@@ -100,3 +102,15 @@ def test_the_version_constant_is_the_installed_package_version() -> None:
     from coordinator.version import VERSION
 
     assert version("quiesce") == VERSION == quiesce_version()
+
+
+@pytest.mark.parametrize("token", ["two words", "line\nbreak", "caf\u00e9", "tab\t"])
+def test_a_token_that_is_not_visible_ascii_is_refused_without_being_shown(tmp_path: Path, token: str) -> None:
+    config = load_config(_write(tmp_path, "servers: [{name: m, url: 'http://h:1'}]\n"))
+    with pytest.raises(ConfigError) as caught:
+        resolve_token(config, {config.token_env: token})
+    assert token not in str(caught.value)
+    assert config.token_env in str(caught.value)
+    assert token_problem(token) is not None
+    with pytest.raises(ValueError, match="control token holds"):
+        Caller(cast(Any, None), token, epoch=1)

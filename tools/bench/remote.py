@@ -31,9 +31,8 @@ import venv
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
-from coordinator.calls import Caller, Target
+from coordinator.calls import MAX_REPLY_BYTES, Caller, Target
+from coordinator.http import HttpClient
 from coordinator.protocol import AGENT, CommonBody, route
 from ledger import Ledger
 from tools.bench.harness import (
@@ -56,14 +55,12 @@ async def run_quiesce(url: str, n: int, dir: str) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="remote-", dir=dir))
     recorded: list[float] = []
     bare: list[float] = []
+    http = HttpClient()
     try:
-        async with (
-            aiohttp.ClientSession(trust_env=False) as http,
-            Ledger.open(f"sqlite+aiosqlite:///{folder / 'ledger.db'}", secrets=[TOKEN]) as ledger,
-        ):
+        async with Ledger.open(f"sqlite+aiosqlite:///{folder / 'ledger.db'}", secrets=[TOKEN]) as ledger:
             await ledger.start_epoch({"coordinator": {"host": "bench", "pid": os.getpid(), "uuid": "u"},
                                       "version": "bench"})  # fmt: skip
-            caller = Caller(ledger, TOKEN, epoch=ledger.epoch, session=http)
+            caller = Caller(ledger, TOKEN, epoch=ledger.epoch, client=http)
             target = Target("agent", AGENT, url)
             checkpoint_id = f"e{ledger.epoch}-000002"
             await ledger.append(
@@ -73,7 +70,8 @@ async def run_quiesce(url: str, n: int, dir: str) -> dict[str, Any]:
             )
             body = CommonBody(checkpoint_id=checkpoint_id, deadline_ts=time.time() + 3600)
             plain = body.model_dump(mode="json")
-            headers = {"Authorization": f"Bearer {TOKEN}", "Accept": "application/json"}
+            headers = {"Authorization": f"Bearer {TOKEN}", "Accept": "application/json",
+                       "Content-Type": "application/json"}  # fmt: skip
             warm = max(1, n // 10)
             for i in range(n + warm):
                 start = time.perf_counter()
@@ -89,14 +87,19 @@ async def run_quiesce(url: str, n: int, dir: str) -> dict[str, Any]:
                 if not result.ok:
                     raise BenchError(f"recorded call failed: {result.describe()}")
                 start = time.perf_counter()
-                async with http.post(url + PATH, json=plain, headers=headers, allow_redirects=False) as reply:
-                    reply.raise_for_status()
-                    await reply.json()
+                payload = json.dumps(plain).encode()
+                reply = await http.request(
+                    "POST", url + PATH, headers=headers, body=payload, timeout_s=30, max_body=MAX_REPLY_BYTES
+                )
+                if reply.status != 200:
+                    raise BenchError(f"bare call failed: HTTP {reply.status}")
+                json.loads(reply.body)
                 bare_s = time.perf_counter() - start
                 if i >= warm:
                     recorded.append(recorded_s)
                     bare.append(bare_s)
     finally:
+        await http.aclose()
         shutil.rmtree(folder, ignore_errors=True)
     return {"recorded_s": statistics.median(recorded), "bare_async_s": statistics.median(bare)}
 
@@ -224,7 +227,7 @@ def measure(ctx: Context) -> Result:
     result.value = f"{recorded.fmt(1e3, 3, 'ms')} per recorded call"
     rows = [{"per call": "quiesce recorded call (Caller: append, POST, validate, append)",
              "median [min–max]": recorded.fmt(1e3, 3, "ms")},
-            {"per call": "quiesce side: bare HTTP POST (the same aiohttp session, nothing recorded)",
+            {"per call": "quiesce side: bare HTTP POST (the same HTTP client, nothing recorded)",
              "median [min–max]": stats_of(ours, "bare_async_s").fmt(1e3, 3, "ms")}]  # fmt: skip
     if python is None:
         result.status = "unavailable"
