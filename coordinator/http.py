@@ -21,7 +21,8 @@ Rules it keeps:
 - A connection goes back to the pool only after a complete reply that lets it stay open
   (`should_keep_alive`), with nothing unasked-for after it. Any failure, cap, timeout or
   cancellation closes the connection it was using, so a pooled connection never holds part of
-  an old reply. A pooled connection the server has closed is dropped when it is next taken.
+  an old reply. A pooled connection the server has closed, or that has been idle for more than
+  `IDLE_REUSE_S` (so the server may be closing it right now), is closed when next taken.
 - The caller is cancelled like any awaitable (anyio cancel scopes): the connection is closed
   and the cancellation propagates.
 """
@@ -38,6 +39,7 @@ import anyio
 import httptools
 
 __all__ = [
+    "IDLE_REUSE_S",
     "MAX_HEAD_BYTES",
     "BadReply",
     "ConnectFailed",
@@ -51,6 +53,10 @@ __all__ = [
 
 #: The status line and headers of a reply may not exceed this many bytes.
 MAX_HEAD_BYTES: Final = 64 * 1024
+#: A pooled connection idle for longer is closed instead of reused: servers end idle keep-alive
+#: connections on their own timer (uvicorn after 5 s, gunicorn after 2 s), and a request sent
+#: just as the server closes would be lost with the connection.
+IDLE_REUSE_S: Final = 1.5
 
 
 class HttpFailure(Exception):
@@ -136,6 +142,7 @@ class _Connection(asyncio.Protocol):
         self._headers_done = False
         self._framed = False  # Content-Length or chunked: else the body runs to end of file
         self.reusable = False
+        self.idle_since = 0.0  # loop time it went back to the pool
 
     # -- driving one exchange ------------------------------------------------------------------
 
@@ -288,12 +295,13 @@ class HttpClient:
             raise ConnectFailed(error.strerror or str(error) or type(error).__name__) from None
         return conn
 
-    def _take_idle(self, key: tuple[str, str, int]) -> _Connection | None:
+    def _take_idle(self, key: tuple[str, str, int], now: float) -> _Connection | None:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if not conn.closed:
+            if not conn.closed and now - conn.idle_since <= IDLE_REUSE_S:
                 return conn
+            conn.close()
             self._all.discard(conn)
         return None
 
@@ -329,7 +337,7 @@ class HttpClient:
             raise ValueError("an HTTP header holds a character outside Latin-1") from None
         if body:
             data += body
-        conn = self._take_idle(origin.key)
+        conn = self._take_idle(origin.key, loop.time())
         if conn is None:
             conn = await self._connect(origin, timeout_s)
             self._all.add(conn)
@@ -348,6 +356,7 @@ class HttpClient:
         finally:
             timer.cancel()
         if conn.reusable and not conn.closed:
+            conn.idle_since = loop.time()
             self._idle.setdefault(origin.key, []).append(conn)
         else:
             conn.close()

@@ -20,6 +20,7 @@ from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.tls import TLSListener
 
+from coordinator import http
 from coordinator.http import (
     MAX_HEAD_BYTES,
     BadReply,
@@ -149,22 +150,34 @@ async def test_a_reply_that_closes_is_not_reused_and_a_closed_idle_connection_is
     assert [n for n, _, _ in served.requests] == [1, 2, 2, 3]
 
 
-async def test_an_idle_connection_the_server_closed_is_not_taken_again() -> None:
+async def test_a_connection_idle_too_long_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
     async def answer(n: int, head: bytes, body: bytes) -> bytes:
         return reply(200, b"{}")
 
+    monkeypatch.setattr(http, "IDLE_REUSE_S", 0.05)
     client = HttpClient()
     try:
         async with serve(answer) as served:
-            await get(client, served.url + "/", 5, 99)
-            # the server side ends the idle connection (as uvicorn does after its keep-alive timeout)
-            await client.aclose()
-            await anyio.sleep(0.05)
-            again = await get(client, served.url + "/", 5, 99)
+            await get(client, served.url + "/")
+            await get(client, served.url + "/")  # at once: reused
+            await anyio.sleep(0.2)
+            await get(client, served.url + "/")  # idle too long: a new connection
+    finally:
+        await client.aclose()
+    assert [n for n, _, _ in served.requests] == [1, 1, 2]
+
+
+async def test_an_idle_connection_the_server_closed_is_not_taken_again() -> None:
+    client = HttpClient()
+    try:
+        # each connection: one keep-alive reply, then the server ends it (a keep-alive timeout)
+        async with one_shot(reply(200, b"{}")) as url:
+            await get(client, url)
+            await anyio.sleep(0.1)  # the close reaches the client while the connection is idle
+            again = await get(client, url)
     finally:
         await client.aclose()
     assert again.status == 200
-    assert served.connections == 2
 
 
 @asynccontextmanager
