@@ -126,7 +126,7 @@ async def test_requests_share_one_keep_alive_connection_and_are_framed() -> None
     assert b"content-length" not in head2.lower()
 
 
-async def test_a_reply_that_closes_is_not_reused_and_a_closed_idle_connection_is_replaced() -> None:
+async def test_a_reply_that_closes_is_not_reused_and_a_hung_up_connection_is_replaced() -> None:
     async def answer(n: int, head: bytes, body: bytes) -> bytes | None:
         if b"/close" in head:
             return reply(200, b"{}", "connection: close")
