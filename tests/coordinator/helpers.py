@@ -1,10 +1,16 @@
-"""Test helpers: admin routes of the reference servers, ledger reads, and state checks."""
+"""Test helpers: admin routes of the reference servers, ledger reads, state checks, raw loopback servers."""
 
 from __future__ import annotations
 
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
+import anyio.abc
 import httpx
+from anyio.streams.tls import TLSListener
 
 from coordinator.protocol import CAPABILITIES_PATH
 from ledger import Event, Ledger
@@ -71,3 +77,22 @@ async def assert_protocol_ok(ledger_url: str) -> None:
     report = await check_ledger(ledger_url)
     assert report.violations == [], report.violations
     assert all(state == "judged" for state in report.attempts.values()), report.attempts
+
+
+@asynccontextmanager
+async def loopback(
+    handle: Callable[[anyio.abc.ByteStream], Awaitable[None]], *, tls: ssl.SSLContext | None = None
+) -> AsyncIterator[str]:
+    """A server on a free loopback port that runs `handle` for each connection (over TLS with
+    `tls`); yields its base URL (`http://127.0.0.1:<port>`, or `https://`), stopped on exit."""
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with anyio.create_task_group() as tg:
+        if tls is None:
+            tg.start_soon(listener.serve, handle)
+        else:
+            tg.start_soon(TLSListener(listener, tls, standard_compatible=False).serve, handle)
+        try:
+            yield f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+        finally:
+            tg.cancel_scope.cancel()

@@ -16,9 +16,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
-from anyio.streams.tls import TLSListener
 
 from coordinator import http
 from coordinator.http import (
@@ -31,6 +29,7 @@ from coordinator.http import (
     ReplyTimeout,
     _origin_and_target,
 )
+from tests.coordinator.helpers import loopback
 
 pytestmark = pytest.mark.anyio
 
@@ -57,9 +56,7 @@ def reply(status: int, body: bytes, *extra: str) -> bytes:
 async def serve(answer: Answer, *, tls: ssl.SSLContext | None = None) -> AsyncIterator[Served]:
     """A loopback server: for each request on a connection, sends `answer(connection, head, body)`;
     None closes the connection instead."""
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    port = listener.extra(anyio.abc.SocketAttribute.local_port)
-    served = Served(f"{'https' if tls else 'http'}://127.0.0.1:{port}")
+    served = Served("")
 
     async def handle(stream: anyio.abc.ByteStream) -> None:
         served.connections += 1
@@ -82,15 +79,9 @@ async def serve(answer: Answer, *, tls: ssl.SSLContext | None = None) -> AsyncIt
                         return
                     await stream.send(out)
 
-    async with anyio.create_task_group() as tg:
-        if tls is None:
-            tg.start_soon(listener.serve, handle)
-        else:
-            tg.start_soon(TLSListener(listener, tls, standard_compatible=False).serve, handle)
-        try:
-            yield served
-        finally:
-            tg.cancel_scope.cancel()
+    async with loopback(handle, tls=tls) as url:
+        served.url = url
+        yield served
 
 
 async def test_requests_share_one_keep_alive_connection_and_are_framed() -> None:
@@ -183,22 +174,16 @@ async def test_an_idle_connection_the_server_closed_is_not_taken_again() -> None
 @asynccontextmanager
 async def one_shot(*chunks: bytes) -> AsyncIterator[str]:
     """A loopback server that reads one request, sends `chunks` (10 ms apart) and closes."""
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    port = listener.extra(anyio.abc.SocketAttribute.local_port)
 
-    async def handle(stream: SocketStream) -> None:
+    async def handle(stream: anyio.abc.ByteStream) -> None:
         async with stream:
             await stream.receive()
             for chunk in chunks:
                 await stream.send(chunk)
                 await anyio.sleep(0.01)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(listener.serve, handle)
-        try:
-            yield f"http://127.0.0.1:{port}/"
-        finally:
-            tg.cancel_scope.cancel()
+    async with loopback(handle) as url:
+        yield url + "/"
 
 
 @pytest.mark.parametrize("body", [[b"abc"], [b"a", b"bc"]])

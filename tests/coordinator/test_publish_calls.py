@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
-from anyio.abc import SocketStream
 
 from coordinator.calls import MAX_REPLY_BYTES, Caller, CallResult
 from coordinator.digests import file_digest
@@ -32,6 +32,7 @@ from coordinator.publish import (
     write_latest,
 )
 from ledger import Ledger
+from tests.coordinator.helpers import loopback
 
 
 def _snapshot(root: Path, name: str, epoch: int, seq: int, participants: list[dict[str, str]]) -> Path:
@@ -200,10 +201,8 @@ def test_verify_snapshot_lists_every_difference(tmp_path: Path) -> None:
 @asynccontextmanager
 async def _raw_server(reply: Callable[[bytes], bytes]) -> AsyncIterator[str]:
     """A loopback HTTP server that answers every request with `reply(request_head)`, then closes."""
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    port = listener.extra(anyio.abc.SocketAttribute.local_port)
 
-    async def handle(stream: SocketStream) -> None:
+    async def handle(stream: anyio.abc.ByteStream) -> None:
         async with stream:
             head = b""
             while b"\r\n\r\n" not in head:
@@ -211,12 +210,8 @@ async def _raw_server(reply: Callable[[bytes], bytes]) -> AsyncIterator[str]:
             with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 await stream.send(reply(head))
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(listener.serve, handle)
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            tg.cancel_scope.cancel()
+    async with loopback(handle) as url:
+        yield url
 
 
 async def _capabilities(ledger: Ledger, url: str, token: str) -> CallResult:
@@ -312,21 +307,15 @@ async def test_connect_and_timeout(tmp_path: Path) -> None:
             )
             assert (refused.error, refused.ok) == ("connect", False)
 
-            async def silent(stream: SocketStream) -> None:
+            async def silent(stream: anyio.abc.ByteStream) -> None:
                 async with stream:
                     await anyio.sleep(30)
 
-            quiet = await anyio.create_tcp_listener(local_host="127.0.0.1")
-            quiet_port = quiet.extra(anyio.abc.SocketAttribute.local_port)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(quiet.serve, silent)
-                late = await caller.capabilities(
-                    "slow", f"http://127.0.0.1:{quiet_port}", deadline_ts=time.time() + 0.3
-                )
-                tg.cancel_scope.cancel()
+            async with loopback(silent) as quiet_url:
+                late = await caller.capabilities("slow", quiet_url, deadline_ts=time.time() + 0.3)
             assert (late.error, late.ok) == ("timeout", False)
 
-            async def trickle(stream: SocketStream) -> None:
+            async def trickle(stream: anyio.abc.ByteStream) -> None:
                 # headers at once, then a byte of a never-ending chunked body every 20 ms
                 async with stream:
                     await stream.receive()
@@ -337,16 +326,10 @@ async def test_connect_and_timeout(tmp_path: Path) -> None:
                             await stream.send(b"1\r\n \r\n")
                             await anyio.sleep(0.02)
 
-            slow = await anyio.create_tcp_listener(local_host="127.0.0.1")
-            slow_port = slow.extra(anyio.abc.SocketAttribute.local_port)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(slow.serve, trickle)
+            async with loopback(trickle) as slow_url:
                 started = time.monotonic()
-                dribbled = await caller.capabilities(
-                    "trickle", f"http://127.0.0.1:{slow_port}", deadline_ts=time.time() + 0.3
-                )
+                dribbled = await caller.capabilities("trickle", slow_url, deadline_ts=time.time() + 0.3)
                 took = time.monotonic() - started
-                tg.cancel_scope.cancel()
             assert (dribbled.error, dribbled.ok, dribbled.status) == ("timeout", False, None)
             assert took < 5  # cut off at the deadline, not when the body ends (never)
         finally:
