@@ -213,7 +213,6 @@ class _Connection(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
         self._ended(f"{exc}" if exc is not None else "the server closed the connection")
 
     def _ended(self, why: str) -> None:
