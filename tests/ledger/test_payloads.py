@@ -1,0 +1,203 @@
+"""Payload validation: the hand-checked fast path gives exactly what pydantic gives, or steps aside."""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from typing import Any, Literal, get_args, get_origin
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ledger import LedgerError
+from ledger.canonical import canonical_text
+from ledger.payloads import _DECLINE, _SPECS, PAYLOADS, _fast, validate_payload
+
+
+class Colour(enum.StrEnum):
+    RED = "red"
+
+
+def pydantic_result(kind: str, data: Any) -> Any:
+    """The pydantic round trip alone (what validate_payload did before the fast path)."""
+    return PAYLOADS[kind].model_validate(data).model_dump(mode="json")
+
+
+def same_tree(a: Any, b: Any) -> bool:
+    """Equal, with the same types at every node and the same key order (== ignores both)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    return bool(a == b)
+
+
+# Values of every shape a caller might pass: plain JSON, and the near-misses pydantic converts or
+# refuses (ints for floats, bools for ints, str subclasses, tuples, non-str keys, bytes, NaN).
+leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**60), 2**60)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=6)
+    | st.sampled_from(["save", "restore", "timeout", "connect", "http", "protocol", "published", "resumed"])
+    | st.just(Colour.RED)
+    | st.binary(max_size=3)
+)
+values = st.recursive(
+    leaves,
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.tuples(children, children)
+        | st.dictionaries(st.text(max_size=5), children, max_size=3)
+        | st.dictionaries(st.integers(0, 3), children, max_size=2)
+    ),
+    max_leaves=8,
+)
+
+
+plain = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**60), 2**60) | st.floats() | st.text(max_size=6),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+def fitting(annotation: Any) -> st.SearchStrategy[Any]:
+    """Values of the annotation's own type (what the coordinator passes)."""
+    if annotation is Any:
+        return plain
+    if annotation in (str, int, float):
+        return {str: st.text(max_size=6), int: st.integers(-(2**60), 2**60), float: st.floats()}[annotation]
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Literal:
+        return st.sampled_from(args)
+    if origin is list:
+        return st.lists(fitting(args[0]), max_size=3)
+    if origin is dict:
+        return st.dictionaries(st.text(max_size=5), fitting(args[1]), max_size=3)
+    if type(None) in args:
+        return st.none() | fitting(next(a for a in args if a is not type(None)))
+    return values
+
+
+@st.composite
+def payloads(draw: st.DrawFn) -> tuple[str, dict[Any, Any]]:
+    """A kind and a dict over (mostly) its own field names, some left out, maybe an extra one;
+    each value mostly of the field's own type, sometimes anything."""
+    kind = draw(st.sampled_from(sorted(PAYLOADS)))
+    fields = PAYLOADS[kind].model_fields
+    data = {
+        name: draw(values if draw(st.integers(0, 4)) == 0 else fitting(info.annotation))
+        for name, info in fields.items()
+        if draw(st.integers(0, 7)) > 0
+    }
+    if draw(st.integers(0, 9)) == 0:
+        data[draw(st.text(max_size=4))] = draw(values)
+    return kind, data
+
+
+@settings(max_examples=1500, deadline=None)
+@given(payloads())
+def test_fast_path_agrees_with_pydantic(case: tuple[str, dict[Any, Any]]) -> None:
+    kind, data = case
+    fast = _fast(kind, data)
+    try:
+        expected = pydantic_result(kind, data)
+    except Exception:  # pydantic refuses it: the fast path must have stepped aside
+        assert fast is _DECLINE
+        with pytest.raises(LedgerError, match=re.escape(f"invalid {kind} payload")):
+            validate_payload(kind, data)
+        return
+    if fast is _DECLINE:
+        return
+    assert same_tree(fast, expected)
+    try:
+        text = canonical_text(expected)
+    except (TypeError, ValueError):
+        with pytest.raises((TypeError, ValueError)):
+            canonical_text(fast)
+    else:
+        assert canonical_text(fast) == text
+
+
+@settings(max_examples=300, deadline=None)
+@given(payloads())
+def test_fast_path_shares_nothing_with_the_input(case: tuple[str, dict[Any, Any]]) -> None:
+    kind, data = case
+    fast = _fast(kind, data)
+    if fast is _DECLINE:
+        return
+    inputs = {id(v) for v in _containers(data)}
+    assert not any(id(v) in inputs for v in _containers(fast))
+
+
+def _containers(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [value, *(c for v in value.values() for c in _containers(v))]
+    if isinstance(value, list | tuple):
+        return [value, *(c for v in value for c in _containers(v))]
+    return []
+
+
+def test_the_coordinators_payloads_take_the_fast_path() -> None:
+    """The events of every save (calls, phases, the attempt's records) skip pydantic."""
+    typical: dict[str, dict[str, Any]] = {
+        "attempt.started": {
+            "kind": "save",
+            "deadline_ts": 1.5,
+            "participants": ["a", "b"],
+            "staging_dir": "/s",
+        },
+        "phase.started": {"phase": "prepare"},
+        "call.sent": {
+            "phase": "prepare",
+            "method": "POST",
+            "path": "/ng-control/v1/agent-checkpoint/prepare",
+            "url": "http://127.0.0.1:1/ng-control/v1/agent-checkpoint/prepare",
+            "timeout_s": 29.5,
+            "body": {"checkpoint_id": "e1-000002", "deadline_ts": 1.5},
+        },
+        "call.replied": {
+            "status": 200,
+            "body": {"state": "paused", "workers": {"w0": [1, 2.5]}},
+            "elapsed_s": 0.01,
+        },
+        "call.failed": {"error": "http", "status": 409, "code": "busy", "detail": "no", "elapsed_s": 0.2},
+        "phase.completed": {"phase": "commit", "summary": {"agents": {"a": {"records": 4}}}},
+        "attempt.publishing": {"staging_dir": "/s", "final_dir": "/f"},
+        "attempt.published": {"final_dir": "/f", "manifest_sha256": "0" * 64},
+        "attempt.completed": {"servers": ["a", "b"], "outcome": "published"},
+    }
+    for kind, data in typical.items():
+        fast = _fast(kind, data)
+        assert fast is not _DECLINE, kind
+        assert same_tree(fast, pydantic_result(kind, data)), kind
+    # only the two kinds with nested models are left to pydantic
+    assert set(PAYLOADS) - set(_SPECS) == {"coordinator.started", "discovery.completed"}
+
+
+def test_near_misses_go_to_pydantic_and_come_back_converted() -> None:
+    """pydantic's conversions still happen: through pydantic, not the hand check."""
+    sent = {"phase": "p", "method": "GET", "path": "/x", "url": "http://h/x", "timeout_s": 5, "body": None}
+    assert _fast("call.sent", sent) is _DECLINE  # an int for a float
+    assert validate_payload("call.sent", sent)["timeout_s"] == 5.0
+    assert type(validate_payload("call.sent", sent)["timeout_s"]) is float
+    replied = {"status": 200, "body": {"ids": (1, 2)}, "elapsed_s": 0.5}
+    assert _fast("call.replied", replied) is _DECLINE  # a tuple in the body
+    assert validate_payload("call.replied", replied)["body"] == {"ids": [1, 2]}
+    with pytest.raises(LedgerError, match=r"invalid call\.replied payload: extra"):
+        validate_payload("call.replied", {**replied, "extra": 1})
+    with pytest.raises(LedgerError, match=r"invalid phase\.started payload: phase: Field required"):
+        validate_payload("phase.started", {})
+    # valid for pydantic, but its JSON dump fails: a clear error, not a UnicodeDecodeError
+    with pytest.raises(LedgerError, match=r"invalid call\.replied payload: a value cannot be stored as JSON"):
+        validate_payload("call.replied", {**replied, "body": b"\x80"})
