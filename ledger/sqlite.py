@@ -42,11 +42,10 @@ if TYPE_CHECKING:
 _EV_COLS = ", ".join(EVENT_COLUMNS)
 _AT_COLS = ", ".join(COLUMNS)
 _INSERT_EVENT = f"INSERT INTO events ({_EV_COLS}) VALUES ({', '.join('?' * len(EVENT_COLUMNS))})"
-#: The first row of an append: inserted only while the stored head is the writer's last seq.
-_INSERT_AFTER = (
-    f"INSERT INTO events ({_EV_COLS}) SELECT {', '.join('?' * len(EVENT_COLUMNS))}"
-    " WHERE coalesce((SELECT max(seq) FROM events), 0) = ?"
-)
+#: The stored head seq (NULL when empty), read inside the append's transaction before its inserts
+#: (cheaper than making the first insert conditional: an INSERT ... SELECT ... WHERE costs about
+#: twice as much as this read plus plain inserts).
+_HEAD_SEQ = "SELECT max(seq) FROM events"
 _PUT_ATTEMPT = f"INSERT OR REPLACE INTO attempts ({_AT_COLS}) VALUES ({', '.join('?' * len(COLUMNS))})"
 _SET_ATTEMPT = ", ".join(f"{c} = ?" for c in COLUMNS[1:])  # every column but checkpoint_id (first)
 _UPDATE_ATTEMPT = f"UPDATE attempts SET {_SET_ATTEMPT} WHERE checkpoint_id = ?"
@@ -68,10 +67,10 @@ class _SqliteTx:
         return (row[0], row[1]) if row is not None else None
 
     def insert_after(self, last: int, rows: list[RawEvent]) -> bool:
-        if self._c.execute(_INSERT_AFTER, (*rows[0], last)).rowcount != 1:
+        # inside BEGIN IMMEDIATE: no other writer can move the head between the read and the inserts
+        if (self._c.execute(_HEAD_SEQ).fetchone()[0] or 0) != last:
             return False
-        if len(rows) > 1:
-            self._c.executemany(_INSERT_EVENT, rows[1:])
+        self._c.executemany(_INSERT_EVENT, rows)
         return True
 
     def get_attempt(self, checkpoint_id: str) -> AttemptRow | None:
