@@ -33,11 +33,14 @@ resume's `attempt.completed` are write-behind (`durable=False`): committed when 
 with the next durable append, the ledger's close, or the kernel's writeback. Outcomes, phase
 boundaries, `attempt.aborting` and `attempt.published` are staged (`Ledger.stage`): chained at
 once and committed in the transaction of the next append — a `call.sent`, a durable record, or
-the operation's last event — so a save of k requests costs k + 3 transactions (two fsynced),
-whatever its number of events. A crash loses only staged events, and a staged event lost leaves
-the ledger as a crash just before it would have. After a power failure the ledger is a prefix of
-what was committed, so a lost `call.sent` can only hide a touched server among the participants
-of a durable `attempt.started`; recovery asks those servers whether they saw the checkpoint id
+the operation's last event. `attempt.started` is staged too, with `durable=True`: the transaction
+of the attempt's first `call.sent` (or, if no request is sent, of its next record) carries it and
+is fsynced, so it is on disk before the first request leaves without a transaction of its own.
+A save of k requests thus costs k + 2 transactions (two fsynced), whatever its number of events.
+A crash loses only staged events, and a staged event lost leaves the ledger as a crash just
+before it would have. After a power failure the ledger is a prefix of what was committed, so a
+lost `call.sent` can only hide a touched server among the participants of a durable
+`attempt.started`; recovery asks those servers whether they saw the checkpoint id
 (`recovery.py`). `attempt.published` and the `attempt.completed` of a resume need no fsync of
 their own: the fsynced rename is the commit point and recovery reads publication from the
 filesystem, then resumes again (the servers replay their recorded resume).
@@ -416,7 +419,7 @@ async def start_attempt(ctx: Context, discovery: Discovery, *, deadline_s: float
         staging_dir=staging,
         skipped=[{"name": n, "reason": r} for n, r in discovery.skipped],
     )
-    await ctx.ledger.append(
+    await ctx.ledger.stage(
         "attempt.started",
         checkpoint_id=checkpoint_id,
         data={
@@ -425,7 +428,7 @@ async def start_attempt(ctx: Context, discovery: Discovery, *, deadline_s: float
             "participants": attempt.names,
             "staging_dir": str(staging),
         },
-        # durable: it names every server this attempt may touch, so every call.sent may be write-behind
+        durable=True,  # see "Durability" in the module docstring
     )
     return attempt
 
@@ -1016,7 +1019,7 @@ async def restore(
         snapshot=snapshot.path,
         source_checkpoint_id=snapshot.checkpoint_id,
     )
-    await ctx.ledger.append(
+    await ctx.ledger.stage(
         "attempt.started",
         checkpoint_id=checkpoint_id,
         data={
@@ -1026,7 +1029,7 @@ async def restore(
             "snapshot_dir": str(snapshot.path),
             "source_checkpoint_id": snapshot.checkpoint_id,
         },
-        # durable: it names every server this attempt may touch, so every call.sent may be write-behind
+        durable=True,  # see "Durability" in the module docstring
     )
     try:
         await run_phase(ctx, attempt, "restore", lambda: restore_body(ctx, attempt, snapshot))

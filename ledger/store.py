@@ -10,7 +10,8 @@ Invariants:
 - **Staged events ride with the next commit.** ``stage`` validates and chains an event at once
   (its seq and hash are final) but writes nothing: it is committed at the front of the next
   transaction — the next append's, ``flush``, a read by this writer, or ``aclose`` — in seq
-  order, and is as durable as that transaction. Until then it lives only in this process, so a
+  order, and is as durable as that transaction (made durable by any event staged with
+  ``durable=True``). Until then it lives only in this process, so a
   crash loses it, exactly as if the crash had come just before it. The committed ledger is
   therefore always a prefix of the chain. A failed transaction that carried staged events (or
   had some chained after it) loses them; the ledger then refuses every later append and stage
@@ -240,6 +241,7 @@ class Ledger:
         self._tail_seq = 0
         self._tail_hash = GENESIS_HASH
         self._staged: list[tuple[RawEvent, Event]] = []
+        self._staged_durable = False  # a staged event asked for a durable transaction
         self._lost: LedgerError | None = None
         self._fenced: FencedError | None = None
         self._stale = False
@@ -563,12 +565,12 @@ class Ledger:
             yield
         except FencedError as error:
             self._fenced = error
-            self._staged = []
+            self._staged, self._staged_durable = [], False
             raise
         except BaseException:
             self._stale = True
             lost = carried + len(self._staged)
-            self._staged = []
+            self._staged, self._staged_durable = [], False
             if lost and self._lost is None:
                 self._lost = LedgerError(
                     f"ledger {self.url}: an append failed and {lost} staged event(s) of this writer were"
@@ -586,7 +588,8 @@ class Ledger:
         if carried:
             rows = [row for row, _ in self._staged] + rows
             events = [event for _, event in self._staged] + events
-            self._staged = []
+            durable = durable or self._staged_durable
+            self._staged, self._staged_durable = [], False
         batch = Batch(
             rows=rows,
             events=events,
@@ -719,6 +722,7 @@ class Ledger:
         server: str | None = None,
         call_id: str | None = None,
         data: Mapping[str, Any] | BaseModel,
+        durable: bool = False,
     ) -> Event:
         """Validate, redact and chain one event now; commit it with the next transaction.
 
@@ -729,6 +733,11 @@ class Ledger:
         process had died just before it — an outcome, a phase boundary — and never for one an
         outside action must follow (a ``call.sent`` before its request, a record before a
         rename): such an action is preceded by an append, which carries every staged event.
+
+        ``durable=True`` makes the transaction that carries it durable, even when the append it
+        rides with is write-behind: for an event that must be on disk before the action that
+        follows the *next* append (``attempt.started``, before the attempt's first request), at
+        the price of no transaction of its own.
 
         Raises like ``append`` for an invalid event, or when the ledger is fenced.
         """
@@ -742,6 +751,7 @@ class Ledger:
             self._check_writable()
         rows, events = self._chain([encoded], self.epoch)
         self._staged.append((rows[0], events[0]))
+        self._staged_durable = self._staged_durable or durable
         return events[0]
 
     async def flush(self) -> None:
@@ -750,7 +760,7 @@ class Ledger:
         Returns at once when nothing is staged or being committed.
         """
         if self._staged or self._leading or self._lock.locked():
-            await self._commit([], durable=False)
+            await self._commit([], durable=False)  # durable after all if a staged event asks for it
 
     async def _flush_staged(self) -> None:
         """Commit the staged events, if any and if this writer may still write: a writer's reads

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import textwrap
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +20,10 @@ from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, run_and_kill, start
 pytestmark = pytest.mark.anyio
 
 
-def _counting(ledger: Ledger) -> list[list[str]]:
-    """Spy on the backend's transactions: the kinds each one wrote (both commit paths)."""
+def _spy(ledger: Ledger, record: Callable[[Any], None]) -> None:
+    """Call ``record(batch)`` after each of the backend's transactions commits (both commit paths)."""
     backend: Any = ledger.backend
     inline = isinstance(backend, InlineAppend)  # SQLite: commits on the calling thread too
-    transactions: list[list[str]] = []
     real_append = backend.append
 
     if inline:
@@ -32,18 +31,24 @@ def _counting(ledger: Ledger) -> list[list[str]]:
 
         def now(batch: Any) -> None:
             real_now(batch)
-            transactions.append([e.kind for e in batch.events])
+            record(batch)
 
         backend.append_now = now
 
     async def later(batch: Any) -> None:
-        if inline and backend.can_append_now():  # commits through append_now, counted there
+        if inline and backend.can_append_now():  # commits through append_now, recorded there
             await real_append(batch)
             return
         await real_append(batch)
-        transactions.append([e.kind for e in batch.events])
+        record(batch)
 
     backend.append = later
+
+
+def _counting(ledger: Ledger) -> list[list[str]]:
+    """The kinds each of the backend's transactions wrote, from now on."""
+    transactions: list[list[str]] = []
+    _spy(ledger, lambda batch: transactions.append([e.kind for e in batch.events]))
     return transactions
 
 
@@ -103,6 +108,39 @@ async def test_staged_events_ride_in_the_next_transaction_in_seq_order(ledger_ur
         row = await ledger.attempt("c")
         assert row is not None
         assert (row.calls, row.last_seq) == (2, nxt.seq)  # the projection folded every carried event
+    assert (await replay_url(ledger_url)).ok
+
+
+async def test_a_staged_event_can_ask_for_a_durable_carrier(ledger_url: str) -> None:
+    """``stage(durable=True)``: the transaction that carries it is durable even when the append it
+    rides with is write-behind (``attempt.started`` with an attempt's first ``call.sent``); the
+    next transaction is write-behind again."""
+    async with Ledger.open(ledger_url) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        batches: list[tuple[list[str], bool]] = []
+        _spy(ledger, lambda batch: batches.append(([e.kind for e in batch.events], batch.durable)))
+        begun = await ledger.stage("attempt.started", checkpoint_id="c", data=started(), durable=True)
+        await ledger.stage("phase.started", checkpoint_id="c", data={"phase": "prepare"})
+        await ledger.append(
+            "call.sent", checkpoint_id="c", server="s", call_id="k1", data=SENT, durable=False
+        )
+        await ledger.stage("call.replied", checkpoint_id="c", server="s", call_id="k1", data=REPLIED)
+        await ledger.append(
+            "call.sent", checkpoint_id="c", server="t", call_id="k2", data=SENT, durable=False
+        )
+        await ledger.stage("attempt.aborting", checkpoint_id="c", data={"reason": "test"}, durable=True)
+        await ledger.flush()  # a flush is write-behind, unless a staged event asks otherwise
+        await ledger.stage("phase.started", checkpoint_id="c", data={"phase": "resume"})
+        await ledger.flush()
+        assert batches == [
+            (["attempt.started", "phase.started", "call.sent"], True),
+            (["call.replied", "call.sent"], False),
+            (["attempt.aborting"], True),
+            (["phase.started"], False),
+        ]
+        row = await ledger.attempt("c")
+        assert row is not None
+        assert (row.state, row.calls, row.started_at) == ("resume", 2, begun.at)
     assert (await replay_url(ledger_url)).ok
 
 

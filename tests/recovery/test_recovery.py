@@ -124,9 +124,13 @@ async def test_death_after_prepare_resumes_every_touched_server(
     [
         # every participant prepared: each is found by what it reports (this checkpoint id active)
         (kind_is("phase.completed", phase="prepare"), ["tools", "policy_model", "simple_agent"]),
-        # death before the model's pause left: the idle model is left alone; the idle agent and
-        # tools are resumed in case a prepare they refused was lost (it leaves no trace)
-        (kind_is("call.sent", server="policy_model", phase="prepare"), ["tools", "simple_agent"]),
+        # death before the agent's prepare left: the paused model is found by its own call (durable
+        # with attempt.started); the idle agent and tools are resumed in case a prepare they
+        # refused was lost (it leaves no trace)
+        (
+            kind_is("call.sent", server="simple_agent", phase="prepare"),
+            ["tools", "policy_model", "simple_agent"],
+        ),
     ],
 )
 async def test_power_loss_that_drops_the_write_behind_calls_still_resumes_every_touched_server(
@@ -139,7 +143,8 @@ async def test_power_loss_that_drops_the_write_behind_calls_still_resumes_every_
     touched: list[str],
 ) -> None:
     """After a power failure the ledger holds only what was fsynced: here, everything up to the
-    durable `attempt.started` of the dying attempt and none of its (write-behind) calls. The next
+    durable transaction of the dying attempt's `attempt.started` — which carries its first request's
+    `call.sent`, the model's pause — and none of its later (write-behind) calls. The next
     coordinator opens that prefix — a copy taken the instant `attempt.started` was committed — and
     must still find and resume every server the dead one touched, from their own reports."""
     import sqlite3
@@ -171,8 +176,8 @@ async def test_power_loss_that_drops_the_write_behind_calls_still_resumes_every_
         await _start(http, cluster)
         cid = await _die_during_checkpoint(config)
         prefix_url = f"sqlite+aiosqlite:///{prefix}"
-        lost = [e for e in await read_events(prefix_url, cid) if e.kind.startswith("call.")]
-        assert lost == []  # the dead coordinator's calls are all gone from the prefix
+        kept = [(e.kind, e.server) for e in await read_events(prefix_url, cid) if e.kind.startswith("call.")]
+        assert kept == [("call.sent", "policy_model")]  # every later call is gone from the prefix
         report = await _recover(config.model_copy(update={"ledger": prefix_url}))
         await assert_all_accepting(http, cluster)
         await _finish_rollouts(http, cluster)

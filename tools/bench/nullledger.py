@@ -55,6 +55,7 @@ class NullLedger:
         server: str | None = None,
         call_id: str | None = None,
         data: Mapping[str, Any] | BaseModel,
+        durable: bool = False,
     ) -> Event:
         return self._event(kind, checkpoint_id, server, call_id)
 
