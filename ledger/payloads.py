@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Mapping
+from math import isfinite
 from typing import Any, Final, Literal, TypeAlias, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -224,11 +225,14 @@ _DECLINE: Final = object()  # a check's "not sure": pydantic decides
 
 
 def _plain(value: Any) -> Any:
-    """A copy of ``value`` if it is plain JSON (dict with str keys, list, str, int, float, bool,
-    None: exact types), else ``_DECLINE``."""
+    """A copy of ``value`` if it is plain JSON (dict with str keys, list, str, int, finite float,
+    bool, None: exact types), else ``_DECLINE``. (pydantic dumps an infinite or NaN float as
+    null: that conversion stays pydantic's.)"""
     kind = type(value)
-    if kind is str or kind is int or kind is float or kind is bool or value is None:
+    if kind is str or kind is int or kind is bool or value is None:
         return value
+    if kind is float:
+        return value if isfinite(value) else _DECLINE
     if kind is dict:
         out: dict[str, Any] = {}
         for key, item in value.items():
@@ -251,6 +255,8 @@ def _plain(value: Any) -> Any:
 
 
 def _exact(expected: type) -> _Check:
+    if expected is float:
+        return lambda value: value if type(value) is float and isfinite(value) else _DECLINE
     return lambda value: value if type(value) is expected else _DECLINE
 
 
