@@ -1,10 +1,13 @@
 """The SQLite backend: the embedded default.
 
-- WAL journal. ``durability="full"``: ``synchronous=FULL``, an append is on disk when it returns.
-  ``durability="process"``: ``synchronous=NORMAL``, which survives a process crash, not power loss.
-  A write-behind append (``durable=False``) under "full" commits with ``synchronous=NORMAL``: in
-  the WAL (survives a process crash) but not fsynced; the next FULL commit fsyncs the same WAL
-  file, which holds it too, and so does closing the ledger.
+- WAL journal, ``synchronous=NORMAL`` for the writer: a commit is in the WAL file (it survives
+  a process crash) and checkpoints fsync the WAL before copying it back, as SQLite does.
+  ``durability="full"``: a durable append is on disk when it returns — after its COMMIT, the WAL
+  file is fdatasync'ed (what ``synchronous=FULL`` does at each commit, here only for the commits
+  that ask for it, without switching the setting back and forth). A write-behind append
+  (``durable=False``) is not fsynced; the next durable one fsyncs the same WAL file, which holds
+  it too, and so does closing the ledger. ``durability="process"``: nothing is fsynced but by
+  checkpoints; survives a process crash, not power loss.
 - Writership: an exclusive ``flock`` on ``<file>.writer-lock`` held for the ledger's lifetime
   (the kernel releases it when the process dies), plus ``BEGIN IMMEDIATE`` around each append.
 - Connections: the standard library's ``sqlite3`` — one held connection for the writer, one for
@@ -102,7 +105,8 @@ class SqliteBackend(Backend, InlineAppend):
         self._wlimiter = anyio.CapacityLimiter(1)
         self._rlimiter = anyio.CapacityLimiter(1)
         self._commit_avg_s = 0.0
-        self._sync = "FULL" if durability == "full" else "NORMAL"  # the writer's current setting
+        self._wal_fd: int | None = None  # the WAL file, for fdatasync after a durable commit
+        self._unsynced = False  # a write-behind commit since the last fdatasync ("full" only)
         self._cache = ProjectionCache()
         if readonly and not self._path.exists():
             raise LedgerError(f"no ledger at {where}: the file {self._path} does not exist")
@@ -177,7 +181,7 @@ class SqliteBackend(Backend, InlineAppend):
                 if mode is None or str(mode[0]).lower() != "wal":
                     w.close()
                     raise LedgerError(f"could not put {self.where} in WAL mode (journal_mode={mode})")
-                w.execute(f"PRAGMA synchronous={'FULL' if self._durability == 'full' else 'NORMAL'}")
+                w.execute("PRAGMA synchronous=NORMAL")
                 self._w = w
             r = self._connect()
             r.execute("PRAGMA query_only=ON")
@@ -188,11 +192,16 @@ class SqliteBackend(Backend, InlineAppend):
     async def close(self) -> None:
         w, r = self._w, self._r
         self._w = self._r = None
-        unsynced = w is not None and self._sync != ("FULL" if self._durability == "full" else "NORMAL")
+        unsynced, self._unsynced = w is not None and self._unsynced, False
 
         def close_all() -> None:
-            if unsynced:
-                self._fsync_wal()
+            try:
+                if unsynced:
+                    self._fsync_wal()
+            finally:
+                fd, self._wal_fd = self._wal_fd, None
+                if fd is not None:
+                    os.close(fd)
             for conn in (r, w):
                 if conn is not None:
                     with contextlib.suppress(sqlite3.Error):
@@ -209,17 +218,15 @@ class SqliteBackend(Backend, InlineAppend):
         if conn is None:
             raise LedgerError(f"ledger {self.where} is not open for writing")
         try:
-            if self._durability == "full":
-                # synchronous=NORMAL commits a write-behind batch without an fsync; the next
-                # FULL commit fsyncs the same WAL file, with every frame written before it
-                sync = "FULL" if batch.durable else "NORMAL"
-                if sync != self._sync:
-                    conn.execute(f"PRAGMA synchronous={sync}")
-                    self._sync = sync
             conn.execute("BEGIN IMMEDIATE")
             written = apply_append(_SqliteTx(conn), batch, self._cache)
             conn.execute("COMMIT")
             self._cache.committed(written)
+            if self._durability == "full":
+                self._unsynced = True
+                if batch.durable:
+                    self._fsync_wal()  # every frame in the WAL: this commit, write-behind ones before it
+                    self._unsynced = False
         except BaseException as error:
             self._cache.clear()
             if conn.in_transaction:
@@ -231,6 +238,8 @@ class SqliteBackend(Backend, InlineAppend):
                 ) from None
             if isinstance(error, sqlite3.Error):
                 raise LedgerError(f"ledger {self.where}: append failed: {error}") from error
+            if isinstance(error, OSError):  # committed, but the fdatasync of the WAL failed
+                raise LedgerError(f"ledger {self.where}: could not fsync the WAL: {error}") from error
             raise
 
     def _timed_append(self, batch: Batch) -> None:
@@ -257,14 +266,17 @@ class SqliteBackend(Backend, InlineAppend):
                 await anyio.to_thread.run_sync(self._timed_append, batch, limiter=self._wlimiter)
 
     def _fsync_wal(self) -> None:
-        """Put write-behind commits on disk (at close, when the last commit was write-behind)."""
-        wal = self._path.with_name(self._path.name + "-wal")
-        with contextlib.suppress(FileNotFoundError):
-            fd = os.open(wal, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        """fdatasync the WAL file: every commit so far is on disk when it returns.
+
+        The file is opened once, after the first commit created it, and kept open: SQLite keeps
+        the same WAL file (it is reset and rewritten in place, never replaced) while any
+        connection — this writer's, at least — is open."""
+        fd = self._wal_fd
+        if fd is None:
+            fd = self._wal_fd = os.open(
+                self._path.with_name(self._path.name + "-wal"), os.O_RDONLY | os.O_CLOEXEC
+            )
+        os.fdatasync(fd)
 
     async def replace_attempts(self, rows: Sequence[AttemptRow]) -> None:
         def swap() -> None:
@@ -277,6 +289,9 @@ class SqliteBackend(Backend, InlineAppend):
                 conn.execute("DELETE FROM attempts")
                 conn.executemany(_PUT_ATTEMPT, [tuple(to_columns(r).values()) for r in rows])
                 conn.execute("COMMIT")
+                if self._durability == "full":
+                    self._fsync_wal()
+                    self._unsynced = False
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")

@@ -324,38 +324,48 @@ async def test_write_behind_appends_survive_a_process_crash(ledger_url: str) -> 
 async def test_write_behind_commits_skip_the_fsync_and_the_next_durable_one_takes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SQLite under durability "full": a write-behind commit runs with synchronous=NORMAL, a
-    durable one with FULL (fsyncing the shared WAL), and closing after a write-behind commit
-    fsyncs the WAL; under "process" every commit stays NORMAL."""
+    """SQLite under durability "full": the writer runs with synchronous=NORMAL; a durable append
+    fdatasyncs the WAL once its COMMIT is done (holding every frame before it, write-behind ones
+    included), a write-behind one does not, and closing after a write-behind commit fsyncs the
+    WAL. Under "process" nothing is fsynced."""
     import sqlite3
 
     def mode(ledger: Ledger) -> int:
         conn: sqlite3.Connection = ledger.backend._w  # type: ignore[attr-defined]
         return int(conn.execute("PRAGMA synchronous").fetchone()[0])
 
-    full, normal = 2, 1
-    url = f"sqlite+aiosqlite:///{tmp_path / 'l.db'}"
+    normal = 1
+    db = tmp_path / "l.db"
+    url = f"sqlite+aiosqlite:///{db}"
+    synced: list[tuple[str, int]] = []  # (file, events committed when it was fsynced)
+    real_fdatasync = os.fdatasync
+
+    def spy(fd: int) -> None:
+        with sqlite3.connect(db) as other:  # what another process sees: the commit is done
+            stored = int(other.execute("SELECT count(*) FROM events").fetchone()[0])
+        synced.append((Path(os.readlink(f"/proc/self/fd/{fd}")).name, stored))
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", spy)
     async with Ledger.open(url) as ledger:
-        assert mode(ledger) == full
+        assert mode(ledger) == normal
         await ledger.append("call.sent", call_id="a", data=SENT, durable=False)
-        assert mode(ledger) == normal
+        assert synced == []
         await ledger.append("call.sent", call_id="b", data=SENT)
-        assert mode(ledger) == full
+        assert synced == [("l.db-wal", 2)]
         await ledger.append("call.sent", call_id="c", data=SENT, durable=False)
-        synced: list[str] = []
-        real_fsync = os.fsync
-
-        def spy(fd: int) -> None:
-            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-            real_fsync(fd)
-
-        with monkeypatch.context() as patch:
-            patch.setattr(os, "fsync", spy)
-            await ledger.aclose()
-        assert [Path(p).name for p in synced] == ["l.db-wal"]
-    async with Ledger.open(url, durability="process") as ledger:
+        assert mode(ledger) == normal
+        assert synced == [("l.db-wal", 2)]
+        await ledger.aclose()
+        assert synced == [("l.db-wal", 2), ("l.db-wal", 3)]
+    synced.clear()
+    async with Ledger.open(url) as ledger:
         await ledger.append("call.sent", call_id="d", data=SENT)
+    assert synced == [("l.db-wal", 4)]  # the last commit was durable: nothing left for the close
+    synced.clear()
+    async with Ledger.open(url, durability="process") as ledger:
+        await ledger.append("call.sent", call_id="e", data=SENT)
+        await ledger.append("call.sent", call_id="f", data=SENT, durable=False)
         assert mode(ledger) == normal
-        await ledger.append("call.sent", call_id="e", data=SENT, durable=False)
-        assert mode(ledger) == normal
-    assert (await replay_url(url)).events == 5
+    assert synced == []
+    assert (await replay_url(url)).events == 6
