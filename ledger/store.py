@@ -49,7 +49,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -438,7 +438,7 @@ class Ledger:
         required = _REQUIRED.get(kind)
         if required is None:
             raise LedgerError(f"unknown event kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}")
-        if required:
+        if required and (checkpoint_id is None or server is None or call_id is None):
             given = {"checkpoint_id": checkpoint_id, "server": server, "call_id": call_id}
             missing = [name for name in required if given[name] is None]
             if missing:
@@ -455,9 +455,10 @@ class Ledger:
         except (ValueError, TypeError) as error:
             raise LedgerError(f"invalid {kind} payload: not storable as JSON ({error})") from None
         if self._secrets:
-            checkpoint_id, server, call_id = (
-                self._redactor.text(v) if v is not None else None for v in (checkpoint_id, server, call_id)
-            )
+            scrub = self._redactor.text
+            checkpoint_id = scrub(checkpoint_id) if checkpoint_id is not None else None
+            server = scrub(server) if server is not None else None
+            call_id = scrub(call_id) if call_id is not None else None
         return _Encoded(kind, checkpoint_id, server, call_id, stored, text)
 
     def _check_writable(self) -> None:
@@ -542,42 +543,40 @@ class Ledger:
         return waiter.events
 
     def _commit_now(self, items: list[_Encoded], durable: bool) -> list[Event] | None:
-        """Commit ``items`` on this thread, without awaiting; None (nothing written) if the backend cannot."""
-        self._check_writable()
+        """Commit ``items`` on this thread, without awaiting; None (nothing written) if the backend
+        cannot. The caller has just checked that this writer may write (nothing awaited since)."""
         backend = self._backend
         if not isinstance(backend, InlineAppend) or not backend.can_append_now():
             return None
         batch, carried = self._batch(items, durable=durable, new_epoch=False)
         if not batch.rows:
             return []
-        with self._committing(carried):
+        try:
             backend.append_now(batch)
+        except BaseException as error:
+            self._commit_failed(error, carried)
+            raise
         return self._committed(batch, carried, [items], new_epoch=False)[0]
 
-    @contextlib.contextmanager
-    def _committing(self, carried: int) -> Iterator[None]:
-        """Around a backend commit: a ``FencedError`` fences this writer for good; any other
-        failure leaves the commit's outcome unknown, so the head is re-read before the next one.
+    def _commit_failed(self, error: BaseException, carried: int) -> None:
+        """After a backend commit raised ``error``: a ``FencedError`` fences this writer for good;
+        any other failure leaves the commit's outcome unknown, so the head is re-read before the
+        next one. The caller re-raises.
 
         Staged events lost with the failure — ``carried`` by it, or chained after it meanwhile —
         make the ledger refuse every later append (see the module docstring)."""
-        try:
-            yield
-        except FencedError as error:
+        lost = carried + len(self._staged)
+        self._staged, self._staged_durable = [], False
+        if isinstance(error, FencedError):
             self._fenced = error
-            self._staged, self._staged_durable = [], False
-            raise
-        except BaseException:
-            self._stale = True
-            lost = carried + len(self._staged)
-            self._staged, self._staged_durable = [], False
-            if lost and self._lost is None:
-                self._lost = LedgerError(
-                    f"ledger {self.url}: an append failed and {lost} staged event(s) of this writer were"
-                    " lost with it; close and reopen the ledger (a new coordinator recovers from the"
-                    " servers' own state)"
-                )
-            raise
+            return
+        self._stale = True
+        if lost and self._lost is None:
+            self._lost = LedgerError(
+                f"ledger {self.url}: an append failed and {lost} staged event(s) of this writer were"
+                " lost with it; close and reopen the ledger (a new coordinator recovers from the"
+                " servers' own state)"
+            )
 
     def _batch(self, items: list[_Encoded], *, durable: bool, new_epoch: bool) -> tuple[Batch, int]:
         """The staged events, then ``items`` chained after them: one transaction's batch (nothing
@@ -672,8 +671,11 @@ class Ledger:
             batch, carried = self._batch(items, durable=durable, new_epoch=new_epoch)
             if not batch.rows:
                 return [[] for _ in groups]
-            with self._committing(carried):
+            try:
                 await self._backend.append(batch)  # shields itself while it awaits
+            except BaseException as error:
+                self._commit_failed(error, carried)
+                raise
             return self._committed(batch, carried, groups, new_epoch=new_epoch)
 
     async def append(
