@@ -5,8 +5,8 @@ model call), ``judge`` (auxiliary: never paused), ``simple_agent`` and ``tools``
 on the agent throughout, so every prepare parks running rollouts and drains the model.
 
 One run (``run_cycles``, a fresh process): two coordinators on the same code — one on a real
-SQLite ledger (WAL, ``synchronous=FULL``), one whose ledger is ``NullLedger`` (appends nothing;
-its own epoch, so checkpoint ids never collide) — discover, do one warm-up cycle each, then
+SQLite ledger (WAL, the default durability "full"), one whose ledger is ``NullLedger`` (appends
+nothing; its own epoch, so checkpoint ids never collide) — discover, do one warm-up cycle each, then
 alternate 30 measured cycles each in ABBA order (a cycle's duration varies by ±20% with where the
 rollouts are in their turns, so fewer make the per-run median move more than the ledger costs). A
 cycle is ``Coordinator.checkpoint()``: prepare →

@@ -2,8 +2,8 @@
 
 quiesce side (``run_quiesce``, a fresh process per run): the real ``coordinator.calls.Caller``
 makes ``POST /ng-control/v1/agent-checkpoint/prepare`` to a tiny uvicorn server on loopback
-(``tools.bench.tinyserver``, its own process): ``call.sent`` appended durably (WAL,
-``synchronous=FULL``), the HTTP call, the reply validated, ``call.replied`` appended durably.
+(``tools.bench.tinyserver``, its own process): ``call.sent`` appended durably (WAL, fdatasynced
+after the commit), the HTTP call, the reply validated, ``call.replied`` appended durably.
 Interleaved with it, the bare HTTP call (same client, nothing recorded).
 
 DBOS side (``dbos_child.py``, run by a throwaway venv that the bench creates under a temp dir

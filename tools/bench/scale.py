@@ -4,7 +4,7 @@ The cluster for N (``tools.gymsim``, its own process): one policy model, ``(N-1)
 the rest resources servers (agent ``i`` uses ``tools_i``), every server hosted under a path
 prefix (``/s/<name>``) on one shared port, idle (no rollouts: the cost measured is the protocol's
 and the ledger's, not a drain). One run (``run_scale``, a fresh process) opens a coordinator on a
-real SQLite ledger (WAL, ``synchronous=FULL``; one per cluster, so each run takes a new epoch and
+real SQLite ledger (WAL, durability full; one per cluster, so each run takes a new epoch and
 its checkpoint ids are new to the servers) with ``fanout`` sequential or parallel, discovers,
 does one warm-up cycle and times three back to back (``Coordinator.checkpoint()``: prepare →
 commit → publish → resume); the run's figure is their median (one with ``--quick``). Runs
