@@ -326,7 +326,10 @@ def _fast(kind: str, data: dict[Any, Any]) -> Any:
     out: dict[str, Any] = {}
     for name, check, required in fields:
         if name in data:
-            value = check(data[name])
+            try:
+                value = check(data[name])
+            except RecursionError:  # nested deeper than the stack allows: as deep as pydantic goes
+                return _DECLINE
             if value is _DECLINE:
                 return _DECLINE
             out[name] = value

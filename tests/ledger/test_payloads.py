@@ -201,3 +201,18 @@ def test_near_misses_go_to_pydantic_and_come_back_converted() -> None:
     # valid for pydantic, but its JSON dump fails: a clear error, not a UnicodeDecodeError
     with pytest.raises(LedgerError, match=r"invalid call\.replied payload: a value cannot be stored as JSON"):
         validate_payload("call.replied", {**replied, "body": b"\x80"})
+
+
+def test_a_body_nested_too_deep_for_the_hand_check_goes_to_pydantic() -> None:
+    deep: Any = "leaf"
+    for _ in range(5000):
+        deep = [deep]
+    replied = {"status": 200, "body": deep, "elapsed_s": 0.5}
+    assert _fast("call.replied", replied) is _DECLINE
+    try:
+        expected: Any = pydantic_result("call.replied", replied)
+    except Exception:  # pydantic refuses it (its recursion limit): a clear error, not a crash
+        with pytest.raises(LedgerError, match=r"invalid call\.replied payload"):
+            validate_payload("call.replied", replied)
+    else:
+        assert validate_payload("call.replied", replied) == expected
