@@ -222,11 +222,7 @@ class SqliteBackend(Backend, InlineAppend):
             written = apply_append(_SqliteTx(conn), batch, self._cache)
             conn.execute("COMMIT")
             self._cache.committed(written)
-            if self._durability == "full":
-                self._unsynced = True
-                if batch.durable:
-                    self._fsync_wal()  # every frame in the WAL: this commit, write-behind ones before it
-                    self._unsynced = False
+            self._committed(durable=batch.durable)
         except BaseException as error:
             self._cache.clear()
             if conn.in_transaction:
@@ -265,6 +261,17 @@ class SqliteBackend(Backend, InlineAppend):
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._timed_append, batch, limiter=self._wlimiter)
 
+    def _committed(self, *, durable: bool) -> None:
+        """After a COMMIT under durability "full": a durable one fdatasyncs the WAL (every frame in
+        it: this commit's, and the write-behind ones before it); a write-behind one is owed to the
+        next durable commit or the close."""
+        if self._durability != "full":
+            return
+        self._unsynced = True
+        if durable:
+            self._fsync_wal()
+            self._unsynced = False
+
     def _fsync_wal(self) -> None:
         """fdatasync the WAL file: every commit so far is on disk when it returns.
 
@@ -289,9 +296,7 @@ class SqliteBackend(Backend, InlineAppend):
                 conn.execute("DELETE FROM attempts")
                 conn.executemany(_PUT_ATTEMPT, [tuple(to_columns(r).values()) for r in rows])
                 conn.execute("COMMIT")
-                if self._durability == "full":
-                    self._fsync_wal()
-                    self._unsynced = False
+                self._committed(durable=True)
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
