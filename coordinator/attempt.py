@@ -27,23 +27,24 @@ clock. Rollback and the resume after publication use `max(deadline_ts, now + con
 Durability: every event is committed before any action that follows it leaves the process, but
 only those an outside action waits on are forced to disk: `attempt.started` (it lists every
 participant — every server the attempt may touch — before the first request leaves),
-`attempt.publishing` (before the rename), `phase.failed`, and the terminal events of a failure
-(`attempt.aborted`) or of a restore (`attempt.completed {restored}`). Every `call.sent` and a
-resume's `attempt.completed` are write-behind (`durable=False`): committed when appended, on disk
-with the next durable append, the ledger's close, or the kernel's writeback. Outcomes, phase
+`phase.failed`, and the terminal events of a failure (`attempt.aborted`) or of a restore
+(`attempt.completed {restored}`). Every `call.sent`, `attempt.publishing` and a resume's
+`attempt.completed` are write-behind (`durable=False`): committed when appended, on disk with the
+next durable append, the ledger's close, or the kernel's writeback. Outcomes, phase
 boundaries, `attempt.aborting` and `attempt.published` are staged (`Ledger.stage`): chained at
 once and committed in the transaction of the next append — a `call.sent`, a durable record, or
 the operation's last event. `attempt.started` is staged too, with `durable=True`: the transaction
 of the attempt's first `call.sent` (or, if no request is sent, of its next record) carries it and
 is fsynced, so it is on disk before the first request leaves without a transaction of its own.
-A save of k requests thus costs k + 2 transactions (two fsynced), whatever its number of events.
+A save of k requests thus costs k + 2 transactions (one fsynced), whatever its number of events.
 A crash loses only staged events, and a staged event lost leaves the ledger as a crash just
 before it would have. After a power failure the ledger is a prefix of what was committed, so a
 lost `call.sent` can only hide a touched server among the participants of a durable
 `attempt.started`; recovery asks those servers whether they saw the checkpoint id
-(`recovery.py`). `attempt.published` and the `attempt.completed` of a resume need no fsync of
-their own: the fsynced rename is the commit point and recovery reads publication from the
-filesystem, then resumes again (the servers replay their recorded resume).
+(`recovery.py`). `attempt.publishing`, `attempt.published` and the `attempt.completed` of a
+resume need no fsync of their own: the fsynced rename is the commit point, and recovery reads
+publication from the filesystem for every unfinished save, whether or not the ledger kept its
+`attempt.publishing`, then resumes again (the servers replay their recorded resume).
 
 Everything a later coordinator needs is in the ledger: `load_attempt` rebuilds an `Attempt`
 (participants, touched servers, publication) from events alone; `FencedError` is never caught here.
@@ -673,10 +674,10 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
     With `defer_delete`, retention only moves the snapshots it removes into the trash; the caller
     deletes them (`publish.empty_trash`), e.g. while the servers resume.
 
-    `attempt.publishing` is durable before the rename and `attempt.published` committed after it
-    (and its fsync; write-behind, as the fsynced rename already decides publication). A failure
-    before the rename rolls back like a failed commit; after it, the snapshot is published
-    whatever happens next.
+    `attempt.publishing` is committed before the rename and `attempt.published` after it (and its
+    fsync). Neither is fsynced: the fsynced rename decides publication, and recovery reads it from
+    the filesystem whatever the ledger kept (`settle_publication`). A failure before the rename
+    rolls back like a failed commit; after it, the snapshot is published whatever happens next.
     """
     _require(attempt, ("committed",), "publish")
     staging = attempt.staging_dir
@@ -732,37 +733,20 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
             raise PhaseFailure(
                 "publish", None, f"cannot write the snapshot manifest in {staging}: {error}"
             ) from None
-        # The manifest's write and `attempt.publishing` are made durable at once (their fsyncs can
-        # share a journal commit): the rename waits for both. A publishing record without the
-        # manifest is harmless — recovery finds no final folder and aborts.
-        failed: list[BaseException] = []
-
-        async def write_manifest() -> None:
-            try:
-                data = await anyio.to_thread.run_sync(write_json_durably, staging / MANIFEST, manifest)
-                written.append(data)
-            except OSError as error:
-                failed.append(error)
-
-        async def record_publishing() -> None:
-            try:
-                await ctx.ledger.append(
-                    "attempt.publishing",
-                    checkpoint_id=attempt.checkpoint_id,
-                    data={"staging_dir": str(staging), "final_dir": str(final)},
-                )
-            except Exception as error:  # FencedError or LedgerError: raised as is, below
-                failed.insert(0, error)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(write_manifest)
-            tg.start_soon(record_publishing)
-        if failed:
-            if isinstance(failed[0], OSError):
-                raise PhaseFailure(
-                    "publish", None, f"cannot write the snapshot manifest in {staging}: {failed[0]}"
-                ) from None
-            raise failed[0]
+        try:
+            written.append(await anyio.to_thread.run_sync(write_json_durably, staging / MANIFEST, manifest))
+        except OSError as error:
+            raise PhaseFailure(
+                "publish", None, f"cannot write the snapshot manifest in {staging}: {error}"
+            ) from None
+        # committed before the rename, write-behind: whether the rename happened is read from the
+        # filesystem, never from the ledger (`settle_publication`)
+        await ctx.ledger.append(
+            "attempt.publishing",
+            checkpoint_id=attempt.checkpoint_id,
+            data={"staging_dir": str(staging), "final_dir": str(final)},
+            durable=False,
+        )
         manifests.append(manifest)
         attempt.state = "publishing"
         try:
@@ -974,8 +958,8 @@ async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
         data={"phase": "resume", "summary": {"resumed": resumed, "not_paused": not_paused}},
     )
     outcome: Literal["published", "resumed"] = "published" if attempt.kind == "save" else "resumed"
-    # write-behind: what it answers is already durable — the fsynced snapshot and
-    # `attempt.publishing` (a save), or the servers' own resumed state; were it lost with a power
+    # write-behind: what it answers is already durable — the fsynced snapshot (a save), or the
+    # servers' own resumed state; were it lost with a power
     # failure, recovery finds the publication on disk, resumes again (the servers replay) and
     # records it again
     await ctx.ledger.append(
@@ -1264,17 +1248,21 @@ async def find_paused(ctx: Context, *, in_progress_only: bool = False) -> Record
 
 
 async def settle_publication(ctx: Context, recorded: Recorded) -> bool:
-    """An attempt interrupted between `attempt.publishing` and `attempt.published`: the filesystem decides.
+    """An unfinished save without `attempt.published`: the filesystem decides whether it was published.
 
-    The final folder with a manifest naming this checkpoint id means published (recorded now,
-    LATEST updated); otherwise not. Returns whether it is published.
+    The final folder (the one `attempt.publishing` names, else `<snapshots>/<checkpoint_id>`) with
+    a manifest naming this checkpoint id means published (recorded now, LATEST updated); otherwise
+    not. Returns whether it is published. The folder is looked for even when the ledger has no
+    `attempt.publishing`: that record is write-behind, so a power failure may have taken it while
+    the fsynced rename survived.
     """
     attempt = recorded.attempt
     if recorded.published is not None:
         return True
-    if recorded.publishing is None:
-        return False
-    final = Path(recorded.publishing["final_dir"])
+    if recorded.publishing is not None:
+        final = Path(recorded.publishing["final_dir"])
+    else:
+        final = ctx.config.snapshots / attempt.checkpoint_id
     try:
         snapshot = await anyio.to_thread.run_sync(load_snapshot, final)
     except SnapshotError:

@@ -17,11 +17,13 @@ Run by `Coordinator.open` (after it took its epoch, so the dead coordinator is f
    running there) is read again until it leaves that phase (at most the budget), so a resume
    does not race the operation it undoes.
 2. **Act**, by what the ledger and the filesystem say:
-   - *save with `attempt.publishing` or `attempt.published`*: the filesystem decides. The final
-     folder with a manifest naming this checkpoint id means published: `attempt.published` is
-     recorded (if it was not), `LATEST` points at it, retention runs, and every participant is
-     resumed (phase `resume`, `attempt.completed {outcome: published}`). Otherwise: abort.
-   - *save, otherwise*: abort. `attempt.aborting`, then every touched server is resumed in
+   - *save*: the filesystem decides first, whatever the ledger kept of the publish step
+     (`attempt.publishing` is write-behind: a power failure may take it while the fsynced rename
+     survives). The final folder (named by `attempt.publishing`, else `<snapshots>/<checkpoint_id>`)
+     with a manifest naming this checkpoint id means published: `attempt.published` is recorded
+     (if it was not), `LATEST` points at it, retention runs, and every participant is resumed
+     (phase `resume`, `attempt.completed {outcome: published}`).
+   - *save, not published*: abort. `attempt.aborting`, then every touched server is resumed in
      resume order under this checkpoint id (phase `recovery`) — a server that already resumed
      replays its recorded result; a 409 `invalid_phase` means it never paused (`not_paused`); a
      server paused by *another* checkpoint id is reported and not touched — then the staging
@@ -235,8 +237,7 @@ async def _recover_one(ctx: Context, checkpoint_id: str, found: str) -> AttemptR
     attempt = recorded.attempt
     if attempt.kind == "restore":
         return await _recover_restore(ctx, recorded, found)
-    publication = recorded.publishing is not None or recorded.published is not None
-    if publication and await settle_publication(ctx, recorded):
+    if await settle_publication(ctx, recorded):
         return await _finish_published(ctx, recorded, found)
     return await _abort(ctx, recorded, found)
 

@@ -119,6 +119,40 @@ async def test_death_after_prepare_resumes_every_touched_server(
     await assert_protocol_ok(sqlite_url)
 
 
+def _power_loss_after(
+    monkeypatch: pytest.MonkeyPatch, dies_after: Any, sqlite_url: str, tmp_path: Path
+) -> str:
+    """Arm the next coordinator to die after `dies_after`, and return the URL of the ledger a power
+    failure would leave: a copy of its SQLite file taken the instant the durable transaction that
+    carries the dying attempt's `attempt.started` committed (nothing later is fsynced before the
+    death)."""
+    import sqlite3
+
+    from coordinator import crashpoints
+    from tests.recovery.helpers import Dying
+
+    prefix = tmp_path / "on-disk-at-power-loss.db"
+    source = sqlite_url.removeprefix("sqlite+aiosqlite:///")
+
+    class PowerLoss(Dying):
+        def after_append(self, events: Any) -> None:
+            if any(e.kind == "attempt.started" for e in events):
+                assert not prefix.exists(), "a second attempt.started before the death"
+                with sqlite3.connect(source) as src, sqlite3.connect(prefix) as dst:
+                    src.backup(dst)
+            super().after_append(events)
+
+    dying = PowerLoss(dies_after, 1)
+    opened = {"n": 0}
+
+    def from_env(environ: object = None) -> crashpoints.CrashPoints | None:
+        opened["n"] += 1
+        return dying if opened["n"] == 1 else None
+
+    monkeypatch.setattr(crashpoints, "from_env", from_env)
+    return f"sqlite+aiosqlite:///{prefix}"
+
+
 @pytest.mark.parametrize(
     ("dies_after", "touched"),
     [
@@ -147,35 +181,12 @@ async def test_power_loss_that_drops_the_write_behind_calls_still_resumes_every_
     `call.sent`, the model's pause — and none of its later (write-behind) calls. The next
     coordinator opens that prefix — a copy taken the instant `attempt.started` was committed — and
     must still find and resume every server the dead one touched, from their own reports."""
-    import sqlite3
-
-    from coordinator import crashpoints
-    from tests.recovery.helpers import Dying
-
     config = configure(cluster, sqlite_url)
     previous = await _first_snapshot(config)
-    prefix = tmp_path / "on-disk-at-power-loss.db"
-    source = sqlite_url.removeprefix("sqlite+aiosqlite:///")
-
-    class PowerLoss(Dying):
-        def after_append(self, events: Any) -> None:
-            if any(e.kind == "attempt.started" for e in events):
-                with sqlite3.connect(source) as src, sqlite3.connect(prefix) as dst:
-                    src.backup(dst)
-            super().after_append(events)
-
-    dying = PowerLoss(dies_after, 1)
-    opened = {"n": 0}
-
-    def from_env(environ: object = None) -> crashpoints.CrashPoints | None:
-        opened["n"] += 1
-        return dying if opened["n"] == 1 else None
-
-    monkeypatch.setattr(crashpoints, "from_env", from_env)
+    prefix_url = _power_loss_after(monkeypatch, dies_after, sqlite_url, tmp_path)
     async with httpx.AsyncClient() as http:
         await _start(http, cluster)
         cid = await _die_during_checkpoint(config)
-        prefix_url = f"sqlite+aiosqlite:///{prefix}"
         kept = [(e.kind, e.server) for e in await read_events(prefix_url, cid) if e.kind.startswith("call.")]
         assert kept == [("call.sent", "policy_model")]  # every later call is gone from the prefix
         report = await _recover(config.model_copy(update={"ledger": prefix_url}))
@@ -191,6 +202,43 @@ async def test_power_loss_that_drops_the_write_behind_calls_still_resumes_every_
     assert aborted.kind == "attempt.aborted"
     assert (sorted(aborted.data["resumed"]), aborted.data["left_paused"]) == (sorted(touched), [])
     assert read_latest(config.snapshots) == previous
+
+
+async def test_power_loss_after_the_rename_finds_the_publication_on_disk(
+    cluster: Any, sqlite_url: str, configure: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`attempt.publishing` is write-behind: a power failure after the (fsynced) rename may leave a
+    ledger that ends at the attempt's durable `attempt.started`, with no trace of the publish step.
+    The next coordinator looks for the snapshot folder anyway, finds it complete, and records the
+    save as published (LATEST on it, every participant resumed) instead of rolling it back."""
+    config = configure(cluster, sqlite_url)
+    await _first_snapshot(config)
+    # the first resume request's call.sent: the rename, LATEST and attempt.published are done
+    prefix_url = _power_loss_after(monkeypatch, kind_is("call.sent", phase="resume"), sqlite_url, tmp_path)
+    async with httpx.AsyncClient() as http:
+        await _start(http, cluster)
+        cid = await _die_during_checkpoint(config)
+        assert load_snapshot(config.snapshots / cid).checkpoint_id == cid
+        kept = [e.kind for e in await read_events(prefix_url, cid)]
+        assert kept == ["attempt.started", "phase.started", "call.sent"]  # no publish step left
+        report = await _recover(config.model_copy(update={"ledger": prefix_url}))
+        await assert_all_accepting(http, cluster)
+        await _finish_rollouts(http, cluster)
+    found = report.attempts[0]
+    assert (found.checkpoint_id, found.found, found.action) == (cid, "prepare", "published")
+    assert [(s.name, s.result) for s in found.servers] == [
+        ("tools", "resumed"),
+        ("policy_model", "resumed"),
+        ("simple_agent", "resumed"),
+    ]
+    assert read_latest(config.snapshots) == config.snapshots / cid
+    kinds = [e.kind for e in await read_events(prefix_url, cid)]
+    assert "attempt.publishing" not in kinds
+    assert kinds.index("attempt.published") < kinds.index("attempt.completed")
+    async with Ledger.open(prefix_url, readonly=True) as ledger:
+        row = await ledger.attempt(cid)
+    assert row is not None
+    assert row.outcome == "published"
 
 
 async def test_request_recorded_but_never_sent_is_not_paused(
