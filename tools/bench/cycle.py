@@ -4,22 +4,27 @@ The cluster (``tools.gymsim``, its own process, a fresh one per run): ``policy_m
 model call), ``judge`` (auxiliary: never paused), ``simple_agent`` and ``tools``; 4 rollouts run
 on the agent throughout, so every prepare parks running rollouts and drains the model.
 
-One run (``run_cycles``, a fresh process): two coordinators on the same code — one on a real
+One run (``run_cycles``, a fresh process): three coordinators on the same code — one on a real
 SQLite ledger (WAL, the default durability "full"), one whose ledger is ``NullLedger`` (appends
-nothing; its own epoch, so checkpoint ids never collide) — discover, do one warm-up cycle each, then
-alternate ``CYCLES`` measured cycles each in ABBA order (a cycle's duration varies by ±20% with where the
-rollouts are in their turns, so fewer make the per-run median move more than the ledger costs). A
-cycle is ``Coordinator.checkpoint()``: prepare →
-commit → publish (manifest, fsync, rename, ``LATEST``) → resume. The per-run medians give the
-overhead ``real / null - 1``. Goal: the ledger adds <= 10%. Each side's CPU per cycle (this
-process's, all threads) is reported beside it: what the ledger costs in CPU, not only in time.
+nothing), and one on ``BareLog`` (a bare hash-chained SQLite log: one plain transaction per append,
+the same fsyncs, none of the ledger's validation, redaction, projection or fencing), each with its
+own epoch so checkpoint ids never collide — discover, do one warm-up cycle each, then run
+``CYCLES`` measured cycles each, the three sides of a round in a rotating order (every one of the
+six orders in turn; a cycle's duration varies by ±20% with where the rollouts are in their turns,
+so fewer cycles make the per-run median move more than the ledger costs). A cycle is
+``Coordinator.checkpoint()``: prepare → commit → publish (manifest, fsync, rename, ``LATEST``) →
+resume. The per-run medians give the overhead ``real / null - 1`` (goal: the ledger adds <= 10%)
+and, beside it, the bare log's ``bare / null - 1``: the floor of one SQLite write-ahead
+transaction per request on this machine, against which the real ledger's own work shows. Each
+side's CPU per cycle (this process's, all threads) is reported too: what the ledger costs in CPU,
+not only in time.
 
 A run measures ``CYCLES`` cycles per side: with 30, one run's overhead moved between about 4% and
 22% (the drain a prepare waits for, the servers' fsyncs and the VM's own noise vary by several
 milliseconds per cycle), which is more than what is being measured.
 
-Before each measured cycle the rollouts run for a settle time (untimed; the same for both cycles
-of a pair: 50 ms plus a random part of up to 25 ms, about one turn). A checkpoint in an RL run
+Before each measured cycle the rollouts run for a settle time (untimed; the same for the three
+cycles of a round: 50 ms plus a random part of up to 25 ms, about one turn). A checkpoint in an RL run
 comes minutes after the last one, at a random point of the rollouts' turns. Back to back, a cycle
 that starts within a millisecond or two of the previous resume pauses the model before the resumed
 rollouts have sent their next model call, so its prepare does not wait for a 20 ms call to drain,
@@ -29,6 +34,7 @@ cycle happens to land in a turn more than what the ledger costs.
 
 from __future__ import annotations
 
+import itertools
 import random
 import secrets
 import statistics
@@ -47,6 +53,7 @@ from coordinator.calls import Caller
 from coordinator.config import ClusterConfig
 from coordinator.protocol import TOKEN_ENV
 from ledger import Ledger
+from tools.bench.barelog import BareLog
 from tools.bench.harness import Context, Result, Stats, run_child, stats_of
 from tools.bench.nullledger import NullLedger
 from tools.gymsim import client
@@ -89,10 +96,27 @@ async def start_rollouts(urls: dict[str, str], agents: list[str], rollouts: int,
 @asynccontextmanager
 async def open_null(config: ClusterConfig, token: str) -> AsyncIterator[Coordinator]:
     """A ``Coordinator`` on the same code whose ledger is a ``NullLedger``."""
-    null = cast(Ledger, NullLedger())
-    caller = Caller(null, token, epoch=null.epoch)
+    async with _open_on(NullLedger(), config, token) as coord:
+        yield coord
+
+
+@asynccontextmanager
+async def open_bare(config: ClusterConfig, token: str, path: Path) -> AsyncIterator[Coordinator]:
+    """A ``Coordinator`` on the same code whose ledger is a ``BareLog`` in the new file ``path``."""
+    bare = BareLog(path)
     try:
-        yield Coordinator(CoordContext(config, null, caller, None))
+        async with _open_on(bare, config, token) as coord:
+            yield coord
+    finally:
+        await bare.aclose()
+
+
+@asynccontextmanager
+async def _open_on(stand_in: NullLedger, config: ClusterConfig, token: str) -> AsyncIterator[Coordinator]:
+    ledger = cast(Ledger, stand_in)
+    caller = Caller(ledger, token, epoch=stand_in.epoch)
+    try:
+        yield Coordinator(CoordContext(config, ledger, caller, None))
     finally:
         await caller.aclose()
 
@@ -105,52 +129,51 @@ async def timed_cycle(coord: Coordinator) -> float:
 
 
 async def run_cycles(config: dict[str, Any], token: str, cycles: int, dir: str) -> dict[str, Any]:
-    """One run of #3: ``cycles`` measured cycles per side (after one warm-up each), ABBA order."""
+    """One run of #3: ``cycles`` measured cycles per side (after one warm-up each), rotating order."""
     folder = Path(dir)
-    real_cfg = parse_config(
-        {
-            **config,
-            "ledger": f"sqlite+aiosqlite:///{folder / 'ledger.db'}",
-            "snapshots": str(folder / "real"),
-        },
-        base_dir=folder,
+    configs = {
+        side: parse_config({**config, "snapshots": str(folder / side)}, base_dir=folder)
+        for side in ("null", "bare")
+    }
+    ledger_url = f"sqlite+aiosqlite:///{folder / 'ledger.db'}"
+    configs["real"] = parse_config(
+        {**config, "ledger": ledger_url, "snapshots": str(folder / "real")}, base_dir=folder
     )
-    null_cfg = parse_config({**config, "snapshots": str(folder / "null")}, base_dir=folder)
-    real_s: list[float] = []
-    null_s: list[float] = []
-    cpu: dict[str, list[float]] = {"real": [], "null": []}
+    took: dict[str, list[float]] = {"real": [], "null": [], "bare": []}
+    cpu: dict[str, list[float]] = {"real": [], "null": [], "bare": []}
+    orders = list(itertools.permutations(took))
     rng = random.Random()
-
-    async def settled_cycle(coord: Coordinator, side: str, settle_s: float) -> float:
-        await anyio.sleep(settle_s)
-        start = time.process_time()
-        took = await timed_cycle(coord)
-        cpu[side].append(time.process_time() - start)
-        return took
-
-    async with Coordinator.open(real_cfg, token=token) as real, open_null(null_cfg, token) as null:
-        await real.discover()
-        await null.discover()
-        await timed_cycle(real)
-        await timed_cycle(null)
+    async with (
+        Coordinator.open(configs["real"], token=token) as real,
+        open_null(configs["null"], token) as null,
+        open_bare(configs["bare"], token, folder / "bare.db") as bare,
+    ):
+        coords = {"real": real, "null": null, "bare": bare}
+        for coord in coords.values():
+            await coord.discover()
+            await timed_cycle(coord)
         for i in range(cycles):
             settle_s = SETTLE_S + rng.random() * SETTLE_JITTER_S
-            if i % 2 == 0:
-                real_s.append(await settled_cycle(real, "real", settle_s))
-                null_s.append(await settled_cycle(null, "null", settle_s))
-            else:
-                null_s.append(await settled_cycle(null, "null", settle_s))
-                real_s.append(await settled_cycle(real, "real", settle_s))
+            for side in orders[i % len(orders)]:
+                await anyio.sleep(settle_s)
+                start = time.process_time()
+                took[side].append(await timed_cycle(coords[side]))
+                cpu[side].append(time.process_time() - start)
         head = await real.ledger.head()
         events = head.seq if head is not None else 0
-    real_m, null_m = statistics.median(real_s), statistics.median(null_s)
+        bare_events = cast(BareLog, bare.ledger).stored()
+    medians = {side: statistics.median(values) for side, values in took.items()}
     return {
-        "real_s": real_m,
-        "null_s": null_m,
-        "overhead": real_m / null_m - 1,
+        "real_s": medians["real"],
+        "null_s": medians["null"],
+        "bare_s": medians["bare"],
+        "overhead": medians["real"] / medians["null"] - 1,
+        "bare_overhead": medians["bare"] / medians["null"] - 1,
         "real_cpu_s": statistics.median(cpu["real"]),
         "null_cpu_s": statistics.median(cpu["null"]),
+        "bare_cpu_s": statistics.median(cpu["bare"]),
         "events_per_cycle": events / (cycles + 1),
+        "bare_events_per_cycle": bare_events / (cycles + 1),
     }
 
 
@@ -167,35 +190,49 @@ def measure(ctx: Context) -> Result:
             folder.mkdir()
             params = {"config": running.config(), "token": token, "cycles": cycles, "dir": str(folder)}
             runs.append(run_child("cycle:run_cycles", params))
-        ctx.log(f"  run {index + 1}/{ctx.runs}: real {runs[-1]['real_s'] * 1e3:.1f} ms,"
-                f" null {runs[-1]['null_s'] * 1e3:.1f} ms")  # fmt: skip
+        last = runs[-1]
+        ctx.log(f"  run {index + 1}/{ctx.runs}: real {last['real_s'] * 1e3:.1f} ms,"
+                f" null {last['null_s'] * 1e3:.1f} ms, bare log {last['bare_s'] * 1e3:.1f} ms")  # fmt: skip
     real, null, overhead = stats_of(runs, "real_s"), stats_of(runs, "null_s"), stats_of(runs, "overhead")
+    bare, bare_overhead = stats_of(runs, "bare_s"), stats_of(runs, "bare_overhead")
     result.runs = len(runs)
     result.metric("real_cycle_s", real, "s")
     result.metric("null_cycle_s", null, "s")
     result.metric("overhead", overhead, "fraction")
+    result.metric("bare_cycle_s", bare, "s")
+    result.metric("bare_overhead", bare_overhead, "fraction")
     real_cpu, null_cpu = stats_of(runs, "real_cpu_s"), stats_of(runs, "null_cpu_s")
+    bare_cpu = stats_of(runs, "bare_cpu_s")
     result.metric("real_cpu_s", real_cpu, "s")
     result.metric("null_cpu_s", null_cpu, "s")
+    result.metric("bare_cpu_s", bare_cpu, "s")
     result.metric("peak_rss_mb", stats_of(runs, "peak_rss_mb"), "MB")
     result.value = f"{real.fmt(1e3, 1, 'ms')} per cycle; ledger adds {overhead.fmt(100, 1, '%')}"
     result.baseline = f"{null.fmt(1e3, 1, 'ms')} per cycle with a null ledger"
     result.met = overhead.median <= 0.10
     per_cycle = Stats.of([r["events_per_cycle"] for r in runs])
     result.notes.append(
-        f"{cycles} measured cycles per side per run (ABBA order, after one warm-up each); about"
+        f"{cycles} measured cycles per side per run (rotating order, after one warm-up each); about"
         f" {per_cycle.median:.0f} ledger events per cycle; 4 rollouts running on simple_agent;"
         f" policy model 20 ms per call; before each cycle the rollouts run {SETTLE_S * 1e3:.0f}"
-        f"-{(SETTLE_S + SETTLE_JITTER_S) * 1e3:.0f} ms (random, the same for both sides of a pair;"
+        f"-{(SETTLE_S + SETTLE_JITTER_S) * 1e3:.0f} ms (random, the same for the three sides of a round;"
         " untimed), so a cycle starts at a random point of the rollouts' turns"
+    )
+    bare_per_cycle = Stats.of([r["bare_events_per_cycle"] for r in runs])
+    result.notes.append(
+        f"floor, in the same runs: a bare hash-chained SQLite log (canonical JSON, chain hash, one plain"
+        f" transaction per append and the same fsync; no validation, redaction, projection or fencing:"
+        f" `tools/bench/barelog.py`; {bare_per_cycle.median:.0f} events per cycle) adds"
+        f" {bare_overhead.fmt(100, 1, '%')} ({bare.fmt(1e3, 1, 'ms')} per cycle)"
     )
     result.notes.append(
         f"coordinator CPU per cycle (this process, all its threads): {real_cpu.fmt(1e3, 1, 'ms')} with the"
-        f" real ledger, {null_cpu.fmt(1e3, 1, 'ms')} with the null ledger. On this VM a few milliseconds of"
-        " idle leave the CPU cold, and each ledger step runs right after a server's reply: it costs"
-        " 3-10 times what it costs in a tight loop (see the closing notes of issue 7)"
+        f" real ledger, {bare_cpu.fmt(1e3, 1, 'ms')} with the bare log, {null_cpu.fmt(1e3, 1, 'ms')} with"
+        " the null ledger. On this VM a few milliseconds of idle leave the CPU cold, and each ledger step"
+        " runs right after a server's reply: it costs 3-10 times what it costs in a tight loop (see the"
+        " closing notes of issue 7)"
     )
     return result
 
 
-__all__ = ["cluster", "measure", "open_null", "run_cycles", "start_rollouts", "timed_cycle"]
+__all__ = ["cluster", "measure", "open_bare", "open_null", "run_cycles", "start_rollouts", "timed_cycle"]
