@@ -362,6 +362,44 @@ async def test_deadline_allows_a_late_resume_of_a_restore(ledger_url: str) -> No
     }
 
 
+@pytest.mark.parametrize("by_a_later_epoch", [True, False])
+async def test_a_publication_recovered_from_disk_settles_a_resume_without_commit_records(
+    ledger_url: str, by_a_later_epoch: bool
+) -> None:
+    """A power failure took every write-behind record after the attempt's first call; the next
+    coordinator found the snapshot renamed into place and recorded `attempt.published`, then resumed
+    everyone in the resume phase: no violation. The same resume after an `attempt.published` of
+    the attempt's own epoch, with no commit recorded, is still a violation for the paused model."""
+
+    async def publish_and_resume(s: Script) -> None:
+        await s.ledger.append(
+            "attempt.published",
+            checkpoint_id="ck",
+            data={"final_dir": "/snap/ck", "manifest_sha256": "0" * 64},
+        )
+        await s.resume("ck")
+        await s.completed("ck")
+
+    async with Ledger.open(ledger_url) as ledger:
+        s = Script(ledger)
+        await s.start()
+        await s.attempt("ck")
+        await s.phase("ck", "prepare")
+        await s.call("ck", POLICY, "prepare", "pause")
+        if not by_a_later_epoch:
+            await publish_and_resume(s)
+    if by_a_later_epoch:
+        async with Ledger.open(ledger_url) as ledger:
+            s = Script(ledger)
+            await s.start()
+            await publish_and_resume(s)
+    report = await _check(ledger_url)
+    if by_a_later_epoch:
+        assert report.violations == []
+    else:
+        assert [(v.rule, v.server) for v in report.violations] == [("unsettled", POLICY)]
+
+
 async def test_rollback_left_paused_then_resumed_later(ledger_url: str) -> None:
     """A rollback that left a server paused, resumed later by `quiesce resume` (phase `resume`)."""
     async with Ledger.open(ledger_url) as ledger:

@@ -239,6 +239,7 @@ async def test_power_loss_after_the_rename_finds_the_publication_on_disk(
         row = await ledger.attempt(cid)
     assert row is not None
     assert row.outcome == "published"
+    await assert_protocol_ok(prefix_url)
 
 
 async def test_request_recorded_but_never_sent_is_not_paused(

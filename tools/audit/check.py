@@ -21,7 +21,10 @@ Rules (each `Violation` names the seq of the offending event):
   held by another checkpoint id and left it alone (a warning); one that was sent
   resumes, none of which settled it, is only a warning (`left_paused`: the coordinator did its
   part, the server did not answer). A save attempt resumed in its `resume` phase without an
-  acknowledged commit (and before any abort) is a violation at that resume.
+  acknowledged commit (and before any abort) is a violation at that resume — unless a later
+  coordinator recorded the attempt's publication before it (`attempt.published` of a later epoch
+  than `attempt.started`: recovery found the renamed snapshot on disk, its manifest naming this
+  checkpoint id, after a power failure took the write-behind records of the commits with it).
   Restore attempts stay paused by design until resumed; once one records the outcome `resumed`,
   every server it touched must have been resumed. An attempt is judged as of its last terminal
   event; attempts with none are reported as open, not judged.
@@ -140,6 +143,7 @@ class _Attempt:
     terminal_seq: int | None = None  # the last terminal event
     outcomes: set[str] = field(default_factory=set)  # every terminal outcome recorded
     abort_seq: int | None = None  # the first attempt.aborting / attempt.aborted
+    recovered_publication_seq: int | None = None  # the first attempt.published of a later epoch
     open: dict[str, _Open] = field(default_factory=dict)
     closed: set[str] = field(default_factory=set)
     # (phase, epoch) -> number of the current run of that phase (bumped by each phase.started)
@@ -221,6 +225,13 @@ class ProtocolChecker:
                 attempt.abort_seq = event.seq
         elif kind == "attempt.aborting" and attempt.abort_seq is None:
             attempt.abort_seq = event.seq
+        elif (
+            kind == "attempt.published"
+            and attempt.recovered_publication_seq is None
+            and attempt.epoch is not None
+            and event.epoch > attempt.epoch
+        ):
+            attempt.recovered_publication_seq = event.seq
         elif kind == "recovery.settled" and event.server and event.data.get("result") == "other_checkpoint":
             attempt.server(event.server).other_checkpoint_seq = event.seq
 
@@ -392,6 +403,8 @@ class ProtocolChecker:
                 continue
             assert state.settle_seq is not None
             committed = state.commit_ack_seq is not None and state.commit_ack_seq < state.settle_seq
+            recovered = attempt.recovered_publication_seq
+            committed = committed or (recovered is not None and recovered < state.settle_seq)
             if not state.settle_compensating and not committed:
                 self._violation(
                     state.settle_seq,
