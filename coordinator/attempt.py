@@ -674,10 +674,11 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
     With `defer_delete`, retention only moves the snapshots it removes into the trash; the caller
     deletes them (`publish.empty_trash`), e.g. while the servers resume.
 
-    `attempt.publishing` is committed before the rename and `attempt.published` after it (and its
-    fsync). Neither is fsynced: the fsynced rename decides publication, and recovery reads it from
-    the filesystem whatever the ledger kept (`settle_publication`). A failure before the rename
-    rolls back like a failed commit; after it, the snapshot is published whatever happens next.
+    `attempt.publishing` is committed before the rename, `attempt.published` after the rename and
+    its fsync; neither record is fsynced itself: the fsynced rename decides publication, and
+    recovery reads it from the filesystem whatever the ledger kept (`settle_publication`). A
+    failure before the rename rolls back like a failed commit; after it, the snapshot is published
+    whatever happens next.
     """
     _require(attempt, ("committed",), "publish")
     staging = attempt.staging_dir
@@ -959,9 +960,8 @@ async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
     )
     outcome: Literal["published", "resumed"] = "published" if attempt.kind == "save" else "resumed"
     # write-behind: what it answers is already durable — the fsynced snapshot (a save), or the
-    # servers' own resumed state; were it lost with a power
-    # failure, recovery finds the publication on disk, resumes again (the servers replay) and
-    # records it again
+    # servers' own resumed state; were it lost with a power failure, recovery finds the
+    # publication on disk, resumes again (the servers replay) and records it again
     await ctx.ledger.append(
         "attempt.completed",
         checkpoint_id=attempt.checkpoint_id,
