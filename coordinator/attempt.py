@@ -668,6 +668,11 @@ def _verify_entry(staging: Path, entry: dict[str, Any], cache: DigestCache | Non
     return problems
 
 
+def _final_dir(ctx: Context, checkpoint_id: str) -> Path:
+    """Where a save's staging folder is renamed to: the one rule `publish` and recovery share."""
+    return ctx.config.snapshots / checkpoint_id
+
+
 async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False) -> Path:
     """Verify, write the manifest, rename into place (the commit point), point LATEST, retention.
 
@@ -683,7 +688,7 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
     _require(attempt, ("committed",), "publish")
     staging = attempt.staging_dir
     assert staging is not None
-    final = ctx.config.snapshots / attempt.checkpoint_id
+    final = _final_dir(ctx, attempt.checkpoint_id)
     await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "publish"})
     ctx.progress(Progress(attempt.checkpoint_id, "publish"))
     written: list[bytes] = []
@@ -1262,7 +1267,7 @@ async def settle_publication(ctx: Context, recorded: Recorded) -> bool:
     if recorded.publishing is not None:
         final = Path(recorded.publishing["final_dir"])
     else:
-        final = ctx.config.snapshots / attempt.checkpoint_id
+        final = _final_dir(ctx, attempt.checkpoint_id)
     try:
         snapshot = await anyio.to_thread.run_sync(load_snapshot, final)
     except SnapshotError:
