@@ -5,7 +5,7 @@ Ledger sequence of a save attempt (every call is `call.sent` → `call.replied |
     attempt.started {kind: save, deadline_ts, participants, staging_dir}
     phase.started prepare  … calls …  phase.completed prepare
     phase.started commit   … calls …  phase.completed commit
-    phase.started publish  attempt.publishing (before the rename)  attempt.published (after)  phase.completed
+    phase.started publish  attempt.publishing (manifest written)  attempt.published (renamed)  phase.completed
     phase.started resume   … calls …  phase.completed resume   attempt.completed {outcome: published}
 
 On a failure before publication: `phase.failed`, `attempt.aborting`, resume calls (call.sent with
@@ -28,23 +28,24 @@ Durability: every event is committed before any action that follows it leaves th
 only those an outside action waits on are forced to disk: `attempt.started` (it lists every
 participant — every server the attempt may touch — before the first request leaves),
 `phase.failed`, and the terminal events of a failure (`attempt.aborted`) or of a restore
-(`attempt.completed {restored}`). Every `call.sent`, `attempt.publishing` and a resume's
-`attempt.completed` are write-behind (`durable=False`): committed when appended, on disk with the
-next durable append, the ledger's close, or the kernel's writeback. Outcomes, phase
-boundaries, `attempt.aborting` and `attempt.published` are staged (`Ledger.stage`): chained at
-once and committed in the transaction of the next append — a `call.sent`, a durable record, or
-the operation's last event. `attempt.started` is staged too, with `durable=True`: the transaction
+(`attempt.completed {restored}`). Every `call.sent` and a resume's `attempt.completed` are
+write-behind (`durable=False`): committed when appended, on disk with the next durable append,
+the ledger's close, or the kernel's writeback. Outcomes, phase boundaries, `attempt.aborting`,
+`attempt.publishing` and `attempt.published` are staged (`Ledger.stage`): chained at once and
+committed in the transaction of the next append — a `call.sent`, a durable record, or the
+operation's last event. `attempt.started` is staged too, with `durable=True`: the transaction
 of the attempt's first `call.sent` (or, if no request is sent, of its next record) carries it and
 is fsynced, so it is on disk before the first request leaves without a transaction of its own.
-A save of k requests thus costs k + 2 transactions (one fsynced), whatever its number of events.
+A save of k requests thus costs k + 1 transactions (one fsynced), whatever its number of events.
 A crash loses only staged events, and a staged event lost leaves the ledger as a crash just
-before it would have. After a power failure the ledger is a prefix of what was committed, so a
-lost `call.sent` can only hide a touched server among the participants of a durable
-`attempt.started`; recovery asks those servers whether they saw the checkpoint id
-(`recovery.py`). `attempt.publishing`, `attempt.published` and the `attempt.completed` of a
-resume need no fsync of their own: the fsynced rename is the commit point, and recovery reads
-publication from the filesystem for every unfinished save, whether or not the ledger kept its
-`attempt.publishing`, then resumes again (the servers replay their recorded resume).
+before it would have — with one exception that recovery covers: the snapshot's rename does not
+wait for the publish step's records. The fsynced rename is the commit point, and recovery reads
+publication from the filesystem for every unfinished save (the final folder follows from the
+staging folder that the durable `attempt.started` records: `final_dir_of`), whatever the ledger
+kept of the publish step, then resumes again (the servers replay their recorded resume). After a
+power failure the ledger is a prefix of what was committed, so a lost `call.sent` can only hide a
+touched server among the participants of a durable `attempt.started`; recovery asks those
+servers whether they saw the checkpoint id (`recovery.py`).
 
 Everything a later coordinator needs is in the ledger: `load_attempt` rebuilds an `Attempt`
 (participants, touched servers, publication) from events alone; `FencedError` is never caught here.
@@ -668,9 +669,13 @@ def _verify_entry(staging: Path, entry: dict[str, Any], cache: DigestCache | Non
     return problems
 
 
-def _final_dir(ctx: Context, checkpoint_id: str) -> Path:
-    """Where a save's staging folder is renamed to: the one rule `publish` and recovery share."""
-    return ctx.config.snapshots / checkpoint_id
+def final_dir_of(staging: Path) -> Path:
+    """Where a save's staging folder `<snapshots>/.staging/<id>` is renamed to: `<snapshots>/<id>`.
+
+    The one rule `publish` and recovery share. It reads only the staging folder, which the durable
+    `attempt.started` records, so recovery finds a publication even when the ledger kept no
+    `attempt.publishing` and the configured snapshot folder has changed since."""
+    return staging.parent.parent / staging.name
 
 
 async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False) -> Path:
@@ -679,16 +684,17 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
     With `defer_delete`, retention only moves the snapshots it removes into the trash; the caller
     deletes them (`publish.empty_trash`), e.g. while the servers resume.
 
-    `attempt.publishing` is committed before the rename, `attempt.published` after the rename and
-    its fsync; neither record is fsynced itself: the fsynced rename decides publication, and
-    recovery reads it from the filesystem whatever the ledger kept (`settle_publication`). A
-    failure before the rename rolls back like a failed commit; after it, the snapshot is published
-    whatever happens next.
+    `attempt.publishing` is staged once the manifest is on disk, `attempt.published` after the
+    rename and its fsync; both ride with the next append (the first resume request's `call.sent`),
+    so the rename waits for no transaction: the fsynced rename decides publication, and recovery
+    reads it from the filesystem whatever the ledger kept (`settle_publication`). A failure before
+    the rename rolls back like a failed commit; after it, the snapshot is published whatever
+    happens next.
     """
     _require(attempt, ("committed",), "publish")
     staging = attempt.staging_dir
     assert staging is not None
-    final = _final_dir(ctx, attempt.checkpoint_id)
+    final = final_dir_of(staging)
     await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "publish"})
     ctx.progress(Progress(attempt.checkpoint_id, "publish"))
     written: list[bytes] = []
@@ -745,13 +751,12 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
             raise PhaseFailure(
                 "publish", None, f"cannot write the snapshot manifest in {staging}: {error}"
             ) from None
-        # committed before the rename, write-behind: whether the rename happened is read from the
+        # staged, not committed before the rename: whether the rename happened is read from the
         # filesystem, never from the ledger (`settle_publication`)
-        await ctx.ledger.append(
+        await ctx.ledger.stage(
             "attempt.publishing",
             checkpoint_id=attempt.checkpoint_id,
             data={"staging_dir": str(staging), "final_dir": str(final)},
-            durable=False,
         )
         manifests.append(manifest)
         attempt.state = "publishing"
@@ -1255,19 +1260,21 @@ async def find_paused(ctx: Context, *, in_progress_only: bool = False) -> Record
 async def settle_publication(ctx: Context, recorded: Recorded) -> bool:
     """An unfinished save without `attempt.published`: the filesystem decides whether it was published.
 
-    The final folder (the one `attempt.publishing` names, else `<snapshots>/<checkpoint_id>`) with
-    a manifest naming this checkpoint id means published (recorded now, LATEST updated); otherwise
-    not. Returns whether it is published. The folder is looked for even when the ledger has no
-    `attempt.publishing`: that record is write-behind, so a power failure may have taken it while
-    the fsynced rename survived.
+    The final folder (the one `attempt.publishing` names, else `final_dir_of` the staging folder
+    `attempt.started` records) with a manifest naming this checkpoint id means published
+    (recorded now, LATEST updated); otherwise not. Returns whether it is published. The folder is
+    looked for even when the ledger has no `attempt.publishing`: that record is staged, so a crash
+    right after the rename loses it while the fsynced rename survives.
     """
     attempt = recorded.attempt
     if recorded.published is not None:
         return True
     if recorded.publishing is not None:
         final = Path(recorded.publishing["final_dir"])
+    elif attempt.staging_dir is not None:
+        final = final_dir_of(attempt.staging_dir)
     else:
-        final = _final_dir(ctx, attempt.checkpoint_id)
+        return False
     try:
         snapshot = await anyio.to_thread.run_sync(load_snapshot, final)
     except SnapshotError:

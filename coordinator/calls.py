@@ -19,7 +19,7 @@ For every request, in this order:
    at a 512-server fan-out, and every phase already runs inside the attempt's deadline scope.
 3. The outcome is staged (`Ledger.stage`) before the caller sees it: validated, chained and given
    its seq at once, and committed in front of the next append — the next call's `call.sent`, or
-   the operation's next record (`attempt.publishing`, `phase.failed`, its final event) — so it
+   the operation's next record (`phase.failed`, its final event) — so it
    is committed before any action taken on it leaves the process, and durable with the next
    durable append. A crash before then loses it, which leaves the ledger exactly as a crash
    just before the reply arrived would. `call.replied` (200 and a reply that validates against

@@ -17,8 +17,8 @@ Invariants:
 - Retention never deletes the snapshot `LATEST` names, nor anything that is not a snapshot of ours
   (a folder with a `quiesce-snapshot` manifest). It may move a snapshot into `.trash/` (one
   rename) and delete it later (`empty_trash`), so the deleting runs while the servers resume.
-- The ledger side (`attempt.publishing` before the rename, `attempt.published` after) is the
-  caller's job (`attempt.py`); this module only touches files.
+- The ledger side (`attempt.publishing` once the manifest is written, `attempt.published` after
+  the rename) is the caller's job (`attempt.py`); this module only touches files.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ Run by `Coordinator.open` (after it took its epoch, so the dead coordinator is f
    does not race the operation it undoes.
 2. **Act**, by what the ledger and the filesystem say:
    - *save*: the filesystem decides first, whatever the ledger kept of the publish step
-     (`attempt.publishing` is write-behind: a power failure may take it while the fsynced rename
-     survives). The final folder (named by `attempt.publishing`, else `<snapshots>/<checkpoint_id>`)
+     (`attempt.publishing` is staged: the rename does not wait for it, so a crash may take it
+     while the fsynced rename survives). The final folder (named by `attempt.publishing`, else
+     `<snapshots>/<checkpoint_id>` derived from the staging folder that `attempt.started` records)
      with a manifest naming this checkpoint id means published: `attempt.published` is recorded
      (if it was not), `LATEST` points at it, retention runs, and every participant is resumed
      (phase `resume`, `attempt.completed {outcome: published}`).

@@ -21,6 +21,7 @@ import pytest
 
 from coordinator import ClusterConfig, ConfigError, Coordinator, load_snapshot, read_latest
 from coordinator.protocol import RESOURCES, route
+from coordinator.publish import rename_into_place
 from coordinator.recovery import RecoveryReport
 from ledger import Event, Ledger
 from tests.coordinator.helpers import (
@@ -58,6 +59,34 @@ async def _die_during_checkpoint(config: ClusterConfig) -> str:
     with pytest.raises(Died):
         async with Coordinator.open(config) as coord:
             await coord.checkpoint(deadline_s=30)
+    async with Ledger.open(config.ledger, readonly=True) as ledger:
+        rows = [row for row in await ledger.attempts() if row.outcome is None]
+    assert len(rows) == 1, rows
+    return rows[0].checkpoint_id
+
+
+async def _die_at_the_rename(config: ClusterConfig, monkeypatch: pytest.MonkeyPatch, *, renamed: bool) -> str:
+    """Run a checkpoint whose coordinator dies at its snapshot's rename — just before it, or just
+    after it (`renamed`) — and commits nothing more: the publish step's records, staged and not
+    yet committed, are lost, as a SIGKILL there loses them. Returns the attempt's checkpoint id."""
+
+    def rename(staging: Path, final: Path) -> None:
+        if renamed:
+            rename_into_place(staging, final)
+        raise Died(f"simulated coordinator death {'after' if renamed else 'before'} renaming {staging}")
+
+    async def commit_nothing() -> None:
+        return None
+
+    async def checkpoint() -> None:
+        async with Coordinator.open(config) as coord:
+            patch.setattr(coord.ledger, "flush", commit_nothing)  # a dead process commits nothing more
+            await coord.checkpoint(deadline_s=30)
+
+    with monkeypatch.context() as patch:
+        patch.setattr("coordinator.attempt.rename_into_place", rename)
+        with pytest.raises(Died):
+            await checkpoint()
     async with Ledger.open(config.ledger, readonly=True) as ledger:
         rows = [row for row in await ledger.attempts() if row.outcome is None]
     assert len(rows) == 1, rows
@@ -271,19 +300,22 @@ async def test_request_recorded_but_never_sent_is_not_paused(
 
 
 async def test_death_before_the_rename_aborts_and_keeps_latest(
-    cluster: Any, sqlite_url: str, configure: Any, die_after: Any
+    cluster: Any, sqlite_url: str, configure: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The manifest is written in the staging folder, the rename never happened: not published."""
     config = configure(cluster, sqlite_url)
     previous = await _first_snapshot(config)
-    die_after(kind_is("attempt.publishing"))
     async with httpx.AsyncClient() as http:
         await _start(http, cluster)
-        cid = await _die_during_checkpoint(config)
+        cid = await _die_at_the_rename(config, monkeypatch, renamed=False)
         assert (config.staging_root / cid / "manifest.json").is_file()
+        kinds = [e.kind for e in await read_events(sqlite_url, cid)]
+        assert kinds[-1] == "call.sent"  # the last commit request's: nothing of the publish step
+        assert "attempt.publishing" not in kinds
         report = await _recover(config)
         await assert_all_accepting(http, cluster)
         await _finish_rollouts(http, cluster)
-    assert (report.attempts[0].found, report.attempts[0].action) == ("publishing", "resumed")
+    assert (report.attempts[0].found, report.attempts[0].action) == ("commit", "resumed")
     assert not (config.staging_root / cid).exists()
     assert not (config.snapshots / cid).exists()
     assert read_latest(config.snapshots) == previous
@@ -292,16 +324,19 @@ async def test_death_before_the_rename_aborts_and_keeps_latest(
 
 
 async def test_rename_done_but_not_recorded_is_published(
-    cluster: Any, sqlite_url: str, configure: Any, die_after: Any
+    cluster: Any, sqlite_url: str, configure: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The filesystem decides: the final folder with this id's manifest means published."""
+    """The filesystem decides: the final folder with this id's manifest means published, though
+    the ledger kept nothing of the publish step (its records were staged when the process died)."""
     config = configure(cluster, sqlite_url)
     await _first_snapshot(config)
-    die_after(kind_is("attempt.publishing"))
     async with httpx.AsyncClient() as http:
         await _start(http, cluster)
-        cid = await _die_during_checkpoint(config)
-        (config.staging_root / cid).rename(config.snapshots / cid)  # the rename the dead one did
+        cid = await _die_at_the_rename(config, monkeypatch, renamed=True)
+        assert not (config.staging_root / cid).exists()
+        kept = [e.kind for e in await read_events(sqlite_url, cid)]
+        assert "attempt.publishing" not in kept
+        assert kept[-1] == "call.sent"
         report = await _recover(config)
         await assert_all_accepting(http, cluster)
         await _finish_rollouts(http, cluster)
