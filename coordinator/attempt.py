@@ -28,7 +28,7 @@ Durability: every event is committed before any action that follows it leaves th
 only those an outside action waits on are forced to disk: `attempt.started` (it lists every
 participant — every server the attempt may touch — before the first request leaves),
 `phase.failed`, and the terminal events of a failure (`attempt.aborted`) or of a restore
-(`attempt.completed {restored}`). Every `call.sent` and a resume's `attempt.completed` are
+(`attempt.completed {restored}`). Every POST's `call.sent` and a resume's `attempt.completed` are
 write-behind (`durable=False`): committed when appended, on disk with the next durable append,
 the ledger's close, or the kernel's writeback. Outcomes, phase boundaries, `attempt.aborting`,
 `attempt.publishing` and `attempt.published` are staged (`Ledger.stage`): chained at once and
@@ -36,7 +36,8 @@ committed in the transaction of the next append — a `call.sent`, a durable rec
 operation's last event. `attempt.started` is staged too, with `durable=True`: the transaction
 of the attempt's first `call.sent` (or, if no request is sent, of its next record) carries it and
 is fsynced, so it is on disk before the first request leaves without a transaction of its own.
-A save of k requests thus costs k + 1 transactions (one fsynced), whatever its number of events.
+A read's `call.sent` is staged (calls.py). A save of k POST requests thus costs k + 1
+transactions (one fsynced), whatever its number of events.
 A crash loses only staged events, and a staged event lost leaves the ledger as a crash just
 before it would have — with one exception that recovery covers: the snapshot's rename does not
 wait for the publish step's records. The fsynced rename is the commit point, and recovery reads

@@ -4,8 +4,12 @@ For every request, in this order:
 0. A call whose deadline has passed (less than `SEND_MARGIN_S` left) is not sent and not recorded;
    the caller gets a `timeout` result with `sent=False`.
 1. `call.sent` is appended to the ledger — phase, method, path, url, timeout, request body (or
-   query) — and committed before the request leaves. If the append fails (e.g. `FencedError`)
-   nothing is sent. It is write-behind (`durable=False`): committed, so it survives a crash of
+   query) — and, for a POST, committed before the request leaves. If the append fails (e.g.
+   `FencedError`) nothing is sent. A read (GET: capabilities, a status long-poll) changes nothing
+   on the server, so its `call.sent` is staged (`Ledger.stage`) and committed with the next
+   append — a crash that loses it looks exactly like a crash just before the read; were the read
+   still unanswered after `STAGED_READ_COMMIT_S`, the staged events are committed meanwhile.
+   A POST's `call.sent` is write-behind (`durable=False`): committed, so it survives a crash of
    this process, and on disk with the next durable append. What makes that safe after a power
    loss too is a rule of the callers (attempt.py): a POST is only ever sent under a checkpoint
    id whose `attempt.started` — durable, listing every participant — is already on disk, so the
@@ -80,6 +84,8 @@ MAX_REPLY_BYTES: Final = 1 << 20
 #: A call with less than this left to its deadline is not sent (a request must leave before the deadline).
 SEND_MARGIN_S: Final = 0.01
 ErrorClass = Literal["timeout", "connect", "http", "protocol"]
+#: A read (GET) still unanswered after this long has the staged events committed (see `_send`).
+STAGED_READ_COMMIT_S: Final = 0.1
 
 
 @dataclass(frozen=True)
@@ -274,26 +280,31 @@ class Caller:
         timeout_s = max(0.001, left)
         url = base_url + path
         recorded_body: Any = body if method == "POST" else ({"query": params} if params else None)
+        sent_data = {
+            "phase": phase,
+            "method": method,
+            "path": path,
+            "url": url,
+            "timeout_s": timeout_s,
+            "body": recorded_body,
+        }
         # no shield needed here or around the outcome: an append, once called, is never
         # interrupted (Ledger.append); a cancellation reaches this task at its next checkpoint
-        sent = await self._ledger.append(
-            "call.sent",
-            checkpoint_id=checkpoint_id,
-            server=server,
-            call_id=call_id,
-            data={
-                "phase": phase,
-                "method": method,
-                "path": path,
-                "url": url,
-                "timeout_s": timeout_s,
-                "body": recorded_body,
-            },
-            durable=False,
-        )
+        if method == "POST":
+            sent = await self._ledger.append(
+                "call.sent", checkpoint_id=checkpoint_id, server=server, call_id=call_id, data=sent_data,
+                durable=False,
+            )  # fmt: skip
+        else:  # a read changes nothing on the server: its record may ride with the next append
+            sent = await self._ledger.stage(
+                "call.sent", checkpoint_id=checkpoint_id, server=server, call_id=call_id, data=sent_data
+            )
         started = time.monotonic()
         try:
-            exchange = await self._exchange(method, url, body, params, timeout_s)
+            if method == "POST":
+                exchange = await self._exchange(method, url, body, params, timeout_s)
+            else:
+                exchange = await self._read_committing_late(url, params, timeout_s)
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
                 await self._record(
@@ -365,6 +376,24 @@ class Caller:
                 },
             )
         return event.seq
+
+    async def _read_committing_late(
+        self, url: str, params: dict[str, Any] | None, timeout_s: float
+    ) -> _Exchange:
+        """A GET whose reply takes longer than `STAGED_READ_COMMIT_S` has the staged events (its
+        own `call.sent` among them) committed meanwhile, so a long poll — a drain can take
+        minutes — never leaves the ledger that far behind what was done."""
+        result: list[_Exchange] = []
+
+        async def commit_later() -> None:
+            await anyio.sleep(STAGED_READ_COMMIT_S)
+            await self._ledger.flush()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(commit_later)
+            result.append(await self._exchange("GET", url, None, params, timeout_s))
+            tg.cancel_scope.cancel()
+        return result[0]
 
     async def _exchange(
         self,

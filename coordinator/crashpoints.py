@@ -5,10 +5,12 @@
 - `QUIESCE_CRASH_AT=<n>`: SIGKILL right after the coordinator's n-th committed ledger append
   (1 is its `coordinator.started`; every `Ledger.append` / `append_many` / `stage` counts once,
   a staged event when the transaction that carries it — the next append's — has committed).
-- `QUIESCE_CRASH_BEFORE_SEND=<n>`: SIGKILL right before its n-th control request goes out:
+- `QUIESCE_CRASH_BEFORE_SEND=<n>`: SIGKILL right before its n-th POST control request goes out:
   its `call.sent` is committed (calls.py records before it sends), the request is not sent.
-  Capabilities reads count too. Both hang off the ledger's `after_append` hook, because the
-  instant after a `call.sent` commit *is* the instant before that request leaves.
+  Reads (GET) do not count: their `call.sent` is staged and committed after them, and the
+  instant before a read is the instant after the append before it. Both hang off the ledger's
+  `after_append` hook, because the instant after a POST's `call.sent` commit *is* the instant
+  before that request leaves.
 
 The variables are read once, when a coordinator opens (`from_env`); when neither is set nothing
 is installed, so an ordinary run pays nothing — no hook, no counter, no environment lookup per
@@ -31,7 +33,7 @@ from typing import Final
 from coordinator.errors import ConfigError
 from ledger import Event, Ledger
 
-__all__ = ["CRASH_AT", "CRASH_BEFORE_SEND", "CrashPoints", "from_env"]
+__all__ = ["CRASH_AT", "CRASH_BEFORE_SEND", "CrashPoints", "from_env", "is_send_point"]
 
 CRASH_AT: Final = "QUIESCE_CRASH_AT"
 CRASH_BEFORE_SEND: Final = "QUIESCE_CRASH_BEFORE_SEND"
@@ -53,13 +55,13 @@ class CrashPoints:
     sends: int = field(default=0, init=False)
 
     def after_append(self, events: Sequence[Event]) -> None:
-        """The ledger hook: count appends and `call.sent` events; die at the chosen one."""
+        """The ledger hook: count appends and POST `call.sent` events; die at the chosen one."""
         self.appends += 1
         if self.appends == self.at_append:
             _die(f"{CRASH_AT}={self.at_append}, after {events[-1].kind} seq {events[-1].seq}")
         if self.before_send is not None:
             for event in events:
-                if event.kind == "call.sent":
+                if is_send_point(event):
                     self.sends += 1
                     if self.sends == self.before_send:
                         _die(f"{CRASH_BEFORE_SEND}={self.before_send}, {event.call_id} not sent")
@@ -67,6 +69,11 @@ class CrashPoints:
     def install(self, ledger: Ledger) -> None:
         """Hook the counters into `ledger` (before its first append, so `coordinator.started` is 1)."""
         ledger.after_append = self.after_append
+
+
+def is_send_point(event: Event) -> bool:
+    """Whether `QUIESCE_CRASH_BEFORE_SEND` counts `event`: a POST's `call.sent`."""
+    return event.kind == "call.sent" and event.data.get("method") == "POST"
 
 
 def _read(environ: Mapping[str, str], name: str) -> int | None:

@@ -4,8 +4,8 @@
 
 For every *append point* (`QUIESCE_CRASH_AT=n`: SIGKILL right after the coordinator's n-th committed
 append) and every *send point* (`QUIESCE_CRASH_BEFORE_SEND=n`: SIGKILL right before its n-th
-request leaves) of one full cycle — the counts come from an uncrashed dry run — against the
-reference Gym cluster with rollouts running:
+POST request leaves; a read's record is committed after it) of one full cycle — the counts come
+from an uncrashed dry run — against the reference Gym cluster with rollouts running:
 
 1. `quiesce checkpoint` (save cycle) or `quiesce restore` (restore cycle, into a fresh cluster)
    runs in a child process with the crash variable set, and dies there;
@@ -408,7 +408,7 @@ class Matrix:
         started = next(i for i, e in enumerate(events) if e["kind"] == "coordinator.started")
         epoch = events[started]["epoch"]
         mine = [e for e in events[started:] if e["epoch"] == epoch]
-        return len(mine), sum(e["kind"] == "call.sent" for e in mine)
+        return len(mine), sum(e["kind"] == "call.sent" and e["data"].get("method") == "POST" for e in mine)
 
     def _second_recover(self, config: Path, urls: dict[str, str], folder: Path) -> list[str]:
         head = self._head()

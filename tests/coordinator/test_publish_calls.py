@@ -12,7 +12,7 @@ import anyio
 import anyio.abc
 import pytest
 
-from coordinator.calls import MAX_REPLY_BYTES, Caller, CallResult
+from coordinator.calls import MAX_REPLY_BYTES, STAGED_READ_COMMIT_S, Caller, CallResult
 from coordinator.digests import file_digest
 from coordinator.errors import SnapshotError
 from coordinator.publish import (
@@ -289,6 +289,48 @@ async def test_a_reply_without_a_length_is_read_up_to_the_cap(tmp_path: Path, si
         assert result.error == "protocol"
         assert result.detail is not None
         assert result.detail.startswith("reply does not match Capabilities")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("answer_after_s", [0.0, 0.5])
+async def test_a_read_is_committed_with_the_next_append_or_while_it_waits(
+    tmp_path: Path, answer_after_s: float
+) -> None:
+    """A GET changes nothing on the server, so its `call.sent` is staged, not committed before the
+    request leaves: a quick read is committed with the next append; a read still unanswered after
+    `STAGED_READ_COMMIT_S` has it committed while the server holds the request (a long poll)."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'l.db'}"
+
+    async def committed() -> list[str]:
+        async with Ledger.open(url, readonly=True) as reader:
+            return [ev.kind async for ev in reader.read() if ev.kind.startswith("call.")]
+
+    seen_by_server: list[list[str]] = []
+
+    async def handle(stream: anyio.abc.ByteStream) -> None:
+        async with stream:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += await stream.receive()
+            await anyio.sleep(answer_after_s)
+            seen_by_server.append(await committed())
+            with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                await stream.send(_http(503, b"down"))
+
+    async with loopback(handle) as server_url, Ledger.open(url) as ledger:
+        assert answer_after_s == 0 or answer_after_s > 2 * STAGED_READ_COMMIT_S
+        result = await _capabilities(ledger, server_url, "t")
+        assert (result.error, result.status) == ("http", 503)
+        after_the_read = await committed()
+        await ledger.flush()
+        flushed = await committed()
+    if answer_after_s == 0:
+        assert seen_by_server == [[]]
+        assert after_the_read == []
+    else:
+        assert seen_by_server == [["call.sent"]]
+        assert after_the_read == ["call.sent"]
+    assert flushed == ["call.sent", "call.failed"]
 
 
 @pytest.mark.anyio
