@@ -9,7 +9,8 @@ does none of the rest: no payload validation, no redaction or body capping, no `
 projection, no fencing check, no group commit, no writer lock, no error handling beyond raising.
 
 The same coordinator code run on it, the real ledger and ``NullLedger`` in one process shows how
-much of the real ledger's cost is the floor of one SQLite transaction per request on this machine.
+much of the real ledger's cost is the floor of one SQLite transaction per state-changing request
+on this machine.
 
 Bench-only: nothing can read it back (reads find nothing), so it must never drive real servers.
 """

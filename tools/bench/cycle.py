@@ -15,9 +15,9 @@ so fewer cycles make the per-run median move more than the ledger costs). A cycl
 ``Coordinator.checkpoint()``: prepare → commit → publish (manifest, fsync, rename, ``LATEST``) →
 resume. The per-run medians give the overhead ``real / null - 1`` (goal: the ledger adds <= 10%)
 and, beside it, the bare log's ``bare / null - 1``: the floor of one SQLite write-ahead
-transaction per request on this machine, against which the real ledger's own work shows. Each
-side's CPU per cycle (this process's, all threads) is reported too: what the ledger costs in CPU,
-not only in time.
+transaction per state-changing request on this machine, against which the real ledger's own work
+shows. Each side's CPU per cycle (this process's, all threads) is reported too: what the ledger
+costs in CPU, not only in time.
 
 A run measures ``CYCLES`` cycles per side: with 30, one run's overhead moved between about 4% and
 22% (the drain a prepare waits for, the servers' fsyncs and the VM's own noise vary by several
