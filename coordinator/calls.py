@@ -68,7 +68,7 @@ from coordinator.protocol import (
     ControlError,
     Route,
 )
-from ledger import Ledger
+from ledger import Ledger, LedgerError
 
 __all__ = [
     "MAX_REPLY_BYTES",
@@ -290,21 +290,22 @@ class Caller:
         }
         # no shield needed here or around the outcome: an append, once called, is never
         # interrupted (Ledger.append); a cancellation reaches this task at its next checkpoint
-        if method == "POST":
+        read = method != "POST"
+        if read:  # a read changes nothing on the server: its record may ride with the next append
+            sent = await self._ledger.stage(
+                "call.sent", checkpoint_id=checkpoint_id, server=server, call_id=call_id, data=sent_data
+            )
+        else:
             sent = await self._ledger.append(
                 "call.sent", checkpoint_id=checkpoint_id, server=server, call_id=call_id, data=sent_data,
                 durable=False,
             )  # fmt: skip
-        else:  # a read changes nothing on the server: its record may ride with the next append
-            sent = await self._ledger.stage(
-                "call.sent", checkpoint_id=checkpoint_id, server=server, call_id=call_id, data=sent_data
-            )
         started = time.monotonic()
         try:
-            if method == "POST":
-                exchange = await self._exchange(method, url, body, params, timeout_s)
-            else:
+            if read:
                 exchange = await self._read_committing_late(url, params, timeout_s)
+            else:
+                exchange = await self._exchange(method, url, body, params, timeout_s)
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
                 await self._record(
@@ -382,18 +383,35 @@ class Caller:
     ) -> _Exchange:
         """A GET whose reply takes longer than `STAGED_READ_COMMIT_S` has the staged events (its
         own `call.sent` among them) committed meanwhile, so a long poll — a drain can take
-        minutes — never leaves the ledger that far behind what was done."""
-        result: list[_Exchange] = []
+        minutes — never leaves the ledger that far behind what was done.
+
+        Raises what the exchange or that commit raised, as they raised it (never an exception
+        group): a commit that fails (e.g. `FencedError`) stops the read and is raised."""
+        failed: list[LedgerError] = []
+        raised: list[Exception] = []
+        exchange: _Exchange | None = None
 
         async def commit_later() -> None:
             await anyio.sleep(STAGED_READ_COMMIT_S)
-            await self._ledger.flush()
+            try:
+                await self._ledger.flush()
+            except LedgerError as error:
+                failed.append(error)
+                tg.cancel_scope.cancel()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(commit_later)
-            result.append(await self._exchange("GET", url, None, params, timeout_s))
+            try:
+                exchange = await self._exchange("GET", url, None, params, timeout_s)
+            except Exception as error:  # not a cancellation: that one goes through the group
+                raised.append(error)
             tg.cancel_scope.cancel()
-        return result[0]
+        if failed:
+            raise failed[0]
+        if raised:
+            raise raised[0]
+        assert exchange is not None
+        return exchange
 
     async def _exchange(
         self,

@@ -334,6 +334,32 @@ async def test_a_read_is_committed_with_the_next_append_or_while_it_waits(
 
 
 @pytest.mark.anyio
+async def test_a_commit_failing_during_a_long_read_stops_it_and_is_raised_as_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit made while a read waits fails (here: the ledger is fenced): the read is stopped
+    and the caller gets that `FencedError` itself, not an exception group."""
+    import time
+
+    from ledger import FencedError
+
+    async def hold(stream: anyio.abc.ByteStream) -> None:
+        async with stream:
+            await anyio.sleep(30)
+
+    async def fenced() -> None:
+        raise FencedError("another coordinator took over")
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'l.db'}"
+    async with loopback(hold) as server_url, Ledger.open(url) as ledger:
+        monkeypatch.setattr(ledger, "flush", fenced)
+        started = time.monotonic()
+        with pytest.raises(FencedError, match="another coordinator took over"):
+            await _capabilities(ledger, server_url, "t")
+        assert time.monotonic() - started < 10  # stopped, not waited out
+
+
+@pytest.mark.anyio
 async def test_connect_and_timeout(tmp_path: Path) -> None:
     import time
 
