@@ -54,15 +54,20 @@ async def _start(http: httpx.AsyncClient, running: Any) -> None:
     await client.wait_turns(http, running.urls["simple_agent"], 1)
 
 
+async def _unfinished_checkpoint_id(config: ClusterConfig) -> str:
+    """The checkpoint id of the one attempt the dead coordinator left unfinished."""
+    async with Ledger.open(config.ledger, readonly=True) as ledger:
+        rows = [row for row in await ledger.attempts() if row.outcome is None]
+    assert len(rows) == 1, rows
+    return rows[0].checkpoint_id
+
+
 async def _die_during_checkpoint(config: ClusterConfig) -> str:
     """Run a checkpoint that the armed `die_after` kills; return the attempt's checkpoint id."""
     with pytest.raises(Died):
         async with Coordinator.open(config) as coord:
             await coord.checkpoint(deadline_s=30)
-    async with Ledger.open(config.ledger, readonly=True) as ledger:
-        rows = [row for row in await ledger.attempts() if row.outcome is None]
-    assert len(rows) == 1, rows
-    return rows[0].checkpoint_id
+    return await _unfinished_checkpoint_id(config)
 
 
 async def _die_at_the_rename(config: ClusterConfig, monkeypatch: pytest.MonkeyPatch, *, renamed: bool) -> str:
@@ -87,10 +92,7 @@ async def _die_at_the_rename(config: ClusterConfig, monkeypatch: pytest.MonkeyPa
         patch.setattr("coordinator.attempt.rename_into_place", rename)
         with pytest.raises(Died):
             await checkpoint()
-    async with Ledger.open(config.ledger, readonly=True) as ledger:
-        rows = [row for row in await ledger.attempts() if row.outcome is None]
-    assert len(rows) == 1, rows
-    return rows[0].checkpoint_id
+    return await _unfinished_checkpoint_id(config)
 
 
 async def _recover(config: ClusterConfig) -> RecoveryReport:
