@@ -61,7 +61,7 @@ class CrashPoints:
             _die(f"{CRASH_AT}={self.at_append}, after {events[-1].kind} seq {events[-1].seq}")
         if self.before_send is not None:
             for event in events:
-                if is_send_point(event):
+                if is_send_point(event.kind, event.data):
                     self.sends += 1
                     if self.sends == self.before_send:
                         _die(f"{CRASH_BEFORE_SEND}={self.before_send}, {event.call_id} not sent")
@@ -71,9 +71,10 @@ class CrashPoints:
         ledger.after_append = self.after_append
 
 
-def is_send_point(event: Event) -> bool:
-    """Whether `QUIESCE_CRASH_BEFORE_SEND` counts `event`: a POST's `call.sent`."""
-    return event.kind == "call.sent" and event.data.get("method") == "POST"
+def is_send_point(kind: str, data: Mapping[str, object]) -> bool:
+    """Whether `QUIESCE_CRASH_BEFORE_SEND` counts an event of `kind` with payload `data`: a POST's
+    `call.sent` (the crash matrix counts its send points by the same rule)."""
+    return kind == "call.sent" and data.get("method") == "POST"
 
 
 def _read(environ: Mapping[str, str], name: str) -> int | None:

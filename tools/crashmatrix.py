@@ -51,7 +51,7 @@ from typing import Any
 
 import httpx
 
-from coordinator.crashpoints import CRASH_AT, CRASH_BEFORE_SEND
+from coordinator.crashpoints import CRASH_AT, CRASH_BEFORE_SEND, is_send_point
 from coordinator.protocol import AGENT, CAPABILITIES_PATH, MODEL, RESOURCES, TOKEN_ENV, TOKEN_ENV_FALLBACK
 from coordinator.publish import LATEST, load_snapshot, read_latest, verify_snapshot
 from tools.cli.main import main as cli_main
@@ -408,7 +408,7 @@ class Matrix:
         started = next(i for i, e in enumerate(events) if e["kind"] == "coordinator.started")
         epoch = events[started]["epoch"]
         mine = [e for e in events[started:] if e["epoch"] == epoch]
-        return len(mine), sum(e["kind"] == "call.sent" and e["data"].get("method") == "POST" for e in mine)
+        return len(mine), sum(is_send_point(e["kind"], e["data"]) for e in mine)
 
     def _second_recover(self, config: Path, urls: dict[str, str], folder: Path) -> list[str]:
         head = self._head()
