@@ -11,10 +11,11 @@ For every request, in this order:
    still unanswered after `STAGED_READ_COMMIT_S`, the staged events are committed meanwhile.
    A POST's `call.sent` is write-behind (`durable=False`): committed, so it survives a crash of
    this process, and on disk with the next durable append. What makes that safe after a power
-   loss too is a rule of the callers (attempt.py): a POST is only ever sent under a checkpoint
-   id whose `attempt.started` — durable, listing every participant — is already on disk, so the
-   set of servers an attempt may have touched is known from durable events alone, and recovery
-   asks each listed server without a surviving `call.sent` whether it saw this checkpoint id.
+   loss too is a rule of the callers (attempt.py and the steps beside it): a POST is only ever
+   sent under a checkpoint id whose `attempt.started` — durable, listing every participant — is
+   already on disk, so the set of servers an attempt may have touched is known from durable
+   events alone, and recovery asks each listed server without a surviving `call.sent` whether
+   it saw this checkpoint id.
 2. The request goes out on the caller's one `HttpClient` (`coordinator/http.py`: keep-alive
    connections per server origin; never redirected, never retried, no proxy, no cookies),
    `Authorization: Bearer <token>`, with `max(0.001, deadline_ts - now)` for the whole exchange

@@ -40,9 +40,9 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 
-from coordinator import attempt as _attempt
 from coordinator import crashpoints, recovery
-from coordinator.attempt import Attempt, Context, Outcome, ProgressCallback
+from coordinator import save as saving
+from coordinator.attempt import Attempt, Context, Outcome, ProgressCallback, resume_sorted
 from coordinator.calls import Caller
 from coordinator.config import ClusterConfig, load_config, resolve_token
 from coordinator.discovery import Discovery, discover
@@ -50,6 +50,9 @@ from coordinator.errors import ConfigError, QuiesceError
 from coordinator.heap import frozen_step, heap_frozen
 from coordinator.lease import keep_lease
 from coordinator.publish import empty_trash, read_latest, resolve_snapshot, verify_snapshot
+from coordinator.readback import find_paused, resume_recorded
+from coordinator.restore import restore as restore_snapshot
+from coordinator.resume import finish_resume, roll_back
 from coordinator.version import VERSION
 from ledger import AttemptRow, LeaseTerms, Ledger
 
@@ -217,23 +220,23 @@ class Coordinator:
         """Start a save attempt and prepare it (pause, prepare, drain). Rolls back and raises on failure."""
         self._idle("prepare")
         discovery = await self._discovered()
-        attempt = await _attempt.start_attempt(self._ctx, discovery, deadline_s=deadline_s)
+        attempt = await saving.start_attempt(self._ctx, discovery, deadline_s=deadline_s)
         self._current = attempt
-        await _attempt.prepare(self._ctx, attempt)
+        await saving.prepare(self._ctx, attempt)
         return attempt
 
     @frozen_step
     async def commit(self, attempt: Attempt | None = None) -> Attempt:
         """Commit a prepared attempt into its staging folder; verifies every digest. Rolls back on failure."""
         chosen = self._pick(attempt, "commit")
-        await _attempt.commit(self._ctx, chosen)
+        await saving.commit(self._ctx, chosen)
         return chosen
 
     @frozen_step
     async def publish(self, attempt: Attempt | None = None) -> Path:
         """Publish a committed attempt (manifest, rename, LATEST, retention); returns the snapshot folder."""
         chosen = self._pick(attempt, "publish")
-        return await _attempt.publish(self._ctx, chosen)
+        return await saving.publish(self._ctx, chosen)
 
     @frozen_step
     async def abort(self, attempt: Attempt | None = None, *, reason: str = "aborted by request") -> Outcome:
@@ -248,19 +251,19 @@ class Coordinator:
             else None
         )
         if chosen is None:
-            recorded = await _attempt.find_paused(self._ctx, in_progress_only=True)
+            recorded = await find_paused(self._ctx, in_progress_only=True)
             if recorded is None:
                 return Outcome(None, "none")
-            return await _attempt.resume_recorded(self._ctx, recorded, reason=reason)
+            return await resume_recorded(self._ctx, recorded, reason=reason)
         if chosen.state in ("published", "restored"):
-            return await _attempt.finish_resume(self._ctx, chosen)
+            return await finish_resume(self._ctx, chosen)
         if chosen.state in ("completed", "aborted"):
             return Outcome(chosen.checkpoint_id, "none")
-        error = await _attempt.roll_back(self._ctx, chosen, None, reason=reason)
+        error = await roll_back(self._ctx, chosen, None, reason=reason)
         return Outcome(
             chosen.checkpoint_id,
             "aborted",
-            tuple(_attempt.resume_sorted(chosen, chosen.touched)),
+            tuple(resume_sorted(chosen, chosen.touched)),
             tuple(error.resumed),
             (),
             tuple(error.not_resumed),
@@ -275,18 +278,16 @@ class Coordinator:
         """
         chosen = attempt or self._current
         if chosen is not None and chosen.state in ("published", "restored"):
-            return await _attempt.finish_resume(self._ctx, chosen)
+            return await finish_resume(self._ctx, chosen)
         if chosen is not None and chosen.state not in ("completed", "aborted"):
             raise QuiesceError(
                 f"cannot resume attempt {chosen.checkpoint_id}: it is {chosen.state}; publish it first,"
                 " or abort() it to roll back"
             )
-        recorded = await _attempt.find_paused(self._ctx)
+        recorded = await find_paused(self._ctx)
         if recorded is None:
             return Outcome(None, "none")
-        return await _attempt.resume_recorded(
-            self._ctx, recorded, reason="resumed by request before publication"
-        )
+        return await resume_recorded(self._ctx, recorded, reason="resumed by request before publication")
 
     # -- save, whole ---------------------------------------------------------------------------
 
@@ -305,7 +306,7 @@ class Coordinator:
             yield attempt
         except BaseException as exc:
             with anyio.CancelScope(shield=True), heap_frozen():
-                error = await _attempt.roll_back(
+                error = await roll_back(
                     self._ctx, attempt, None, reason=f"the caller's block raised {type(exc).__name__}"
                 )
             exc.add_note(str(error))
@@ -313,7 +314,7 @@ class Coordinator:
         # the snapshots retention removed are deleted while the servers resume, not before
         failed: Exception | None = None
         with heap_frozen():
-            await _attempt.publish(self._ctx, attempt, defer_delete=True)
+            await saving.publish(self._ctx, attempt, defer_delete=True)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(anyio.to_thread.run_sync, empty_trash, self._ctx.config.snapshots)
                 try:
@@ -346,7 +347,7 @@ class Coordinator:
         path = resolve_snapshot(self._ctx.config.snapshots, snapshot)
         expected = {m.name: m.component for m in discovery.participants}
         verified = await anyio.to_thread.run_sync(lambda: verify_snapshot(path, participants=expected))
-        attempt = await _attempt.restore(self._ctx, discovery, verified, deadline_s=deadline_s)
+        attempt = await restore_snapshot(self._ctx, discovery, verified, deadline_s=deadline_s)
         self._current = attempt
         return attempt
 

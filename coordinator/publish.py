@@ -18,7 +18,7 @@ Invariants:
   (a folder with a `quiesce-snapshot` manifest). It may move a snapshot into `.trash/` (one
   rename) and delete it later (`empty_trash`), so the deleting runs while the servers resume.
 - The ledger side (`attempt.publishing` once the manifest is written, `attempt.published` after
-  the rename) is the caller's job (`attempt.py`); this module only touches files.
+  the rename) is the caller's job (`save.py`); this module only touches files.
 """
 
 from __future__ import annotations

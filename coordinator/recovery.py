@@ -8,7 +8,7 @@ Run by `Coordinator.open` (after it took its epoch, so the dead coordinator is f
    phase and active checkpoint id. *Touched* is a server with a `call.sent` in the ledger, or a
    participant without one that reports this checkpoint id as active: `call.sent` is
    write-behind, so after a power failure the ledger may have lost the last ones, but never the
-   durable `attempt.started` that lists every participant (see attempt.py). Rolling back a save,
+   durable `attempt.started` that lists every participant (see attempt.py, "Durability"). Rolling back a save,
    an agent or resources participant at `idle` counts as touched too (a prepare it refused
    leaves no trace in its capabilities; see `_settle_touched`). Any other participant that shows
    no trace of the attempt (or cannot be read) is left alone and not reported. A server
@@ -60,20 +60,7 @@ from typing import Any, Final, Literal
 import anyio
 import anyio.to_thread
 
-from coordinator.attempt import (
-    Attempt,
-    Context,
-    PhaseFailure,
-    Recorded,
-    finish_resume,
-    load_attempt,
-    record_phase_failed,
-    restore_body,
-    resume_members,
-    resume_sorted,
-    run_phase,
-    settle_publication,
-)
+from coordinator.attempt import Attempt, Context, PhaseFailure, record_phase_failed, resume_sorted, run_phase
 from coordinator.discovery import Member
 from coordinator.errors import PhaseError, SnapshotError
 from coordinator.protocol import MODEL, RESOURCES, Capabilities
@@ -86,6 +73,9 @@ from coordinator.publish import (
     verify_snapshot,
     write_latest,
 )
+from coordinator.readback import Recorded, load_attempt, settle_publication
+from coordinator.restore import restore_body
+from coordinator.resume import finish_resume, resume_members
 
 __all__ = ["AttemptReport", "RecoveryReport", "ServerReport", "recover"]
 

@@ -89,7 +89,7 @@ async def _die_at_the_rename(config: ClusterConfig, monkeypatch: pytest.MonkeyPa
             await coord.checkpoint(deadline_s=30)
 
     with monkeypatch.context() as patch:
-        patch.setattr("coordinator.attempt.rename_into_place", rename)
+        patch.setattr("coordinator.save.rename_into_place", rename)
         with pytest.raises(Died):
             await checkpoint()
     return await _unfinished_checkpoint_id(config)

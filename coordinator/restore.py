@@ -1,0 +1,192 @@
+"""A restore: policy → agents → resources under a new checkpoint id; the servers stay paused.
+
+The caller verifies the snapshot before any call. Each reply is checked against the snapshot
+(source checkpoint id, each agent's continuation index). A failed restore is never rolled back —
+half-restored state must not run: `attempt.aborted` lists every touched server as `left_paused`,
+and only an explicit resume (or a new restore) lets them go.
+"""
+
+import time
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from coordinator.attempt import (
+    Attempt,
+    Context,
+    PhaseFailure,
+    Progress,
+    each_member,
+    expect_reply,
+    next_checkpoint_id,
+    record_phase_failed,
+    run_phase,
+    send_call,
+)
+from coordinator.discovery import Discovery, Member
+from coordinator.errors import DeadlineExceeded, FencedError, PhaseError
+from coordinator.protocol import (
+    AgentRestoreReply,
+    CheckpointDirBody,
+    ModelRestoreReply,
+    ResourcesRestoreReply,
+)
+from coordinator.publish import (
+    Snapshot,
+    read_latest,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Restore
+# ---------------------------------------------------------------------------------------------
+
+
+async def restore(
+    ctx: Context, discovery: Discovery, snapshot: Snapshot, *, deadline_s: float | None = None
+) -> Attempt:
+    """Restore a verified snapshot: policy → agents → resources under a new id; servers stay paused.
+
+    The caller verifies the snapshot first (`publish.verify_snapshot`) — before any call. Replies are
+    checked against the snapshot: source checkpoint id, and each agent's continuation index.
+    """
+    checkpoint_id = await next_checkpoint_id(ctx.ledger)
+    deadline_ts = time.time() + (deadline_s if deadline_s is not None else ctx.config.deadline_s)
+    attempt = Attempt(
+        checkpoint_id=checkpoint_id,
+        kind="restore",
+        deadline_ts=deadline_ts,
+        participants=discovery.participants,
+        snapshot=snapshot.path,
+        source_checkpoint_id=snapshot.checkpoint_id,
+    )
+    await ctx.ledger.stage(
+        "attempt.started",
+        checkpoint_id=checkpoint_id,
+        data={
+            "kind": "restore",
+            "deadline_ts": deadline_ts,
+            "participants": attempt.names,
+            "snapshot_dir": str(snapshot.path),
+            "source_checkpoint_id": snapshot.checkpoint_id,
+        },
+        durable=True,  # see "Durability" in the module docstring
+    )
+    try:
+        await run_phase(ctx, attempt, "restore", lambda: restore_body(ctx, attempt, snapshot))
+    except FencedError:
+        raise
+    except PhaseFailure as failure:
+        await record_phase_failed(ctx, checkpoint_id, "restore", failure.server, failure.reason, failure.code)
+        reason = f"restore failed at {failure.server or 'the coordinator'}: {failure.reason}"
+        await ctx.ledger.append(
+            "attempt.aborted",
+            checkpoint_id=checkpoint_id,
+            data={"reason": reason, "resumed": [], "left_paused": list(attempt.touched), "not_paused": []},
+        )
+        attempt.state = "aborted"
+        cls = DeadlineExceeded if failure.deadline else PhaseError
+        raise cls(
+            f"restore {checkpoint_id} of snapshot {snapshot.path} failed: {reason}. Servers contacted stay"
+            f" paused (half-restored state must not run): {', '.join(attempt.touched) or 'none'}."
+            " Restart them and restore again, or run `quiesce resume` to run them as they are.",
+            phase="restore",
+            server=failure.server,
+            reason=failure.reason,
+            code=failure.code,
+            checkpoint_id=checkpoint_id,
+            resumed=[],
+            not_resumed=list(attempt.touched),
+            latest_snapshot=str(read_latest(ctx.config.snapshots) or "") or None,
+        ) from None
+    except BaseException as exc:  # cancelled or a bug: record what is left paused, then re-raise
+        with anyio.CancelScope(shield=True):
+            await ctx.ledger.append(
+                "attempt.aborted",
+                checkpoint_id=checkpoint_id,
+                data={
+                    "reason": f"restore interrupted: {type(exc).__name__}: {exc}",
+                    "resumed": [],
+                    "left_paused": list(attempt.touched),
+                    "not_paused": [],
+                },
+            )
+        attempt.state = "aborted"
+        raise
+    await ctx.ledger.append(
+        "attempt.completed",
+        checkpoint_id=checkpoint_id,
+        data={"servers": attempt.touched, "outcome": "restored"},
+    )
+    attempt.state = "restored"
+    return attempt
+
+
+async def restore_body(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> dict[str, Any]:
+    """The restore phase: policy → agents → resources, each reply checked against the snapshot."""
+    phase = "restore"
+    source = snapshot.checkpoint_id
+    body = CheckpointDirBody(
+        checkpoint_id=attempt.checkpoint_id,
+        deadline_ts=attempt.deadline_ts,
+        checkpoint_dir=str(snapshot.path),
+    )
+
+    async def policy(m: Member) -> dict[str, Any]:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        reply = expect_reply(
+            await send_call(ctx, attempt, m, "restore", phase, body=body),
+            ModelRestoreReply,
+            phase,
+            "model restore",
+        )
+        if reply.checkpoint_id != source:
+            raise PhaseFailure(
+                phase, m.name, f"restored checkpoint {reply.checkpoint_id!r}, the snapshot is {source!r}"
+            )
+        return {"rollouts": reply.rollouts, "rows": reply.rows}
+
+    async def agent(m: Member) -> dict[str, Any]:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        reply = expect_reply(
+            await send_call(ctx, attempt, m, "restore", phase, body=body),
+            AgentRestoreReply,
+            phase,
+            "agent restore",
+        )
+        if reply.source_checkpoint_id != source:
+            raise PhaseFailure(
+                phase,
+                m.name,
+                f"restored checkpoint {reply.source_checkpoint_id!r}, the snapshot is {source!r}",
+            )
+        committed = (snapshot.participant(m.name) or {}).get("continuation_index")
+        got = reply.continuation_index.model_dump(mode="json")
+        keys = ("relative_path", "sha256", "records", "bytes")
+        if not isinstance(committed, dict) or any(committed.get(k) != got.get(k) for k in keys):
+            raise PhaseFailure(
+                phase, m.name, "its continuation index differs from the one committed in the snapshot"
+            )
+        return {"records": reply.records}
+
+    async def resources(m: Member) -> dict[str, Any]:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        reply = expect_reply(
+            await send_call(ctx, attempt, m, "restore", phase, body=body),
+            ResourcesRestoreReply,
+            phase,
+            "resources restore",
+        )
+        if reply.source_checkpoint_id != source:
+            raise PhaseFailure(
+                phase,
+                m.name,
+                f"restored checkpoint {reply.source_checkpoint_id!r}, the snapshot is {source!r}",
+            )
+        return {"sessions": reply.sessions}
+
+    return {
+        "policy": await each_member(ctx, attempt.group("policy"), policy),
+        "agents": await each_member(ctx, attempt.group("agent"), agent),
+        "resources": await each_member(ctx, attempt.group("resources"), resources),
+    }

@@ -1,0 +1,224 @@
+"""Resume and rollback: the only ways a paused server is let go.
+
+- `resume_members` resumes the given servers in resume order (resources → policy → agents, fan-out
+  within a role group) and never stops early; 409 `invalid_phase` means the server never paused.
+- `roll_back` (a save before publication) resumes every *touched* server — its request was sent,
+  answered or not — removes the staging folder, and records `attempt.aborting` … `attempt.aborted
+  {resumed, left_paused, not_paused}`. Its budget is `max(deadline_ts, now + control_timeout_s)`.
+- `finish_resume` resumes every participant of a published save or of a restore; a server that
+  cannot be resumed leaves the attempt without a terminal event, so the same id's resume can be
+  retried (by the caller or by recovery).
+- `rolled_back_on_failure` wraps a save step: any failure, cancellation included, is rolled back
+  (shielded) before it propagates. `FencedError` is never handled: a fenced coordinator stops.
+"""
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Literal
+
+import anyio
+import anyio.to_thread
+
+from coordinator.attempt import (
+    Attempt,
+    Context,
+    Outcome,
+    PhaseFailure,
+    Progress,
+    anyio_deadline,
+    record_phase_failed,
+    send_call,
+)
+from coordinator.calls import CallResult
+from coordinator.discovery import Member
+from coordinator.errors import DeadlineExceeded, FencedError, PhaseError
+from coordinator.phases import resume_order
+from coordinator.protocol import (
+    INVALID_PHASE,
+    CommonBody,
+)
+from coordinator.publish import (
+    read_latest,
+    remove_tree,
+)
+
+
+async def rolled_back_on_failure(
+    ctx: Context, attempt: Attempt, phase: str, body: Callable[[], Awaitable[None]]
+) -> None:
+    """Run `body`; on any failure before publication, roll back and raise.
+
+    A phase failure raises the rollback's `PhaseError`. Anything else (the caller cancelled us, a
+    bug) is rolled back too, shielded from cancellation, and re-raised with a note on what was
+    done. `FencedError` is never handled: a fenced coordinator makes no further calls.
+    """
+    try:
+        await body()
+    except PhaseFailure as failure:
+        raise await roll_back(ctx, attempt, failure) from None
+    except FencedError:
+        raise
+    except BaseException as exc:
+        interrupted = PhaseFailure(phase, attempt.last_server, f"interrupted by {type(exc).__name__}: {exc}")
+        with anyio.CancelScope(shield=True):
+            error = await roll_back(ctx, attempt, interrupted)
+        exc.add_note(str(error))
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume and rollback
+# ---------------------------------------------------------------------------------------------
+
+
+async def resume_members(
+    ctx: Context, attempt: Attempt, names: Sequence[str], *, phase: str, deadline_ts: float
+) -> tuple[list[str], list[str], list[str], list[str], list[tuple[str, CallResult]]]:
+    """Resume `names` in resume order (fan-out within a group). Never stops early.
+
+    Returns (called in order, resumed, not_paused, left_paused, failures).
+    """
+    wanted = set(names)
+    called: list[str] = []
+    resumed: list[str] = []
+    not_paused: list[str] = []
+    failures: list[tuple[str, CallResult]] = []
+
+    async def one(m: Member) -> None:
+        called.append(m.name)
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        body = CommonBody(checkpoint_id=attempt.checkpoint_id, deadline_ts=deadline_ts)
+        result = await send_call(ctx, attempt, m, "resume", phase, body=body, deadline_ts=deadline_ts)
+        if result.ok:
+            resumed.append(m.name)
+        elif result.error == "http" and result.status == 409 and result.code == INVALID_PHASE:
+            not_paused.append(m.name)
+        else:
+            failures.append((m.name, result))
+
+    with anyio.CancelScope(deadline=anyio_deadline(deadline_ts)):
+        for role in resume_order():
+            members = [m for m in attempt.group(role) if m.name in wanted]
+            if ctx.config.fanout == "parallel" and len(members) > 1:
+                async with anyio.create_task_group() as tg:
+                    for m in members:
+                        tg.start_soon(one, m)
+            else:
+                for m in members:
+                    await one(m)
+    # whoever is neither resumed nor known never-paused is left paused: a failed call, the budget
+    # running out before (or during) its call, or a server the config no longer names
+    settled = set(resumed) | set(not_paused)
+    left = [n for n in names if n not in settled]
+    return called, resumed, not_paused, left, failures
+
+
+def recovery_budget(ctx: Context, attempt: Attempt) -> float:
+    return max(attempt.deadline_ts, time.time() + ctx.config.control_timeout_s)
+
+
+async def roll_back(
+    ctx: Context, attempt: Attempt, failure: PhaseFailure | None, *, reason: str | None = None
+) -> PhaseError:
+    """Resume every touched server (resume order), remove staging, record; return the error to raise.
+
+    Save attempts only (a failed restore is recorded by `restore` and left paused). The budget is
+    `max(deadline_ts, now + control_timeout_s)`; 409 `invalid_phase` means the server never paused.
+    """
+    text = reason or (
+        f"{failure.phase} failed at {failure.server or 'the coordinator'}: {failure.reason}"
+        if failure
+        else "aborted"
+    )
+    if failure is not None:
+        await record_phase_failed(
+            ctx, attempt.checkpoint_id, failure.phase, failure.server, failure.reason, failure.code
+        )
+    await ctx.ledger.stage("attempt.aborting", checkpoint_id=attempt.checkpoint_id, data={"reason": text})
+    budget = recovery_budget(ctx, attempt)
+    _, resumed, not_paused, left, _ = await resume_members(
+        ctx, attempt, list(attempt.touched), phase="rollback", deadline_ts=budget
+    )
+    if attempt.staging_dir is not None:
+        await anyio.to_thread.run_sync(remove_tree, attempt.staging_dir)
+    await ctx.ledger.append(
+        "attempt.aborted",
+        checkpoint_id=attempt.checkpoint_id,
+        data={"reason": text, "resumed": resumed, "left_paused": left, "not_paused": not_paused},
+    )
+    attempt.state = "aborted"
+    latest = read_latest(ctx.config.snapshots)
+    phase = failure.phase if failure else "abort"
+    message = (
+        f"checkpoint {attempt.checkpoint_id} rolled back: {text}."
+        f" Resumed: {', '.join(resumed) or 'none'}."
+        + (f" Never paused: {', '.join(not_paused)}." if not_paused else "")
+        + (
+            f" Could not resume: {', '.join(left)} — run `quiesce resume` once they are reachable."
+            if left
+            else " Every server is accepting again."
+        )
+        + f" Latest snapshot: {latest if latest else 'none'}."
+    )
+    cls = DeadlineExceeded if failure is not None and failure.deadline else PhaseError
+    return cls(
+        message,
+        phase=phase,
+        server=failure.server if failure else None,
+        reason=failure.reason if failure else text,
+        code=failure.code if failure else None,
+        checkpoint_id=attempt.checkpoint_id,
+        resumed=resumed + not_paused,
+        not_resumed=left,
+        latest_snapshot=str(latest) if latest else None,
+    )
+
+
+async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
+    """Resume every participant of a published save, or of a restore; then `attempt.completed`.
+
+    Servers that cannot be resumed leave the attempt without a terminal event (so the same id's
+    resume can be retried) and raise `PhaseError` naming them.
+    """
+    budget = recovery_budget(ctx, attempt)
+    await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"})
+    called, resumed, not_paused, left, failures = await resume_members(
+        ctx, attempt, attempt.names, phase="resume", deadline_ts=budget
+    )
+    if left:
+        name = left[0]
+        detail = next((r.describe() for n, r in failures if n == name), "no time left to call it")
+        code = next((r.code for n, r in failures if n == name), None)
+        await record_phase_failed(ctx, attempt.checkpoint_id, "resume", name, detail, code)
+        latest = read_latest(ctx.config.snapshots)
+        raise PhaseError(
+            f"resume of {attempt.checkpoint_id} failed at {name}: {detail}."
+            f" Resumed: {', '.join(resumed) or 'none'}; still paused: {', '.join(left)}."
+            " Run `quiesce resume` again once they are reachable."
+            f" Latest snapshot: {latest if latest else 'none'}.",
+            phase="resume",
+            server=name,
+            reason=detail,
+            code=code,
+            checkpoint_id=attempt.checkpoint_id,
+            resumed=resumed + not_paused,
+            not_resumed=left,
+            latest_snapshot=str(latest) if latest else None,
+        )
+    await ctx.ledger.stage(
+        "phase.completed",
+        checkpoint_id=attempt.checkpoint_id,
+        data={"phase": "resume", "summary": {"resumed": resumed, "not_paused": not_paused}},
+    )
+    outcome: Literal["published", "resumed"] = "published" if attempt.kind == "save" else "resumed"
+    # write-behind: what it answers is already durable — the fsynced snapshot (a save), or the
+    # servers' own resumed state; were it lost with a power failure, recovery finds the
+    # publication on disk, resumes again (the servers replay) and records it again
+    await ctx.ledger.append(
+        "attempt.completed",
+        checkpoint_id=attempt.checkpoint_id,
+        data={"servers": called, "outcome": outcome},
+        durable=False,
+    )
+    attempt.state = "completed"
+    return Outcome(attempt.checkpoint_id, outcome, tuple(called), tuple(resumed), tuple(not_paused), ())

@@ -1,0 +1,500 @@
+"""A save: start → prepare → commit → publish (the resume is `resume.py`'s), in gym-control-v1 order.
+
+- prepare: policy pause → agents prepare (`agent_prepare_incomplete` retried every
+  `AGENT_RETRY_S` until the deadline) → resources prepare → policy status long-poll until drained.
+- commit: agents → policy (given every agent's continuation index) → resources; each role group's
+  manifest digests and artifact references are verified before the next group is called.
+- publish: every staged file hashed and fsynced, the manifest written last, then the rename of
+  `<snapshots>/.staging/<id>` to `<snapshots>/<id>` (`final_dir_of`) — the commit point — then
+  `LATEST` and retention.
+
+Any failure before the rename rolls back (`resume.rolled_back_on_failure`) and raises; after it,
+the snapshot is published whatever happens next. Durability of each record: see `attempt.py`.
+"""
+
+import hashlib
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import anyio
+import anyio.to_thread
+from pydantic import BaseModel, ValidationError
+
+from coordinator.attempt import (
+    Attempt,
+    Context,
+    PhaseFailure,
+    Progress,
+    common_body,
+    each_member,
+    expect_reply,
+    next_checkpoint_id,
+    require_state,
+    run_phase,
+    send_call,
+)
+from coordinator.digests import DigestCache, regular_facts
+from coordinator.discovery import Discovery, Member
+from coordinator.errors import SnapshotError
+from coordinator.protocol import (
+    AGENT_PREPARE_INCOMPLETE as _AGENT_PREPARE_INCOMPLETE,
+)
+from coordinator.protocol import (
+    AgentCommitReply,
+    AgentPrepareReply,
+    ArtifactRef,
+    CheckpointDirBody,
+    ModelCommitBody,
+    ModelCommitReply,
+    ModelPauseReply,
+    ModelStatusReply,
+    ResourcesCommitReply,
+    ResourcesPrepareReply,
+    StatusQuery,
+    Workers,
+    manifest_path,
+)
+from coordinator.publish import (
+    MANIFEST,
+    apply_retention,
+    build_manifest,
+    make_staging,
+    rename_into_place,
+    sweep_staging,
+    tree_digests,
+    verify_artifact,
+    write_json_durably,
+    write_latest,
+)
+from coordinator.resume import rolled_back_on_failure
+from ledger import utc_now
+
+#: Longest single status long-poll while draining (so progress is reported at least this often).
+DRAIN_POLL_S: Final = 1.0
+#: The long-poll's own timeout stays this far below the time left, so its reply beats the deadline.
+POLL_MARGIN_S: Final = 0.2
+#: How often `agent_prepare_incomplete` is retried (at most).
+AGENT_RETRY_S: Final = 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# Save: start, prepare, commit, publish
+# ---------------------------------------------------------------------------------------------
+
+
+async def start_attempt(ctx: Context, discovery: Discovery, *, deadline_s: float | None = None) -> Attempt:
+    """Append `attempt.started` for a new save attempt and return it (nothing is called yet)."""
+    checkpoint_id = await next_checkpoint_id(ctx.ledger)
+    deadline_ts = time.time() + (deadline_s if deadline_s is not None else ctx.config.deadline_s)
+    staging = ctx.config.staging_root / checkpoint_id
+    attempt = Attempt(
+        checkpoint_id=checkpoint_id,
+        kind="save",
+        deadline_ts=deadline_ts,
+        participants=discovery.participants,
+        staging_dir=staging,
+        skipped=[{"name": n, "reason": r} for n, r in discovery.skipped],
+    )
+    await ctx.ledger.stage(
+        "attempt.started",
+        checkpoint_id=checkpoint_id,
+        data={
+            "kind": "save",
+            "deadline_ts": deadline_ts,
+            "participants": attempt.names,
+            "staging_dir": str(staging),
+        },
+        durable=True,  # see "Durability" in the module docstring
+    )
+    return attempt
+
+
+async def prepare(ctx: Context, attempt: Attempt) -> None:
+    """Prepare: policy pause → agents prepare → resources prepare → policy drain. Rolls back on failure."""
+    require_state(attempt, ("started",), "prepare")
+
+    async def body() -> None:
+        await run_phase(ctx, attempt, "prepare", lambda: _prepare_body(ctx, attempt))
+
+    await rolled_back_on_failure(ctx, attempt, "prepare", body)
+    attempt.state = "prepared"
+
+
+async def _prepare_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
+    phase = "prepare"
+
+    async def pause(m: Member) -> ModelPauseReply:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        result = await send_call(ctx, attempt, m, "pause", phase, body=common_body(attempt))
+        return expect_reply(result, ModelPauseReply, phase, "policy pause")
+
+    async def agent(m: Member) -> AgentPrepareReply:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        while True:
+            result = await send_call(ctx, attempt, m, "prepare", phase, body=common_body(attempt))
+            if result.error == "http" and result.status == 409 and result.code == _AGENT_PREPARE_INCOMPLETE:
+                left = attempt.deadline_ts - time.time()
+                if left <= AGENT_RETRY_S:
+                    raise PhaseFailure(
+                        phase,
+                        m.name,
+                        "agent never became ready to commit before the deadline (agent_prepare_incomplete)",
+                        result.code,
+                        deadline=True,
+                    )
+                await anyio.sleep(min(AGENT_RETRY_S, left))
+                continue
+            reply = expect_reply(result, AgentPrepareReply, phase, "agent prepare")
+            if not reply.ready_to_commit:
+                raise PhaseFailure(phase, m.name, "agent prepare answered but is not ready_to_commit")
+            return reply
+
+    async def resources(m: Member) -> ResourcesPrepareReply:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        result = await send_call(ctx, attempt, m, "prepare", phase, body=common_body(attempt))
+        return expect_reply(result, ResourcesPrepareReply, phase, "resources prepare")
+
+    pauses = await each_member(ctx, attempt.group("policy"), pause)
+    agents = await each_member(ctx, attempt.group("agent"), agent)
+    res = await each_member(ctx, attempt.group("resources"), resources)
+    drained = await each_member(
+        ctx, attempt.group("policy"), lambda m: _drain(ctx, attempt, m, pauses[m.name].workers)
+    )
+    return {
+        "policy": {name: {"inflight_at_pause": p.inflight_total} for name, p in pauses.items()},
+        "drain": drained,
+        "agents": {name: {"parked": a.parked, "active": a.active} for name, a in agents.items()},
+        "resources": {name: {"sessions": r.sessions} for name, r in res.items()},
+    }
+
+
+async def _drain(ctx: Context, attempt: Attempt, m: Member, workers: Workers) -> dict[str, Any]:
+    """Repeat the status long-poll (each ≤ the time left) until paused, nothing in flight, all workers."""
+    phase = "prepare"
+    polls = 0
+    while True:
+        left = attempt.deadline_ts - time.time()
+        wait = max(0.0, min(DRAIN_POLL_S, left - POLL_MARGIN_S))
+        query = StatusQuery(
+            checkpoint_id=attempt.checkpoint_id,
+            deadline_ts=attempt.deadline_ts,
+            wait_state="paused",
+            timeout_s=wait,
+        )
+        started = time.monotonic()
+        result = await send_call(ctx, attempt, m, "status", phase, params=query.model_dump(exclude_none=True))
+        polls += 1
+        reply = expect_reply(result, ModelStatusReply, phase, "policy status")
+        attempt.inflight = reply.inflight_total
+        ctx.progress(
+            Progress(attempt.checkpoint_id, phase, m.name, inflight=reply.inflight_total, state=reply.state)
+        )
+        workers_paused = all(w.state == "paused" for w in reply.per_worker.values())
+        acknowledged = workers.acknowledged >= workers.expected or (
+            len(reply.per_worker) >= workers.expected and workers_paused
+        )
+        if reply.state == "paused" and reply.inflight_total == 0 and workers_paused and acknowledged:
+            return {"polls": polls, "state": reply.state}
+        if attempt.deadline_ts - time.time() <= POLL_MARGIN_S:
+            # no time for another poll whose reply could arrive before the deadline: the drain
+            # waits the deadline out (sending nothing after it), then fails
+            await anyio.sleep(max(0.0, attempt.deadline_ts - time.time()))
+            raise PhaseFailure(
+                phase,
+                m.name,
+                f"the drain did not finish before the deadline: {reply.inflight_total} requests"
+                f" still in flight (state {reply.state})",
+                deadline=True,
+            )
+        if time.monotonic() - started < 0.01:
+            await anyio.sleep(0.05)
+
+
+async def commit(ctx: Context, attempt: Attempt) -> None:
+    """Commit: agents → policy (with every agent's continuation index) → resources; each role
+    group's manifest digests and artifact references are verified before the next group is called.
+
+    The staging folder is created (durably) first; a failure rolls back and removes it.
+    """
+    require_state(attempt, ("prepared",), "commit")
+    assert attempt.staging_dir is not None
+    staging = attempt.staging_dir
+
+    async def body() -> None:
+        try:
+            await anyio.to_thread.run_sync(make_staging, staging)
+        except OSError as error:
+            raise PhaseFailure(
+                "commit", None, f"cannot create the staging folder {staging}: {error}"
+            ) from None
+        await run_phase(ctx, attempt, "commit", lambda: _commit_body(ctx, attempt))
+
+    await rolled_back_on_failure(ctx, attempt, "commit", body)
+    attempt.state = "committed"
+
+
+async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
+    phase = "commit"
+    staging = attempt.staging_dir
+    assert staging is not None
+    checkpoint_dir = str(staging)
+
+    def dir_body() -> CheckpointDirBody:
+        return CheckpointDirBody(
+            checkpoint_id=attempt.checkpoint_id,
+            deadline_ts=attempt.deadline_ts,
+            checkpoint_dir=checkpoint_dir,
+        )
+
+    def record(m: Member, reply: BaseModel, digest: str, refs: dict[str, ArtifactRef | None]) -> None:
+        entry: dict[str, Any] = {
+            "name": m.name,
+            "component": m.component,
+            "role": m.role,
+            "manifest": manifest_path(m.component, m.name),
+            "manifest_digest": digest,
+            "reply": reply.model_dump(mode="json"),
+        }
+        for key, ref in refs.items():
+            if ref is not None:
+                entry[key] = ref.model_dump(mode="json")
+        attempt.commits[m.name] = entry
+
+    async def verify(group: Sequence[Member]) -> None:
+        # one pass (one worker thread) per role group, before the next group is called: the
+        # agents' continuation indexes are checked before they go to the model's commit
+        entries = [attempt.commits[m.name] for m in group if m.name in attempt.commits]
+
+        def check() -> list[tuple[str, list[str]]]:
+            return [(e["name"], _verify_entry(staging, e, attempt.digests)) for e in entries]
+
+        for name, problems in await anyio.to_thread.run_sync(check):
+            if problems:
+                raise PhaseFailure(phase, name, "; ".join(problems))
+
+    async def agent(m: Member) -> AgentCommitReply:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        result = await send_call(ctx, attempt, m, "commit", phase, body=dir_body())
+        reply = expect_reply(result, AgentCommitReply, phase, "agent commit")
+        record(m, reply, reply.manifest_digest, {"continuation_index": reply.continuation_index})
+        return reply
+
+    agents = await each_member(ctx, attempt.group("agent"), agent)
+    await verify(attempt.group("agent"))
+    indexes = [agents[m.name].continuation_index for m in attempt.group("agent")]
+
+    async def policy(m: Member) -> ModelCommitReply:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        body = ModelCommitBody(
+            checkpoint_id=attempt.checkpoint_id,
+            deadline_ts=attempt.deadline_ts,
+            checkpoint_dir=checkpoint_dir,
+            continuation_indexes=indexes,
+        )
+        result = await send_call(ctx, attempt, m, "commit", phase, body=body)
+        reply = expect_reply(result, ModelCommitReply, phase, "model commit")
+        record(m, reply, reply.manifest_digest, {"storage_reference_index": reply.storage_reference_index})
+        return reply
+
+    async def resources(m: Member) -> ResourcesCommitReply:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        result = await send_call(ctx, attempt, m, "commit", phase, body=dir_body())
+        reply = expect_reply(result, ResourcesCommitReply, phase, "resources commit")
+        record(m, reply, reply.manifest_digest, {})
+        return reply
+
+    models = await each_member(ctx, attempt.group("policy"), policy)
+    await verify(attempt.group("policy"))
+    res = await each_member(ctx, attempt.group("resources"), resources)
+    await verify(attempt.group("resources"))
+    return {
+        "agents": {n: {"records": a.records} for n, a in agents.items()},
+        "policy": {n: {"rollouts": p.rollouts, "rows": p.rows} for n, p in models.items()},
+        "resources": {n: {"sessions": r.sessions} for n, r in res.items()},
+    }
+
+
+def _verify_entry(staging: Path, entry: dict[str, Any], cache: DigestCache | None = None) -> list[str]:
+    """A participant's manifest digest and artifact references against the files in `staging`
+    (read now, or taken from `cache` for a file unchanged since it was read)."""
+    name = entry["name"]
+    problems: list[str] = []
+    rel = entry["manifest"]
+    facts = regular_facts(staging / rel, cache=cache)  # no symlink: the tree's digests leave them out
+    digest = facts.sha256 if not isinstance(facts, str) else None
+    if isinstance(facts, str):
+        unreadable = facts.startswith("cannot be read")
+        problems.append(f"{name}: its manifest {rel} {facts if unreadable else 'is missing'}")
+    if digest is not None and digest != entry["manifest_digest"]:
+        problems.append(
+            f"{name}: manifest_digest {entry['manifest_digest'][:12]}… does not match the sha256 of {rel}"
+            f" ({digest[:12]}…)"
+        )
+    for key in ("continuation_index", "storage_reference_index"):
+        if key in entry:
+            try:
+                ref = ArtifactRef.model_validate(entry[key])
+            except ValidationError:
+                problems.append(f"{name}: {key} is not a valid artifact reference")
+                continue
+            problem = verify_artifact(staging, ref, what=f"{name} {key}", cache=cache)
+            if problem:
+                problems.append(problem)
+    return problems
+
+
+def final_dir_of(staging: Path) -> Path:
+    """Where a save's staging folder `<snapshots>/.staging/<id>` is renamed to: `<snapshots>/<id>`.
+
+    The one rule `publish` and recovery share. It reads only the staging folder, which the durable
+    `attempt.started` records, so recovery finds a publication even when the ledger kept no
+    `attempt.publishing` and the configured snapshot folder has changed since."""
+    return staging.parent.parent / staging.name
+
+
+async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False) -> Path:
+    """Verify, write the manifest, rename into place (the commit point), point LATEST, retention.
+
+    With `defer_delete`, retention only moves the snapshots it removes into the trash; the caller
+    deletes them (`publish.empty_trash`), e.g. while the servers resume.
+
+    `attempt.publishing` is staged once the manifest is on disk, `attempt.published` after the
+    rename and its fsync; both ride with the next append (the first resume request's `call.sent`),
+    so the rename waits for no transaction: the fsynced rename decides publication, and recovery
+    reads it from the filesystem whatever the ledger kept (`settle_publication`). A failure before
+    the rename rolls back like a failed commit; after it, the snapshot is published whatever
+    happens next.
+    """
+    require_state(attempt, ("committed",), "publish")
+    staging = attempt.staging_dir
+    assert staging is not None
+    final = final_dir_of(staging)
+    await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "publish"})
+    ctx.progress(Progress(attempt.checkpoint_id, "publish"))
+    written: list[bytes] = []
+    manifests: list[dict[str, Any]] = []
+
+    async def body() -> None:
+        entries = list(attempt.commits.values())
+
+        def verify() -> tuple[dict[str, tuple[int, str]], list[str]]:
+            # one pass hashes (what commit did not) and fsyncs every file and folder; the checks
+            # and the manifest reuse it
+            cache = attempt.digests
+            digests = tree_digests(staging, sync=True, skip=[MANIFEST], cache=cache)
+            return digests, [p for entry in entries for p in _verify_entry(staging, entry, cache)]
+
+        try:
+            digests, problems = await anyio.to_thread.run_sync(verify)
+        except OSError as error:
+            raise PhaseFailure(
+                "publish", None, f"cannot read the staging folder {staging}: {error}"
+            ) from None
+        if problems:
+            first = next(iter(attempt.commits))
+            server = next(
+                (
+                    e["name"]
+                    for e in attempt.commits.values()
+                    if problems[0].split(":")[0].split(" ")[0] == e["name"]
+                ),
+                first,
+            )
+            raise PhaseFailure("publish", server, "; ".join(problems))
+        ledger_seq = await ctx.ledger.last_seq()
+        try:
+            manifest = await anyio.to_thread.run_sync(
+                lambda: build_manifest(
+                    staging,
+                    checkpoint_id=attempt.checkpoint_id,
+                    created=utc_now(),
+                    epoch=ctx.ledger.epoch,
+                    ledger_seq=ledger_seq,
+                    participants=list(attempt.commits.values()),
+                    skipped=attempt.skipped,
+                    digests=digests,
+                )
+            )
+        except OSError as error:
+            raise PhaseFailure(
+                "publish", None, f"cannot write the snapshot manifest in {staging}: {error}"
+            ) from None
+        try:
+            written.append(await anyio.to_thread.run_sync(write_json_durably, staging / MANIFEST, manifest))
+        except OSError as error:
+            raise PhaseFailure(
+                "publish", None, f"cannot write the snapshot manifest in {staging}: {error}"
+            ) from None
+        # staged, not committed before the rename: whether the rename happened is read from the
+        # filesystem, never from the ledger (`settle_publication`)
+        await ctx.ledger.stage(
+            "attempt.publishing",
+            checkpoint_id=attempt.checkpoint_id,
+            data={"staging_dir": str(staging), "final_dir": str(final)},
+        )
+        manifests.append(manifest)
+        attempt.state = "publishing"
+        try:
+            await anyio.to_thread.run_sync(rename_into_place, staging, final)
+        except (OSError, SnapshotError) as error:
+            # the rename is the commit point: if it happened (the error came after it), it is published
+            if staging.exists() or not (final / MANIFEST).is_file():
+                raise PhaseFailure("publish", None, f"cannot rename {staging} to {final}: {error}") from None
+
+    try:
+        await rolled_back_on_failure(ctx, attempt, "publish", body)
+    finally:
+        attempt.digests.clear()  # read only by commit's checks and publish's: not kept past them
+    manifest = manifests[0]
+    await ctx.ledger.stage(
+        "attempt.published",
+        checkpoint_id=attempt.checkpoint_id,
+        data={"final_dir": str(final), "manifest_sha256": hashlib.sha256(written[0]).hexdigest()},
+    )
+    attempt.state = "published"
+    attempt.snapshot = final
+    await anyio.to_thread.run_sync(write_latest, ctx.config.snapshots, final.name)
+    removed = await anyio.to_thread.run_sync(
+        lambda: apply_retention(
+            ctx.config.snapshots, ctx.config.keep_latest, protect=[final], defer_delete=defer_delete
+        )
+    )
+    swept = await _sweep_finished(ctx)
+    await ctx.ledger.stage(
+        "phase.completed",
+        checkpoint_id=attempt.checkpoint_id,
+        data={
+            "phase": "publish",
+            "summary": {
+                "final_dir": str(final),
+                "files": len(manifest["files"]),
+                "retention_removed": [p.name for p in removed],
+                "staging_swept": [p.name for p in swept],
+            },
+        },
+    )
+    return final
+
+
+async def _sweep_finished(ctx: Context) -> list[Path]:
+    """Remove the staging folders of finished attempts (a rename leaves none of its own behind).
+
+    Only the checkpoint ids found under the staging root are looked up, so a publish costs no
+    ledger read while that root is empty — the usual case — however long the history.
+    """
+    root = ctx.config.staging_root
+
+    def names() -> list[str]:
+        return [p.name for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+
+    found = await anyio.to_thread.run_sync(names)
+    if not found:
+        return []
+    finished = []
+    for name in found:
+        row = await ctx.ledger.attempt(name)
+        if row is not None and row.outcome is not None:
+            finished.append(name)
+    return await anyio.to_thread.run_sync(sweep_staging, root, finished) if finished else []
