@@ -28,10 +28,14 @@ from ledger.schema import VERSION_TABLE
 State = Literal["empty", "current", "behind", "ahead", "unmanaged"]
 
 
-def _script_location() -> str:
-    import migrations
+#: quiesce's alembic environment: the `migrations` folder installed beside this package, found by
+#: its location — never by importing the name `migrations`, which a user's own project (Django,
+#: its own alembic) may provide first on `sys.path`.
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
-    return str(Path(migrations.__file__).resolve().parent)
+
+def _script_location() -> str:
+    return str(MIGRATIONS_DIR)
 
 
 def alembic_config(connection: Connection | None = None) -> Config:

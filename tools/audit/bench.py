@@ -135,7 +135,11 @@ async def build(url: str, events: int) -> tuple[int, str]:
 def _time(argv: list[str]) -> float:
     start = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "tools.cli.main", *argv], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "tools.cli.main", *argv],
+        cwd=Path(__file__).resolve().parents[2],  # `-m` finds this tree's `tools` by its location
+        capture_output=True,
+        text=True,
+        check=False,
     )
     elapsed = time.perf_counter() - start
     if result.returncode not in (0, 1):

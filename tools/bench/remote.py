@@ -36,6 +36,7 @@ from coordinator.http import HttpClient
 from coordinator.protocol import AGENT, CommonBody, route
 from ledger import Ledger
 from tools.bench.harness import (
+    REPO_ROOT,
     BenchError,
     Context,
     Result,
@@ -111,6 +112,7 @@ class _TinyServer:
         self.port_file = work / "tinyserver.port"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tools.bench.tinyserver", str(self.port_file)],
+            cwd=str(REPO_ROOT),  # `-m` finds this tree's `tools` by location, whatever the caller's cwd
             env=child_env(),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
