@@ -10,6 +10,9 @@
   checkpoints; survives a process crash, not power loss.
 - Writership: an exclusive ``flock`` on ``<file>.writer-lock`` held for the ledger's lifetime
   (the kernel releases it when the process dies), plus ``BEGIN IMMEDIATE`` around each append.
+  A clean close removes the lock file while still holding the lock; a claimer therefore checks,
+  once locked, that the path still names the file it locked (else it locked a removed file, and
+  tries again), so two writers never hold locks on two different files.
 - Connections: the standard library's ``sqlite3`` — one held connection for the writer, one for
   reads — each used by one thread at a time. An append is one synchronous transaction (check,
   insert, projection, commit). While commits take under ``INLINE_COMMIT_MAX_S`` on average it
@@ -119,16 +122,26 @@ class SqliteBackend(Backend, InlineAppend):
 
     async def claim_writer(self) -> None:
         self._path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-            os.close(fd)
-            raise FencedError(
-                f"ledger {self.where} already has a writer (process {holder} holds {self.lock_path}); "
-                "only one coordinator may write a ledger: stop the other one, or open this ledger readonly"
-            ) from None
+        while True:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+                os.close(fd)
+                raise FencedError(
+                    f"ledger {self.where} already has a writer (process {holder} holds {self.lock_path});"
+                    " only one coordinator may write a ledger: stop the other one, or open this ledger"
+                    " readonly"
+                ) from None
+            try:
+                named, held = os.stat(self.lock_path), os.fstat(fd)
+                same = (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the file was removed by a writer closing meanwhile: lock the new one
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode("ascii"), 0)
         self._lock_fd = fd
@@ -136,6 +149,8 @@ class SqliteBackend(Backend, InlineAppend):
     def _release_writer(self) -> None:
         if self._lock_fd is not None:
             fd, self._lock_fd = self._lock_fd, None
+            with contextlib.suppress(OSError):
+                os.unlink(self.lock_path)  # while locked: see "Writership" above
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
