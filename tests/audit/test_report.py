@@ -1,18 +1,23 @@
 """`quiesce report`: a self-contained page, hostile ledger text escaped, rendered by a real browser.
 
-The browser test runs headless Chromium (`/usr/bin/chromium`, Debian package `chromium`) on the
-written file: no console errors and no CSP violation (the page's script records them into
-`<body data-errors>`), one lane per server and one bar per call in the rendered DOM, and a
-screenshot PNG. Without Chromium the browser tests skip, unless `QUIESCE_REQUIRE_CHROMIUM=1`,
-which makes them fail.
+The browser tests run headless Chromium (`/usr/bin/chromium`, Debian package `chromium`) on the
+written file, which carries nothing for them (no script, no test attributes): the rendered DOM
+(`--dump-dom`) has one lane per server and one bar per call, the browser's console (its log on
+stderr, where every CSP violation is reported) stays empty — a tampered style shows that it would
+not — and a screenshot is a PNG. Phase labels never overlap: measured by the browser on a copy
+of the page given a measuring script. Without Chromium the browser tests skip, unless
+`QUIESCE_REQUIRE_CHROMIUM=1`, which makes them fail.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -20,8 +25,11 @@ import anyio
 import pytest
 
 from ledger import Ledger
+from ledger import store as ledger_store
 from tests.audit.handmade import AGENT_1, AGENT_2, PARTICIPANTS, POLICY, TOOLS, Script
 from tools.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
 
 HOSTILE = '</title><script>alert("x")</script><img src=x onerror=alert(1)>'
 CHROMIUM_FLAGS = (
@@ -110,14 +118,16 @@ def test_page_is_self_contained_and_escaped(page: Path) -> None:
     assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in html
     collector = _Collector()
     collector.feed(html)
-    scripts = [attrs for tag, attrs in collector.tags if tag == "script"]
-    assert scripts == [{}]  # one inline script, no src
+    assert [attrs for tag, attrs in collector.tags if tag == "script"] == []  # the page runs nothing
+    for test_hook in ("data-errors", "data-lanes", "data-bars", "data-ready"):
+        assert test_hook not in html
     for tag, attrs in collector.tags:
         for name in ("src", "href"):
             value = attrs.get(name)
             assert value is None or value.startswith("#"), (tag, name, value)
         assert tag not in ("link", "iframe", "img", "object", "embed")
     assert re.search(r'http-equiv="Content-Security-Policy" content="default-src &#x27;none&#x27;', html)
+    assert "script-src" not in html  # default-src 'none' refuses every script
     lanes = [a for t, a in collector.tags if t == "g" and "lane" in _classes(a)]
     bars = [a for t, a in collector.tags if t == "rect" and "bar" in _classes(a)]
     assert len(lanes) == EXPECTED_LANES
@@ -162,6 +172,11 @@ def _run_chromium(binary: str, profile: Path, *args: str) -> subprocess.Complete
     )
 
 
+def _console_lines(stderr: str) -> list[str]:
+    """The browser console's messages (errors and CSP violations among them) from its log."""
+    return [line for line in stderr.splitlines() if ":CONSOLE" in line]
+
+
 def test_browser_renders_lanes_and_bars_without_errors(page: Path, tmp_path: Path) -> None:
     binary = _chromium()
     result = _run_chromium(
@@ -169,24 +184,141 @@ def test_browser_renders_lanes_and_bars_without_errors(page: Path, tmp_path: Pat
     )
     assert result.returncode == 0, result.stderr[-2000:]
     dom = result.stdout
-    body = re.search(r"<body([^>]*)>", dom)
-    assert body is not None, dom[:500]
-    attrs = dict(re.findall(r'([\w-]+)="([^"]*)"', body.group(1)))
-    assert attrs.get("data-ready") == "1", attrs  # the page script ran
-    assert attrs.get("data-errors") == "[]", attrs  # no error, no CSP violation
-    assert attrs.get("data-lanes") == str(EXPECTED_LANES)
-    assert attrs.get("data-bars") == str(EXPECTED_BARS)
-    # console messages reach the log as "CONSOLE(...)" lines; the page logs nothing
-    assert [line for line in result.stderr.splitlines() if ":CONSOLE" in line] == []
+    assert "<body" in dom, dom[:500]
+    body = dom.split("<body", 1)[1]
+    assert len(re.findall(r'<g class="lane"', body)) == EXPECTED_LANES
+    assert len(re.findall(r'<rect class="bar ', body)) == EXPECTED_BARS
+    # every console message — an error, a refused style or resource — reaches the log; none here
+    assert _console_lines(result.stderr) == []
     # the hostile reply is text in the rendered DOM, not an element
-    assert "<img src=" not in dom.split("<body", 1)[1]
+    assert "<img src=" not in body
     sections = re.findall(r'<section class="attempt".*?</section>', dom, flags=re.S)
     assert len(sections) == 3
     lanes_per_section = [len(re.findall(r'<g class="lane"', s)) for s in sections]
     bars_per_section = [len(re.findall(r'<rect class="bar ', s)) for s in sections]
-    assert lanes_per_section == [2, len(PARTICIPANTS), len(PARTICIPANTS)]  # newest first
-    assert bars_per_section == [4, 4, 13]
-    assert AGENT_2 in sections[2]
+    assert lanes_per_section == [len(PARTICIPANTS), len(PARTICIPANTS), 2]  # oldest first, as history
+    assert bars_per_section == [13, 4, 4]
+    assert AGENT_2 in sections[0]
+
+
+def test_browser_console_reports_a_refused_style(page: Path, tmp_path: Path) -> None:
+    """The console check above can fail: a style whose hash the page's CSP does not allow is
+    refused, and the refusal is on the console."""
+    binary = _chromium()
+    tampered = tmp_path / "tampered.html"
+    tampered.write_text(
+        page.read_text(encoding="utf-8").replace("<style>", "<style>p{}", 1), encoding="utf-8"
+    )
+    result = _run_chromium(
+        binary, tmp_path / "profile-bad", "--enable-logging=stderr", "--v=0", "--dump-dom", tampered.as_uri()
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert any("Content Security Policy" in line for line in _console_lines(result.stderr))
+
+
+class _Clock:
+    """A stand-in for the ledger's clock (`ledger.store.utc_now`): time moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+    def __call__(self) -> str:
+        return self.now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+async def _write_short_prepare(url: str, clock: _Clock) -> None:
+    """A save whose prepare takes 1 ms of ledger time while commit and resume take seconds."""
+    async with Ledger.open(url) as ledger:
+        s = Script(ledger)
+        await s.start()
+        await s.attempt("ck-short")
+        await s.prepare("ck-short")
+        clock.advance(0.001)
+        await s.phase("ck-short", "commit")
+        for server in PARTICIPANTS:
+            clock.advance(1.0)
+            await s.call("ck-short", server, "commit", "commit")
+        await s.phase_done("ck-short", "commit")
+        clock.advance(0.5)
+        await s.publish("ck-short")
+        clock.advance(0.5)
+        await s.resume("ck-short")
+        clock.advance(1.0)
+        await s.completed("ck-short")
+
+
+#: Measures every phase label in the browser and writes the boxes into the page (a test copy only).
+MEASURE = """<script>
+document.addEventListener("DOMContentLoaded", function () {
+  var boxes = [];
+  document.querySelectorAll("text.band-label").forEach(function (t) {
+    var b = t.getBBox();
+    boxes.push({text: t.textContent, x: b.x, y: b.y, w: b.width, h: b.height});
+  });
+  var out = document.createElement("pre");
+  out.id = "measured";
+  out.textContent = JSON.stringify(boxes);
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+def test_phase_labels_never_overlap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the real CLI: a prepare far narrower than its label, and the browser's own
+    measures of every label: no two overlap."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
+    clock = _Clock()
+    monkeypatch.setattr(ledger_store, "utc_now", clock)
+    anyio.run(_write_short_prepare, url, clock)
+    out = tmp_path / "short.html"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.cli.main",
+            "report",
+            "--ledger",
+            str(tmp_path / "q.db"),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    html = out.read_text(encoding="utf-8")
+    bands = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r'<rect class="band band-(\w+)" x="[\d.]+" y="[\d.]+" width="([\d.]+)"', html)
+    }
+    assert bands["prepare"] < len("prepare") * 5  # the case: prepare's band is narrower than its label
+    binary = _chromium()
+    harness = tmp_path / "measure.html"
+    unlocked = re.sub(r'<meta http-equiv="Content-Security-Policy"[^>]*>', "", html)
+    harness.write_text(unlocked.replace("</body>", MEASURE + "</body>"), encoding="utf-8")
+    result = _run_chromium(binary, tmp_path / "profile-measure", "--dump-dom", harness.as_uri())
+    assert result.returncode == 0, result.stderr[-2000:]
+    found = re.search(r'<pre id="measured">(.*?)</pre>', result.stdout, flags=re.S)
+    assert found is not None, result.stdout[-1000:]
+    boxes = json.loads(found.group(1).replace("&quot;", '"'))
+    assert [b["text"] for b in boxes] == ["prepare", "commit", "resume"]
+    assert all(b["w"] > 0 for b in boxes)
+    overlaps = [
+        (a["text"], b["text"])
+        for i, a in enumerate(boxes)
+        for b in boxes[i + 1 :]
+        if a["x"] < b["x"] + b["w"]
+        and b["x"] < a["x"] + a["w"]
+        and a["y"] < b["y"] + b["h"]
+        and b["y"] < a["y"] + a["h"]
+    ]
+    assert overlaps == []
 
 
 def test_browser_screenshot(page: Path, tmp_path: Path) -> None:

@@ -1,22 +1,25 @@
 """The timeline report: one self-contained HTML page of checkpoint attempts.
 
-`render_report(views)` returns the page. It loads nothing: no network, no external script, style
-or font; the CSS and the small script are inline, and a Content-Security-Policy meta tag
-(`default-src 'none'`, the inline script and style allowed only by their sha256) makes the browser
-refuse anything else. The page holds:
+`render_report(views)` returns the page. It loads and runs nothing: no network, no script, no
+external style or font; the CSS is inline, and a Content-Security-Policy meta tag (`default-src
+'none'`, the inline style allowed only by its sha256) makes the browser refuse anything else. The
+page holds:
 
-- a summary table of the attempts (newest first): kind, outcome, start, duration, participants,
-  calls, failures, the slowest server (largest total call time) and the recovering epoch;
+- a summary table of the attempts, oldest first (the order of `quiesce history`): kind, outcome,
+  start, duration, participants, calls, failures, the slowest server (largest total call time)
+  and the recovering epoch;
 - per attempt, a Gantt chart in inline SVG: one lane (`<g class="lane">`) per server, one bar
   (`<rect class="bar ...">`) per call from its `call.sent` to its outcome, coloured by outcome
   (acknowledged, failed, unknown) with rollback/recovery resumes outlined as compensations, phase
-  bands behind the lanes, the deadline as a red line (or an arrow at the right edge when it lies
-  far beyond the last event), and recovery actions (`recovery.settled`) as diamonds on their lane.
+  bands behind the lanes, labelled above them (a label that would run into the one before it moves
+  up a row, so short phases never overprint each other), the deadline as a red line (or an
+  arrow at the right edge when it lies far beyond the last event), and recovery actions
+  (`recovery.settled`) as diamonds on their lane.
 
 Invariants: every ledger-derived string reaches the page only through `html.escape` (text and
 attribute values alike); class names come from fixed vocabularies, never from ledger text; element
-ids are positional (`attempt-<n>`). The script only records errors and counts into `<body>`
-attributes (`data-errors`, `data-lanes`, `data-bars`) so a headless browser can check the render.
+ids are positional (`attempt-<n>`). The page carries nothing for tests: a browser test reads the
+rendered DOM and the browser's console.
 """
 
 from __future__ import annotations
@@ -36,7 +39,13 @@ WIDTH: Final = 1100
 LABEL_W: Final = 170
 RIGHT_PAD: Final = 70
 LANE_H: Final = 24
+#: Top of the first lane with one row of phase labels above it; each further row adds LABEL_ROW_H.
 TOP: Final = 34
+LABEL_ROW_H: Final = 15
+#: Width of one character of a phase label (11px system-ui), on the generous side, and the gap
+#: kept after a label.
+LABEL_CHAR_W: Final = 7.0
+LABEL_GAP: Final = 6.0
 BOTTOM: Final = 26
 #: The deadline is drawn to scale only when it lies within this multiple of the activity span.
 DEADLINE_SCALE_LIMIT: Final = 3.0
@@ -81,26 +90,6 @@ line.axis { stroke: #afb8c1; }
 .sw-comp { border: 2px solid var(--comp); } .sw-dead { border-left: 2px dashed var(--bad); }
 .sw-rec { background: var(--comp); transform: rotate(45deg) scale(0.7); }
 .empty { color: var(--mute); font-style: italic; }
-"""
-
-SCRIPT: Final = """
-(function () {
-  var errors = [];
-  function record(message) {
-    errors.push(String(message));
-    document.body.setAttribute("data-errors", JSON.stringify(errors));
-  }
-  window.addEventListener("error", function (e) { record(e.message || "error"); });
-  window.addEventListener("securitypolicyviolation", function (e) { record("csp: " + e.violatedDirective); });
-  function ready() {
-    document.body.setAttribute("data-errors", JSON.stringify(errors));
-    document.body.setAttribute("data-lanes", String(document.querySelectorAll("g.lane").length));
-    document.body.setAttribute("data-bars", String(document.querySelectorAll("rect.bar").length));
-    document.body.setAttribute("data-ready", "1");
-  }
-  if (document.readyState === "loading") { document.addEventListener("DOMContentLoaded", ready); }
-  else { ready(); }
-})();
 """
 
 
@@ -150,6 +139,24 @@ def _settled_title(item: Settled) -> str:
     )
 
 
+def label_rows(starts: Sequence[tuple[float, str]], right: float) -> list[tuple[float, int]]:
+    """Where each phase label goes: (x, row) for labels `(band start x, text)` in band order.
+
+    A label starts 3px into its band (moved left so it ends by `right`) and takes the lowest row
+    (0 is just above the lanes) where it starts `LABEL_GAP` after every label already in it."""
+    ends: list[float] = []
+    placed: list[tuple[float, int]] = []
+    for start, text in starts:
+        width = len(text) * LABEL_CHAR_W
+        x = max(float(LABEL_W), min(start + 3, right - width))
+        row = next((i for i, end in enumerate(ends) if end + LABEL_GAP <= x), len(ends))
+        if row == len(ends):
+            ends.append(0.0)
+        ends[row] = x + width
+        placed.append((x, row))
+    return placed
+
+
 def gantt(view: AttemptView) -> str:
     """The SVG Gantt chart of one attempt (see the module docstring)."""
     servers = view.servers()
@@ -162,27 +169,32 @@ def gantt(view: AttemptView) -> str:
     deadline_in_scale = deadline is not None and deadline - t0 <= span * DEADLINE_SCALE_LIMIT
     t1 = max(activity_end, deadline) if deadline is not None and deadline_in_scale else activity_end
     scale = _Scale(t0, t1 + (t1 - t0) * 0.02)
-    height = TOP + LANE_H * len(servers) + BOTTOM
-    lanes_bottom = TOP + LANE_H * len(servers)
+    bands = [
+        (scale.x(p.start_ts), scale.x(p.end_ts if p.end_ts is not None else activity_end), p)
+        for p in view.phases
+    ]
+    labels = label_rows([(start, p.phase) for start, _, p in bands], scale.x1)
+    top = TOP + LABEL_ROW_H * max([row for _, row in labels], default=0)
+    height = top + LANE_H * len(servers) + BOTTOM
+    lanes_bottom = top + LANE_H * len(servers)
     out: list[str] = [
         f'<svg class="gantt" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
         f'viewBox="0 0 {WIDTH} {height}" role="img" aria-label="timeline of {_e(view.checkpoint_id)}">'
     ]
-    # phase bands (behind everything)
-    for span_ in view.phases:
-        start = scale.x(span_.start_ts)
-        end = scale.x(span_.end_ts if span_.end_ts is not None else activity_end)
+    # phase bands (behind everything), each label in its row above the lanes
+    for (start, end, span_), (label_x, row) in zip(bands, labels, strict=True):
         token = _phase_token(span_.phase)
         out.append(
-            f'<g class="phase-band"><rect class="band band-{token}" x="{_num(start)}" y="{TOP - 16}" '
-            f'width="{_num(max(end - start, 1.0))}" height="{lanes_bottom - TOP + 16}">'
+            f'<g class="phase-band"><rect class="band band-{token}" x="{_num(start)}" y="{top - 16}" '
+            f'width="{_num(max(end - start, 1.0))}" height="{lanes_bottom - top + 16}">'
             f"<title>{_e(span_.phase)} ({_e(span_.status)}"
             f"{': ' + _e(span_.reason) if span_.reason else ''})</title></rect>"
-            f'<text class="band-label" x="{_num(start + 3)}" y="{TOP - 5}">{_e(span_.phase)}</text></g>'
+            f'<text class="band-label" x="{_num(label_x)}" y="{top - 5 - LABEL_ROW_H * row}">'
+            f"{_e(span_.phase)}</text></g>"
         )
     # lanes
     for index, server in enumerate(servers):
-        y = TOP + index * LANE_H
+        y = top + index * LANE_H
         out.append(f'<g class="lane" data-server="{_e(server)}">')
         out.append(
             f'<rect class="lane-bg" x="{LABEL_W}" y="{y}" width="{WIDTH - LABEL_W - RIGHT_PAD}" '
@@ -231,17 +243,17 @@ def gantt(view: AttemptView) -> str:
         if deadline_in_scale:
             x = scale.x(deadline)
             out.append(
-                f'<line class="deadline" x1="{_num(x)}" y1="{TOP - 18}" x2="{_num(x)}" y2="{lanes_bottom}">'
+                f'<line class="deadline" x1="{_num(x)}" y1="{top - 18}" x2="{_num(x)}" y2="{lanes_bottom}">'
                 f"<title>deadline +{_e(duration(deadline - t0))}</title></line>"
             )
         else:
             x = float(WIDTH - RIGHT_PAD + 4)
             out.append(
-                f'<line class="deadline offscale" x1="{_num(x)}" y1="{TOP - 18}" x2="{_num(x)}" '
+                f'<line class="deadline offscale" x1="{_num(x)}" y1="{top - 18}" x2="{_num(x)}" '
                 f'y2="{lanes_bottom}">'
                 f"<title>deadline +{_e(duration(deadline - t0))} (beyond this chart)</title></line>"
-                f'<text class="deadline" x="{_num(x + 4)}" y="{TOP - 5}">deadline →</text>'
-                f'<text class="deadline" x="{_num(x + 4)}" y="{TOP + 9}">'
+                f'<text class="deadline" x="{_num(x + 4)}" y="{top - 5}">deadline →</text>'
+                f'<text class="deadline" x="{_num(x + 4)}" y="{top + 9}">'
                 f"+{_e(duration(deadline - t0))}</text>"
             )
     out.append("</svg>")
@@ -298,12 +310,12 @@ def _attempt_section(index: int, view: AttemptView) -> str:
 
 
 def render_report(views: Sequence[AttemptView], *, source: str, generated_at: datetime | None = None) -> str:
-    """The whole page for `views` (oldest first; shown newest first). `source` names the ledger."""
+    """The whole page for `views`, shown in their order (oldest first). `source` names the ledger."""
     when = (generated_at or datetime.now(UTC)).astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    ordered = list(enumerate(views))[::-1]
+    ordered = list(enumerate(views))
     csp = (
         f"default-src 'none'; style-src 'sha256-{_sha256_b64(CSS)}'; "
-        f"script-src 'sha256-{_sha256_b64(SCRIPT)}'; img-src data:; base-uri 'none'; form-action 'none'"
+        "img-src data:; base-uri 'none'; form-action 'none'"
     )
     head = (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
@@ -324,5 +336,5 @@ def render_report(views: Sequence[AttemptView], *, source: str, generated_at: da
     return (
         f"{head}<body><h1>quiesce — checkpoint attempts</h1>"
         f'<p class="meta">ledger {_e(source)} · {len(views)} attempts · generated {_e(when)}</p>'
-        f"{summary}{sections}<script>{SCRIPT}</script></body></html>\n"
+        f"{summary}{sections}</body></html>\n"
     )
