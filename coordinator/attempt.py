@@ -91,15 +91,33 @@ AttemptState = Literal[
 ]
 
 
+ProgressStep = Literal["phase", "call", "reply", "done", "failed"]
+
+
 @dataclass(frozen=True)
 class Progress:
-    """A progress report for a caller's display. `inflight` is set while draining the policy model."""
+    """A progress report for a caller's display, sent as things happen (`step`):
+
+    - `phase`: a phase starts; `servers` is how many servers it addresses (None: not servers'
+      work, e.g. publish), `deadline_ts` the deadline its calls run under;
+    - `call`: a control call to `server` is about to leave (`inflight`, `state`: the policy
+      model's status while it drains);
+    - `reply`: `server`'s call ended — answered (`error` None) or failed (`error` says how);
+    - `done` / `failed`: the phase ended; `failed` carries the reason in `error` and the server
+      at fault, if any, in `server` (sent when `phase.failed` is recorded).
+
+    Display only: a failing callback never disturbs the attempt (`Context.progress`).
+    """
 
     checkpoint_id: str
     phase: str
     server: str | None = None
     inflight: int | None = None
     state: str | None = None
+    step: ProgressStep = "call"
+    error: str | None = None
+    servers: int | None = None
+    deadline_ts: float | None = None
 
 
 ProgressCallback = Callable[[Progress], None]
@@ -226,7 +244,7 @@ async def send_call(
     if spec.method == "POST":
         attempt.touch(member.name)
     attempt.last_server = member.name
-    return await ctx.caller.call(
+    result = await ctx.caller.call(
         member.target,
         spec,
         phase=phase,
@@ -235,6 +253,10 @@ async def send_call(
         body=body,
         params=params,
     )
+    if ctx.on_progress is not None:
+        error = None if result.ok else result.describe()
+        ctx.progress(Progress(attempt.checkpoint_id, phase, member.name, step="reply", error=error))
+    return result
 
 
 def expect_reply(result: CallResult, model: type[T], phase: str, what: str) -> T:
@@ -290,6 +312,7 @@ async def record_phase_failed(
         server=server,
         data={"phase": phase, "server": server, "reason": reason, "code": code},
     )
+    ctx.progress(Progress(checkpoint_id, phase, server, step="failed", error=reason))
 
 
 async def run_phase(
@@ -300,7 +323,10 @@ async def run_phase(
     Raises `PhaseFailure` (deadline=True when the scope expired) — the caller rolls back.
     """
     await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": phase})
-    ctx.progress(Progress(attempt.checkpoint_id, phase))
+    servers = len(attempt.participants)
+    ctx.progress(
+        Progress(attempt.checkpoint_id, phase, step="phase", servers=servers, deadline_ts=attempt.deadline_ts)
+    )
     attempt.last_server = None
     summary: dict[str, Any] | None = None
     with anyio.CancelScope(deadline=anyio_deadline(attempt.deadline_ts)) as scope:
@@ -314,6 +340,7 @@ async def run_phase(
     await ctx.ledger.stage(
         "phase.completed", checkpoint_id=attempt.checkpoint_id, data={"phase": phase, "summary": summary}
     )
+    ctx.progress(Progress(attempt.checkpoint_id, phase, step="done"))
     return summary
 
 

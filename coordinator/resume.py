@@ -79,6 +79,9 @@ async def resume_members(
     Returns (called in order, resumed, not_paused, left_paused, failures).
     """
     wanted = set(names)
+    ctx.progress(
+        Progress(attempt.checkpoint_id, phase, step="phase", servers=len(wanted), deadline_ts=deadline_ts)
+    )
     called: list[str] = []
     resumed: list[str] = []
     not_paused: list[str] = []
@@ -110,6 +113,12 @@ async def resume_members(
     # running out before (or during) its call, or a server the config no longer names
     settled = set(resumed) | set(not_paused)
     left = [n for n in names if n not in settled]
+    if left:
+        ctx.progress(
+            Progress(attempt.checkpoint_id, phase, step="failed", error=f"not resumed: {', '.join(left)}")
+        )
+    else:
+        ctx.progress(Progress(attempt.checkpoint_id, phase, step="done"))
     return called, resumed, not_paused, left, failures
 
 

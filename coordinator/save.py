@@ -372,7 +372,7 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
     assert staging is not None
     final = final_dir_of(staging)
     await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "publish"})
-    ctx.progress(Progress(attempt.checkpoint_id, "publish"))
+    ctx.progress(Progress(attempt.checkpoint_id, "publish", step="phase", deadline_ts=attempt.deadline_ts))
     written: list[bytes] = []
     manifests: list[dict[str, Any]] = []
 
@@ -475,6 +475,7 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
             },
         },
     )
+    ctx.progress(Progress(attempt.checkpoint_id, "publish", step="done"))
     return final
 
 

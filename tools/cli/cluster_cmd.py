@@ -1,26 +1,25 @@
 """Shared pieces of the commands that drive a cluster (discover, checkpoint, restore, resume, abort).
 
-- `add_common(parser)`: `--config FILE` (required) and `--json`.
-- `ProgressLine`: a rich status line on stderr — only when stderr is a terminal — fed by the
-  coordinator's progress callback (phase, server, in-flight count while draining).
+- `add_common(parser)`: `--config FILE` (default `$QUIESCE_CONFIG`; `--json` and `--debug` come with
+  every command, `tools/cli/flags.py`).
+- `progress_line()`: the coordinator's progress shown on stderr (`tools/cli/progress.py`).
 - `phase_error_json(error)`: the `error` object of the `--json` documents.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
-from coordinator import Coordinator, Outcome, PhaseError, Progress, load_config
+from coordinator import Coordinator, Outcome, PhaseError, load_config
 from tools.cli import output
+from tools.cli.flags import add_config
 from tools.cli.output import emit_json, print_error
+from tools.cli.progress import progress_line
 
-if TYPE_CHECKING:
-    from rich.status import Status
+__all__ = ["add_common", "escape", "phase_error_json", "print_warnings", "progress_line", "run_outcome"]
 
 
 def escape(text: str) -> str:
@@ -31,35 +30,7 @@ def escape(text: str) -> str:
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", required=True, help="cluster config (YAML)")
-    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-
-
-class ProgressLine:
-    """Turns coordinator `Progress` reports into one updating line on stderr (terminal only)."""
-
-    def __init__(self, status: Status | None) -> None:
-        self._status = status
-
-    def __call__(self, report: Progress) -> None:
-        if self._status is None:
-            return
-        text = f"{report.checkpoint_id} {report.phase}"
-        if report.server:
-            text += f" · {report.server}"
-        if report.inflight is not None:
-            text += f" · draining, {report.inflight} in flight"
-        self._status.update(escape(text))
-
-
-@contextmanager
-def progress_line(enabled: bool = True) -> Iterator[ProgressLine]:
-    """A `ProgressLine` shown while the block runs (silent when stderr is not a terminal)."""
-    if not enabled or not output.err_console.is_terminal:
-        yield ProgressLine(None)
-        return
-    with output.err_console.status("starting…") as status:
-        yield ProgressLine(status)
+    add_config(parser)
 
 
 def phase_error_json(error: PhaseError) -> dict[str, Any]:
@@ -79,7 +50,7 @@ def run_outcome(args: argparse.Namespace, what: str) -> int:
 
     async def run() -> None:
         nonlocal result, failure
-        with progress_line(not args.json) as progress:
+        with progress_line() as progress:
             # no automatic recovery first: resume/abort act on the paused attempt themselves
             async with Coordinator.open(config, on_progress=progress, recover=False) as coord:
                 try:

@@ -43,7 +43,7 @@ def handle(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         nonlocal found, attempt, failure
-        with progress_line(not args.json) as progress:
+        with progress_line() as progress:
             async with Coordinator.open(config, on_progress=progress) as coord:
                 found = await coord.discover()
                 print_warnings(found.warnings)

@@ -42,7 +42,7 @@ def handle(args: argparse.Namespace) -> int:
     found: list[RecoveryReport] = []
 
     async def run() -> None:
-        with progress_line(not args.json) as progress:
+        with progress_line() as progress:
             async with Coordinator.open(config, on_progress=progress, recover=False) as coord:
                 found.append(await coord.recover())
 

@@ -1,5 +1,7 @@
 """`quiesce restore --config C [--snapshot DIR|ID|latest] [--resume] [--json]`.
 
+`--snapshot` takes a snapshot id (looked up in the config's snapshots folder first, so a folder of
+the same name in the current folder never stands in for it), `latest`, or a snapshot folder's path.
 Verifies the snapshot (every file and checksum, participants equal to discovery's) before
 contacting any server, then restores policy → agents → resources. The servers stay paused until
 `quiesce resume` (or `--resume` here). `--json`: `{"checkpoint_id", "outcome", "servers"}` with
@@ -41,7 +43,7 @@ def handle(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         nonlocal attempt, resumed, failure
-        with progress_line(not args.json) as progress:
+        with progress_line() as progress:
             async with Coordinator.open(config, on_progress=progress) as coord:
                 found = await coord.discover()
                 print_warnings(found.warnings)
