@@ -346,12 +346,14 @@ def load_snapshot(path: Path) -> Snapshot:
 
 
 def list_snapshots(snapshots: Path) -> list[Snapshot]:
-    """Every readable snapshot under `snapshots`, oldest first."""
+    """Every readable snapshot under `snapshots`, oldest first (a symlink is never one of ours)."""
     found: list[Snapshot] = []
     if not snapshots.is_dir():
         return found
     for child in snapshots.iterdir():
-        if child.name.startswith(".") or not child.is_dir() or not (child / MANIFEST).is_file():
+        if child.name.startswith(".") or child.is_symlink() or not child.is_dir():
+            continue
+        if not (child / MANIFEST).is_file():
             continue
         try:
             found.append(load_snapshot(child))
@@ -361,7 +363,12 @@ def list_snapshots(snapshots: Path) -> list[Snapshot]:
 
 
 def resolve_snapshot(snapshots: Path, which: str | os.PathLike[str] | None) -> Path:
-    """`None` / "latest" → the folder `LATEST` names; a bare id → `<snapshots>/<id>`; else the path."""
+    """`None` / "latest" → the folder `LATEST` names; a bare name (a snapshot id) → `<snapshots>/<id>`
+    when that exists, else a folder of that name in the current folder; anything else is a path.
+
+    An id is looked up under `snapshots` first, so a folder of the same name in the current folder
+    never stands in for the published snapshot. Raises `SnapshotError` when a bare name is neither.
+    """
     if which is None or str(which) == "latest":
         latest = read_latest(snapshots)
         if latest is None:
@@ -372,8 +379,15 @@ def resolve_snapshot(snapshots: Path, which: str | os.PathLike[str] | None) -> P
             )
         return latest
     path = Path(which)
-    if not path.is_absolute() and not path.exists() and (snapshots / path).is_dir():
-        return snapshots / path
+    if len(path.parts) == 1 and not path.is_absolute() and str(path) not in (".", ".."):
+        if (snapshots / path).is_dir():
+            return snapshots / path
+        if not path.is_dir():
+            raise SnapshotError(
+                f"no snapshot {str(path)!r} under {snapshots} (`quiesce snapshots` lists them), and no"
+                f" folder {str(path)!r} here; name a snapshot id, `latest`, or a snapshot folder's path",
+                [f"{snapshots / path}: missing"],
+            )
     return path.resolve()
 
 
