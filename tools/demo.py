@@ -9,6 +9,10 @@
 
 The control token is random, set in this process's environment and the clusters', never printed.
 Exit 0 when everything matches, 1 otherwise.
+
+The demo's folder: it deletes nothing it did not make. A new or empty folder is taken and marked
+(`MARKER`); a folder with that marker is cleared of what an earlier run made (`MADE`: anything
+else in it stays); any other non-empty folder is refused (`FolderRefused`) before anything runs.
 """
 
 from __future__ import annotations
@@ -49,14 +53,54 @@ ROLLOUTS: dict[str, int] = {f"rollout-{i}": 20 for i in range(6)}
 AGENT = "simple_agent"
 
 
+#: The file that marks a folder as the demo's own.
+MARKER = ".quiesce-demo-folder"
+#: What a run writes into its folder (besides `MARKER`): all that a later run removes.
+MADE: tuple[str, ...] = (
+    "ledger.db",
+    "ledger.db-wal",
+    "ledger.db-shm",
+    "ledger.db.writer-lock",
+    "snapshots",
+    "cluster-reference",
+    "cluster-1",
+    "cluster-2",
+    "cluster-1.yaml",
+    "cluster-2.yaml",
+)
+
+
 class DemoFailed(Exception):
     pass
 
 
-def _reset(folder: Path) -> None:
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
+class FolderRefused(Exception):
+    """The folder is not the demo's to use (bad usage: the CLI exits 2)."""
+
+
+def prepare_folder(folder: Path) -> Path:
+    """Make `folder` the demo's: create it, take it when empty, or remove what an earlier run made
+    in it when it has the marker; returns its absolute path. Raises `FolderRefused`, touching
+    nothing, for a non-empty folder without the marker or a path that is not a folder."""
+    if folder.exists() and not folder.is_dir():
+        raise FolderRefused(f"--dir {folder}: not a folder; name a new or empty folder for the demo")
+    if folder.is_dir() and any(folder.iterdir()):
+        if not (folder / MARKER).is_file():
+            raise FolderRefused(
+                f"--dir {folder} is not empty and was not made by `quiesce demo` (no {MARKER} in it);"
+                " the demo deletes nothing it did not make: name a new or empty folder"
+            )
+        for name in MADE:
+            path = folder / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MARKER).write_text(
+        "made by `quiesce demo`: a later run removes only what the demo wrote here\n", encoding="utf-8"
+    )
+    return folder.resolve()
 
 
 def _say(console: Console) -> Callable[[str], None]:
@@ -77,24 +121,29 @@ async def _uninterrupted(env: dict[str, str], work: Path) -> dict[str, Any]:
     return client.final_results(rollouts)
 
 
-async def run_demo(folder: Path, console: Console) -> int:
-    """Run the demo in `folder` (emptied first). Returns the exit code (1 on any failure)."""
+async def run_demo(folder: Path, console: Console, result: dict[str, Any] | None = None) -> int:
+    """Run the demo in `folder` (`prepare_folder` first: raises `FolderRefused`). Returns the exit
+    code (1 on any failure); fills `result` (the `--json` document) when given."""
+    where = await anyio.to_thread.run_sync(prepare_folder, folder)
+    found: dict[str, Any] = {} if result is None else result
+    found.update({"dir": str(where), "ok": False, "error": None})
     try:
-        return await _run(folder, console)
+        return await _run(folder, console, found)
     except (DemoFailed, TimeoutError, client.RolloutError, httpx.HTTPError, RuntimeError) as error:
+        found["error"] = str(error)
         console.print(f"[bold red]✗ demo failed:[/] {escape(str(error))}", soft_wrap=True)
         return 1
 
 
-async def _run(folder: Path, console: Console) -> int:
+async def _run(folder: Path, console: Console, result: dict[str, Any]) -> int:
     say = _say(console)
     started = time.monotonic()
-    await anyio.to_thread.run_sync(_reset, folder)
     token = secrets.token_urlsafe(24)
     os.environ[TOKEN_ENV] = token
     env = {TOKEN_ENV: token}
     ledger_url = f"sqlite+aiosqlite:///{(folder / 'ledger.db').resolve()}"
     snapshots = (folder / "snapshots").resolve()
+    result.update({"ledger": ledger_url, "snapshots": str(snapshots), "rollouts": len(ROLLOUTS)})
 
     expected = await _uninterrupted(env, folder)
     say(
@@ -119,6 +168,7 @@ async def _run(folder: Path, console: Console) -> int:
                     trainer.mkdir()
                     (trainer / "state.json").write_text(json.dumps({"step": 3, "note": "the trainer's half"}))
             assert attempt.snapshot is not None
+            result["checkpoint_id"] = attempt.checkpoint_id
             rollouts = await client.get_rollouts(http, first.urls[AGENT])
             turns = sorted(r["turns_done"] for r in rollouts.values())
             done = f"{turns[0]}-{turns[-1]}"
@@ -141,6 +191,7 @@ async def _run(folder: Path, console: Console) -> int:
             async with Coordinator.open(config_2) as coord:
                 await coord.discover()
                 restored = await coord.restore("latest")
+                result["restored_as"] = restored.checkpoint_id
                 say(f"restored {restored.source_checkpoint_id} as {restored.checkpoint_id}; servers paused")
                 await coord.resume()
                 say("resumed every server")
@@ -158,6 +209,7 @@ async def _run(folder: Path, console: Console) -> int:
 
     await _print_history(ledger_url, console)
     elapsed = time.monotonic() - started
+    result.update({"differences": differences, "elapsed_s": round(elapsed, 3), "ok": not differences})
     if differences:
         console.print("[bold red]✗ the restored rollouts differ from the uninterrupted run:[/]")
         for line in differences:
@@ -166,7 +218,7 @@ async def _run(folder: Path, console: Console) -> int:
     say(f"all {len(results)} rollouts finished exactly as the uninterrupted run ({elapsed:.1f}s)")
     console.print(
         f"ledger: {escape(ledger_url)}\nsnapshots: {escape(str(snapshots))}\n"
-        f"try: quiesce history --ledger '{escape(ledger_url)}'",
+        f"try: quiesce history --ledger {escape(str(folder / 'ledger.db'))}",
         soft_wrap=True,
     )
     return 0

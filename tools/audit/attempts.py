@@ -517,6 +517,11 @@ class AttemptBuilder:
     def _terminal(self, event: Event, ts: float) -> None:
         view, data = self.view, event.data
         if view.terminal_seq is not None:
+            # a restore ends `restored` (servers paused); the resume that finishes it later makes
+            # its outcome `resumed`, as `quiesce history` says
+            resumed = event.kind == "attempt.completed" and data.get("outcome") == "resumed"
+            if view.outcome == "restored" and resumed:
+                view.outcome = "resumed"
             return
         view.terminal_seq, view.terminal_at = event.seq, event.at
         if event.kind == "attempt.aborted":

@@ -92,6 +92,8 @@ class ExportSummary:
     events: int = 0
     runs: list[tuple[int, int]] = field(default_factory=list)
     last_hash: str | None = None
+    #: the attempt exported (None: the whole ledger)
+    checkpoint: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"events": self.events, "runs": [list(r) for r in self.runs], "last_hash": self.last_hash}
@@ -113,7 +115,7 @@ async def write_bundle(
         "checkpoint": checkpoint,
     }
     out.write(_dump(header) + "\n")
-    summary = ExportSummary()
+    summary = ExportSummary(checkpoint=checkpoint)
     previous: int | None = None
     async for event in events:
         if event.seq > head_seq:

@@ -1,21 +1,9 @@
-"""Pieces the audit commands share: the `--ledger` / `--json` arguments and the ledger-wide check."""
+"""What the audit commands share beyond their flags (`tools/cli/flags.py`): the ledger-wide check."""
 
 from __future__ import annotations
 
-import argparse
-
 from tools.audit.check import CheckReport, ProtocolChecker
 from tools.audit.source import open_readonly
-
-
-def add_ledger_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--ledger",
-        metavar="URL",
-        required=True,
-        help="ledger database URL (sqlite+aiosqlite:///PATH or postgresql+asyncpg://...); opened read-only",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
 
 async def check_ledger(url: str) -> CheckReport:

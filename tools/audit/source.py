@@ -35,6 +35,21 @@ async def open_readonly(url: str) -> AsyncIterator[Ledger]:
         yield ledger
 
 
+#: The name that stands for the most recently started attempt wherever an attempt id is asked for.
+LATEST_ATTEMPT = "latest"
+
+
+async def resolve_attempt_id(ledger: Ledger, checkpoint_id: str) -> str:
+    """`checkpoint_id` itself, or for `latest` the id of the most recently started attempt (the last
+    row `quiesce history` lists). Raises `LedgerError` for `latest` on a ledger without attempts."""
+    if checkpoint_id != LATEST_ATTEMPT:
+        return checkpoint_id
+    ids = await recent_attempt_ids(ledger, 1)
+    if not ids:
+        raise LedgerError(f"no attempt in ledger {ledger.url} yet, so no latest one")
+    return ids[0]
+
+
 async def attempt_events(ledger: Ledger, checkpoint_id: str, *, head_seq: int | None = None) -> list[Event]:
     """The events of one attempt plus its context, in seq order, up to `head_seq` (if given).
 
@@ -62,22 +77,24 @@ async def attempt_events(ledger: Ledger, checkpoint_id: str, *, head_seq: int | 
 
 
 async def load_attempt(ledger: Ledger, checkpoint_id: str) -> tuple[AttemptView, list[Event]]:
-    """The `AttemptView` of one attempt and the events it was built from (with context)."""
+    """The `AttemptView` of one attempt (`latest`: the newest) and the events it was built from
+    (with context)."""
     from tools.audit.attempts import build_attempt
 
+    checkpoint_id = await resolve_attempt_id(ledger, checkpoint_id)
     events = await attempt_events(ledger, checkpoint_id)
     return build_attempt(checkpoint_id, events), events
 
 
 async def recent_attempt_ids(ledger: Ledger, limit: int) -> list[str]:
-    """Ids of the `limit` most recently started attempts, oldest first (from the projection)."""
+    """Ids of the `limit` most recently started attempts, oldest first: the projection's order,
+    the same as `quiesce history`'s (`Ledger.attempts`)."""
     rows = await ledger.attempts()
-    rows.sort(key=lambda r: (r.started_at, r.last_seq))
     return [r.checkpoint_id for r in rows[-limit:]] if limit > 0 else []
 
 
 async def export_bundle(url: str, out: Path, checkpoint_id: str | None) -> ExportSummary:
-    """Write the audit bundle of the ledger at `url` (or of one attempt) to `out`.
+    """Write the audit bundle of the ledger at `url` (or of one attempt; `latest`: the newest) to `out`.
 
     The head is read first and nothing after it is exported, so a bundle is a consistent prefix
     even while a coordinator appends. Written to a temporary file beside `out`, then renamed:
@@ -91,6 +108,7 @@ async def export_bundle(url: str, out: Path, checkpoint_id: str | None) -> Expor
         if checkpoint_id is None:
             events: AsyncIterator[Event] = ledger.read()
         else:
+            checkpoint_id = await resolve_attempt_id(ledger, checkpoint_id)
             events = _aiter(await attempt_events(ledger, checkpoint_id, head_seq=head_seq))
         tmp = out.with_name(f".{out.name}.tmp")
         try:

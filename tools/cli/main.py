@@ -7,6 +7,9 @@ dispatches and maps errors to exit codes:
 
 - 0 success; 1 the operation failed; 2 bad usage, bad config, or discovery refused.
 - A `QuiesceError` prints its message (no traceback unless `--debug`).
+
+The flags every command shares (`--json`, `--debug`, `--config`, `--ledger`) are defined once, in
+`tools/cli/flags.py`: every parser a command registers takes them (`flags.Commands`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from coordinator.errors import ConfigError, DiscoveryError, QuiesceError
-from tools.cli import commands
+from coordinator.version import VERSION
+from tools.cli import commands, flags
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -40,8 +44,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         prog="quiesce",
         description="Checkpoint coordinator for NeMo Gym servers (control plane v1).",
     )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"quiesce {VERSION}")
+    parser.add_argument(
+        "--debug", action="store_true", help="show tracebacks on errors (here or after COMMAND)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    sub = flags.Commands(parser.add_subparsers(dest="command", metavar="COMMAND"))
     for name in _command_modules(sys.argv[1:] if argv is None else argv):
         module = importlib.import_module(f"{commands.__name__}.{name}")
         module.register(sub)
@@ -61,7 +69,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
+        flags.finish(args)
         return handler(args)
+    except flags.UsageError as error:
+        _print_error(error)
+        return 2
     except QuiesceError as error:
         if args.debug:
             raise

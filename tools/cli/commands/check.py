@@ -1,4 +1,6 @@
-"""`quiesce check [ID] --ledger URL [--json]` — the protocol check, from the events alone.
+"""`quiesce check [ID|latest] --ledger URL|FILE | --config C [--json]` — the protocol check.
+
+From the events alone.
 
 With an ID, checks that attempt (its events plus every `coordinator.started`, so stale epochs
 are seen); without, checks every attempt of the ledger (as `quiesce replay --verify` does).
@@ -14,9 +16,10 @@ from typing import Any
 import anyio
 
 from tools.audit.check import CheckReport, check_events
-from tools.audit.cli import add_ledger_arguments, check_ledger
+from tools.audit.cli import check_ledger
 from tools.audit.present import print_check
-from tools.audit.source import attempt_events, open_readonly
+from tools.audit.source import attempt_events, open_readonly, resolve_attempt_id
+from tools.cli.flags import add_ledger
 from tools.cli.output import console, emit_json
 
 
@@ -27,13 +30,16 @@ def register(subparsers: Any) -> None:
         description="Check from the ledger alone that attempts obeyed the protocol; each violation "
         "is reported with the seq of the event that shows it.",
     )
-    parser.add_argument("checkpoint_id", metavar="ID", nargs="?", help="one attempt (default: all)")
-    add_ledger_arguments(parser)
+    parser.add_argument(
+        "checkpoint_id", metavar="ID", nargs="?", help="one attempt (`latest`: the newest; default: all)"
+    )
+    add_ledger(parser)
     parser.set_defaults(handler=handle)
 
 
 async def _check_one(url: str, checkpoint_id: str) -> CheckReport:
     async with open_readonly(url) as ledger:
+        checkpoint_id = await resolve_attempt_id(ledger, checkpoint_id)
         events = await attempt_events(ledger, checkpoint_id)
     return check_events(events).for_attempt(checkpoint_id)
 

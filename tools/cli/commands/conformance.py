@@ -40,7 +40,6 @@ def register(subparsers: Any) -> None:
         default=None,
         help=f"variable holding the control token (default {TOKEN_ENV}, then {TOKEN_ENV_FALLBACK})",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     parser.add_argument(
         "--timeout",
         type=float,

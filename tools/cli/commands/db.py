@@ -1,4 +1,4 @@
-"""`quiesce db upgrade --ledger URL` — bring a ledger's schema to the head revision.
+"""`quiesce db upgrade --ledger URL|FILE | --config C` — bring a ledger's schema to the head revision.
 
 Exit 0 when the schema is at head afterwards, 1 when it cannot be (a schema newer than this
 quiesce, an unreachable database, another writer holding the ledger).
@@ -13,6 +13,7 @@ import anyio
 
 from ledger import upgrade_schema
 from ledger.urls import safe
+from tools.cli.flags import Commands, add_ledger
 from tools.cli.output import console, emit_json
 
 
@@ -20,7 +21,7 @@ def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "db", help="ledger database administration", description="Ledger database administration."
     )
-    sub = parser.add_subparsers(dest="db_command", metavar="SUBCOMMAND", required=True)
+    sub = Commands(parser.add_subparsers(dest="db_command", metavar="SUBCOMMAND", required=True))
     upgrade = sub.add_parser(
         "upgrade",
         help="upgrade the ledger schema to the head revision",
@@ -29,8 +30,7 @@ def register(subparsers: Any) -> None:
             "Takes the ledger's writer lock while it runs, so stop the coordinator first."
         ),
     )
-    upgrade.add_argument("--ledger", metavar="URL", required=True, help="ledger database URL")
-    upgrade.add_argument("--json", action="store_true", help="print one JSON document")
+    add_ledger(upgrade, must_exist=False)
     upgrade.set_defaults(handler=handle_upgrade)
 
 

@@ -1,8 +1,12 @@
-"""`quiesce demo [--dir DIR]` — checkpoint a local reference Gym cluster mid-rollout, restore it into a
-fresh one, and check the rollouts finish exactly as an uninterrupted run (see `tools/demo.py`).
+"""`quiesce demo [--dir DIR] [--json]` — checkpoint a local reference Gym cluster mid-rollout, restore it
+into a fresh one, and check the rollouts finish exactly as an uninterrupted run (see `tools/demo.py`).
 
-Uses an embedded SQLite ledger and snapshots under DIR (default `./.quiesce-demo`, emptied first);
-needs no config and no token (a random one is made, never printed). Exit 0 when everything matches.
+Uses an embedded SQLite ledger and snapshots under DIR (default `./.quiesce-demo`); needs no config
+and no token (a random one is made, never printed). DIR must be new, empty, or one an earlier demo
+made (it carries the demo's marker): then only what the demo wrote there is removed. Any other
+non-empty folder is refused, exit 2, before anything runs. Exit 0 when everything matches, 1 when not.
+`--json`: the story goes to stderr, and stdout gets `{"ok", "dir", "ledger", "snapshots",
+"rollouts", "checkpoint_id", "restored_as", "differences", "elapsed_s", "error"}`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any
 
 import anyio
 
-from tools.cli.output import console
+from tools.cli.output import console, emit_json, print_error
 
 
 def register(subparsers: Any) -> None:
@@ -29,13 +33,24 @@ def register(subparsers: Any) -> None:
         "--dir",
         type=Path,
         default=Path(".quiesce-demo"),
-        help="folder for the ledger, snapshots and cluster logs (emptied first; default ./.quiesce-demo)",
+        help="folder for the ledger, snapshots and cluster logs: new, empty, or made by an earlier demo"
+        " (default ./.quiesce-demo)",
     )
     parser.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
-    from tools.demo import run_demo
+    from rich.console import Console
 
-    code: int = anyio.run(run_demo, args.dir, console)
+    from tools.demo import FolderRefused, run_demo
+
+    result: dict[str, Any] = {}
+    people = Console(stderr=True, highlight=False) if args.json else console
+    try:
+        code: int = anyio.run(run_demo, args.dir, people, result)
+    except FolderRefused as error:
+        print_error(error)
+        return 2
+    if args.json:
+        emit_json(result)
     return code

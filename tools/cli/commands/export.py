@@ -1,4 +1,6 @@
-"""`quiesce export --ledger URL [--checkpoint ID] --out bundle.jsonl [--json]` — an audit bundle.
+"""`quiesce export --ledger URL|FILE | --config C [--checkpoint ID|latest] --out F.jsonl [--json]`.
+
+An audit bundle.
 
 Writes the ledger's events with their hash chain (all of them, or one attempt's with the hash
 before each run) as JSON Lines that `quiesce verify-bundle` checks offline, with no database.
@@ -15,8 +17,8 @@ from typing import Any
 import anyio
 from rich.text import Text
 
-from tools.audit.cli import add_ledger_arguments
 from tools.audit.source import export_bundle
+from tools.cli.flags import add_ledger
 from tools.cli.output import console, emit_json
 
 
@@ -26,8 +28,10 @@ def register(subparsers: Any) -> None:
         help="write an offline-verifiable audit bundle of the ledger (or one attempt)",
         description="Export events with their hash chain as JSON Lines (see `quiesce verify-bundle`).",
     )
-    add_ledger_arguments(parser)
-    parser.add_argument("--checkpoint", metavar="ID", help="only this attempt (and its context)")
+    add_ledger(parser)
+    parser.add_argument(
+        "--checkpoint", metavar="ID", help="only this attempt (and its context); `latest`: the newest"
+    )
     parser.add_argument("--out", metavar="FILE", required=True, type=Path, help="bundle file to write")
     parser.set_defaults(handler=handle)
 
@@ -35,7 +39,7 @@ def register(subparsers: Any) -> None:
 def handle(args: argparse.Namespace) -> int:
     summary = anyio.run(export_bundle, args.ledger, args.out, args.checkpoint)
     if args.json:
-        emit_json({"out": str(args.out), "checkpoint": args.checkpoint, **summary.to_json()})
+        emit_json({"out": str(args.out), "checkpoint": summary.checkpoint, **summary.to_json()})
     else:
         runs = ", ".join(f"{a}..{b}" if a != b else str(a) for a, b in summary.runs) or "none"
         console.print(Text(f"wrote {args.out}: {summary.events} events (seq {runs})"))

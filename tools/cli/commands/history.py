@@ -1,17 +1,22 @@
-"""`quiesce history --ledger URL | --config C [--since T] [--outcome O] [--limit N] [--json]`.
+"""`quiesce history --ledger URL|FILE | --config C [--since T] [--outcome O] [--limit N] [--json]`.
 
-One row per attempt, oldest first, read from the `attempts` projection only (never the events),
-so it stays fast on large ledgers: id, kind, outcome, started, duration, participants, calls,
-failures, recovered-by. It must run in well under a second as a fresh process on a
-1,000,000-event ledger, so it imports only what it uses: rich only for a short table on a
-terminal-sized history, never for `--json` or the plain text of a long one
-(`tests/audit/test_history.py` checks the imports).
+One row per attempt, oldest first — the order `quiesce report` lists them in —, read from the
+`attempts` projection, so it stays fast on large ledgers: id, kind, outcome, snapshot, started,
+duration, participants, calls, failures, recovered-by. Only restores cost more: the events of
+each restore attempt shown are read (one indexed query) for the snapshot it restored and whether
+it was resumed since — the projection keeps a restore's first end, `restored`, while its outcome
+is `resumed` once a resume finished it. The snapshot of a save is the one it published (its
+checkpoint id). It must run in well under a second as a fresh process on a 1,000,000-event
+ledger, so it imports only what it uses: rich only for a short table on a terminal-sized history,
+never for `--json` or the plain text of a long one (`tests/audit/test_history.py` checks the
+imports).
 
 Read-only: opens the ledger without taking an epoch, so it never fences a running coordinator.
 `--since` takes a UTC time (`2025-01-02`, `2025-01-02T03:04:05Z`) or an age (`90s`, `30m`, `2h`,
 `7d`); `--outcome` one of published, restored, resumed, aborted, abandoned, or `open` (no terminal
-event yet). `--json` prints a list of `{"checkpoint_id", "kind", "state", "outcome", "started_at",
-"ended_at", "duration_s", "participants", "epoch", "calls", "failures", "recovered_by"}`.
+event yet). `--json` prints a list of `{"checkpoint_id", "kind", "state", "outcome", "snapshot",
+"started_at", "ended_at", "duration_s", "participants", "epoch", "calls", "failures",
+"recovered_by"}`.
 """
 
 from __future__ import annotations
@@ -21,16 +26,20 @@ import json
 import os
 import re
 import sys
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 import anyio
 
-from ledger import AttemptRow
+from ledger import AttemptRow, Ledger
 from tools.audit.source import open_readonly
 from tools.audit.timefmt import duration, short_at
+from tools.cli.flags import add_ledger
 
 OUTCOMES: Final = ("published", "restored", "resumed", "aborted", "abandoned", "open")
+#: Outcomes the projection cannot filter on: a restore's row says `restored` even once resumed.
+_RESTORE_OUTCOMES: Final = ("restored", "resumed")
 _AGE: Final = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT_S: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -62,24 +71,54 @@ def register(subparsers: Any) -> None:
         help="one line per attempt",
         description="List every checkpoint and restore attempt recorded in the ledger, oldest first.",
     )
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--ledger", metavar="URL", help="ledger database URL")
-    where.add_argument("--config", metavar="FILE", help="cluster config (its ledger is read)")
+    add_ledger(parser)
     parser.add_argument("--since", metavar="T", type=parse_since, help="attempts started at or after T")
     parser.add_argument("--outcome", metavar="O", choices=OUTCOMES, help="only this outcome (or `open`)")
     parser.add_argument(
         "--limit", metavar="N", type=_not_negative, default=0, help="only the N most recent (0: all)"
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.set_defaults(handler=handle)
 
 
-async def read_rows(url: str, since: datetime | None, outcome: str | None) -> list[AttemptRow]:
-    """Projection rows, oldest first; `outcome="open"` means no terminal event yet."""
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One attempt as history shows it: its projection row, its outcome now (a restore resumed
+    since is `resumed`) and its snapshot (a published save's own, or the one a restore restored)."""
+
+    row: AttemptRow
+    outcome: str | None
+    snapshot: str | None
+
+
+async def entry(ledger: Ledger, row: AttemptRow) -> Entry:
+    """The `Entry` of `row`: from the row alone for a save; a restore's events are read."""
+    if row.kind != "restore":
+        return Entry(row, row.outcome, row.checkpoint_id if row.outcome == "published" else None)
+    outcome, source = row.outcome, None
+    async for event in ledger.read(checkpoint_id=row.checkpoint_id):
+        if event.kind == "attempt.started" and isinstance(event.data.get("source_checkpoint_id"), str):
+            source = event.data["source_checkpoint_id"]
+        elif event.kind == "attempt.completed" and event.data.get("outcome") == "resumed":
+            outcome = "resumed"
+    return Entry(row, outcome, source)
+
+
+async def read_entries(url: str, since: datetime | None, outcome: str | None, limit: int = 0) -> list[Entry]:
+    """The attempts to show, oldest first: `outcome` (`open`: no terminal event yet) and the `limit`
+    most recent (0: all) applied."""
     async with open_readonly(url) as ledger:
+        exact = outcome not in (None, "open", *_RESTORE_OUTCOMES)
+        rows = await ledger.attempts(since=since, outcome=outcome if exact else None)
         if outcome == "open":
-            return [r for r in await ledger.attempts(since=since) if r.outcome is None]
-        return await ledger.attempts(since=since, outcome=outcome)
+            rows = [r for r in rows if r.outcome is None]
+        elif outcome in _RESTORE_OUTCOMES:
+            rows = [r for r in rows if r.outcome in _RESTORE_OUTCOMES]
+        else:
+            rows = rows[-limit:] if limit else rows
+        entries = [await entry(ledger, row) for row in rows]
+    if outcome in _RESTORE_OUTCOMES:
+        entries = [e for e in entries if e.outcome == outcome]
+    return entries[-limit:] if limit else entries
 
 
 def duration_s(row: AttemptRow) -> float | None:
@@ -94,12 +133,14 @@ def duration_s(row: AttemptRow) -> float | None:
         return None
 
 
-def to_json(row: AttemptRow) -> dict[str, Any]:
+def to_json(item: Entry) -> dict[str, Any]:
+    row = item.row
     return {
         "checkpoint_id": row.checkpoint_id,
         "kind": row.kind,
         "state": row.state,
-        "outcome": row.outcome,
+        "outcome": item.outcome,
+        "snapshot": item.snapshot,
         "started_at": row.started_at,
         "ended_at": row.ended_at,
         "duration_s": duration_s(row),
@@ -111,7 +152,7 @@ def to_json(row: AttemptRow) -> dict[str, Any]:
     }
 
 
-def emit_rows(rows: list[AttemptRow]) -> None:
+def emit_rows(rows: list[Entry]) -> None:
     """One JSON array on stdout, one compact row per line: the C encoder keeps this fast on tens of
     thousands of attempts (an indented dump goes through the pure-Python encoder)."""
     encode = json.JSONEncoder(sort_keys=True, ensure_ascii=False).encode
@@ -124,6 +165,7 @@ COLUMNS: Final = (
     "checkpoint",
     "kind",
     "outcome",
+    "snapshot",
     "started (UTC)",
     "duration",
     "participants",
@@ -137,11 +179,13 @@ _RIGHT: Final = frozenset({"calls", "failures", "duration"})
 RICH_MAX_ROWS: Final = 500
 
 
-def cells(row: AttemptRow) -> list[str]:
+def cells(item: Entry) -> list[str]:
+    row = item.row
     return [
         row.checkpoint_id,
         row.kind,
-        row.outcome or f"open ({row.state})",
+        item.outcome or f"open ({row.state})",
+        item.snapshot or "-",
         short_at(row.started_at),
         duration(duration_s(row)) if row.ended_at else "-",
         ", ".join(row.participants),
@@ -151,7 +195,7 @@ def cells(row: AttemptRow) -> list[str]:
     ]
 
 
-def print_rich(rows: list[AttemptRow]) -> None:
+def print_rich(rows: list[Entry]) -> None:
     from rich.table import Table
     from rich.text import Text
 
@@ -161,16 +205,16 @@ def print_rich(rows: list[AttemptRow]) -> None:
     table = Table(box=None, pad_edge=False)
     for column in COLUMNS:
         table.add_column(column, justify="right" if column in _RIGHT else "left")
-    for row in rows:
-        values = cells(row)
+    for item in rows:
+        values = cells(item)
         styles = ["" for _ in values]
-        styles[2] = RESULT_STYLE.get(row.outcome or "", "yellow")
-        styles[7] = "red" if row.failures else ""
+        styles[2] = RESULT_STYLE.get(item.outcome or "", "yellow")
+        styles[COLUMNS.index("failures")] = "red" if item.row.failures else ""
         table.add_row(*(Text(v, style=st) for v, st in zip(values, styles, strict=True)))
     widened(console).print(table)
 
 
-def print_plain(rows: list[AttemptRow]) -> None:
+def print_plain(rows: list[Entry]) -> None:
     """The same table as aligned plain text (no colour), for very long histories."""
     grid = [list(COLUMNS), *(cells(row) for row in rows)]
     widths = [max(len(line[i]) for line in grid) for i in range(len(COLUMNS))]
@@ -189,15 +233,7 @@ def print_plain(rows: list[AttemptRow]) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    if args.ledger:
-        url = args.ledger
-    else:
-        from coordinator.config import load_config  # pydantic + YAML: only when a config is named
-
-        url = load_config(args.config).ledger
-    rows = anyio.run(read_rows, url, args.since, args.outcome)
-    if args.limit:
-        rows = rows[-args.limit :]
+    rows = anyio.run(read_entries, args.ledger, args.since, args.outcome, args.limit)
     if args.json:
         emit_rows(rows)
         return 0

@@ -1,4 +1,4 @@
-"""`quiesce replay --ledger URL [--verify] [--rebuild] [--json]` — audit a ledger.
+"""`quiesce replay --ledger URL|FILE | --config C [--verify] [--rebuild] [--json]` — audit a ledger.
 
 Always recomputes the hash chain and rebuilds the projections in memory, comparing them with
 the live tables. Exit codes:
@@ -23,6 +23,7 @@ from ledger import ReplayReport, replay_url
 from ledger.urls import safe
 from tools.audit.cli import check_ledger
 from tools.audit.present import print_check
+from tools.cli.flags import add_ledger
 from tools.cli.output import console, emit_json
 
 MAX_SHOWN = 50
@@ -37,7 +38,7 @@ def register(subparsers: Any) -> None:
             "attempts projection, comparing it with the live table."
         ),
     )
-    parser.add_argument("--ledger", metavar="URL", required=True, help="ledger database URL")
+    add_ledger(parser)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
         "--verify",
@@ -49,7 +50,6 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="replace the live projections with the rebuilt ones (takes the writer lock)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.set_defaults(handler=handle)
 
 

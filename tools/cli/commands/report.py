@@ -1,4 +1,4 @@
-"""`quiesce report --ledger URL --out FILE.html [--checkpoint ID] [--limit N] [--json]`.
+"""`quiesce report --ledger URL|FILE | --config C --out F.html [--checkpoint ID|latest] [--limit N] [--json]`.
 
 Writes one self-contained HTML page (no network, no external scripts or fonts): a summary table of
 the most recent attempts and, per attempt, a Gantt timeline — one lane per server, one bar per
@@ -17,9 +17,9 @@ import anyio
 from rich.text import Text
 
 from ledger.urls import safe
-from tools.audit.cli import add_ledger_arguments
 from tools.audit.report import render_report
 from tools.audit.source import load_views
+from tools.cli.flags import add_ledger
 from tools.cli.output import console, emit_json
 
 
@@ -36,9 +36,9 @@ def register(subparsers: Any) -> None:
         help="write a self-contained HTML timeline page of the attempts",
         description="Render attempts as a self-contained HTML page: summary table and Gantt timelines.",
     )
-    add_ledger_arguments(parser)
+    add_ledger(parser)
     parser.add_argument("--out", metavar="FILE.html", required=True, type=Path, help="page to write")
-    parser.add_argument("--checkpoint", metavar="ID", help="only this attempt")
+    parser.add_argument("--checkpoint", metavar="ID", help="only this attempt (`latest`: the newest)")
     parser.add_argument(
         "--limit", metavar="N", type=_at_least_one, default=20, help="the N most recent attempts (default 20)"
     )

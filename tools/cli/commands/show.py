@@ -1,4 +1,4 @@
-"""`quiesce show ID --ledger URL [--json]` — one attempt, explained from the ledger alone.
+"""`quiesce show ID|latest --ledger URL|FILE | --config C [--json]` — one attempt, from the ledger alone.
 
 Prints every call in seq order (seq sent / seq of the outcome, phase, server, route, status or
 error code, elapsed), the participant × phase matrix (intended, sent, acknowledged, failed,
@@ -16,9 +16,9 @@ import anyio
 
 from tools.audit.attempts import AttemptView
 from tools.audit.check import CheckReport, check_events
-from tools.audit.cli import add_ledger_arguments
 from tools.audit.present import print_attempt, print_check
 from tools.audit.source import load_attempt, open_readonly
+from tools.cli.flags import add_ledger
 from tools.cli.output import console, emit_json
 
 
@@ -29,15 +29,17 @@ def register(subparsers: Any) -> None:
         description="Explain one checkpoint attempt from the ledger: calls, participant × phase "
         "matrix, recovery evidence and a timeline.",
     )
-    parser.add_argument("checkpoint_id", metavar="ID", help="checkpoint id of the attempt")
-    add_ledger_arguments(parser)
+    parser.add_argument(
+        "checkpoint_id", metavar="ID", help="checkpoint id of the attempt (`latest`: the newest attempt)"
+    )
+    add_ledger(parser)
     parser.set_defaults(handler=handle)
 
 
 async def _load(url: str, checkpoint_id: str) -> tuple[AttemptView, CheckReport]:
     async with open_readonly(url) as ledger:
         view, events = await load_attempt(ledger, checkpoint_id)
-    return view, check_events(events).for_attempt(checkpoint_id)
+    return view, check_events(events).for_attempt(view.checkpoint_id)
 
 
 def handle(args: argparse.Namespace) -> int:

@@ -1,18 +1,48 @@
-"""`quiesce sim`: start a reference Gym cluster (tools/gymsim) and write its cluster config."""
+"""`quiesce sim [--spec FILE] [--config-out PATH] [--json]` — a local reference Gym cluster to try quiesce on.
+
+Runs the reference servers (`tools/gymsim/launcher.py`) until Ctrl-C or SIGTERM; the config it
+writes exists exactly while they run (written once every server accepts connections, removed
+when they stop), so a script can wait for the file. The help speaks to users: what it starts,
+where the config goes, which token to set and what to run next. `--ledger` takes a file path or a
+URL, as everywhere.
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
+from tools.cli.flags import ledger_url
+from tools.cli.output import print_error
 from tools.gymsim import launcher
+
+DESCRIPTION = f"""\
+Start a local reference NeMo Gym cluster that speaks the checkpoint control plane v1 — by default
+a policy model, a judge, two agents and a resources server on loopback ports — and write a cluster
+config for it to {launcher.DEFAULT_CONFIG_OUT} (--config-out). The config appears once every
+server accepts connections and is removed when the cluster stops (Ctrl-C or SIGTERM), so its
+presence means "ready".
+
+Set the control token first, in this shell and in the one you run quiesce from:
+  export {TOKEN_ENV}=<a secret>     (or {TOKEN_ENV_FALLBACK})
+It is never printed or written; without it every control request is refused (401).
+"""
+
+EPILOG = f"""\
+then, in another shell:
+  quiesce discover   --config {launcher.DEFAULT_CONFIG_OUT}
+  quiesce checkpoint --config {launcher.DEFAULT_CONFIG_OUT}
+  quiesce restore    --config {launcher.DEFAULT_CONFIG_OUT} --resume
+"""
 
 
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "sim",
-        help="start a reference Gym cluster and write its config",
-        description=launcher.__doc__,
+        help="start a local reference Gym cluster and write its config",
+        description=DESCRIPTION,
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     launcher.add_arguments(parser)
@@ -20,4 +50,10 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
+    if args.ledger is not None:
+        try:
+            args.ledger = ledger_url(args.ledger, must_exist=False)  # a file path, as everywhere
+        except argparse.ArgumentTypeError as error:
+            print_error(f"--ledger: {error}")
+            return 2
     return launcher.run(args)

@@ -1,8 +1,8 @@
-"""`quiesce verify-bundle FILE [--ledger URL] [--json]` — check an audit bundle offline.
+"""`quiesce verify-bundle FILE [--ledger URL|FILE | --config C] [--json]` — check an audit bundle offline.
 
 Recomputes every event's hash and every link of the chain (see `tools/audit/bundle.py`), with no
-database. With `--ledger URL`, also compares every hash the bundle states (events and run
-anchors) with that ledger's. Exit 0 when the bundle is intact, 1 naming the seq of each event
+database. With a ledger (`--ledger`, or `--config`'s), also compares every hash the bundle states
+(events and run anchors) with that ledger's. Exit 0 when the bundle is intact, 1 naming the seq of each event
 that is not, 2 when the file cannot be read.
 """
 
@@ -18,6 +18,7 @@ from rich.text import Text
 from ledger.urls import safe
 from tools.audit.bundle import verify_bundle
 from tools.audit.source import cross_check
+from tools.cli.flags import add_ledger
 from tools.cli.output import console, emit_json, print_error
 
 
@@ -28,12 +29,9 @@ def register(subparsers: Any) -> None:
         description="Recompute the hash chain of a bundle written by `quiesce export`.",
     )
     parser.add_argument("bundle", metavar="FILE", type=Path, help="bundle file (JSON Lines)")
-    parser.add_argument(
-        "--ledger",
-        metavar="URL",
-        help="also compare every hash the bundle states (events, anchors) with this ledger (read-only)",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    # --ledger / --config: also compare every hash the bundle states (events, anchors) with that
+    # ledger (read-only); never from $QUIESCE_CONFIG — a plain verify needs no database
+    add_ledger(parser, required=False, use_env=False)
     parser.set_defaults(handler=handle)
 
 

@@ -1,0 +1,164 @@
+"""The flag set every `quiesce` command shares, defined once.
+
+- `--json` (one JSON document on stdout) and `--debug` (tracebacks) are accepted before or after
+  the command name: every command's parser takes them from `shared_flags()` — `Commands` adds it
+  to each parser a command registers, so a command file never defines them itself.
+- `--config FILE` (`add_config`): the cluster config; `$QUIESCE_CONFIG` is its default.
+- The ledger of a reading command (`add_ledger`): `--ledger URL|FILE` (a database URL, or the path
+  of a SQLite ledger file) or `--config FILE` (its `ledger:`), default `$QUIESCE_CONFIG`; `finish`
+  puts the URL into `args.ledger`, so a handler reads only that.
+
+Rules: a bad value is bad usage — exit 2, with the value shown as it was typed (a password in
+a URL masked) and what to give instead. Nothing here imports SQLAlchemy, pydantic or rich unless
+the value needs them (a config file, a URL other than a plain SQLite one): `quiesce history
+--ledger FILE --json` must start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from ledger.errors import LedgerError
+from ledger.urls import SQLITE_PREFIX, plain_sqlite_path
+
+#: The environment variable naming the default cluster config.
+CONFIG_ENV: Final = "QUIESCE_CONFIG"
+_PASSWORD: Final = re.compile(r"(://[^:/@\s]*:)[^@/\s]*@")
+
+
+class UsageError(Exception):
+    """Bad usage found after parsing (a missing `--config`, a bad ledger): exit 2."""
+
+
+@functools.cache
+def shared_flags() -> argparse.ArgumentParser:
+    """The parent parser of every command: `--json` and `--debug`, set only when given (so the
+    same flag given before the command name is not overwritten by a default)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON document on stdout"
+    )
+    parent.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors"
+    )
+    return parent
+
+
+class Commands:
+    """A subparsers action whose every parser takes the shared flags (`shared_flags`).
+
+    A command file that still defines `--json` itself replaces the shared one (conflicts resolve
+    to the command's own definition) instead of failing.
+    """
+
+    def __init__(self, action: Any) -> None:
+        self._action = action
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        kwargs["parents"] = [*kwargs.get("parents", ()), shared_flags()]
+        kwargs.setdefault("conflict_handler", "resolve")
+        parser: argparse.ArgumentParser = self._action.add_parser(name, **kwargs)
+        return parser
+
+
+def shown(text: str) -> str:
+    """`text` as typed, with the password of a `scheme://user:password@host` URL masked."""
+    return _PASSWORD.sub(r"\1***@", text)
+
+
+def ledger_url(text: str, *, must_exist: bool) -> str:
+    """The ledger URL of a `--ledger` value: a URL as given, or `sqlite+aiosqlite:///ABSPATH` for
+    a file path. Raises `argparse.ArgumentTypeError` (exit 2) naming the value as typed."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty value: give a ledger file path or a database URL")
+    if "://" not in text:
+        path = Path(text).expanduser()
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r} is a folder: give the ledger's database file")
+        if must_exist and not path.is_file():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: no such ledger file (give an existing ledger file, or a database URL such"
+                " as sqlite+aiosqlite:///PATH or postgresql+asyncpg://USER@HOST/DB)"
+            )
+        return SQLITE_PREFIX + str(path.resolve())
+    plain = plain_sqlite_path(text)
+    if plain is None:
+        from ledger.urls import parse  # SQLAlchemy's URL parser: only for URLs that need it
+
+        try:
+            backend, url = parse(text)
+        except (LedgerError, ValueError):  # ValueError: SQLAlchemy on a bad port, for one
+            raise argparse.ArgumentTypeError(
+                f"{shown(text)!r} is not a ledger URL: use a file path, sqlite+aiosqlite:///PATH or"
+                " postgresql+asyncpg://USER@HOST/DB"
+            ) from None
+        plain = url.database if backend == "sqlite" else None
+    if must_exist and plain is not None and not Path(plain).is_file():
+        raise argparse.ArgumentTypeError(f"{shown(text)!r}: no ledger file {plain}")
+    return text
+
+
+@dataclass(frozen=True)
+class _LedgerSource:
+    required: bool
+    use_env: bool
+
+
+def add_config(parser: argparse.ArgumentParser) -> None:
+    """`--config FILE`, required unless `$QUIESCE_CONFIG` names one (checked by `finish`)."""
+    parser.add_argument(
+        "--config", metavar="FILE", default=None, help=f"cluster config (YAML); default ${CONFIG_ENV}"
+    )
+    parser.set_defaults(_config_required=True)
+
+
+def add_ledger(
+    parser: argparse.ArgumentParser, *, must_exist: bool = True, required: bool = True, use_env: bool = True
+) -> None:
+    """`--ledger URL|FILE` or `--config FILE` (its ledger); `finish` sets `args.ledger`.
+
+    `must_exist`: a named file (or SQLite URL) must be an existing file (readers); `required`: one
+    of the two (or `$QUIESCE_CONFIG` when `use_env`) must be given.
+    """
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--ledger",
+        metavar="URL|FILE",
+        type=functools.partial(ledger_url, must_exist=must_exist),
+        help="the ledger: a SQLite file path, sqlite+aiosqlite:///PATH or postgresql+asyncpg://USER@HOST/DB",
+    )
+    where.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="a cluster config whose ledger to use" + (f" (default ${CONFIG_ENV})" if use_env else ""),
+    )
+    parser.set_defaults(_ledger_source=_LedgerSource(required, use_env))
+
+
+def finish(args: argparse.Namespace) -> None:
+    """Apply the defaults that depend on the environment or a config file. Raises `UsageError`
+    (exit 2) when a required `--config` or ledger is missing; a bad config file raises
+    `ConfigError` (exit 2 as well)."""
+    args.json = getattr(args, "json", False)
+    args.debug = getattr(args, "debug", False)
+    source: _LedgerSource | None = getattr(args, "_ledger_source", None)
+    if getattr(args, "_config_required", False) and args.config is None:
+        args.config = os.environ.get(CONFIG_ENV) or None
+        if args.config is None:
+            raise UsageError(f"--config FILE is required (or set {CONFIG_ENV} to the cluster config)")
+    if source is not None and args.ledger is None:
+        config = args.config or (os.environ.get(CONFIG_ENV) or None if source.use_env else None)
+        if config is not None:
+            from coordinator.config import load_config  # pydantic + YAML: only when a config is named
+
+            args.config = config
+            args.ledger = load_config(config).ledger
+        elif source.required:
+            raise UsageError(f"name the ledger: --ledger URL|FILE, or --config FILE (or set {CONFIG_ENV})")
