@@ -39,3 +39,25 @@ def test_readme_embedded_api_example(tmp_path: Path, monkeypatch: pytest.MonkeyP
         exec(compile(code, str(README) + ":Embedded API", "exec"), {"__name__": "__readme__"})
         snapshots = [p for p in (tmp_path / "checkpoints").iterdir() if not p.name.startswith(".")]
         assert any((p / "manifest.json").is_file() for p in snapshots), os.listdir(tmp_path / "checkpoints")
+
+
+def command_table(text: str) -> str:
+    """The table of the "Command line" section."""
+    match = re.search(r"^## Command line\n(.*?)(?=^## )", text, flags=re.M | re.S)
+    assert match, 'README.md has no "Command line" section'
+    rows = [line for line in match.group(1).splitlines() if line.startswith("| `quiesce")]
+    assert rows, 'the "Command line" section of README.md has no command table'
+    return "\n".join(rows)
+
+
+def test_readme_command_table_lists_every_command() -> None:
+    """Each command module (`tools/cli/commands/`) has its row, and each row names a command."""
+    import pkgutil
+
+    from tools.cli import commands
+
+    names = {m.name.replace("_", "-") for m in pkgutil.iter_modules(commands.__path__)}
+    table = command_table(README.read_text(encoding="utf-8"))
+    listed = set(re.findall(r"`quiesce ([a-z-]+)", table))
+    assert names - listed == set(), "commands missing from README's command table"
+    assert listed - names == set(), "README's command table names commands that do not exist"

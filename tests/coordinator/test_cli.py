@@ -116,7 +116,7 @@ def test_checkpoint_restore_resume_history(
     assert code == 0
     assert [(r["checkpoint_id"], r["kind"], r["outcome"]) for r in rows] == [
         (saved, "save", "published"),
-        (restored, "restore", "restored"),
+        (restored, "restore", "resumed"),  # restored, then resumed by the separate `resume`
     ]
     code, text = _run(capsys, "history", "--ledger", f"sqlite+aiosqlite:///{tmp_path / 'q.db'}")
     assert code == 0

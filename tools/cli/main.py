@@ -32,8 +32,10 @@ def _command_modules(argv: Sequence[str]) -> list[str]:
     """The command modules to import: only the one named on the command line when it exists
     (`verify-bundle` → `verify_bundle`), else all of them (for `--help` and usage errors).
     Importing one keeps start-up cheap: `quiesce history` must not load httpx or FastAPI."""
-    names = sorted(m.name for m in pkgutil.iter_modules(commands.__path__))
     first = next((a for a in argv if not a.startswith("-")), None)
+    if first is None and "--version" in argv:
+        return []  # `quiesce --version` needs no command
+    names = sorted(m.name for m in pkgutil.iter_modules(commands.__path__))
     if first is not None and first.replace("-", "_") in names:
         return [first.replace("-", "_")]
     return names

@@ -1,0 +1,108 @@
+"""`quiesce snapshots`, `restore --snapshot ID`, `show latest` and `history --outcome resumed`,
+through the real CLI against a real reference cluster."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.cli.helpers import json_of, quiesce
+
+
+def _checkpoint(config_file: Path, cwd: Path) -> str:
+    document = json_of(quiesce("checkpoint", "--config", str(config_file), "--json", cwd=cwd))
+    assert document["outcome"] == "published", document
+    checkpoint_id: str = document["checkpoint_id"]
+    return checkpoint_id
+
+
+def _listed(config_file: Path, cwd: Path, *more: str) -> dict[str, Any]:
+    document: dict[str, Any] = json_of(
+        quiesce("snapshots", "--config", str(config_file), "--json", *more, cwd=cwd)
+    )
+    return document
+
+
+def test_snapshots_lists_and_prunes_only_ours(config_file: Path, tmp_path: Path) -> None:
+    snaps = tmp_path / "snaps"
+    made = [_checkpoint(config_file, tmp_path) for _ in range(3)]
+    listed = _listed(config_file, tmp_path)
+    assert listed["folder"] == str(snaps)
+    rows = listed["snapshots"]
+    assert [r["id"] for r in rows] == made
+    assert [r["latest"] for r in rows] == [False, False, True]
+    for row in rows:
+        manifest = json.loads((snaps / row["id"] / "manifest.json").read_text())
+        assert row["files"] == len(manifest["files"]) > 0
+        assert row["size"] > sum(f["bytes"] for f in manifest["files"])  # and the manifest itself
+        assert row["created"] == manifest["created"]
+        assert row["participants"] == [p["name"] for p in manifest["participants"]]
+    text = quiesce("snapshots", "--config", str(config_file), cwd=tmp_path).stdout
+    assert all(cid in text for cid in made)
+    assert "LATEST" in text
+
+    # not ours: a plain folder, a folder whose manifest is someone else's, a symlink to a snapshot
+    (snaps / "mine").mkdir()
+    (snaps / "mine" / "notes.txt").write_text("keep me")
+    (snaps / "other").mkdir()
+    (snaps / "other" / "manifest.json").write_text('{"format": "something-else"}')
+    (snaps / "alias").symlink_to(snaps / made[0], target_is_directory=True)
+    # LATEST names the oldest: pruning to one keeps the newest and LATEST's
+    (snaps / "LATEST").write_text(made[0] + "\n")
+    pruned = _listed(config_file, tmp_path, "--prune", "1")
+    assert pruned["removed"] == [made[1]]
+    assert [(r["id"], r["latest"]) for r in pruned["snapshots"]] == [(made[0], True), (made[2], False)]
+    assert not (snaps / made[1]).exists()
+    assert (snaps / "mine" / "notes.txt").read_text() == "keep me"
+    assert (snaps / "other" / "manifest.json").is_file()
+    assert (snaps / "alias").is_symlink()
+    assert (snaps / made[0] / "manifest.json").is_file()
+
+    pruned = _listed(config_file, tmp_path, "--prune", "0")
+    assert pruned["removed"] == [made[2]]
+    assert [r["id"] for r in pruned["snapshots"]] == [made[0]]  # LATEST's, whatever K
+
+
+def test_restore_an_id_from_the_snapshots_folder_not_the_current_one(
+    config_file: Path, tmp_path: Path
+) -> None:
+    first = _checkpoint(config_file, tmp_path)
+    _checkpoint(config_file, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / first).mkdir()  # a folder of the same name where the operator stands
+    restored = json_of(
+        quiesce(
+            "restore", "--config", str(config_file), "--snapshot", first, "--resume", "--json", cwd=elsewhere
+        )
+    )
+    assert restored["outcome"] == "resumed", restored
+    shown = json_of(quiesce("show", "latest", "--config", str(config_file), "--json", cwd=elsewhere))
+    assert shown["checkpoint_id"] == restored["checkpoint_id"]
+    assert shown["kind"] == "restore"
+    rows = json_of(
+        quiesce("history", "--config", str(config_file), "--outcome", "resumed", "--json", cwd=elsewhere)
+    )
+    assert [(r["checkpoint_id"], r["snapshot"]) for r in rows] == [(restored["checkpoint_id"], first)]
+
+    missing = quiesce("restore", "--config", str(config_file), "--snapshot", "e9-999999", cwd=elsewhere)
+    assert missing.returncode != 0
+    assert "no snapshot 'e9-999999' under" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+def test_a_restore_left_paused_is_restored_until_resumed(config_file: Path, tmp_path: Path) -> None:
+    _checkpoint(config_file, tmp_path)
+    restored = json_of(quiesce("restore", "--config", str(config_file), "--json", cwd=tmp_path))
+    assert restored["outcome"] == "restored"
+
+    def ids(outcome: str) -> list[str]:
+        rows = json_of(
+            quiesce("history", "--config", str(config_file), "--outcome", outcome, "--json", cwd=tmp_path)
+        )
+        return [r["checkpoint_id"] for r in rows]
+
+    assert (ids("restored"), ids("resumed")) == ([restored["checkpoint_id"]], [])
+    assert quiesce("resume", "--config", str(config_file), cwd=tmp_path).returncode == 0
+    assert (ids("restored"), ids("resumed")) == ([], [restored["checkpoint_id"]])
