@@ -88,7 +88,8 @@ def prepare_folder(folder: Path) -> Path:
         if not (folder / MARKER).is_file():
             raise FolderRefused(
                 f"--dir {folder} is not empty and was not made by `quiesce demo` (no {MARKER} in it);"
-                " the demo deletes nothing it did not make: name a new or empty folder"
+                " the demo deletes nothing it did not make: name a new or empty folder (a folder of"
+                " an older quiesce demo carries no mark: remove it yourself)"
             )
         for name in MADE:
             path = folder / name

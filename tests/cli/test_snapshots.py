@@ -87,9 +87,12 @@ def test_restore_an_id_from_the_snapshots_folder_not_the_current_one(
     assert [(r["checkpoint_id"], r["snapshot"]) for r in rows] == [(restored["checkpoint_id"], first)]
 
     missing = quiesce("restore", "--config", str(config_file), "--snapshot", "e9-999999", cwd=elsewhere)
-    assert missing.returncode != 0
+    assert missing.returncode == 2
     assert "no snapshot 'e9-999999' under" in missing.stderr
     assert "Traceback" not in missing.stderr
+    gone = quiesce("restore", "--config", str(config_file), "--snapshot", "./nowhere/e1", cwd=elsewhere)
+    assert gone.returncode == 2
+    assert "--snapshot ./nowhere/e1: no such snapshot folder" in gone.stderr
 
 
 def test_a_restore_left_paused_is_restored_until_resumed(config_file: Path, tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """`quiesce restore --config C [--snapshot DIR|ID|latest] [--resume] [--json]`.
 
 `--snapshot` takes a snapshot id (looked up in the config's snapshots folder first, so a folder of
-the same name in the current folder never stands in for it), `latest`, or a snapshot folder's path.
+the same name in the current folder never stands in for it), `latest`, or a snapshot folder's path;
+one that is not there is bad usage (exit 2).
 Verifies the snapshot (every file and checksum, participants equal to discovery's) before
 contacting any server, then restores policy → agents → resources. The servers stay paused until
 `quiesce resume` (or `--resume` here). `--json`: `{"checkpoint_id", "outcome", "servers"}` with
@@ -16,7 +17,8 @@ from typing import Any
 import anyio
 from rich.markup import escape
 
-from coordinator import Attempt, Coordinator, Outcome, PhaseError, load_config
+from coordinator import Attempt, Coordinator, Outcome, PhaseError, SnapshotError, load_config
+from coordinator.publish import resolve_snapshot
 from tools.cli.cluster_cmd import add_common, phase_error_json, print_warnings, progress_line
 from tools.cli.output import console, emit_json, print_error
 
@@ -37,6 +39,16 @@ def register(subparsers: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     config = load_config(args.config)
+    if args.snapshot != "latest":
+        # naming a snapshot that is not there is bad usage (exit 2), found before any server is asked
+        try:
+            named = resolve_snapshot(config.snapshots, args.snapshot)
+        except SnapshotError as error:
+            print_error(error)
+            return 2
+        if not named.is_dir():
+            print_error(f"--snapshot {args.snapshot}: no such snapshot folder")
+            return 2
     attempt: Attempt | None = None
     resumed: Outcome | None = None
     failure: PhaseError | None = None
