@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -48,13 +48,13 @@ from coordinator.config import ClusterConfig, load_config, resolve_token
 from coordinator.discovery import Discovery, discover
 from coordinator.errors import ConfigError, QuiesceError
 from coordinator.heap import frozen_step, heap_frozen
-from coordinator.lease import keep_lease
+from coordinator.lease import holder_text, keep_lease
 from coordinator.publish import empty_trash, read_latest, resolve_snapshot, verify_snapshot
 from coordinator.readback import find_paused, resume_recorded
 from coordinator.restore import restore as restore_snapshot
 from coordinator.resume import finish_resume, roll_back
 from coordinator.version import VERSION
-from ledger import AttemptRow, LeaseTerms, Ledger
+from ledger import AfterAppend, AttemptRow, Event, LeaseTerms, Ledger
 
 __all__ = ["Coordinator", "quiesce_version", "read_history"]
 
@@ -91,6 +91,8 @@ class Coordinator:
         on_progress: ProgressCallback | None = None,
         recover: bool = True,
         standby: bool = False,
+        advertise: str | None = None,
+        observe: AfterAppend | None = None,
     ) -> AsyncIterator[Coordinator]:
         """Load the config (a `ClusterConfig` or a YAML path), open the ledger, take a new epoch.
 
@@ -102,10 +104,15 @@ class Coordinator:
         `last_recovery`. On PostgreSQL the coordinator holds the lease (`lease_s`) and renews it in
         the background; `standby=True` first waits until the current holder's lease expires, takes
         it over (ending that holder's writer session), then takes its epoch and recovers. A standby
-        needs PostgreSQL: on SQLite it is a `ConfigError`.
+        needs PostgreSQL: on SQLite it is a `ConfigError`. `advertise` is the address this
+        coordinator serves at (`quiesce serve`), written into its lease holder for standbys.
+        `observe` is called with the events of each of this coordinator's ledger commits, in seq
+        order, once committed — its recovery's too (`Ledger.after_append`; it must not raise).
         """
         cfg = _as_config(config)
         secret = token if token is not None else resolve_token(cfg)
+        if advertise is not None and (not advertise or any(c.isspace() for c in advertise)):
+            raise ConfigError(f"advertise {advertise!r}: give an address without spaces, e.g. http://host:port")
         if standby and not cfg.ledger.startswith("postgresql"):
             raise ConfigError(
                 f"standby needs a PostgreSQL ledger (ledger: postgresql+asyncpg://...); {cfg.ledger} is"
@@ -113,7 +120,7 @@ class Coordinator:
             )
         identity = {"host": socket.gethostname(), "pid": os.getpid(), "uuid": str(uuid.uuid4())}
         lease = LeaseTerms(
-            holder=f"{identity['host']}/{identity['pid']}/{identity['uuid']}",
+            holder=holder_text(identity, advertise),
             ttl_s=cfg.lease_s,
             standby=standby,
         )
@@ -123,7 +130,7 @@ class Coordinator:
             durability=cfg.durability,
             secrets=(secret,),
             lease=lease,
-            after_append=points.after_append if points is not None else None,
+            after_append=_chained(points.after_append if points is not None else None, observe),
         ) as ledger:
             await ledger.start_epoch({"coordinator": identity, "version": quiesce_version()})
             caller = Caller(ledger, secret, epoch=ledger.epoch)
@@ -356,6 +363,19 @@ class Coordinator:
     async def history(self) -> list[AttemptRow]:
         """The `attempts` projection, oldest first."""
         return await self._ctx.ledger.attempts()
+
+
+def _chained(first: AfterAppend | None, second: AfterAppend | None) -> AfterAppend | None:
+    """One `after_append` hook calling `first` (the crash points: they may end the process) then `second`."""
+    if first is None or second is None:
+        return first or second
+    hooks = (first, second)
+
+    def both(events: Sequence[Event]) -> None:
+        for hook in hooks:
+            hook(events)
+
+    return both
 
 
 @asynccontextmanager

@@ -255,6 +255,9 @@ class Ledger:
         self.after_append: AfterAppend | None = None
         #: After a standby takeover: the lease of the holder it replaced (None otherwise).
         self.took_over_from: LeaseState | None = None
+        #: Called after each transaction this writer commits with (seconds it took, rows written);
+        #: an observer (``quiesce serve``'s metrics) — the ledger never interprets it.
+        self.on_commit: Callable[[float, int], None] | None = None
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -395,6 +398,25 @@ class Ledger:
         if self._lease is None:
             return None
         return await self._backend.lease_read(self._lease.name)
+
+    async def read_lease(self, name: str = "coordinator") -> LeaseState | None:
+        """The lease row ``name`` as stored now, whoever holds it; any open ledger may ask (a
+        readonly one too: a standby names the active holder this way). None on SQLite, which has
+        no lease, or when nobody ever took it."""
+        if not self._backend.supports_lease:
+            return None
+        return await self._backend.lease_read(name)
+
+    @property
+    def writable(self) -> bool:
+        """Whether this writer may still append: open, not readonly, not fenced, no lost staged
+        event, and (with a lease) the lease not run out on this writer's own clock. Asks nothing of
+        the database; an append may still find a newer epoch and raise ``FencedError``."""
+        try:
+            self._check_writable()
+        except LedgerError:
+            return False
+        return True
 
     async def renew_lease(self) -> bool:
         """Extend this writer's lease by its ``ttl_s``. True without a lease.
@@ -552,12 +574,16 @@ class Ledger:
         batch, carried = self._batch(items, durable=durable, new_epoch=False)
         if not batch.rows:
             return []
+        began = time.perf_counter()
         try:
             backend.append_now(batch)
         except BaseException as error:
             self._commit_failed(error, carried)
             raise
-        return self._committed(batch, carried, [items], new_epoch=False)[0]
+        took = time.perf_counter() - began
+        done = self._committed(batch, carried, [items], new_epoch=False)[0]
+        self._observe_commit(took, len(batch.rows))
+        return done
 
     def _commit_failed(self, error: BaseException, carried: int) -> None:
         """After a backend commit raised ``error``: a ``FencedError`` fences this writer for good;
@@ -672,12 +698,22 @@ class Ledger:
             batch, carried = self._batch(items, durable=durable, new_epoch=new_epoch)
             if not batch.rows:
                 return [[] for _ in groups]
+            began = time.perf_counter()
             try:
                 await self._backend.append(batch)  # shields itself while it awaits
             except BaseException as error:
                 self._commit_failed(error, carried)
                 raise
-            return self._committed(batch, carried, groups, new_epoch=new_epoch)
+            took = time.perf_counter() - began
+            done = self._committed(batch, carried, groups, new_epoch=new_epoch)
+            self._observe_commit(took, len(batch.rows))
+            return done
+
+    def _observe_commit(self, seconds: float, rows: int) -> None:
+        """Tell ``on_commit`` (if set) about a committed transaction; its failure changes nothing here."""
+        if self.on_commit is not None:
+            with contextlib.suppress(Exception):
+                self.on_commit(seconds, rows)
 
     async def append(
         self,
