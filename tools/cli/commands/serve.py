@@ -1,0 +1,54 @@
+"""`quiesce serve --config C [--listen HOST:PORT] [--advertise URL]` — the ledger as a service.
+
+Serves HTTP API v1 (`/docs` for the OpenAPI page), server-sent event streams, `/metrics`,
+`/healthz`, `/readyz` and a live page at `/` until SIGTERM or Ctrl-C; see `tools.serve`. The API
+token comes from `QUIESCE_API_TOKEN` (required when listening beyond loopback), the Gym control
+token from the config's `token_env`, as for every command. On a PostgreSQL ledger a second
+`quiesce serve` on the same config is a standby: it answers 503 naming the active one, and takes
+over when that one's lease expires. Prints `{"listening": URL, "state": ...}` on stdout once
+serving (or waiting as a standby). Exit 0 after a clean stop, 1 when the service failed, 2 on bad
+usage or config.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import anyio
+
+from coordinator import load_config, resolve_token
+
+
+def register(subparsers: Any) -> None:
+    from tools.serve.runner import DEFAULT_LISTEN
+
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "serve",
+        help="HTTP API v1, event streams, /metrics, /readyz and a live page",
+        description="Serve the coordinator over HTTP: API v1, live events, Prometheus metrics, a standby "
+        "on PostgreSQL.",
+    )
+    parser.add_argument("--config", metavar="FILE", required=True, help="cluster config (YAML)")
+    parser.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        default=DEFAULT_LISTEN,
+        help=f"address to listen on (default {DEFAULT_LISTEN}; port 0 picks a free one)",
+    )
+    parser.add_argument(
+        "--advertise",
+        metavar="URL",
+        default=None,
+        help="the address a standby names for this service (default: http://HOST:PORT as bound)",
+    )
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from tools.serve.runner import parse_listen, serve
+
+    config = load_config(args.config)
+    parse_listen(args.listen)  # bad usage before anything is opened
+    resolve_token(config)  # no control token: a config error now, not at the first request
+    return anyio.run(lambda: serve(config, args.listen, advertise=args.advertise))

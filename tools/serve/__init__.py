@@ -1,0 +1,19 @@
+"""`quiesce serve`: the ledger as a service — HTTP API v1 over the embedded `Coordinator`.
+
+One file per concern:
+
+- `service` — the lifecycle (standby → recovering → ready → stopping) and the one operation at a
+  time every mutating request runs as; operations run in the service's own task group, so a client
+  that disconnects never cancels one half-way.
+- `app` — the FastAPI routes of API v1, `/metrics`, `/healthz`, `/readyz` and the live page.
+- `models` — the pydantic request and reply models of API v1 (the OpenAPI schema is built from them).
+- `auth` — the API bearer token (`QUIESCE_API_TOKEN`), compared in constant time.
+- `stream` — the live ledger tail behind the server-sent event streams.
+- `metrics` — the Prometheus metrics, folded from the events the coordinator commits.
+- `page` — the live page at `/`.
+- `runner` — uvicorn on a bound socket, SIGTERM handling, the `--listen` rules.
+- `client` — `RemoteCoordinator`, the same shapes as `Coordinator` over HTTP.
+- `errors` — the errors only the service and its client raise (busy, unauthorized, unavailable).
+
+Layering: `tools.serve` imports `coordinator` and `ledger` (read APIs only); nothing imports it back.
+"""

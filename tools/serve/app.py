@@ -1,0 +1,385 @@
+"""The HTTP face of the service: API v1 (OpenAPI at `/openapi.json`, docs at `/docs`), the event
+streams, `/metrics`, `/healthz`, `/readyz` and the live page at `/`.
+
+Rules kept here:
+- Every `/v1` route and `/metrics` needs the API bearer token when one is set (`auth`); `/`,
+  `/healthz` and `/readyz` never do (they show no ledger data; the page asks for the token itself).
+- Every route that drives servers is one `Service.run` operation; the ledger reads
+  (`/v1/attempts...`) go through a separate read-only ledger, so they never disturb a save.
+- Errors are `{"error": {...}}` (`models.ErrorReply`) with these statuses: 401 `Unauthorized`;
+  404 `NotFound`; 409 `Busy` (another attempt is in progress; names it) and any other refusal of
+  the current state; 400 `ConfigError`; 422 `SnapshotError` (and FastAPI's own body validation);
+  502 `PhaseError`, `DeadlineExceeded`, `DiscoveryError` (a Gym server or the deadline failed the
+  operation; what was rolled back is in the body); 503 `Unavailable` (standby, recovering,
+  stopping; a standby names the active one in `active`), `FencedError`, `LedgerError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+
+from coordinator import Attempt, Coordinator, Outcome
+from coordinator.errors import (
+    ConfigError,
+    DiscoveryError,
+    LedgerError,
+    PhaseError,
+    QuiesceError,
+    SnapshotError,
+)
+from ledger import AttemptRow
+from tools.serve.auth import BearerCheck
+from tools.serve.errors import Busy, NotFound, Unauthorized, Unavailable
+from tools.serve.metrics import CONTENT_TYPE
+from tools.serve.models import (
+    AbortRequest,
+    AttemptModel,
+    DiscoveryModel,
+    ErrorBody,
+    ErrorReply,
+    HistoryRow,
+    OutcomeModel,
+    PublishRequest,
+    Readiness,
+    RestoreReply,
+    RestoreRequest,
+    SaveRequest,
+)
+from tools.serve.page import render_page
+from tools.serve.service import Service
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorReply} for code in (401, 404, 409, 400, 502, 503)
+}
+
+
+def status_of(error: QuiesceError) -> int:
+    """The HTTP status of an error (see the module docstring)."""
+    if isinstance(error, Unauthorized):
+        return 401
+    if isinstance(error, NotFound):
+        return 404
+    if isinstance(error, Busy):
+        return 409
+    if isinstance(error, Unavailable | LedgerError):
+        return 503
+    if isinstance(error, PhaseError | DiscoveryError):
+        return 502
+    if isinstance(error, SnapshotError):
+        return 422
+    if isinstance(error, ConfigError):
+        return 400
+    return 409
+
+
+def error_body(error: QuiesceError) -> ErrorBody:
+    body = ErrorBody(type=type(error).__name__, message=str(error))
+    if isinstance(error, PhaseError):
+        body.phase, body.server, body.reason, body.code = error.phase, error.server, error.reason, error.code
+        body.checkpoint_id = error.checkpoint_id
+        body.resumed, body.not_resumed = list(error.resumed), list(error.not_resumed)
+        body.latest_snapshot = error.latest_snapshot
+    elif isinstance(error, Busy):
+        body.checkpoint_id, body.operation = error.checkpoint_id, error.operation
+    elif isinstance(error, Unavailable):
+        body.state, body.active = error.state, error.active
+    elif isinstance(error, SnapshotError):
+        body.differences = list(error.differences)
+    elif isinstance(error, DiscoveryError):
+        body.reasons = list(error.reasons)
+    return body
+
+
+def build_app(service: Service, *, api_token: str | None) -> FastAPI:
+    """The ASGI app of one service. `api_token` None: no authentication (loopback only)."""
+    check = BearerCheck(api_token)
+    app = FastAPI(
+        title="quiesce",
+        version="1",
+        summary="The checkpoint coordinator of NeMo Gym servers, as a service (API v1)",
+        docs_url="/docs",
+        redoc_url=None,
+    )
+
+    async def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
+        if not check.allows(authorization):
+            raise Unauthorized(
+                "missing or invalid API bearer token (Authorization: Bearer $QUIESCE_API_TOKEN)"
+            )
+
+    @app.exception_handler(QuiesceError)
+    async def quiesce_error(request: Request, error: QuiesceError) -> JSONResponse:
+        status = status_of(error)
+        headers = {}
+        if status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        elif status == 503:
+            headers["Retry-After"] = "1"
+        body = ErrorReply(error=error_body(error)).model_dump(mode="json", exclude_none=True)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    guarded = [Depends(authorized)]
+
+    # -- process -------------------------------------------------------------------------------
+
+    def readiness() -> Readiness:
+        coord = service.coord
+        return Readiness(
+            state=service.state,
+            ready=service.ready,
+            epoch=coord.epoch if coord is not None else None,
+            active=service.active if service.state == "standby" else service.advertise,
+            busy=service.busy,
+            recovery=service.recovery.as_json() if service.recovery is not None else None,
+        )
+
+    @app.get("/healthz", response_model=Readiness, tags=["process"])
+    async def healthz() -> Readiness:
+        """The process is up (whatever its state)."""
+        return readiness()
+
+    @app.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}}, tags=["process"])
+    async def readyz() -> Response:
+        """200 when this service holds the lease, has recovered and can write the ledger; else 503."""
+        state = readiness()
+        return JSONResponse(state.model_dump(mode="json"), status_code=200 if state.ready else 503)
+
+    @app.get("/metrics", dependencies=guarded, tags=["process"], response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus metrics (text format)."""
+        return Response(service.metrics.scrape(), media_type=CONTENT_TYPE)
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def page() -> HTMLResponse:
+        page = render_page()
+        return HTMLResponse(page.html, headers={"Content-Security-Policy": page.csp})
+
+    # -- driving the cluster ------------------------------------------------------------------
+
+    async def op(
+        name: str, fn: Callable[[Coordinator], Awaitable[Any]], attempt_id: str | None = None
+    ) -> Any:
+        return await service.run(name, fn, attempt_id=attempt_id)
+
+    @app.get("/v1/discovery", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
+    async def discovery() -> DiscoveryModel:
+        """Capabilities of every configured server → participants, skipped and refused (with reasons)."""
+        found = await op("discovery", lambda coord: coord.discover(strict=False))
+        return DiscoveryModel.of(found)
+
+    @app.post("/v1/checkpoints", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
+    async def checkpoint(request: SaveRequest | None = None) -> AttemptModel:
+        """A whole save: prepare → commit → publish → resume. Returns the published attempt."""
+        deadline_s = request.deadline_s if request is not None else None
+        attempt: Attempt = await op("checkpoint", lambda coord: coord.checkpoint(deadline_s=deadline_s))
+        return AttemptModel.of(attempt, outcome="published")
+
+    @app.post("/v1/attempts", status_code=201, dependencies=guarded, responses=_ERRORS, tags=["cluster"])
+    async def start_attempt(request: SaveRequest | None = None) -> AttemptModel:
+        """Step one of a save whose caller adds its own half: prepare + commit. Write into
+        `staging_dir`, then `POST /v1/attempts/{id}/publish` (or `/abort`) before the deadline."""
+        deadline_s = request.deadline_s if request is not None else None
+
+        async def prepare_commit(coord: Coordinator) -> Attempt:
+            attempt = await coord.prepare(deadline_s=deadline_s)
+            await coord.commit(attempt)
+            service.pending = attempt
+            return attempt
+
+        return AttemptModel.of(await op("save", prepare_commit))
+
+    def pending(checkpoint_id: str) -> Attempt:
+        attempt = service.pending
+        if attempt is None or attempt.checkpoint_id != checkpoint_id:
+            raise NotFound(
+                f"no attempt {checkpoint_id} awaits its next step in this service"
+                + (f" (attempt {attempt.checkpoint_id} does)" if attempt is not None else "")
+                + "; GET /v1/attempts/{id} shows how an attempt ended"
+            )
+        return attempt
+
+    @app.post(
+        "/v1/attempts/{checkpoint_id}/publish", dependencies=guarded, responses=_ERRORS, tags=["cluster"]
+    )
+    async def publish(checkpoint_id: str, request: PublishRequest | None = None) -> AttemptModel:
+        """Publish a committed attempt (manifest, rename, `LATEST`); with `resume`, then resume every server."""
+        resume = request.resume if request is not None else False
+        pending(checkpoint_id)
+
+        async def publish_step(coord: Coordinator) -> Attempt:
+            attempt = pending(checkpoint_id)
+            await coord.publish(attempt)
+            if resume:
+                try:
+                    await coord.resume(attempt)
+                finally:
+                    if attempt.state in ("completed", "aborted"):
+                        service.pending = None
+            return attempt
+
+        attempt = await op("publish", publish_step, checkpoint_id)
+        return AttemptModel.of(attempt, outcome="published" if attempt.state == "completed" else None)
+
+    @app.post(
+        "/v1/attempts/{checkpoint_id}/resume", dependencies=guarded, responses=_ERRORS, tags=["cluster"]
+    )
+    async def resume_attempt(checkpoint_id: str) -> OutcomeModel:
+        """Resume every server of a published attempt (the last step of a two-step save)."""
+        pending(checkpoint_id)
+
+        async def resume_step(coord: Coordinator) -> Outcome:
+            attempt = pending(checkpoint_id)
+            try:
+                return await coord.resume(attempt)
+            finally:
+                if attempt.state in ("completed", "aborted"):
+                    service.pending = None
+
+        return OutcomeModel.of(await op("resume", resume_step, checkpoint_id))
+
+    @app.post("/v1/attempts/{checkpoint_id}/abort", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
+    async def abort_attempt(checkpoint_id: str, request: AbortRequest | None = None) -> OutcomeModel:
+        """Roll back an attempt before publication (every touched server resumed, staging removed)."""
+        reason = request.reason if request is not None else "aborted by request"
+        pending(checkpoint_id)
+
+        async def abort_step(coord: Coordinator) -> Outcome:
+            attempt = pending(checkpoint_id)
+            try:
+                return await coord.abort(attempt, reason=reason)
+            finally:
+                if attempt.state in ("completed", "aborted"):
+                    service.pending = None
+
+        return OutcomeModel.of(await op("abort", abort_step, checkpoint_id))
+
+    @app.post("/v1/restore", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
+    async def restore(request: RestoreRequest | None = None) -> RestoreReply:
+        """Verify a snapshot (default `latest`), then restore policy → agents → resources; the
+        servers stay paused unless `resume` (then `POST /v1/resume` resumes them)."""
+        body = request or RestoreRequest()
+
+        async def restore_step(coord: Coordinator) -> RestoreReply:
+            attempt = await coord.restore(body.snapshot, deadline_s=body.deadline_s)
+            reply = RestoreReply(attempt=AttemptModel.of(attempt, outcome="restored"))
+            if body.resume:
+                reply.resumed = OutcomeModel.of(await coord.resume(attempt))
+            return reply
+
+        reply: RestoreReply = await op("restore", restore_step)
+        return reply
+
+    @app.post("/v1/resume", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
+    async def resume() -> OutcomeModel:
+        """Resume whatever a restore or an attempt left paused (found in the ledger)."""
+        return OutcomeModel.of(await op("resume", lambda coord: coord.resume()))
+
+    # -- reading the ledger -------------------------------------------------------------------
+
+    @app.get("/v1/attempts", dependencies=guarded, responses=_ERRORS, tags=["ledger"])
+    async def attempts(
+        limit: Annotated[int, Query(ge=0, description="only the N most recent (0: all)")] = 0,
+        outcome: Annotated[str | None, Query(description="an outcome, or `open`")] = None,
+    ) -> list[HistoryRow]:
+        """The `attempts` projection, oldest first (what `history()` returns)."""
+        reader = service.require_reader()
+        rows: list[AttemptRow]
+        if outcome == "open":
+            rows = [r for r in await reader.attempts() if r.outcome is None]
+        else:
+            rows = await reader.attempts(outcome=outcome)
+        if limit:
+            rows = rows[-limit:]
+        return [HistoryRow.of(r) for r in rows]
+
+    async def view_of(checkpoint_id: str) -> tuple[Any, list[Any]]:
+        from tools.audit.source import load_attempt
+
+        reader = service.require_reader()
+        try:
+            return await load_attempt(reader, checkpoint_id)
+        except LedgerError as error:
+            if await reader.attempt(checkpoint_id) is None:
+                raise NotFound(str(error)) from None
+            raise
+
+    @app.get("/v1/attempts/{checkpoint_id}", dependencies=guarded, responses=_ERRORS, tags=["ledger"])
+    async def show(checkpoint_id: str) -> dict[str, Any]:
+        """One attempt explained from the ledger: what `quiesce show ID --json` prints."""
+        from tools.audit.check import check_events
+
+        view, events = await view_of(checkpoint_id)
+        document: dict[str, Any] = view.to_json()
+        document["check"] = check_events(events).for_attempt(checkpoint_id).to_json()
+        return document
+
+    @app.get(
+        "/v1/attempts/{checkpoint_id}/timeline",
+        dependencies=guarded,
+        responses=_ERRORS,
+        response_class=Response,
+        tags=["ledger"],
+    )
+    async def timeline(checkpoint_id: str) -> Response:
+        """The attempt's timeline as the report draws it (inline SVG)."""
+        from tools.audit.report import gantt
+
+        view, _ = await view_of(checkpoint_id)
+        return Response(gantt(view), media_type="image/svg+xml")
+
+    def stream(body: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(
+            body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    def last_event_id(value: str | None) -> int:
+        try:
+            return max(0, int(value)) if value else 0
+        except ValueError:
+            return 0
+
+    @app.get("/v1/attempts/{checkpoint_id}/events", dependencies=guarded, responses=_ERRORS, tags=["ledger"])
+    async def attempt_events(
+        checkpoint_id: str, last_event_id_: Annotated[str | None, Header(alias="Last-Event-ID")] = None
+    ) -> StreamingResponse:
+        """Server-sent events: the attempt's events as the ledger holds them, then live, in seq
+        order; `event: end` after its terminal event. Reconnect with `Last-Event-ID`."""
+        reader = service.require_reader()
+        if await reader.attempt(checkpoint_id) is None and not _is_live(service, checkpoint_id):
+            raise NotFound(f"no attempt {checkpoint_id!r} in the ledger; GET /v1/attempts lists them")
+
+        async def outcome() -> str | None:
+            row = await reader.attempt(checkpoint_id)
+            return row.outcome if row is not None else None
+
+        return stream(
+            service.hub.tail(
+                reader, checkpoint_id=checkpoint_id, after=last_event_id(last_event_id_), outcome=outcome
+            )
+        )
+
+    @app.get("/v1/events", dependencies=guarded, responses=_ERRORS, tags=["ledger"])
+    async def all_events(
+        last_event_id_: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+    ) -> StreamingResponse:
+        """Server-sent events: every event committed from now on (after `Last-Event-ID` if given)."""
+        reader = service.require_reader()
+        return stream(service.hub.tail(reader, checkpoint_id=None, after=last_event_id(last_event_id_)))
+
+    return app
+
+
+def _is_live(service: Service, checkpoint_id: str) -> bool:
+    """Whether `checkpoint_id` is the attempt in progress (its `attempt.started` may still be staged)."""
+    coord = service.coord
+    current = coord.current if coord is not None else None
+    return current is not None and current.checkpoint_id == checkpoint_id
+
+
+__all__ = ["build_app", "error_body", "status_of"]

@@ -1,0 +1,46 @@
+"""Errors of the service and its client, beside `coordinator.errors` (every one is a `QuiesceError`).
+
+- `Busy` (HTTP 409): another attempt or operation is in progress; names it.
+- `Unauthorized` (HTTP 401): the API bearer token is missing or wrong.
+- `Unavailable` (HTTP 503): this service is a standby (it names the active one's address), still
+  recovering, or stopping; or (client side) no service answered.
+- `NotFound` (HTTP 404): no such attempt (in the ledger, or awaiting its next step here).
+- `OutcomeUnknown`: the connection broke after a request was sent: the client cannot tell whether
+  it ran (the ledger can: `history()`).
+"""
+
+from __future__ import annotations
+
+from coordinator.errors import QuiesceError
+
+
+class Busy(QuiesceError):
+    """One attempt at a time: `checkpoint_id` (if known) and `operation` name what is in progress."""
+
+    def __init__(
+        self, message: str, *, checkpoint_id: str | None = None, operation: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.checkpoint_id = checkpoint_id
+        self.operation = operation
+
+
+class Unauthorized(QuiesceError):
+    """The API bearer token was missing or did not match."""
+
+
+class Unavailable(QuiesceError):
+    """The service cannot take the request now; `active` is the active service's address when known."""
+
+    def __init__(self, message: str, *, state: str | None = None, active: str | None = None) -> None:
+        super().__init__(message)
+        self.state = state
+        self.active = active
+
+
+class NotFound(QuiesceError):
+    """No such attempt."""
+
+
+class OutcomeUnknown(QuiesceError):
+    """The connection to the service broke while a request was in flight."""

@@ -1,0 +1,227 @@
+"""The service's Prometheus metrics (`/metrics`), folded from the events its coordinator commits.
+
+`Metrics.observe(events)` runs in the coordinator's `observe` hook (committed events, seq order),
+so every figure is what the ledger says happened, not what a request handler believed:
+
+| metric | from |
+|---|---|
+| `quiesce_attempts_total{kind,outcome}` | an attempt's terminal event: `attempt.completed` (its outcome), `attempt.aborted` (aborted), `recovery.completed` (abandoned) |
+| `quiesce_phase_duration_seconds{phase,outcome}` | `phase.started` → `phase.completed` / `phase.failed` (event times); `rollback`: `attempt.aborting` → `attempt.aborted` |
+| `quiesce_control_call_seconds{route,outcome}` | `call.replied` / `call.failed` `elapsed_s`; route = method and path of its `call.sent`; outcome = `replied` or the failure (`timeout`, `connect`, `http`, `protocol`) |
+| `quiesce_rollbacks_total` | `attempt.aborted` of a save |
+| `quiesce_recoveries_total` | `recovery.completed` |
+| `quiesce_fenced_appends_total` | an operation that ended in `FencedError` (`Metrics.fenced`) |
+| `quiesce_lease_held` | 1 while this service is the active, writable coordinator |
+| `quiesce_ledger_commit_seconds` | each ledger transaction (`Ledger.on_commit`) |
+| `quiesce_seconds_since_last_published` | now − the last `attempt.published` (seeded from the ledger at start; NaN before any) |
+
+State kept between events is bounded by what is in flight: open calls (by call id) and open
+phases and attempts (by checkpoint id), each dropped at its end. An attempt this process did not
+see start (one a dead coordinator left, ended by recovery or by `resume`) is resolved later from
+the `attempts` projection (`unresolved`, `resolve`): its kind is not in its terminal event.
+Label values come from fixed vocabularies or the route table, never from free ledger text.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Final
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from ledger import AttemptRow, Event
+
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+_CONTROL_PREFIX: Final = "/ng-control/v1"
+_CALL_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_PHASE_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_COMMIT_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+_OUTCOMES: Final = frozenset({"published", "restored", "resumed", "aborted", "abandoned"})
+_FAILURES: Final = frozenset({"timeout", "connect", "http", "protocol"})
+_ENDED_KEPT: Final = 1024
+
+
+#: no `*_created` series: they double what a scrape carries and say nothing a counter's reset does not
+disable_created_metrics()
+
+
+def event_ts(at: str) -> float:
+    """Unix seconds of an `Event.at` (`...Z`)."""
+    return datetime.fromisoformat(at).timestamp()
+
+
+class Metrics:
+    """One registry per service process (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.attempts = Counter(
+            "quiesce_attempts", "Attempts ended, by kind and outcome", ["kind", "outcome"], registry=registry
+        )
+        self.phases = Histogram(
+            "quiesce_phase_duration_seconds",
+            "Duration of each phase of an attempt, from its events",
+            ["phase", "outcome"],
+            buckets=_PHASE_BUCKETS,
+            registry=registry,
+        )
+        self.calls = Histogram(
+            "quiesce_control_call_seconds",
+            "Control-call latency by route and outcome",
+            ["route", "outcome"],
+            buckets=_CALL_BUCKETS,
+            registry=registry,
+        )
+        self.rollbacks = Counter("quiesce_rollbacks", "Save attempts rolled back", registry=registry)
+        self.recoveries = Counter("quiesce_recoveries", "Recovery runs completed", registry=registry)
+        self.fenced_appends = Counter(
+            "quiesce_fenced_appends", "Operations refused because a newer coordinator owns the ledger",
+            registry=registry,
+        )  # fmt: skip
+        self.lease_held = Gauge(
+            "quiesce_lease_held", "1 while this service is the active coordinator", registry=registry
+        )
+        self.commits = Histogram(
+            "quiesce_ledger_commit_seconds",
+            "Ledger append latency: one transaction",
+            buckets=_COMMIT_BUCKETS,
+            registry=registry,
+        )
+        self.since_published = Gauge(
+            "quiesce_seconds_since_last_published",
+            "Seconds since the last published snapshot (NaN before any)",
+            registry=registry,
+        )
+        self.last_published_ts: float | None = None
+        self.since_published.set_function(self._since_published)
+        self._lease: Callable[[], bool] = lambda: False
+        self.lease_held.set_function(lambda: 1.0 if self._lease() else 0.0)
+        self._calls: dict[str, tuple[str, float]] = {}  # call id → (route, sent ts)
+        self._phases: dict[tuple[str, str], float] = {}  # (checkpoint id, phase) → start ts
+        self._aborting: dict[str, float] = {}  # checkpoint id → attempt.aborting ts
+        self._kinds: dict[str, str] = {}  # open attempts seen starting: checkpoint id → kind
+        #: checkpoint ids that ended without this process seeing them start: kind from the projection
+        self.unresolved: dict[str, str] = {}
+        #: the last attempts that ended: a restore's later resume ends it again, counted once (as the
+        #: projection keeps its first outcome)
+        self._ended_ids: OrderedDict[str, None] = OrderedDict()
+
+    def lease_from(self, held: Callable[[], bool]) -> None:
+        self._lease = held
+
+    def _since_published(self) -> float:
+        if self.last_published_ts is None:
+            return math.nan
+        return max(0.0, time.time() - self.last_published_ts)
+
+    def scrape(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- from the ledger -------------------------------------------------------------------------
+
+    def seed(self, last_published: AttemptRow | None) -> None:
+        """Start `since_published` from the newest published attempt in the ledger."""
+        if last_published is not None and last_published.ended_at is not None:
+            self.last_published_ts = max(self.last_published_ts or 0.0, event_ts(last_published.ended_at))
+
+    def commit(self, seconds: float, rows: int) -> None:
+        """`Ledger.on_commit`."""
+        self.commits.observe(seconds)
+
+    def fenced(self) -> None:
+        self.fenced_appends.inc()
+
+    def observe(self, events: Sequence[Event]) -> None:
+        """Fold committed events (the coordinator's `observe` hook): never raises into the ledger."""
+        for event in events:
+            self._one(event)
+
+    def _one(self, event: Event) -> None:
+        kind = event.kind
+        cid = event.checkpoint_id
+        if kind == "call.sent":
+            if event.call_id is not None:
+                path = str(event.data.get("path", "")).removeprefix(_CONTROL_PREFIX)
+                route = f"{event.data.get('method', '?')} {path.split('?', 1)[0]}"
+                self._calls[event.call_id] = (route, event_ts(event.at))
+        elif kind in ("call.replied", "call.failed"):
+            sent = self._calls.pop(event.call_id or "", None)
+            if sent is not None:
+                outcome = "replied" if kind == "call.replied" else str(event.data.get("error"))
+                elapsed = event.data.get("elapsed_s")
+                seconds = float(elapsed) if isinstance(elapsed, int | float) else event_ts(event.at) - sent[1]
+                self.calls.labels(
+                    sent[0], outcome if outcome in _FAILURES | {"replied"} else "other"
+                ).observe(max(0.0, seconds))
+        elif cid is None:
+            if kind == "recovery.completed":
+                self.recoveries.inc()
+                outcomes = event.data.get("outcomes")
+                if isinstance(outcomes, dict):
+                    for key, value in outcomes.items():
+                        if value == "abandoned" and isinstance(key, str):
+                            self._ended(key, "abandoned", event)
+        elif kind == "attempt.started":
+            self._kinds[cid] = str(event.data.get("kind", "save"))
+        elif kind == "phase.started":
+            self._phases[(cid, str(event.data.get("phase")))] = event_ts(event.at)
+        elif kind in ("phase.completed", "phase.failed"):
+            phase = str(event.data.get("phase"))
+            began = self._phases.pop((cid, phase), None)
+            if began is not None:
+                outcome = "completed" if kind == "phase.completed" else "failed"
+                self.phases.labels(_phase_label(phase), outcome).observe(max(0.0, event_ts(event.at) - began))
+        elif kind == "attempt.published":
+            self.last_published_ts = event_ts(event.at)
+        elif kind == "attempt.aborting":
+            self._aborting[cid] = event_ts(event.at)
+        elif kind == "attempt.aborted":
+            began = self._aborting.pop(cid, None)
+            if began is not None:
+                self.phases.labels("rollback", "completed").observe(max(0.0, event_ts(event.at) - began))
+            self._ended(cid, "aborted", event)
+        elif kind == "attempt.completed":
+            outcome = str(event.data.get("outcome"))
+            self._ended(cid, outcome if outcome in _OUTCOMES else "completed", event)
+
+    def _ended(self, cid: str, outcome: str, event: Event) -> None:
+        if cid in self._ended_ids:
+            return
+        self._ended_ids[cid] = None
+        if len(self._ended_ids) > _ENDED_KEPT:
+            self._ended_ids.popitem(last=False)
+        for key in [k for k in self._phases if k[0] == cid]:
+            del self._phases[key]
+        self._aborting.pop(cid, None)
+        kind = self._kinds.pop(cid, None)
+        if kind is None:
+            self.unresolved[cid] = outcome
+            return
+        self.count(kind, outcome)
+
+    def count(self, kind: str, outcome: str) -> None:
+        self.attempts.labels(kind if kind in ("save", "restore") else "other", outcome).inc()
+        if outcome == "aborted" and kind == "save":
+            self.rollbacks.inc()
+
+    def resolve(self, rows: dict[str, AttemptRow | None]) -> None:
+        """Count the `unresolved` attempts whose projection rows were read (kind from the row)."""
+        for cid, row in rows.items():
+            outcome = self.unresolved.pop(cid, None)
+            if outcome is not None:
+                self.count(row.kind if row is not None else "other", outcome)
+
+
+def _phase_label(phase: str) -> str:
+    return phase if phase in ("prepare", "commit", "publish", "resume", "restore", "rollback") else "other"

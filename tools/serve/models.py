@@ -1,0 +1,301 @@
+"""API v1's request and reply bodies (pydantic; FastAPI builds the OpenAPI schema from them).
+
+They mirror the embedded API: an `AttemptModel` carries what `coordinator.Attempt` carries, an
+`OutcomeModel` what `coordinator.Outcome` does, a `HistoryRow` what `ledger.AttemptRow` does, so
+the client (`tools.serve.client`) rebuilds the very objects `Coordinator` returns. Requests
+forbid unknown fields (a typo is a 422, not a silently ignored option). Every error reply is
+`ErrorReply` (`{"error": {...}}`) except FastAPI's own 422 for a body that does not validate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from coordinator.attempt import Attempt, Outcome
+from coordinator.discovery import Discovery, Member
+from ledger import AttemptRow
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+class ErrorBody(BaseModel):
+    """What went wrong. `type` is the error class (`PhaseError`, `Busy`, `Unavailable`, ...)."""
+
+    type: str
+    message: str
+    checkpoint_id: str | None = None
+    operation: str | None = None
+    phase: str | None = None
+    server: str | None = None
+    reason: str | None = None
+    code: str | None = None
+    resumed: list[str] | None = None
+    not_resumed: list[str] | None = None
+    latest_snapshot: str | None = None
+    differences: list[str] | None = None
+    reasons: list[tuple[str, str]] | None = None
+    state: str | None = None
+    active: str | None = Field(default=None, description="a standby names the active service's address")
+
+
+class ErrorReply(BaseModel):
+    error: ErrorBody
+
+
+# -- discovery --------------------------------------------------------------------------------
+
+
+class MemberModel(BaseModel):
+    name: str
+    component: str
+    checkpoint_mode: str
+    instance_role: str | None
+    role: str
+    url: str
+
+    @classmethod
+    def of(cls, member: Member) -> MemberModel:
+        return cls(
+            name=member.name,
+            component=member.component,
+            checkpoint_mode=member.checkpoint_mode,
+            instance_role=member.instance_role,
+            role=member.role,
+            url=member.url,
+        )
+
+    def member(self) -> Member:
+        return Member(
+            name=self.name,
+            component=self.component,
+            checkpoint_mode=self.checkpoint_mode,
+            instance_role=self.instance_role,
+            role=self.role,  # type: ignore[arg-type]  # a Role the service sent
+            url=self.url,
+        )
+
+
+class NamedReason(BaseModel):
+    name: str
+    reason: str
+
+
+class DiscoveryModel(BaseModel):
+    participants: list[MemberModel]
+    skipped: list[NamedReason]
+    refused: list[NamedReason]
+    warnings: list[str]
+
+    @classmethod
+    def of(cls, found: Discovery) -> DiscoveryModel:
+        return cls(
+            participants=[MemberModel.of(m) for m in found.participants],
+            skipped=[NamedReason(name=n, reason=r) for n, r in found.skipped],
+            refused=[NamedReason(name=n, reason=r) for n, r in found.refused],
+            warnings=list(found.warnings),
+        )
+
+    def discovery(self) -> Discovery:
+        return Discovery(
+            participants=tuple(m.member() for m in self.participants),
+            skipped=tuple((s.name, s.reason) for s in self.skipped),
+            refused=tuple((s.name, s.reason) for s in self.refused),
+            warnings=tuple(self.warnings),
+        )
+
+
+# -- attempts ---------------------------------------------------------------------------------
+
+
+class SaveRequest(Request):
+    deadline_s: float | None = Field(
+        default=None, gt=0, description="budget of the attempt (default: config)"
+    )
+
+
+class AttemptModel(BaseModel):
+    """One attempt as `coordinator.Attempt` holds it; `outcome` once it ended."""
+
+    checkpoint_id: str
+    kind: Literal["save", "restore"]
+    state: str
+    deadline_ts: float
+    participants: list[MemberModel]
+    staging_dir: str | None = None
+    snapshot: str | None = None
+    source_checkpoint_id: str | None = None
+    touched: list[str] = []
+    outcome: str | None = None
+
+    @classmethod
+    def of(cls, attempt: Attempt, outcome: str | None = None) -> AttemptModel:
+        return cls(
+            checkpoint_id=attempt.checkpoint_id,
+            kind=attempt.kind,
+            state=attempt.state,
+            deadline_ts=attempt.deadline_ts,
+            participants=[MemberModel.of(m) for m in attempt.participants],
+            staging_dir=str(attempt.staging_dir) if attempt.staging_dir is not None else None,
+            snapshot=str(attempt.snapshot) if attempt.snapshot is not None else None,
+            source_checkpoint_id=attempt.source_checkpoint_id,
+            touched=list(attempt.touched),
+            outcome=outcome,
+        )
+
+    def attempt(self) -> Attempt:
+        return Attempt(
+            checkpoint_id=self.checkpoint_id,
+            kind=self.kind,
+            deadline_ts=self.deadline_ts,
+            participants=tuple(m.member() for m in self.participants),
+            staging_dir=Path(self.staging_dir) if self.staging_dir is not None else None,
+            snapshot=Path(self.snapshot) if self.snapshot is not None else None,
+            source_checkpoint_id=self.source_checkpoint_id,
+            state=self.state,  # type: ignore[arg-type]  # an AttemptState the service sent
+            touched=list(self.touched),
+        )
+
+
+class PublishRequest(Request):
+    resume: bool = Field(
+        default=False, description="resume every server once published (what leaving `save()` does)"
+    )
+
+
+class AbortRequest(Request):
+    reason: str = Field(default="aborted by request", max_length=500)
+
+
+class RestoreRequest(Request):
+    snapshot: str | None = Field(
+        default=None,
+        description="a snapshot folder, a checkpoint id under `snapshots`, or `latest` (default)",
+    )
+    deadline_s: float | None = Field(default=None, gt=0)
+    resume: bool = Field(default=False, description="resume every server once restored")
+
+
+class OutcomeModel(BaseModel):
+    """What a resume, abort or restore's resume did (`coordinator.Outcome`)."""
+
+    checkpoint_id: str | None
+    outcome: str
+    servers: list[str] = []
+    resumed: list[str] = []
+    not_paused: list[str] = []
+    left_paused: list[str] = []
+
+    @classmethod
+    def of(cls, outcome: Outcome) -> OutcomeModel:
+        return cls(
+            checkpoint_id=outcome.checkpoint_id,
+            outcome=outcome.outcome,
+            servers=list(outcome.servers),
+            resumed=list(outcome.resumed),
+            not_paused=list(outcome.not_paused),
+            left_paused=list(outcome.left_paused),
+        )
+
+    def outcome_(self) -> Outcome:
+        return Outcome(
+            self.checkpoint_id,
+            self.outcome,
+            tuple(self.servers),
+            tuple(self.resumed),
+            tuple(self.not_paused),
+            tuple(self.left_paused),
+        )
+
+
+class RestoreReply(BaseModel):
+    attempt: AttemptModel
+    resumed: OutcomeModel | None = None
+
+
+class Execution(BaseModel):
+    rollout_id: str = Field(min_length=1)
+    attempt_index: int = Field(ge=0)
+
+
+class AcknowledgeRequest(Request):
+    server: str = Field(min_length=1)
+    executions: list[Execution] = Field(min_length=1)
+
+
+class AcknowledgeReply(BaseModel):
+    acknowledged: list[Execution]
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+class HistoryRow(BaseModel):
+    """One row of the `attempts` projection (`ledger.AttemptRow`)."""
+
+    checkpoint_id: str
+    kind: str
+    state: str
+    outcome: str | None
+    started_at: str
+    ended_at: str | None
+    deadline_ts: float | None
+    participants: list[str]
+    epoch: int
+    calls: int
+    failures: int
+    recovered_by: int | None
+    last_seq: int
+
+    @classmethod
+    def of(cls, row: AttemptRow) -> HistoryRow:
+        return cls(
+            checkpoint_id=row.checkpoint_id,
+            kind=row.kind,
+            state=row.state,
+            outcome=row.outcome,
+            started_at=row.started_at,
+            ended_at=row.ended_at,
+            deadline_ts=row.deadline_ts,
+            participants=list(row.participants),
+            epoch=row.epoch,
+            calls=row.calls,
+            failures=row.failures,
+            recovered_by=row.recovered_by,
+            last_seq=row.last_seq,
+        )
+
+    def row(self) -> AttemptRow:
+        return AttemptRow(
+            checkpoint_id=self.checkpoint_id,
+            kind=self.kind,
+            state=self.state,
+            outcome=self.outcome,
+            started_at=self.started_at,
+            ended_at=self.ended_at,
+            deadline_ts=self.deadline_ts,
+            participants=tuple(self.participants),
+            epoch=self.epoch,
+            calls=self.calls,
+            failures=self.failures,
+            recovered_by=self.recovered_by,
+            last_seq=self.last_seq,
+        )
+
+
+class Readiness(BaseModel):
+    """`/readyz` and `/healthz`: the service's state; ready = lease held, recovery done, ledger writable."""
+
+    state: str
+    ready: bool
+    epoch: int | None = None
+    active: str | None = None
+    busy: str | None = None
+    recovery: dict[str, Any] | None = None

@@ -1,0 +1,117 @@
+"""Run the service: bind `--listen`, serve with uvicorn, stop cleanly on SIGTERM or SIGINT.
+
+- The socket is bound before anything else, so `--listen 127.0.0.1:0` works: the address actually
+  bound is printed as one JSON line on stdout (`{"listening": "http://127.0.0.1:41234", ...}`)
+  once the service is taking requests (or waiting as a standby).
+- Listening beyond loopback needs `QUIESCE_API_TOKEN` (`auth.require_token_beyond_loopback`).
+- uvicorn's own signal handling is replaced: on SIGTERM (or SIGINT) the service stops first
+  (`Service.stop`: no new operation, the one in progress finishes or rolls back within its
+  deadline, a waiting two-step save is settled, the lease released), and only then does uvicorn
+  close its connections and exit. A second signal does not cut that short: servers must not be
+  left paused. `serve` returns 0 after a clean stop and raises what made the service fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from typing import Final
+
+import anyio
+import uvicorn
+
+from coordinator import ClusterConfig
+from coordinator.errors import ConfigError, QuiesceError
+from tools.serve.app import build_app
+from tools.serve.auth import api_token_from_env, require_token_beyond_loopback
+from tools.serve.service import Service
+
+DEFAULT_LISTEN: Final = "127.0.0.1:8470"
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """`HOST:PORT` (IPv6 as `[::1]:PORT`) → (host, port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"--listen {text!r}: give HOST:PORT, e.g. 127.0.0.1:8470 (port 0: any free port)")
+    return host.strip("[]"), int(port)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers (the runner decides when to stop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def serve(config: ClusterConfig, listen: str, *, advertise: str | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (see the module docstring); the exit status."""
+    host, port = parse_listen(listen)
+    api_token = api_token_from_env()
+    require_token_beyond_loopback(host, api_token)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise ConfigError(f"--listen {listen}: cannot bind ({error.strerror}); choose another port") from None
+    sock.listen(128)
+    sock.setblocking(False)
+    bound = _url(host, sock.getsockname()[1])
+    service = Service(config, advertise=advertise or bound)
+    server = _Server(
+        uvicorn.Config(
+            build_app(service, api_token=api_token),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=30,
+        )
+    )
+    with sock:
+        async with anyio.create_task_group() as tg:
+            await tg.start(service.serve)
+            tg.start_soon(_announce, service, bound, api_token is not None)
+            tg.start_soon(_stop_on_signal, service)
+            tg.start_soon(_exit_when_finished, service, server)
+            await server.serve(sockets=[sock])
+            tg.cancel_scope.cancel()
+    if service.failure is not None:
+        if isinstance(service.failure, QuiesceError):
+            raise service.failure
+        raise RuntimeError(f"quiesce serve failed: {service.failure!r}") from service.failure
+    return 0
+
+
+async def _exit_when_finished(service: Service, server: uvicorn.Server) -> None:
+    await service.finished.wait()
+    server.should_exit = True
+
+
+async def _announce(service: Service, url: str, authenticated: bool) -> None:
+    """Print the address once the service takes requests or waits as a standby."""
+    while service.state not in ("ready", "standby", "stopped"):
+        await anyio.sleep(0.02)
+    if service.state == "stopped":
+        return  # it failed to start: the error is raised once the server has stopped
+    line = {"listening": url, "state": service.state, "auth": authenticated, "pid": os.getpid()}
+    sys.stdout.write(json.dumps(line) + "\n")
+    sys.stdout.flush()
+
+
+async def _stop_on_signal(service: Service) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            service.stop()
