@@ -1,0 +1,132 @@
+"""Fixtures for the service tests: real `quiesce serve` processes beside real gymsim servers.
+
+`spawn_service(config, api_token=None)` starts `python -m tools serve --config C --listen
+127.0.0.1:0` as a child process (the worktree's code, the control token in its environment, the
+API token in `QUIESCE_API_TOKEN` when given) and returns once it printed its address: a
+`ServiceProcess` with `.url`, `.announced` (the JSON line) and the process. Every service started
+is stopped at the end of the test (SIGTERM, then SIGKILL). stderr goes to a file (`.log()`).
+
+The coordinator tests' fixtures (`token`, `make_cluster`, `cluster`, `configure`) are reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+
+from coordinator.protocol import TOKEN_ENV
+from tests.coordinator.conftest import cluster, configure, make_cluster, sqlite_url, token
+from tools.gymsim.cluster import REPO_ROOT
+from tools.serve.auth import API_TOKEN_ENV
+
+__all__ = ["ServiceProcess", "cluster", "configure", "make_cluster", "sqlite_url", "token", "wait_ready"]
+
+STARTUP_S = 60.0
+
+
+class ServiceProcess:
+    """One running `quiesce serve` child."""
+
+    def __init__(self, process: subprocess.Popen[str], log_path: Path, announced: dict[str, Any]) -> None:
+        self.process = process
+        self.log_path = log_path
+        self.announced = announced
+        self.url: str = announced["listening"]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def signal(self, sig: int) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+
+    def wait(self, timeout_s: float = 120.0) -> int:
+        return self.process.wait(timeout=timeout_s)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _first_line(stream: IO[str], timeout_s: float) -> str | None:
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: lines.put(stream.readline()), daemon=True).start()
+    try:
+        return lines.get(timeout=timeout_s)
+    except queue.Empty:
+        return None
+
+
+@pytest.fixture
+def spawn_service(
+    token: str, tmp_path: Path
+) -> Iterator[Callable[..., ServiceProcess]]:
+    started: list[ServiceProcess] = []
+
+    def spawn(config: Path, *, api_token: str | None = None, extra: tuple[str, ...] = ()) -> ServiceProcess:
+        env = {**os.environ, TOKEN_ENV: token, "PYTHONPATH": str(REPO_ROOT)}
+        env.pop(API_TOKEN_ENV, None)
+        if api_token is not None:
+            env[API_TOKEN_ENV] = api_token
+        log_path = tmp_path / f"serve-{len(started)}.log"
+        log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115  # the child writes it
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tools", "serve", "--config", str(config), "--listen", "127.0.0.1:0", *extra],
+            cwd=str(REPO_ROOT),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+        log.close()
+        assert process.stdout is not None
+        line = _first_line(process.stdout, STARTUP_S)
+        if not line:
+            process.kill()
+            process.wait()
+            pytest.fail(f"quiesce serve did not start:\n{log_path.read_text()}")
+        service = ServiceProcess(process, log_path, json.loads(line))
+        started.append(service)
+        return service
+
+    yield spawn
+    for service in started:
+        service.stop()
+
+
+async def wait_ready(url: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Poll `/readyz` until the service is ready (a hang guard, not a timing assertion)."""
+    import time
+
+    import anyio
+    import httpx
+
+    give_up = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(trust_env=False) as http:
+        while True:
+            reply = await http.get(f"{url}/readyz")
+            if reply.status_code == 200:
+                document: dict[str, Any] = reply.json()
+                return document
+            assert time.monotonic() < give_up, f"{url} not ready: {reply.json()}"
+            await anyio.sleep(0.05)

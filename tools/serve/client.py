@@ -1,0 +1,302 @@
+"""`RemoteCoordinator`: `Coordinator`'s shapes over `quiesce serve`'s API v1.
+
+    from tools.serve.client import RemoteCoordinator
+
+    async with RemoteCoordinator("http://10.0.0.5:8470", token=os.environ["QUIESCE_API_TOKEN"]) as coord:
+        await coord.discover()
+        async with coord.save(deadline_s=60) as attempt:   # prepare + commit on entry
+            write_trainer_state(attempt.staging_dir)       # the caller's own half (a shared filesystem)
+        await coord.restore(attempt.snapshot)
+        await coord.resume()
+
+The methods return what `Coordinator`'s return — `coordinator.Attempt`, `coordinator.Outcome`,
+`coordinator.Discovery`, `ledger.AttemptRow` — and raise what they raise: a failed phase is a
+`PhaseError` with the same fields (what was resumed, what could not be), a bad snapshot a
+`SnapshotError`, and so on; the service adds `Busy` (another attempt in progress), `Unauthorized`
+and `Unavailable` (`tools.serve.errors`).
+
+Rules kept here:
+- `save()` mirrors `Coordinator.save`: leaving the block normally publishes and resumes (one
+  request); an exception inside it rolls the attempt back (`/abort`, shielded from cancellation)
+  and is re-raised with a note saying what the rollback did.
+- **Failover.** `url` may list several services (an active one and its standbys). A request that
+  could not reach a service (refused connection) or that a standby or a recovering service
+  answered with 503 is sent again — to the address a standby names first, else to the next URL
+  — until `failover_s` has passed. Such a request never ran, so sending it again is safe.
+  A request whose connection broke after it was sent is *not* repeated (the save may have run):
+  `OutcomeUnknown` says so; `history()` shows how it ended.
+- The token defaults to `QUIESCE_API_TOKEN`; it is sent only as the bearer header, never logged.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final, Self
+
+import anyio
+import httpx
+
+from coordinator.attempt import Attempt, Outcome
+from coordinator.discovery import Discovery
+from coordinator.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    DiscoveryError,
+    FencedError,
+    LedgerError,
+    PhaseError,
+    QuiesceError,
+    SnapshotError,
+)
+from ledger import AttemptRow
+from tools.serve.auth import API_TOKEN_ENV
+from tools.serve.errors import Busy, NotFound, OutcomeUnknown, Unauthorized, Unavailable
+from tools.serve.models import AttemptModel, DiscoveryModel, HistoryRow, OutcomeModel, RestoreReply
+
+__all__ = ["RemoteCoordinator"]
+
+#: How long one request may take: a save's deadline bounds the service's side; this only guards
+#: against a service that stopped answering altogether.
+DEFAULT_TIMEOUT_S: Final = 600.0
+RETRY_PAUSE_S: Final = 0.2
+
+
+class RemoteCoordinator:
+    """A client of one `quiesce serve` (or of an active service and its standbys)."""
+
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        token: str | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        failover_s: float = 30.0,
+    ) -> None:
+        urls = [url] if isinstance(url, str) else list(url)
+        if not urls:
+            raise ConfigError("RemoteCoordinator needs at least one service URL, e.g. http://127.0.0.1:8470")
+        self._urls = [u.rstrip("/") for u in urls]
+        self._current = 0
+        token = token if token is not None else (os.environ.get(API_TOKEN_ENV) or None)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(headers=headers, timeout=timeout_s, trust_env=False)
+        self._failover_s = failover_s
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    @property
+    def url(self) -> str:
+        """The service the last request went to."""
+        return self._urls[self._current]
+
+    # -- the embedded API's shapes -----------------------------------------------------------
+
+    async def discover(self) -> Discovery:
+        """Capabilities of every server → participants; raises `DiscoveryError` listing refusals."""
+        found = DiscoveryModel.model_validate(await self._request("GET", "/v1/discovery")).discovery()
+        if found.refused:
+            raise DiscoveryError(
+                "discovery refused the setup: " + "; ".join(f"{n}: {r}" for n, r in found.refused),
+                list(found.refused),
+            )
+        return found
+
+    @asynccontextmanager
+    async def save(self, *, deadline_s: float | None = None) -> AsyncIterator[Attempt]:
+        """Prepare and commit on entry; yield the attempt (write into `attempt.staging_dir`).
+
+        Normal exit publishes, then resumes (`attempt.snapshot` is then the published folder). An
+        exception inside the block rolls back and is re-raised with a note on what was done.
+        """
+        reply = await self._request("POST", "/v1/attempts", json=_deadline(deadline_s))
+        attempt = AttemptModel.model_validate(reply).attempt()
+        try:
+            yield attempt
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                try:
+                    done = await self.abort(attempt, reason=f"the caller's block raised {type(exc).__name__}")
+                    exc.add_note(f"attempt {attempt.checkpoint_id} rolled back: resumed {', '.join(done.resumed)}")
+                except QuiesceError as error:
+                    exc.add_note(f"attempt {attempt.checkpoint_id}: the rollback failed: {error}")
+            raise
+        reply = await self._request(
+            "POST", f"/v1/attempts/{attempt.checkpoint_id}/publish", json={"resume": True}
+        )
+        _update(attempt, AttemptModel.model_validate(reply))
+
+    async def checkpoint(self, *, deadline_s: float | None = None) -> Attempt:
+        """prepare → commit → publish → resume, with nothing added by the caller (one request)."""
+        reply = await self._request("POST", "/v1/checkpoints", json=_deadline(deadline_s))
+        return AttemptModel.model_validate(reply).attempt()
+
+    async def restore(
+        self, snapshot: str | os.PathLike[str] | None = None, *, deadline_s: float | None = None
+    ) -> Attempt:
+        """Restore a snapshot (a folder, a checkpoint id, or None/"latest"); servers stay paused."""
+        body: dict[str, Any] = {"snapshot": os.fspath(snapshot) if snapshot is not None else None}
+        body.update(_deadline(deadline_s))
+        reply = RestoreReply.model_validate(await self._request("POST", "/v1/restore", json=body))
+        return reply.attempt.attempt()
+
+    async def resume(self, attempt: Attempt | None = None) -> Outcome:
+        """Resume a published two-step attempt, or whatever a restore or an attempt left paused."""
+        if attempt is not None and attempt.kind == "save" and attempt.state not in ("completed", "aborted"):
+            reply = await self._request("POST", f"/v1/attempts/{attempt.checkpoint_id}/resume")
+        else:
+            reply = await self._request("POST", "/v1/resume")
+        return OutcomeModel.model_validate(reply).outcome_()
+
+    async def abort(self, attempt: Attempt | str, *, reason: str = "aborted by request") -> Outcome:
+        """Roll back a save attempt before publication (every touched server resumed)."""
+        checkpoint_id = attempt if isinstance(attempt, str) else attempt.checkpoint_id
+        reply = await self._request("POST", f"/v1/attempts/{checkpoint_id}/abort", json={"reason": reason})
+        outcome = OutcomeModel.model_validate(reply).outcome_()
+        if isinstance(attempt, Attempt) and outcome.outcome == "aborted":
+            attempt.state = "aborted"
+        return outcome
+
+    async def history(self) -> list[AttemptRow]:
+        """The `attempts` projection, oldest first."""
+        rows = await self._request("GET", "/v1/attempts")
+        return [HistoryRow.model_validate(r).row() for r in rows]
+
+    # -- reading --------------------------------------------------------------------------------
+
+    async def show(self, checkpoint_id: str) -> dict[str, Any]:
+        """One attempt explained from the ledger (`quiesce show ID --json`)."""
+        document: dict[str, Any] = await self._request("GET", f"/v1/attempts/{checkpoint_id}")
+        return document
+
+    async def events(self, checkpoint_id: str) -> AsyncIterator[dict[str, Any]]:
+        """The attempt's events (stored, then live) until its end, as the stream sends them."""
+        import json
+
+        url = f"{self.url}/v1/attempts/{checkpoint_id}/events"
+        async with self._http.stream("GET", url, timeout=httpx.Timeout(None, connect=10)) as reply:
+            if reply.status_code != 200:
+                await reply.aread()
+                raise _error(reply)
+            kind, data = None, None
+            async for line in reply.aiter_lines():
+                if line.startswith("event: "):
+                    kind = line[7:]
+                elif line.startswith("data: "):
+                    data = line[6:]
+                elif line == "" and data is not None:
+                    if kind == "end":
+                        return
+                    yield json.loads(data)
+                    kind, data = None, None
+
+    # -- transport ------------------------------------------------------------------------------
+
+    async def _request(self, method: str, path: str, *, json: Mapping[str, Any] | None = None) -> Any:
+        give_up = time.monotonic() + self._failover_s
+        tried = 0
+        while True:
+            url = self._urls[self._current]
+            try:
+                reply = await self._http.request(method, url + path, json=json)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+                failure: QuiesceError = Unavailable(f"cannot reach the quiesce service at {url}: {error}")
+                self._next(None)
+            except httpx.TransportError as error:
+                raise OutcomeUnknown(
+                    f"the connection to {url} broke during {method} {path} ({type(error).__name__}): the"
+                    " service may or may not have run it; history() shows what the ledger recorded"
+                ) from None
+            else:
+                if reply.status_code < 400:
+                    return reply.json()
+                failure = _error(reply)
+                if not isinstance(failure, Unavailable):
+                    raise failure
+                self._next(failure.active)
+            tried += 1
+            if time.monotonic() >= give_up:
+                raise failure
+            await anyio.sleep(RETRY_PAUSE_S if tried >= len(self._urls) else 0)
+
+    def _next(self, active: str | None) -> None:
+        """Where to send the request again: the address a standby named, else the next URL."""
+        if active:
+            active = active.rstrip("/")
+            if active not in self._urls:
+                self._urls.append(active)
+            self._current = self._urls.index(active)
+        else:
+            self._current = (self._current + 1) % len(self._urls)
+
+
+def _deadline(deadline_s: float | None) -> dict[str, Any]:
+    return {"deadline_s": deadline_s} if deadline_s is not None else {}
+
+
+def _update(attempt: Attempt, model: AttemptModel) -> None:
+    attempt.state = model.state  # type: ignore[assignment]  # an AttemptState the service sent
+    attempt.snapshot = Path(model.snapshot) if model.snapshot is not None else None
+    attempt.touched[:] = model.touched
+
+
+_CLASSES: Final[dict[str, type[QuiesceError]]] = {
+    "ConfigError": ConfigError,
+    "SnapshotError": SnapshotError,
+    "FencedError": FencedError,
+    "LedgerError": LedgerError,
+    "QuiesceError": QuiesceError,
+    "NotFound": NotFound,
+    "OutcomeUnknown": OutcomeUnknown,
+}
+
+
+def _error(reply: httpx.Response) -> QuiesceError:
+    """The error an error reply stands for (the same class and fields the embedded API raises)."""
+    try:
+        body = reply.json()
+    except ValueError:
+        body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        detail = body.get("detail") if isinstance(body, dict) else reply.text[:500]
+        return QuiesceError(f"the service answered {reply.status_code}: {detail}")
+    kind, message = str(error.get("type", "QuiesceError")), str(error.get("message", ""))
+    if kind in ("PhaseError", "DeadlineExceeded"):
+        cls = DeadlineExceeded if kind == "DeadlineExceeded" else PhaseError
+        return cls(
+            message,
+            phase=str(error.get("phase") or ""),
+            server=error.get("server"),
+            reason=str(error.get("reason") or message),
+            code=error.get("code"),
+            checkpoint_id=error.get("checkpoint_id"),
+            resumed=error.get("resumed"),
+            not_resumed=error.get("not_resumed"),
+            latest_snapshot=error.get("latest_snapshot"),
+        )
+    if kind == "DiscoveryError":
+        return DiscoveryError(message, [tuple(r) for r in error.get("reasons") or []])
+    if kind == "Busy":
+        return Busy(message, checkpoint_id=error.get("checkpoint_id"), operation=error.get("operation"))
+    if kind == "Unauthorized":
+        return Unauthorized(message)
+    if kind == "Unavailable":
+        return Unavailable(message, state=error.get("state"), active=error.get("active"))
+    cls_ = _CLASSES.get(kind, QuiesceError)
+    if cls_ is SnapshotError:
+        return SnapshotError(message, list(error.get("differences") or []))
+    return cls_(message)
