@@ -1,0 +1,126 @@
+"""A headless Chromium driven over the DevTools protocol on a pipe (`--remote-debugging-pipe`).
+
+No WebDriver and no websocket library: Chromium reads protocol messages (JSON, each ending in a
+NUL byte) from its fd 3 and writes replies and events to its fd 4. `Browser.open(url)` makes a
+page and attaches to it; `evaluate(js)` returns the expression's value; `wait_for(js)` polls an
+expression until it is truthy (a hang guard bounds it, not a timing assertion). The flags are
+those `tests/audit/test_report.py` runs this machine's Chromium with.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import pytest
+
+from tests.audit.test_report import CHROMIUM_FLAGS
+
+
+def chromium() -> str:
+    found = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+    if found is None:
+        if os.environ.get("QUIESCE_REQUIRE_CHROMIUM", "") not in ("", "0"):
+            pytest.fail("QUIESCE_REQUIRE_CHROMIUM=1 but chromium is not installed (apt-get install chromium)")
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    return found
+
+
+def _moved_above_4(fd: int) -> int:
+    high = fcntl.fcntl(fd, fcntl.F_DUPFD, 10)
+    os.close(fd)
+    return high
+
+
+class Browser:
+    def __init__(self, profile: Path) -> None:
+        to_child, self._to_chromium = os.pipe()
+        self._from_chromium, from_child = os.pipe()
+        # above 4, so bash's `3<&N 4>&M` never overwrites one end with the other (dash takes no N > 9)
+        to_child, from_child = (_moved_above_4(fd) for fd in (to_child, from_child))
+        binary = chromium()
+        args = [*CHROMIUM_FLAGS, "--remote-debugging-pipe", f"--user-data-dir={profile}", "about:blank"]
+        self._process = subprocess.Popen(
+            ["/bin/bash", "-c", f'exec "$0" "$@" 3<&{to_child} 4>&{from_child}', binary, *args],
+            pass_fds=(to_child, from_child),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        os.close(to_child)
+        os.close(from_child)
+        self._buffer = b""
+        self._next_id = 0
+        self._session: str | None = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.wait()
+        for fd in (self._to_chromium, self._from_chromium):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _message(self) -> dict[str, Any]:
+        while b"\0" not in self._buffer:
+            chunk = os.read(self._from_chromium, 1 << 16)
+            if not chunk:
+                raise RuntimeError("chromium closed its DevTools pipe")
+            self._buffer += chunk
+        raw, _, self._buffer = self._buffer.partition(b"\0")
+        message: dict[str, Any] = json.loads(raw)
+        return message
+
+    def call(self, method: str, params: dict[str, Any] | None = None, *, session: bool = True) -> Any:
+        self._next_id += 1
+        request: dict[str, Any] = {"id": self._next_id, "method": method, "params": params or {}}
+        if session and self._session is not None:
+            request["sessionId"] = self._session
+        os.write(self._to_chromium, json.dumps(request).encode() + b"\0")
+        while True:
+            message = self._message()
+            if message.get("id") == self._next_id:
+                if "error" in message:
+                    raise RuntimeError(f"{method}: {message['error']}")
+                return message.get("result")
+
+    def open(self, url: str) -> None:
+        target = self.call("Target.createTarget", {"url": url}, session=False)["targetId"]
+        attached = self.call("Target.attachToTarget", {"targetId": target, "flatten": True}, session=False)
+        self._session = attached["sessionId"]
+
+    def evaluate(self, expression: str) -> Any:
+        reply = self.call("Runtime.evaluate", {"expression": expression, "returnByValue": True})
+        if "exceptionDetails" in reply:
+            raise RuntimeError(f"{expression}: {reply['exceptionDetails']}")
+        return reply["result"].get("value")
+
+    def wait_for(self, expression: str, *, timeout_s: float = 60.0) -> Any:
+        give_up = time.monotonic() + timeout_s
+        while True:
+            value = self.evaluate(expression)
+            if value:
+                return value
+            if time.monotonic() > give_up:
+                raise AssertionError(f"still false after {timeout_s:g}s: {expression}")
+            time.sleep(0.05)
+
+    def screenshot(self, path: Path) -> None:
+        shot = self.call("Page.captureScreenshot", {"format": "png"})
+        path.write_bytes(base64.b64decode(shot["data"]))
