@@ -318,18 +318,26 @@ class Coordinator:
                 )
             exc.add_note(str(error))
             raise
-        # the snapshots retention removed are deleted while the servers resume, not before
+        await self.publish_and_resume(attempt)
+
+    async def publish_and_resume(self, attempt: Attempt | None = None) -> Path:
+        """What leaving `save()` does: publish a committed attempt, then resume its servers; the
+        snapshots retention removed are deleted while the servers resume, not before. Returns the
+        published folder; a failed resume leaves the snapshot published and is raised once the
+        deleting is done (`resume()` retries it)."""
+        chosen = self._pick(attempt, "publish")
         failed: Exception | None = None
         with heap_frozen():
-            await saving.publish(self._ctx, attempt, defer_delete=True)
+            published = await saving.publish(self._ctx, chosen, defer_delete=True)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(anyio.to_thread.run_sync, empty_trash, self._ctx.config.snapshots)
                 try:
-                    await self.resume(attempt)
+                    await self.resume(chosen)
                 except Exception as error:  # raised once the deleting is done
                     failed = error
         if failed is not None:
             raise failed
+        return published
 
     async def checkpoint(self, *, deadline_s: float | None = None) -> Attempt:
         """prepare → commit → publish → resume, with nothing added by the caller."""

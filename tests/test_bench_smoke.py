@@ -31,7 +31,7 @@ def test_quick_bench_writes_json_and_markdown(tmp_path: Path) -> None:
     assert document["quick"] is True
     assert {"cpu", "cores", "ram_gb", "disk", "python", "sqlite"} <= set(document["machine"])
     measures = {m["id"]: m for m in document["measures"]}
-    assert sorted(measures) == [1, 2, 3, 4, 5, 6]
+    assert sorted(measures) == [1, 2, 3, 4, 5, 6, 7]
     for measure in measures.values():
         assert set(measure) == MEASURE_KEYS, measure["id"]
         assert measure["status"] in ("ok", "unavailable"), (measure["id"], measure["reason"])

@@ -31,6 +31,7 @@ MEASURES: dict[int, tuple[str, str]] = {
     4: ("scale", "save cycle at N participants"),
     5: ("replay", "replay 1M events"),
     6: ("recover", "quiesce recover after SIGKILL"),
+    7: ("service", "quiesce serve: save through the service vs embedded; /metrics scrape"),
 }
 
 
@@ -49,7 +50,7 @@ def _parse_only(text: str | None) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run: a smoke check")
-    parser.add_argument("--only", type=str, default=None, help="comma-separated measure numbers (1-6)")
+    parser.add_argument("--only", type=str, default=None, help="comma-separated measure numbers (1-7)")
     parser.add_argument("--runs", type=int, default=None, help="runs per measure (default 5; --quick 1)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench-results", help="output folder")
     parser.add_argument("--cache", type=Path, default=None, help="kept between runs (default OUT/.cache)")

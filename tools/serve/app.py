@@ -212,13 +212,14 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
 
         async def publish_step(coord: Coordinator) -> Attempt:
             attempt = pending(checkpoint_id)
-            await coord.publish(attempt)
-            if resume:
-                try:
-                    await coord.resume(attempt)
-                finally:
-                    if attempt.state in ("completed", "aborted"):
-                        service.pending = None
+            if not resume:
+                await coord.publish(attempt)
+                return attempt
+            try:
+                await coord.publish_and_resume(attempt)  # what leaving the embedded `save()` does
+            finally:
+                if attempt.state in ("completed", "aborted"):
+                    service.pending = None
             return attempt
 
         attempt = await op("publish", publish_step, checkpoint_id)

@@ -44,9 +44,9 @@ from ledger import AttemptRow, Event
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 _CONTROL_PREFIX: Final = "/ng-control/v1"
-_CALL_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-_PHASE_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-_COMMIT_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+_CALL_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30)
+_PHASE_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60, 300)
+_COMMIT_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25)
 _OUTCOMES: Final = frozenset({"published", "restored", "resumed", "aborted", "abandoned"})
 _FAILURES: Final = frozenset({"timeout", "connect", "http", "protocol"})
 _ENDED_KEPT: Final = 1024
@@ -66,6 +66,10 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
+        #: the two gauges read at each scrape (a clock, the lease): never cached
+        self.live = live = CollectorRegistry(auto_describe=True)
+        self._version = 0  # bumped by every change to `registry`
+        self._rendered: tuple[int, bytes] = (-1, b"")
         self.attempts = Counter(
             "quiesce_attempts", "Attempts ended, by kind and outcome", ["kind", "outcome"], registry=registry
         )
@@ -89,9 +93,7 @@ class Metrics:
             "quiesce_fenced_appends", "Operations refused because a newer coordinator owns the ledger",
             registry=registry,
         )  # fmt: skip
-        self.lease_held = Gauge(
-            "quiesce_lease_held", "1 while this service is the active coordinator", registry=registry
-        )
+        self.lease_held = Gauge("quiesce_lease_held", "1 while this service is the active coordinator", registry=live)
         self.commits = Histogram(
             "quiesce_ledger_commit_seconds",
             "Ledger append latency: one transaction",
@@ -101,7 +103,7 @@ class Metrics:
         self.since_published = Gauge(
             "quiesce_seconds_since_last_published",
             "Seconds since the last published snapshot (NaN before any)",
-            registry=registry,
+            registry=live,
         )
         self.last_published_ts: float | None = None
         self.since_published.set_function(self._since_published)
@@ -126,7 +128,15 @@ class Metrics:
         return max(0.0, time.time() - self.last_published_ts)
 
     def scrape(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition text. The counters and histograms are rendered again only after they
+        changed (the library's renderer costs tens of microseconds per line here); the two live
+        gauges are read every time."""
+        version, text = self._rendered
+        if version != self._version:
+            version = self._version
+            text = generate_latest(self.registry)
+            self._rendered = (version, text)
+        return text + generate_latest(self.live)
 
     # -- from the ledger -------------------------------------------------------------------------
 
@@ -137,13 +147,16 @@ class Metrics:
 
     def commit(self, seconds: float, rows: int) -> None:
         """`Ledger.on_commit`."""
+        self._version += 1
         self.commits.observe(seconds)
 
     def fenced(self) -> None:
+        self._version += 1
         self.fenced_appends.inc()
 
     def observe(self, events: Sequence[Event]) -> None:
         """Fold committed events (the coordinator's `observe` hook): never raises into the ledger."""
+        self._version += 1
         for event in events:
             self._one(event)
 
@@ -217,6 +230,7 @@ class Metrics:
 
     def resolve(self, rows: dict[str, AttemptRow | None]) -> None:
         """Count the `unresolved` attempts whose projection rows were read (kind from the row)."""
+        self._version += 1
         for cid, row in rows.items():
             outcome = self.unresolved.pop(cid, None)
             if outcome is not None:
