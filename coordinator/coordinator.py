@@ -112,7 +112,9 @@ class Coordinator:
         cfg = _as_config(config)
         secret = token if token is not None else resolve_token(cfg)
         if advertise is not None and (not advertise or any(c.isspace() for c in advertise)):
-            raise ConfigError(f"advertise {advertise!r}: give an address without spaces, e.g. http://host:port")
+            raise ConfigError(
+                f"advertise {advertise!r}: give an address without spaces, e.g. http://host:port"
+            )
         if standby and not cfg.ledger.startswith("postgresql"):
             raise ConfigError(
                 f"standby needs a PostgreSQL ledger (ledger: postgresql+asyncpg://...); {cfg.ledger} is"

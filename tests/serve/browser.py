@@ -10,6 +10,7 @@ those `tests/audit/test_report.py` runs this machine's Chromium with.
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import json
 import os
@@ -64,7 +65,9 @@ class Browser:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def close(self) -> None:
@@ -72,10 +75,8 @@ class Browser:
             self._process.kill()
         self._process.wait()
         for fd in (self._to_chromium, self._from_chromium):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
     def _message(self) -> dict[str, Any]:
         while b"\0" not in self._buffer:

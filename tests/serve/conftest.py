@@ -29,7 +29,16 @@ from tests.coordinator.conftest import cluster, configure, make_cluster, sqlite_
 from tools.gymsim.cluster import REPO_ROOT
 from tools.serve.auth import API_TOKEN_ENV
 
-__all__ = ["ServiceProcess", "cluster", "configure", "make_cluster", "sqlite_url", "token", "wait_ready"]
+__all__ = [
+    "Patience",
+    "ServiceProcess",
+    "cluster",
+    "configure",
+    "make_cluster",
+    "sqlite_url",
+    "token",
+    "wait_ready",
+]
 
 STARTUP_S = 60.0
 
@@ -77,9 +86,7 @@ def _first_line(stream: IO[str], timeout_s: float) -> str | None:
 
 
 @pytest.fixture
-def spawn_service(
-    token: str, tmp_path: Path
-) -> Iterator[Callable[..., ServiceProcess]]:
+def spawn_service(token: str, tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
     started: list[ServiceProcess] = []
 
     def spawn(config: Path, *, api_token: str | None = None, extra: tuple[str, ...] = ()) -> ServiceProcess:
@@ -90,7 +97,17 @@ def spawn_service(
         log_path = tmp_path / f"serve-{len(started)}.log"
         log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115  # the child writes it
         process = subprocess.Popen(
-            [sys.executable, "-m", "tools", "serve", "--config", str(config), "--listen", "127.0.0.1:0", *extra],
+            [
+                sys.executable,
+                "-m",
+                "tools",
+                "serve",
+                "--config",
+                str(config),
+                "--listen",
+                "127.0.0.1:0",
+                *extra,
+            ],
             cwd=str(REPO_ROOT),
             env=env,
             stdin=subprocess.DEVNULL,
@@ -130,3 +147,21 @@ async def wait_ready(url: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
                 return document
             assert time.monotonic() < give_up, f"{url} not ready: {reply.json()}"
             await anyio.sleep(0.05)
+
+
+class Patience:
+    """A hang guard for polling loops: `while not done: await patience.wait("what")` fails the test
+    with a message once `seconds` have passed (it bounds a hang; it asserts no timing)."""
+
+    def __init__(self, seconds: float = 60.0) -> None:
+        import time
+
+        self._until = time.monotonic() + seconds
+
+    async def wait(self, what: str) -> None:
+        import time
+
+        import anyio
+
+        assert time.monotonic() < self._until, f"gave up waiting for {what}"
+        await anyio.sleep(0.05)

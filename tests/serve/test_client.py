@@ -47,14 +47,16 @@ async def test_same_shapes_as_the_embedded_api(
         assert isinstance(found, Discovery)
         assert found.names == ["policy_model", "simple_agent", "tools"]
         async with coord.save(deadline_s=60) as attempt:
-            assert isinstance(attempt, Attempt) and attempt.staging_dir is not None
+            assert isinstance(attempt, Attempt)
+            assert attempt.staging_dir is not None
             (attempt.staging_dir / "trainer").mkdir()
             (attempt.staging_dir / "trainer" / "step.txt").write_text("7\n")
             with pytest.raises(Busy) as busy:
                 async with coord.save():
                     pass
             assert busy.value.checkpoint_id == attempt.checkpoint_id
-        assert attempt.state == "completed" and attempt.snapshot is not None
+        assert attempt.state == "completed"
+        assert attempt.snapshot is not None
         assert (attempt.snapshot / "trainer" / "step.txt").read_text() == "7\n"
         assert coord.url == service.url  # failed over from the dead address
         with pytest.raises(Boom) as boom:
@@ -62,10 +64,12 @@ async def test_same_shapes_as_the_embedded_api(
                 raise Boom("the trainer's half failed")
         assert any("rolled back" in note for note in boom.value.__notes__)
         restored = await coord.restore(attempt.snapshot)
-        assert isinstance(restored, Attempt) and restored.kind == "restore"
+        assert isinstance(restored, Attempt)
+        assert restored.kind == "restore"
         assert restored.source_checkpoint_id == attempt.checkpoint_id
         resumed = await coord.resume()
-        assert isinstance(resumed, Outcome) and resumed.checkpoint_id == restored.checkpoint_id
+        assert isinstance(resumed, Outcome)
+        assert resumed.checkpoint_id == restored.checkpoint_id
         history = await coord.history()
     async with httpx.AsyncClient(trust_env=False) as http:
         await assert_all_accepting(http, cluster)

@@ -24,7 +24,7 @@ import pytest
 
 from ledger import Ledger
 from tests.coordinator.helpers import assert_all_accepting, clear_faults, server_states, set_faults
-from tests.serve.conftest import ServiceProcess, wait_ready
+from tests.serve.conftest import Patience, ServiceProcess, wait_ready
 from tools.gymsim.cluster import RunningCluster
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
@@ -38,8 +38,9 @@ def _config(cluster: RunningCluster, tmp_path: Path, ledger_url: str) -> Path:
 
 async def _held(http: httpx.AsyncClient, cluster: RunningCluster) -> None:
     """Wait until the save in progress sits in the held resources prepare."""
+    patience = Patience()
     while (await server_states(http, cluster))["simple_agent"][0] != "prepared":
-        await anyio.sleep(0.05)
+        await patience.wait('(await server_states(http, cluster))["simple_agent"][0] != "prepared"')
 
 
 async def _outcomes(ledger_url: str) -> list[tuple[str, str | None]]:
@@ -66,8 +67,9 @@ async def test_a_disconnected_client_does_not_cancel_its_save(
         [(cid, outcome)] = await _outcomes(ledger_url)
         assert outcome is None  # still running
         await clear_faults(http, cluster)
+        patience = Patience()
         while (await _outcomes(ledger_url))[0][1] is None:
-            await anyio.sleep(0.05)
+            await patience.wait("(await _outcomes(ledger_url))[0][1] is None")
         assert await _outcomes(ledger_url) == [(cid, "published")]
         await assert_all_accepting(http, cluster)
         assert (tmp_path / "snaps" / cid / "manifest.json").is_file()
@@ -91,8 +93,11 @@ async def test_sigterm_mid_save_rolls_back_within_its_deadline_and_exits(
             tg.start_soon(save)
             await _held(http, cluster)
             service.signal(signal.SIGTERM)
+            patience = Patience()
             while (await http.get(f"{service.url}/healthz")).json()["state"] != "stopping":
-                await anyio.sleep(0.02)
+                await patience.wait(
+                    '(await http.get(f"{service.url}/healthz")).json()["state"] != "stopping"'
+                )
             refused = await http.post(f"{service.url}/v1/checkpoints")
             assert refused.status_code == 503
             assert refused.json()["error"]["state"] == "stopping"
@@ -131,8 +136,9 @@ async def test_a_two_step_save_nobody_continues_is_rolled_back_after_its_deadlin
     await wait_ready(service.url)
     async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
         started = (await http.post(f"{service.url}/v1/attempts", json={"deadline_s": 1})).json()
+        patience = Patience()
         while (await _outcomes(sqlite_url))[0][1] is None:
-            await anyio.sleep(0.05)
+            await patience.wait("(await _outcomes(sqlite_url))[0][1] is None")
         assert await _outcomes(sqlite_url) == [(started["checkpoint_id"], "aborted")]
         await assert_all_accepting(http, cluster)
         late = await http.post(f"{service.url}/v1/attempts/{started['checkpoint_id']}/publish")

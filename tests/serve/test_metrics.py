@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -53,10 +53,12 @@ async def test_metrics_after_a_recovery_a_save_and_a_rollback(
 ) -> None:
     config = cluster.write_config(tmp_path / "cluster.yaml", ledger_url, tmp_path / "snaps")
     env = {**os.environ, TOKEN_ENV: token, CRASH_BEFORE_SEND: "2", "PYTHONPATH": str(REPO_ROOT)}
-    dead = subprocess.run(
+    dead = await anyio.run_process(
         [sys.executable, "-m", "tools", "checkpoint", "--config", str(config)],
-        cwd=str(REPO_ROOT), env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        cwd=str(REPO_ROOT),
+        env=env,
+        check=False,
+    )
     assert dead.returncode == -9, dead.stderr
     service: ServiceProcess = spawn_service(config)
     ready = await wait_ready(service.url)
@@ -67,7 +69,8 @@ async def test_metrics_after_a_recovery_a_save_and_a_rollback(
         fault = {"kind": "fail", "path": "/resources-checkpoint/commit", "status": 500, "times": 1}
         await set_faults(http, cluster.urls["tools"], [fault])
         failed = await http.post("/v1/checkpoints")
-        assert failed.status_code == 502 and failed.json()["error"]["phase"] == "commit"
+        assert failed.status_code == 502
+        assert failed.json()["error"]["phase"] == "commit"
         await assert_all_accepting(http, cluster)
         scraped = await http.get("/metrics")
     assert scraped.headers["content-type"].startswith("text/plain")
@@ -80,7 +83,8 @@ async def test_metrics_after_a_recovery_a_save_and_a_rollback(
     assert _sum(samples, "quiesce_fenced_appends_total") == 0
     assert _sum(samples, "quiesce_lease_held") == 1
     since = _sum(samples, "quiesce_seconds_since_last_published")
-    assert math.isfinite(since) and since >= 0
+    assert math.isfinite(since)
+    assert since >= 0
     assert _sum(samples, "quiesce_ledger_commit_seconds_count") > 0
 
     events = [e for e in await read_events(ledger_url) if e.epoch == epoch]
@@ -107,5 +111,5 @@ async def test_metrics_after_a_recovery_a_save_and_a_rollback(
         assert _sum(samples, "quiesce_phase_duration_seconds_count", phase=phase, outcome=outcome) == count
     aborting = {e.checkpoint_id for e in events if e.kind == "attempt.aborting"}
     rollbacks = [e for e in events if e.kind == "attempt.aborted" and e.checkpoint_id in aborting]
-    assert len(rollbacks) == 2  # recovery's and the failed commit's
+    assert len(rollbacks) == 2  # recovery's, and the failed commit's
     assert _sum(samples, "quiesce_phase_duration_seconds_count", phase="rollback") == len(rollbacks)

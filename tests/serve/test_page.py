@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 
 
 def _row(cid: str) -> str:
-    return f'document.querySelector(\'tr[data-checkpoint-id="{cid}"]\')'
+    return f"document.querySelector('tr[data-checkpoint-id=\"{cid}\"]')"
 
 
 async def test_an_attempt_appears_and_ends_on_the_page_without_a_reload(
@@ -40,7 +40,9 @@ async def test_an_attempt_appears_and_ends_on_the_page_without_a_reload(
         assert "default-src 'none'" in page.headers["content-security-policy"]
         with Browser(tmp_path / "profile") as browser:
             await anyio.to_thread.run_sync(browser.open, f"{service.url}/")
-            await anyio.to_thread.run_sync(browser.wait_for, "!!document.body && document.body.getAttribute('data-live') === '1'")
+            await anyio.to_thread.run_sync(
+                browser.wait_for, "!!document.body && document.body.getAttribute('data-live') === '1'"
+            )
             assert browser.evaluate("document.querySelectorAll('#attempts tr').length") == 0
             browser.evaluate("window.__loadedOnce = 'yes'")
 
@@ -60,7 +62,9 @@ async def test_an_attempt_appears_and_ends_on_the_page_without_a_reload(
                 f"document.body.getAttribute('data-timeline') === '{cid}'"
                 " && document.querySelectorAll('#timeline rect.bar.outcome-acknowledged').length >= 10",
             )
-            lanes = browser.evaluate("Array.from(document.querySelectorAll('#timeline g.lane')).map(g => g.dataset.server)")
+            lanes = browser.evaluate(
+                "Array.from(document.querySelectorAll('#timeline g.lane')).map(g => g.dataset.server)"
+            )
             assert lanes == ["policy_model", "simple_agent", "tools"]
             assert browser.evaluate("window.__loadedOnce") == "yes"  # never reloaded
             assert json.loads(browser.evaluate("document.body.getAttribute('data-errors')")) == []

@@ -26,8 +26,14 @@ import httpx
 import pytest
 
 from ledger import Ledger
-from tests.coordinator.helpers import assert_all_accepting, clear_faults, read_events, server_states, set_faults
-from tests.serve.conftest import ServiceProcess, wait_ready
+from tests.coordinator.helpers import (
+    assert_all_accepting,
+    clear_faults,
+    read_events,
+    server_states,
+    set_faults,
+)
+from tests.serve.conftest import Patience, ServiceProcess, wait_ready
 from tools.gymsim.cluster import RunningCluster
 from tools.pgtemp import TempPostgres
 from tools.serve.client import RemoteCoordinator
@@ -76,8 +82,9 @@ async def test_standby_takes_over_after_sigkill_mid_save(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(save)
+            patience = Patience()
             while (await server_states(http, cluster))["simple_agent"][0] != "prepared":
-                await anyio.sleep(0.05)
+                await patience.wait('(await server_states(http, cluster))["simple_agent"][0] != "prepared"')
             killed_at = time.time()
             active.signal(signal.SIGKILL)
             await anyio.to_thread.run_sync(active.wait)
@@ -101,4 +108,5 @@ async def test_standby_takes_over_after_sigkill_mid_save(
     [interrupted] = [r for r in rows.values() if r.epoch == first["epoch"]]
     assert (interrupted.outcome, interrupted.recovered_by) == ("aborted", second["epoch"])
     assert rows[retried.checkpoint_id].outcome == "published"
-    assert retried.snapshot is not None and (retried.snapshot / "manifest.json").is_file()
+    assert retried.snapshot is not None
+    assert (retried.snapshot / "manifest.json").is_file()

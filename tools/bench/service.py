@@ -147,7 +147,13 @@ def _failed_attempt_items(n: int) -> list[AppendItem]:
             cid,
             sent.server,
             sent.call_id,
-            {"error": "http", "status": 500, "code": "injected_fault", "detail": "injected", "elapsed_s": 0.02},
+            {
+                "error": "http",
+                "status": 500,
+                "code": "injected_fault",
+                "detail": "injected",
+                "elapsed_s": 0.02,
+            },
         ),
         AppendItem("phase.failed", cid, data={"phase": "commit", "server": sent.server, "reason": "500"}),
         AppendItem("attempt.aborting", cid, data={"reason": "commit failed"}),
@@ -168,7 +174,9 @@ async def run_scrape(attempts: int, scrapes: int, dir: str) -> dict[str, Any]:
     folder = Path(dir)
     url = f"sqlite+aiosqlite:///{folder / 'scrape.db'}"
     async with Ledger.open(url, durability="process") as ledger:
-        await ledger.start_epoch({"coordinator": {"host": "bench", "pid": 0, "uuid": "bench"}, "version": "bench"})
+        await ledger.start_epoch(
+            {"coordinator": {"host": "bench", "pid": 0, "uuid": "bench"}, "version": "bench"}
+        )
         batch: list[AppendItem] = []
         for n in range(attempts):
             batch.extend(_failed_attempt_items(n) if n % 10 == 9 else attempt_items(n))
@@ -178,7 +186,11 @@ async def run_scrape(attempts: int, scrapes: int, dir: str) -> dict[str, Any]:
         if batch:
             await ledger.append_many(batch)
     config = parse_config(
-        {"ledger": url, "snapshots": str(folder / "snaps"), "servers": [{"name": "m", "url": "http://127.0.0.1:9"}]},
+        {
+            "ledger": url,
+            "snapshots": str(folder / "snaps"),
+            "servers": [{"name": "m", "url": "http://127.0.0.1:9"}],
+        },
         base_dir=folder,
     )
     service = Service(config, advertise="http://127.0.0.1:0")
@@ -216,7 +228,7 @@ async def run_scrape(attempts: int, scrapes: int, dir: str) -> dict[str, Any]:
         changed.append(time.perf_counter() - start)
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.serve, [sock])
-        while not server.started:
+        while not server.started:  # noqa: ASYNC110  # uvicorn has no event for it
             await anyio.sleep(0.01)
         idle, size, scraper = await _scrape_over_http(f"http://127.0.0.1:{port}/metrics", scrapes)
         server.should_exit = True
@@ -240,7 +252,13 @@ async def _scrape_over_http(url: str, scrapes: int) -> tuple[list[float], int, s
     curl = shutil.which("curl")
     if curl is not None:
         done = await anyio.run_process(
-            [curl, "-s", "-w", "%{time_total} %{size_download}\\n", *(["-o", "/dev/null", url] * (scrapes + 5))]
+            [
+                curl,
+                "-s",
+                "-w",
+                "%{time_total} %{size_download}\\n",
+                *(["-o", "/dev/null", url] * (scrapes + 5)),
+            ]
         )  # one `-o` per URL: curl writes only the first one's body where a lone `-o` says
         rows = [line.split() for line in done.stdout.decode().splitlines() if line.strip()]
         return [float(t) for t, _ in rows[5:]], int(rows[-1][1]), "curl (keep-alive)"
@@ -284,7 +302,9 @@ def measure(ctx: Context) -> Result:
     for index in range(ctx.runs):
         folder = ctx.work / f"scrape-{index}"
         folder.mkdir()
-        scrapes.append(run_child("service:run_scrape", {"attempts": attempts, "scrapes": SCRAPES, "dir": str(folder)}))
+        scrapes.append(
+            run_child("service:run_scrape", {"attempts": attempts, "scrapes": SCRAPES, "dir": str(folder)})
+        )
         ctx.log(f"  scrape run {index + 1}/{ctx.runs}: {scrapes[-1]['scrape_s'] * 1e3:.2f} ms")
     embedded, service = stats_of(saves, "embedded_s"), stats_of(saves, "service_s")
     ratio, added = stats_of(saves, "ratio"), stats_of(saves, "added_s")
@@ -304,7 +324,9 @@ def measure(ctx: Context) -> Result:
         f" /metrics scrape {scrape.fmt(1e3, 2, 'ms')} at {int(scrapes[0]['attempts']):,} attempts"
         f" (+{render.fmt(1e3, 2, 'ms')} to render again right after a change)"
     )
-    result.baseline = f"embedded save {embedded.fmt(1e3, 1, 'ms')}; through the service {service.fmt(1e3, 1, 'ms')}"
+    result.baseline = (
+        f"embedded save {embedded.fmt(1e3, 1, 'ms')}; through the service {service.fmt(1e3, 1, 'ms')}"
+    )
     result.met = added.median * 1e3 <= GOAL_ADDED_MS and scrape.median * 1e3 < GOAL_SCRAPE_MS
     result.notes.append(
         f"{cycles} measured saves per side per run, alternating (order flipped every round) after one warm-up"

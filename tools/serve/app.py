@@ -206,7 +206,8 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         "/v1/attempts/{checkpoint_id}/publish", dependencies=guarded, responses=_ERRORS, tags=["cluster"]
     )
     async def publish(checkpoint_id: str, request: PublishRequest | None = None) -> AttemptModel:
-        """Publish a committed attempt (manifest, rename, `LATEST`); with `resume`, then resume every server."""
+        """Publish a committed attempt (manifest, rename, `LATEST`); with `resume`, then resume
+        every server (what leaving the embedded `save()` does)."""
         resume = request.resume if request is not None else False
         pending(checkpoint_id)
 

@@ -130,7 +130,9 @@ class RemoteCoordinator:
             with anyio.CancelScope(shield=True):
                 try:
                     done = await self.abort(attempt, reason=f"the caller's block raised {type(exc).__name__}")
-                    exc.add_note(f"attempt {attempt.checkpoint_id} rolled back: resumed {', '.join(done.resumed)}")
+                    exc.add_note(
+                        f"attempt {attempt.checkpoint_id} rolled back: resumed {', '.join(done.resumed)}"
+                    )
                 except QuiesceError as error:
                     exc.add_note(f"attempt {attempt.checkpoint_id}: the rollback failed: {error}")
             raise

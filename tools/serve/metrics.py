@@ -3,17 +3,20 @@
 `Metrics.observe(events)` runs in the coordinator's `observe` hook (committed events, seq order),
 so every figure is what the ledger says happened, not what a request handler believed:
 
-| metric | from |
-|---|---|
-| `quiesce_attempts_total{kind,outcome}` | an attempt's terminal event: `attempt.completed` (its outcome), `attempt.aborted` (aborted), `recovery.completed` (abandoned) |
-| `quiesce_phase_duration_seconds{phase,outcome}` | `phase.started` → `phase.completed` / `phase.failed` (event times); `rollback`: `attempt.aborting` → `attempt.aborted` |
-| `quiesce_control_call_seconds{route,outcome}` | `call.replied` / `call.failed` `elapsed_s`; route = method and path of its `call.sent`; outcome = `replied` or the failure (`timeout`, `connect`, `http`, `protocol`) |
-| `quiesce_rollbacks_total` | `attempt.aborted` of a save |
-| `quiesce_recoveries_total` | `recovery.completed` |
-| `quiesce_fenced_appends_total` | an operation that ended in `FencedError` (`Metrics.fenced`) |
-| `quiesce_lease_held` | 1 while this service is the active, writable coordinator |
-| `quiesce_ledger_commit_seconds` | each ledger transaction (`Ledger.on_commit`) |
-| `quiesce_seconds_since_last_published` | now − the last `attempt.published` (seeded from the ledger at start; NaN before any) |
+- `quiesce_attempts_total{kind,outcome}` — an attempt's terminal event: `attempt.completed` (its
+  outcome), `attempt.aborted` (aborted), `recovery.completed` (abandoned);
+- `quiesce_phase_duration_seconds{phase,outcome}` — `phase.started` → `phase.completed` /
+  `phase.failed` (event times); phase `rollback`: `attempt.aborting` → `attempt.aborted`;
+- `quiesce_control_call_seconds{route,outcome}` — `elapsed_s` of `call.replied` / `call.failed`;
+  route = method and path of its `call.sent`; outcome `replied` or the failure (`timeout`,
+  `connect`, `http`, `protocol`);
+- `quiesce_rollbacks_total` — `attempt.aborted` of a save;
+- `quiesce_recoveries_total` — `recovery.completed`;
+- `quiesce_fenced_appends_total` — an operation that ended in `FencedError` (`Metrics.fenced`);
+- `quiesce_lease_held` — 1 while this service is the active, writable coordinator;
+- `quiesce_ledger_commit_seconds` — each ledger transaction (`Ledger.on_commit`);
+- `quiesce_seconds_since_last_published` — now − the last `attempt.published` (seeded from the
+  ledger at start; NaN before any).
 
 State kept between events is bounded by what is in flight: open calls (by call id) and open
 phases and attempts (by checkpoint id), each dropped at its end. An attempt this process did not
@@ -53,7 +56,7 @@ _ENDED_KEPT: Final = 1024
 
 
 #: no `*_created` series: they double what a scrape carries and say nothing a counter's reset does not
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]  # the library leaves it unannotated
 
 
 def event_ts(at: str) -> float:
@@ -93,7 +96,9 @@ class Metrics:
             "quiesce_fenced_appends", "Operations refused because a newer coordinator owns the ledger",
             registry=registry,
         )  # fmt: skip
-        self.lease_held = Gauge("quiesce_lease_held", "1 while this service is the active coordinator", registry=live)
+        self.lease_held = Gauge(
+            "quiesce_lease_held", "1 while this service is the active coordinator", registry=live
+        )
         self.commits = Histogram(
             "quiesce_ledger_commit_seconds",
             "Ledger append latency: one transaction",

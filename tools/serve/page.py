@@ -42,7 +42,7 @@ SCRIPT: Final = (
     """
 (function () {
   "use strict";
-  var REFRESH_MS = %d;
+  var REFRESH_MS = __REFRESH_MS__;
   var errors = [];
   var body = document.body;
   var selected = null, pinned = false, timer = null, lastSeq = 0, received = 0;
@@ -127,9 +127,12 @@ SCRIPT: Final = (
   function refresh() {
     timer = null;
     return Promise.all([
-      api("/v1/attempts?limit=50").then(function (r) { return r.json(); }).then(renderRows).then(renderTimeline),
+      api("/v1/attempts?limit=50").then(function (r) { return r.json(); })
+        .then(renderRows).then(renderTimeline),
       state()
-    ]).catch(function (e) { if (String(e.message) !== "401") { body.setAttribute("data-last-error", String(e)); } });
+    ]).catch(function (e) {
+      if (String(e.message) !== "401") { body.setAttribute("data-last-error", String(e)); }
+    });
   }
   function soon(event) {
     if (event && event.checkpoint_id && !pinned) { selected = event.checkpoint_id; }
@@ -175,8 +178,7 @@ SCRIPT: Final = (
   refresh().then(follow);
 })();
 """
-    % REFRESH_MS
-)
+).replace("__REFRESH_MS__", str(REFRESH_MS))
 
 BODY: Final = """<body data-live="0" data-events="0">
 <header><h1>quiesce — live</h1><span id="state">connecting…</span></header>
@@ -206,8 +208,9 @@ def _sha256_b64(text: str) -> str:
 def render_page() -> Page:
     """The page and its Content-Security-Policy (built once)."""
     csp = (
-        f"default-src 'none'; script-src 'sha256-{_sha256_b64(SCRIPT)}'; style-src 'sha256-{_sha256_b64(CSS)}';"
-        " connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+        f"default-src 'none'; script-src 'sha256-{_sha256_b64(SCRIPT)}';"
+        f" style-src 'sha256-{_sha256_b64(CSS)}'; connect-src 'self'; img-src data:; base-uri 'none';"
+        " form-action 'none'; frame-ancestors 'none'"
     )
     html = (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'

@@ -105,8 +105,7 @@ async def _exit_when_finished(service: Service, server: uvicorn.Server) -> None:
 
 async def _announce(service: Service, url: str, authenticated: bool) -> None:
     """Print the address once the service takes requests or waits as a standby."""
-    while service.state not in ("ready", "standby", "stopped"):
-        await anyio.sleep(0.02)
+    await service.settled.wait()
     if service.state == "stopped":
         return  # it failed to start: the error is raised once the server has stopped
     line = {"listening": url, "state": service.state, "auth": authenticated, "pid": os.getpid()}

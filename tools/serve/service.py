@@ -27,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -87,7 +88,11 @@ class Service:
         self.advertise = advertise
         self._control_token = control_token
         self.standby_mode = config.ledger.startswith("postgresql") if standby is None else standby
-        self.state = "starting"
+        self._state = "starting"
+        #: set once the service takes requests, waits as a standby, or has stopped (`runner` announces)
+        self.settled = anyio.Event()
+        self._idle = anyio.Event()  # set while no operation runs
+        self._idle.set()
         self.hub = EventHub()
         self.metrics = Metrics()
         self.coord: Coordinator | None = None
@@ -105,6 +110,16 @@ class Service:
         self._open_scope: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
 
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self._state = value
+        if value in ("ready", "standby", "stopped"):
+            self.settled.set()
+
     # -- what the routes ask -----------------------------------------------------------------
 
     @property
@@ -118,7 +133,8 @@ class Service:
         if self._op is not None:
             return self._op.describe()
         if self.pending is not None:
-            return f"attempt {self.pending.checkpoint_id} (save), {self.pending.state}: awaiting its caller's next step"
+            pending = self.pending
+            return f"attempt {pending.checkpoint_id} (save), {pending.state}: awaiting its caller's next step"
         return None
 
     def unavailable(self) -> Unavailable:
@@ -164,8 +180,8 @@ class Service:
         """
         coord = self.require_coordinator()
         self._claim(name, attempt_id)
-        op = self._op
-        assert op is not None and self._tg is not None
+        tg = self._tg
+        assert tg is not None
         box: _Box[T] = _Box()
 
         async def body() -> None:
@@ -183,11 +199,12 @@ class Service:
                 raise
             finally:
                 self._op = None
+                self._idle.set()
                 if self.metrics.unresolved:
                     await self._resolve()
                 box.done.set()
 
-        self._tg.start_soon(body, name=f"quiesce serve: {name}")
+        tg.start_soon(body, name=f"quiesce serve: {name}")
         await box.done.wait()  # a disconnected client cancels this wait, never the operation
         if box.error is not None:
             raise box.error
@@ -204,12 +221,13 @@ class Service:
         pending = self.pending
         if pending is not None and attempt_id != pending.checkpoint_id:
             raise Busy(
-                f"attempt {pending.checkpoint_id} (save) is {pending.state} and awaits its caller's next step;"
-                f" POST /v1/attempts/{pending.checkpoint_id}/publish or /abort first",
+                f"attempt {pending.checkpoint_id} (save) is {pending.state} and awaits its caller's next"
+                f" step; POST /v1/attempts/{pending.checkpoint_id}/publish or /abort first",
                 checkpoint_id=pending.checkpoint_id,
                 operation="save",
             )
         self._op = Operation(name, checkpoint_id=attempt_id)
+        self._idle = anyio.Event()
 
     def _progress(self, report: Progress) -> None:
         op = self._op
@@ -240,7 +258,8 @@ class Service:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Begin stopping (SIGTERM): see the module docstring. Returns at once; `finished` is set at the end."""
+        """Begin stopping (SIGTERM; see the module docstring). Returns at once; `finished` is set
+        once stopped."""
         if self._stopping:
             return
         self._stopping = True
@@ -369,10 +388,8 @@ class Service:
                 return
             pending = self.pending
             if pending is not None and self._op is None and time.time() > pending.deadline_ts:
-                try:
+                with contextlib.suppress(QuiesceError):  # recorded; recovery or a resume finishes it
                     await self.run("settle", self._settle, attempt_id=pending.checkpoint_id)
-                except (QuiesceError, Unavailable):
-                    pass  # recorded in the ledger; recovery or an explicit resume finishes it
 
     async def _settle(self, coord: Coordinator) -> Any:
         """Roll back (or, once published, finish) the two-step save nobody continued in time."""
@@ -389,8 +406,7 @@ class Service:
     async def _drain(self, coord: Coordinator) -> None:
         """Stopping: the operation in progress ends on its own; a waiting two-step save is settled."""
         with anyio.CancelScope(shield=True):
-            while self._op is not None:
-                await anyio.sleep(0.02)
+            await self._idle.wait()
             if self.pending is not None and coord.ledger.writable:
                 self._op = Operation("stop", checkpoint_id=self.pending.checkpoint_id)
                 try:
