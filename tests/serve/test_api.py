@@ -220,3 +220,36 @@ async def test_event_stream_order_equals_the_ledger(
     assert stored[-1].kind == "attempt.completed"
     service.signal(signal.SIGTERM)
     assert service.wait() == 0
+
+
+@pytest.mark.parametrize(
+    ("listen", "env_token", "says"),
+    [
+        ("nonsense", True, "HOST:PORT"),
+        ("127.0.0.1:99999", True, "HOST:PORT"),
+        ("127.0.0.1:0", False, "control token"),
+    ],
+)
+def test_bad_usage_exits_2_with_a_clear_message(
+    tmp_path: Path, sqlite_url: str, token: str, listen: str, env_token: bool, says: str
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        f"ledger: {sqlite_url}\nsnapshots: {tmp_path / 'snaps'}\nservers:\n"
+        "  - {name: policy_model, url: 'http://127.0.0.1:9'}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEMO_GYM_")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    if env_token:
+        env["NEMO_GYM_CHECKPOINT_CONTROL_TOKEN"] = token
+    done = subprocess.run(
+        [sys.executable, "-m", "tools", "serve", "--config", str(config), "--listen", listen],
+        cwd=str(REPO_ROOT), env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr
+    assert "Traceback" not in done.stderr
