@@ -220,20 +220,6 @@ class RestoreReply(BaseModel):
     resumed: OutcomeModel | None = None
 
 
-class Execution(BaseModel):
-    rollout_id: str = Field(min_length=1)
-    attempt_index: int = Field(ge=0)
-
-
-class AcknowledgeRequest(Request):
-    server: str = Field(min_length=1)
-    executions: list[Execution] = Field(min_length=1)
-
-
-class AcknowledgeReply(BaseModel):
-    acknowledged: list[Execution]
-
-
 # -- reading ----------------------------------------------------------------------------------
 
 

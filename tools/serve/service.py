@@ -372,6 +372,7 @@ class Service:
             self.hub.close()
             self.reader = None
             self.coord = None
+            self.pending = None  # fenced with one waiting: the coordinator that took over recovers it
             coord.ledger.on_commit = None
 
     @staticmethod
