@@ -120,12 +120,34 @@ async def run_saves(config: dict[str, Any], token: str, cycles: int, dir: str) -
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=120)
     medians = {side: statistics.median(values) for side, values in took.items()}
+    gaps = {side: await _caller_gap(configs[side].ledger) for side in configs}
     return {
         "embedded_s": medians["embedded"],
         "service_s": medians["service"],
         "ratio": medians["service"] / medians["embedded"],
         "added_s": medians["service"] - medians["embedded"],
+        "embedded_gap_s": gaps["embedded"],
+        "service_gap_s": gaps["service"],
     }
+
+
+async def _caller_gap(url: str) -> float:
+    """Median seconds, per published save, from the end of its commit phase to the start of its
+    publish phase in the ledger: the caller's half — and, through the service, the reply to
+    `POST /v1/attempts` and the `/publish` request around it."""
+    from datetime import datetime
+
+    ended: dict[str, float] = {}
+    gaps: list[float] = []
+    async with Ledger.open(url, readonly=True) as ledger:
+        async for event in ledger.read(kinds=("phase.completed", "phase.started")):
+            phase, cid = event.data.get("phase"), event.checkpoint_id or ""
+            at = datetime.fromisoformat(event.at).timestamp()
+            if event.kind == "phase.completed" and phase == "commit":
+                ended[cid] = at
+            elif event.kind == "phase.started" and phase == "publish" and cid in ended:
+                gaps.append(at - ended.pop(cid))
+    return statistics.median(gaps) if gaps else 0.0
 
 
 # -- the scrape ----------------------------------------------------------------------------------
@@ -328,6 +350,15 @@ def measure(ctx: Context) -> Result:
         f"embedded save {embedded.fmt(1e3, 1, 'ms')}; through the service {service.fmt(1e3, 1, 'ms')}"
     )
     result.met = added.median * 1e3 <= GOAL_ADDED_MS and scrape.median * 1e3 < GOAL_SCRAPE_MS
+    gap_e, gap_s = stats_of(saves, "embedded_gap_s"), stats_of(saves, "service_gap_s")
+    result.metric("embedded_gap_s", gap_e, "s")
+    result.metric("service_gap_s", gap_s, "s")
+    result.notes.append(
+        f"where the added time goes, from the ledgers' own timestamps: commit's end to publish's start (the"
+        f" caller's half) is {gap_e.fmt(1e3, 2, 'ms')} embedded and {gap_s.fmt(1e3, 2, 'ms')} through the"
+        " service, which adds the reply to `POST /v1/attempts` and the `/publish` request: two process"
+        " hand-offs, which cost the most when the machine is busy"
+    )
     result.notes.append(
         f"{cycles} measured saves per side per run, alternating (order flipped every round) after one warm-up"
         " each; each save writes a 4 KiB trainer file into the staging folder; the service is a real"
