@@ -1,6 +1,7 @@
 """`RemoteCoordinator` against a real service: the embedded API's shapes, errors and failover.
 
-- `discover`, `save` (the caller's half lands in the snapshot), `restore`, `resume`, `history`
+- `discover`, `save` (the caller's half lands in the snapshot), `abort()` of the attempt in
+  progress, `restore`, `resume`, `history`
   return the very types `Coordinator` returns, and `history()` equals the ledger's projection;
 - an exception inside `save()` rolls the attempt back and is re-raised with a note; the servers
   accept again and the ledger says `aborted`;
@@ -63,6 +64,10 @@ async def test_same_shapes_as_the_embedded_api(
             async with coord.save(deadline_s=60) as doomed:
                 raise Boom("the trainer's half failed")
         assert any("rolled back" in note for note in boom.value.__notes__)
+        async with httpx.AsyncClient(trust_env=False, headers={"Authorization": "Bearer secret-api"}) as raw:
+            waiting = (await raw.post(f"{service.url}/v1/attempts")).json()["checkpoint_id"]
+        aborted = await coord.abort()  # no attempt named: the one in progress
+        assert (aborted.checkpoint_id, aborted.outcome) == (waiting, "aborted")
         restored = await coord.restore(attempt.snapshot)
         assert isinstance(restored, Attempt)
         assert restored.kind == "restore"
@@ -78,6 +83,7 @@ async def test_same_shapes_as_the_embedded_api(
     outcomes = {r.checkpoint_id: r.outcome for r in history}
     assert outcomes[attempt.checkpoint_id] == "published"
     assert outcomes[doomed.checkpoint_id] == "aborted"
+    assert outcomes[waiting] == "aborted"
     assert outcomes[restored.checkpoint_id] == "restored"
     async with RemoteCoordinator(service.url, token="wrong") as intruder:
         with pytest.raises(Unauthorized):

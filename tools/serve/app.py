@@ -259,6 +259,26 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
 
         return OutcomeModel.of(await op("abort", abort_step, checkpoint_id))
 
+    @app.post("/v1/abort", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
+    async def abort(request: AbortRequest | None = None) -> OutcomeModel:
+        """Roll back the attempt in progress: the two-step save waiting here, else the newest
+        attempt in progress in the ledger (what `Coordinator.abort()` without an attempt does)."""
+        reason = request.reason if request is not None else "aborted by request"
+        waiting = service.pending
+
+        async def abort_any(coord: Coordinator) -> Outcome:
+            if waiting is None:
+                return await coord.abort(reason=reason)
+            try:
+                return await coord.abort(waiting, reason=reason)
+            finally:
+                if waiting.state in ("completed", "aborted"):
+                    service.pending = None
+
+        return OutcomeModel.of(
+            await op("abort", abort_any, waiting.checkpoint_id if waiting is not None else None)
+        )
+
     @app.post("/v1/restore", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
     async def restore(request: RestoreRequest | None = None) -> RestoreReply:
         """Verify a snapshot (default `latest`), then restore policy → agents → resources; the

@@ -163,8 +163,14 @@ class RemoteCoordinator:
             reply = await self._request("POST", "/v1/resume")
         return OutcomeModel.model_validate(reply).outcome_()
 
-    async def abort(self, attempt: Attempt | str, *, reason: str = "aborted by request") -> Outcome:
-        """Roll back a save attempt before publication (every touched server resumed)."""
+    async def abort(
+        self, attempt: Attempt | str | None = None, *, reason: str = "aborted by request"
+    ) -> Outcome:
+        """Roll back a save attempt before publication (every touched server resumed); without one,
+        the attempt in progress (the service's waiting two-step save, else the ledger's newest)."""
+        if attempt is None:
+            reply = await self._request("POST", "/v1/abort", json={"reason": reason})
+            return OutcomeModel.model_validate(reply).outcome_()
         checkpoint_id = attempt if isinstance(attempt, str) else attempt.checkpoint_id
         reply = await self._request("POST", f"/v1/attempts/{checkpoint_id}/abort", json={"reason": reason})
         outcome = OutcomeModel.model_validate(reply).outcome_()
