@@ -9,7 +9,8 @@
         await coord.resume()
 
 Step-wise, for an actor that calls one method per RPC: `prepare()` → `commit()` → `publish()` →
-`resume()`, or `abort()` at any point before publication; `restore(snapshot)` then `resume()`.
+`resume()` (or `publish_and_resume()`, what leaving `save()` does), or `abort()` at any point
+before publication; `restore(snapshot)` then `resume()`.
 
 Invariants:
 - `open` appends `coordinator.started` with a new epoch (fencing any older coordinator) before
