@@ -1,7 +1,7 @@
 """Fixtures for the service tests: real `quiesce serve` processes beside real gymsim servers.
 
 `spawn_service(config, api_token=None)` starts `python -m tools serve --config C --listen
-127.0.0.1:0` as a child process (the worktree's code, the control token in its environment, the
+127.0.0.1:0 --json` as a child process (the worktree's code, the control token in its environment, the
 API token in `QUIESCE_API_TOKEN` when given) and returns once it printed its address: a
 `ServiceProcess` with `.url`, `.announced` (the JSON line) and the process. Every service started
 is stopped at the end of the test (SIGTERM, then SIGKILL). stderr goes to a file (`.log()`).
@@ -106,6 +106,7 @@ def spawn_service(token: str, tmp_path: Path) -> Iterator[Callable[..., ServiceP
                 str(config),
                 "--listen",
                 "127.0.0.1:0",
+                "--json",
                 *extra,
             ],
             cwd=str(REPO_ROOT),

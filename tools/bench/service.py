@@ -63,7 +63,17 @@ def _spawn_service(config: Path, token: str, log: Path) -> tuple[subprocess.Pope
     env.pop("QUIESCE_API_TOKEN", None)
     with open(log, "w", encoding="utf-8") as errors:
         process = subprocess.Popen(
-            [sys.executable, "-m", "tools", "serve", "--config", str(config), "--listen", "127.0.0.1:0"],
+            [
+                sys.executable,
+                "-m",
+                "tools",
+                "serve",
+                "--config",
+                str(config),
+                "--listen",
+                "127.0.0.1:0",
+                "--json",
+            ],
             cwd=str(REPO_ROOT),
             env=env,
             stdin=subprocess.DEVNULL,

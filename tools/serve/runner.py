@@ -1,8 +1,8 @@
 """Run the service: bind `--listen`, serve with uvicorn, stop cleanly on SIGTERM or SIGINT.
 
 - The socket is bound before anything else, so `--listen 127.0.0.1:0` works: the address actually
-  bound is printed as one JSON line on stdout (`{"listening": "http://127.0.0.1:41234", ...}`)
-  once the service is taking requests (or waiting as a standby).
+  bound is printed on stdout once the service is taking requests (or waiting as a standby) — with
+  `as_json`, as one JSON line (`{"listening": "http://127.0.0.1:41234", ...}`).
 - Listening beyond loopback needs `QUIESCE_API_TOKEN` (`auth.require_token_beyond_loopback`).
 - uvicorn's own signal handling is replaced: on SIGTERM (or SIGINT) the service stops first
   (`Service.stop`: no new operation, the one in progress finishes or rolls back within its
@@ -54,7 +54,9 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-async def serve(config: ClusterConfig, listen: str, *, advertise: str | None = None) -> int:
+async def serve(
+    config: ClusterConfig, listen: str, *, advertise: str | None = None, as_json: bool = True
+) -> int:
     """Serve until SIGTERM/SIGINT (see the module docstring); the exit status."""
     host, port = parse_listen(listen)
     api_token = api_token_from_env()
@@ -86,7 +88,7 @@ async def serve(config: ClusterConfig, listen: str, *, advertise: str | None = N
     with sock:
         async with anyio.create_task_group() as tg:
             await tg.start(service.serve)
-            tg.start_soon(_announce, service, bound, api_token is not None)
+            tg.start_soon(_announce, service, bound, api_token is not None, as_json)
             tg.start_soon(_stop_on_signal, service)
             tg.start_soon(_exit_when_finished, service, server)
             await server.serve(sockets=[sock])
@@ -103,13 +105,18 @@ async def _exit_when_finished(service: Service, server: uvicorn.Server) -> None:
     server.should_exit = True
 
 
-async def _announce(service: Service, url: str, authenticated: bool) -> None:
+async def _announce(service: Service, url: str, authenticated: bool, as_json: bool) -> None:
     """Print the address once the service takes requests or waits as a standby."""
     await service.settled.wait()
     if service.state == "stopped":
         return  # it failed to start: the error is raised once the server has stopped
-    line = {"listening": url, "state": service.state, "auth": authenticated, "pid": os.getpid()}
-    sys.stdout.write(json.dumps(line) + "\n")
+    if as_json:
+        line = {"listening": url, "state": service.state, "auth": authenticated, "pid": os.getpid()}
+        sys.stdout.write(json.dumps(line) + "\n")
+    else:
+        sys.stdout.write(
+            f"serving {url} ({service.state}{', API token required' if authenticated else ''})\n"
+        )
     sys.stdout.flush()
 
 

@@ -1,13 +1,13 @@
-"""`quiesce serve --config C [--listen HOST:PORT] [--advertise URL]` — the ledger as a service.
+"""`quiesce serve --config C [--listen HOST:PORT] [--advertise URL] [--json]` — the ledger as a service.
 
 Serves HTTP API v1 (`/docs` for the OpenAPI page), server-sent event streams, `/metrics`,
 `/healthz`, `/readyz` and a live page at `/` until SIGTERM or Ctrl-C; see `tools.serve`. The API
 token comes from `QUIESCE_API_TOKEN` (required when listening beyond loopback), the Gym control
 token from the config's `token_env`, as for every command. On a PostgreSQL ledger a second
 `quiesce serve` on the same config is a standby: it answers 503 naming the active one, and takes
-over when that one's lease expires. Prints `{"listening": URL, "state": ...}` on stdout once
-serving (or waiting as a standby). Exit 0 after a clean stop, 1 when the service failed, 2 on bad
-usage or config.
+over when that one's lease expires. Once serving (or waiting as a standby) it prints where, on
+stdout: `serving http://HOST:PORT (ready)`, or with `--json` one line `{"listening": URL, "state",
+"auth", "pid"}`. Exit 0 after a clean stop, 1 when the service failed, 2 on bad usage or config.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 
 from coordinator import load_config, resolve_token
+from tools.cli.flags import add_config
 
 
 def register(subparsers: Any) -> None:
@@ -29,7 +30,7 @@ def register(subparsers: Any) -> None:
         description="Serve the coordinator over HTTP: API v1, live events, Prometheus metrics, a standby "
         "on PostgreSQL.",
     )
-    parser.add_argument("--config", metavar="FILE", required=True, help="cluster config (YAML)")
+    add_config(parser)
     parser.add_argument(
         "--listen",
         metavar="HOST:PORT",
@@ -51,4 +52,4 @@ def handle(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     parse_listen(args.listen)  # bad usage before anything is opened
     resolve_token(config)  # no control token: a config error now, not at the first request
-    return anyio.run(lambda: serve(config, args.listen, advertise=args.advertise))
+    return anyio.run(lambda: serve(config, args.listen, advertise=args.advertise, as_json=args.json))
