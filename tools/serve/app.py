@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
+import anyio.to_thread
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
@@ -151,7 +152,10 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
     @app.get("/metrics", dependencies=guarded, tags=["process"], response_class=Response)
     async def metrics() -> Response:
         """Prometheus metrics (text format)."""
-        return Response(service.metrics.scrape(), media_type=CONTENT_TYPE)
+        metrics = service.metrics
+        if metrics.stale:  # rendering takes milliseconds: off the event loop, so no save waits for it
+            return Response(await anyio.to_thread.run_sync(metrics.scrape), media_type=CONTENT_TYPE)
+        return Response(metrics.scrape(), media_type=CONTENT_TYPE)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> HTMLResponse:

@@ -132,6 +132,11 @@ class Metrics:
             return math.nan
         return max(0.0, time.time() - self.last_published_ts)
 
+    @property
+    def stale(self) -> bool:
+        """Whether the next `scrape` renders the counters and histograms again."""
+        return self._rendered[0] != self._version
+
     def scrape(self) -> bytes:
         """The exposition text. The counters and histograms are rendered again only after they
         changed (the library's renderer costs tens of microseconds per line here); the two live
