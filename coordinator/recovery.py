@@ -200,8 +200,7 @@ async def recover(ctx: Context, *, always_record: bool = True) -> RecoveryReport
     Raises `FencedError` if a newer coordinator took over meanwhile; nothing else is raised for
     a server that cannot be reached — it is reported as `left_paused`.
     """
-    rows = [row for row in await ctx.ledger.attempts() if row.outcome is None]
-    rows.sort(key=lambda row: row.last_seq)
+    rows = await ctx.ledger.unfinished_attempts()  # oldest last_seq first; O(unfinished), not O(history)
     epoch = ctx.ledger.epoch
     if not rows and not always_record:
         swept = await _sweep(ctx)
@@ -502,7 +501,7 @@ async def _sweep(ctx: Context) -> tuple[str, ...]:
     root = ctx.config.staging_root
     if not await anyio.to_thread.run_sync(root.is_dir):
         return ()
-    open_ids = {row.checkpoint_id for row in await ctx.ledger.attempts() if row.outcome is None}
+    open_ids = {row.checkpoint_id for row in await ctx.ledger.unfinished_attempts()}
 
     def names() -> list[str]:
         return [p.name for p in Path(root).iterdir() if p.is_dir() and p.name not in open_ids]

@@ -212,6 +212,11 @@ class Backend(ABC):
     async def attempt(self, checkpoint_id: str) -> AttemptRow | None: ...
 
     @abstractmethod
+    async def unfinished_attempts(self) -> list[AttemptRow]:
+        """Projection rows without an outcome, ordered by ``last_seq``: filtered in the database,
+        so only unfinished rows are read back, whatever the length of the history."""
+
+    @abstractmethod
     async def replace_attempts(self, rows: Sequence[AttemptRow]) -> None:
         """Replace the whole ``attempts`` table with ``rows`` in one transaction (writer only)."""
 

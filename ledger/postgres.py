@@ -340,3 +340,7 @@ class PostgresBackend(Backend):
     async def attempt(self, checkpoint_id: str) -> AttemptRow | None:
         rows = await self._rows(select(*_ATTEMPT_COLS).where(attempts.c.checkpoint_id == checkpoint_id))
         return from_columns(rows[0]) if rows else None
+
+    async def unfinished_attempts(self) -> list[AttemptRow]:
+        statement = select(*_ATTEMPT_COLS).where(attempts.c.outcome.is_(None)).order_by(attempts.c.last_seq)
+        return [from_columns(row) for row in await self._rows(statement)]

@@ -56,6 +56,7 @@ _PUT_ATTEMPT = f"INSERT OR REPLACE INTO attempts ({_AT_COLS}) VALUES ({', '.join
 _SET_ATTEMPT = ", ".join(f"{c} = ?" for c in COLUMNS[1:])  # every column but checkpoint_id (first)
 _UPDATE_ATTEMPT = f"UPDATE attempts SET {_SET_ATTEMPT} WHERE checkpoint_id = ?"
 _GET_ATTEMPT = f"SELECT {_AT_COLS} FROM attempts WHERE checkpoint_id = ?"
+_UNFINISHED = f"SELECT {_AT_COLS} FROM attempts WHERE outcome IS NULL ORDER BY last_seq"
 _HEAD_SEQ_EPOCH = "SELECT seq, epoch FROM events ORDER BY seq DESC LIMIT 1"
 _HEAD_ROW = f"SELECT {_EV_COLS} FROM events ORDER BY seq DESC LIMIT 1"
 #: Appends whose commits take less than this on average run on the event loop's thread.
@@ -369,3 +370,6 @@ class SqliteBackend(Backend, InlineAppend):
     async def attempt(self, checkpoint_id: str) -> AttemptRow | None:
         rows = await self._query(_GET_ATTEMPT, (checkpoint_id,))
         return from_columns(rows[0]) if rows else None
+
+    async def unfinished_attempts(self) -> list[AttemptRow]:
+        return [from_columns(row) for row in await self._query(_UNFINISHED, ())]

@@ -881,3 +881,12 @@ class Ledger:
         """The projection row of one attempt, or ``None``."""
         await self._flush_staged()
         return await self._backend.attempt(checkpoint_id)
+
+    async def unfinished_attempts(self) -> list[AttemptRow]:
+        """The attempts without a terminal event (``outcome`` is None), oldest ``last_seq`` first.
+
+        Recovery's question on every open: the database filters the rows, so what comes back —
+        and what is built in Python — grows with the unfinished attempts, not with the history.
+        """
+        await self._flush_staged()
+        return await self._backend.unfinished_attempts()

@@ -1,11 +1,11 @@
 """``NullLedger``: a ``Ledger``-compatible object that stores nothing — the baseline of measure #3.
 
 It has the methods the coordinator calls (``append``, ``stage``, ``flush``, ``append_many``,
-``start_epoch``, ``last_seq``, ``head``, ``read``, ``attempts``, ``attempt``, ``epoch``) and does none of a
-ledger's work: no validation, no redaction, no canonical encoding, no hash, no transaction, no
-fsync. ``append`` and ``stage`` only count seqs (so checkpoint ids stay unique) and returns an ``Event`` with
-an empty payload; reads find nothing. The same coordinator code run on it shows what the ledger
-itself costs.
+``start_epoch``, ``last_seq``, ``head``, ``read``, ``attempts``, ``attempt``,
+``unfinished_attempts``, ``epoch``) and does none of a ledger's work: no validation, no
+redaction, no canonical encoding, no hash, no transaction, no fsync. ``append`` and ``stage``
+only count seqs (so checkpoint ids stay unique) and return an ``Event`` with an empty payload;
+reads find nothing. The same coordinator code run on it shows what the ledger itself costs.
 
 Bench-only: it must never be used to drive real servers (nothing would be recoverable).
 """
@@ -91,6 +91,9 @@ class NullLedger:
 
     async def attempt(self, checkpoint_id: str) -> AttemptRow | None:
         return None
+
+    async def unfinished_attempts(self) -> list[AttemptRow]:
+        return []
 
     async def aclose(self) -> None:
         return None

@@ -1,0 +1,54 @@
+"""Recovery reads the unfinished attempts only: its cost follows them, not the ledger's history.
+
+A ledger with finished attempts behind the one a dead coordinator left: recovery at open must
+finish that one attempt without reading the whole ``attempts`` projection (``Ledger.attempts``
+is made to fail for the test), so the work it does per open does not grow with the history.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from coordinator import Coordinator
+from ledger import Ledger
+from tests.coordinator.helpers import assert_all_accepting
+from tests.recovery.helpers import Died, kind_is
+from tools.gymsim import client
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_recovery_never_reads_the_whole_attempts_projection(
+    cluster: Any, sqlite_url: str, configure: Any, die_after: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = configure(cluster, sqlite_url)
+    async with Coordinator.open(config) as coord:
+        for _ in range(3):
+            await coord.checkpoint(deadline_s=30)
+    die_after(kind_is("phase.completed", phase="prepare"))
+    async with httpx.AsyncClient() as http:
+        await client.start_rollouts(http, cluster.urls["simple_agent"], {"r0": 6})
+        await client.wait_turns(http, cluster.urls["simple_agent"], 1)
+        with pytest.raises(Died):
+            async with Coordinator.open(config) as coord:
+                await coord.checkpoint(deadline_s=30)
+        async with Ledger.open(sqlite_url, readonly=True) as ledger:
+            history = await ledger.attempts()
+        unfinished = [row.checkpoint_id for row in history if row.outcome is None]
+        assert len(history) == 4
+        assert len(unfinished) == 1
+
+        async def whole_projection(*args: object, **kwargs: object) -> None:
+            raise AssertionError("recovery read every attempt of the history")
+
+        monkeypatch.setattr(Ledger, "attempts", whole_projection)
+        async with Coordinator.open(config) as coord:
+            report = coord.last_recovery
+        assert report is not None
+        assert [(a.checkpoint_id, a.action) for a in report.attempts] == [(unfinished[0], "resumed")]
+        await assert_all_accepting(http, cluster)
+        rollouts = await client.wait_finished(http, cluster.urls["simple_agent"], timeout_s=60)
+        assert all(r["status"] == "completed" for r in rollouts.values())
