@@ -1,9 +1,12 @@
-"""``python -m tools.bench [--quick] [--only N,...] [--runs R] [--out DIR]`` — run the benchmarks.
+"""``python -m tools.bench [--quick] [--only N,...] [--runs R] [--out DIR] [--readme]`` — run the benchmarks.
 
-Writes ``DIR/latest.json`` and ``DIR/latest.md`` (default ``bench-results/``): one row per
-measure with its median [min–max] over the runs, the baseline measured in the same run, the
-goal and whether it was met, the peak RSS, and the machine. ``--quick`` uses tiny sizes and
-one run per measure: a smoke check of the harness (CI), not a measurement.
+A full run (every measure, neither ``--quick`` nor ``--only``) writes ``DIR/latest.json`` and
+``DIR/latest.md`` (default ``bench-results/``): one row per measure with its median [min–max]
+over the runs, the baseline measured in the same run, the goal and whether it was met, the peak
+RSS, each side's settings, the commit and the machine. ``--quick`` (tiny sizes, one run per
+measure: a smoke check of the harness, not a measurement) writes ``quick.*`` instead, and
+``--only 3,5`` writes ``only-3,5.*``: neither ever replaces ``latest.*``. ``--readme`` then
+rewrites README.md's benchmark table from ``DIR/latest.json`` (``tools.bench.readme``).
 Exit status: 0 when every selected measure ran (goals met or not), 1 when one failed to run.
 """
 
@@ -20,7 +23,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tools.bench.harness import REPO_ROOT, Context, Result, machine
+from tools.bench.harness import REPO_ROOT, Context, Result, commit, machine
 from tools.bench.report import render_markdown
 
 #: measure number → (module, title); every module has ``measure(ctx) -> Result``.
@@ -31,8 +34,20 @@ MEASURES: dict[int, tuple[str, str]] = {
     4: ("scale", "save cycle at N participants"),
     5: ("replay", "replay 1M events"),
     6: ("recover", "quiesce recover after SIGKILL"),
-    7: ("service", "quiesce serve: save through the service vs embedded; /metrics scrape"),
+    7: ("postgres", "PostgreSQL: recorded call, save, lease"),
+    8: ("growth", "quiesce checkpoint from a cold process: fresh vs 1M-event ledger"),
+    9: ("durability", "durability process vs full"),
+    10: ("service", "quiesce serve: save through the service vs embedded; /metrics scrape"),
 }
+
+
+def output_stem(quick: bool, only: str | None) -> str:
+    """The file name (without suffix) a run writes: only a full run writes ``latest``."""
+    if quick:
+        return "quick"
+    if only:
+        return "only-" + ",".join(str(n) for n in _parse_only(only))
+    return "latest"
 
 
 def _parse_only(text: str | None) -> list[int]:
@@ -50,7 +65,9 @@ def _parse_only(text: str | None) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run: a smoke check")
-    parser.add_argument("--only", type=str, default=None, help="comma-separated measure numbers (1-7)")
+    parser.add_argument(
+        "--only", type=str, default=None, help=f"comma-separated measure numbers (1-{max(MEASURES)})"
+    )
     parser.add_argument("--runs", type=int, default=None, help="runs per measure (default 5; --quick 1)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench-results", help="output folder")
     parser.add_argument("--cache", type=Path, default=None, help="kept between runs (default OUT/.cache)")
@@ -58,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         "--dbos-venv", type=Path, default=None, help="create or reuse the DBOS venv here (default: temp)"
     )
     parser.add_argument("--sizes", type=str, default=None, help="measure 4's N values, e.g. 8,64,256")
+    parser.add_argument(
+        "--readme",
+        action="store_true",
+        help="then rewrite README.md's benchmark table from OUT/latest.json",
+    )
     args = parser.parse_args(argv)
     try:
         only = _parse_only(args.only)
@@ -79,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     results: list[Result] = []
     failed = False
+    code_commit = commit()
     try:
         info = machine(work)
         for number in only:
@@ -104,12 +127,19 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "runs": runs,
         "command": " ".join(["python -m tools.bench", *(argv if argv is not None else sys.argv[1:])]),
+        "commit": code_commit,
         "machine": info,
         "measures": [r.to_json() for r in results],
     }
-    (out / "latest.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    (out / "latest.md").write_text(render_markdown(document), encoding="utf-8")
-    ctx.log(f"wrote {out / 'latest.md'} and {out / 'latest.json'}")
+    stem = output_stem(args.quick, args.only)
+    (out / f"{stem}.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    (out / f"{stem}.md").write_text(render_markdown(document), encoding="utf-8")
+    ctx.log(f"wrote {out / f'{stem}.md'} and {out / f'{stem}.json'}")
+    if args.readme:
+        from tools.bench.readme import update_readme
+
+        update_readme(out / "latest.json")
+        ctx.log(f"regenerated README.md's benchmark table from {out / 'latest.json'}")
     return 1 if failed else 0
 
 

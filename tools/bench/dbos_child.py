@@ -1,16 +1,26 @@
-"""Measure #2's DBOS side, run by the throwaway venv's Python (stdlib, ``dbos`` and ``httpx`` only).
+"""Measure #2's DBOS side, run by the DBOS venv's Python (stdlib, ``dbos``, ``anyio``, ``httptools``).
 
     VENV/bin/python -c "import runpy; runpy.run_path('dbos_child.py', run_name='__main__')" JSON
 
-JSON: ``{"db": PATH, "url": URL, "n": N}``. Creates the SQLite system database in WAL mode
-(``synchronous`` stays SQLite's default, FULL), launches DBOS on it, and interleaves, ``n`` times
-after a 10% warm-up: a workflow with one durable no-op step; a workflow whose one step makes the
-same loopback HTTP POST that quiesce's recorded call makes; and that bare HTTP POST. Prints one
-JSON line with the median seconds of each and the peak RSS. Imports nothing of quiesce.
+JSON: ``{"db": PATH, "url": URL, "n": N, "synchronous": "FULL"|"OFF", "http_module": PATH}``.
+Creates the SQLite system database in WAL mode and sets ``PRAGMA synchronous`` on every
+connection DBOS opens (SQLAlchemy ``connect`` event): ``FULL`` (SQLite's default: the WAL is
+fsynced at every commit) or ``OFF`` (never fsynced). It then interleaves, ``n`` times after a 10%
+warm-up and in a rotating order, four workflows: one durable no-op step (transport: none), and
+one step that makes the loopback HTTP POST that quiesce's recorded call makes — with quiesce's
+own HTTP client (``coordinator/http.py``, loaded by path from ``http_module`` so both sides use
+the same transport code) — each with DBOS's async API and with its sync API (run on one worker
+thread; the step drives the same client on that thread's event loop). The faster of the two
+APIs is what measure #2 compares (``*_best_s``). Every commit DBOS makes is counted
+(SQLAlchemy ``commit`` event), so the fsyncs per workflow are known. Prints one JSON line with the
+median seconds of each, commits per workflow, and the peak RSS. Imports nothing else of quiesce.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import importlib.util
 import json
 import sqlite3
 import statistics
@@ -19,6 +29,11 @@ import time
 from typing import Any
 
 BODY = {"schema_version": 1, "checkpoint_id": "e1-000002", "deadline_ts": 4102444800.0}
+HEADERS = {
+    "Authorization": "Bearer bench-token",
+    "Accept": "application/json",
+    "Content-Type": "application/json",
+}
 
 
 def _peak_rss_mb() -> float:
@@ -29,83 +44,158 @@ def _peak_rss_mb() -> float:
     return 0.0
 
 
-def main(args: dict[str, Any]) -> dict[str, Any]:
-    import httpx
-    from dbos import DBOS  # type: ignore[import-not-found,unused-ignore]
+def _load_http(path: str) -> Any:
+    spec = importlib.util.spec_from_file_location("quiesce_http", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["quiesce_http"] = module
+    spec.loader.exec_module(module)
+    return module
 
-    db, url, n = str(args["db"]), str(args["url"]), int(args["n"])
+
+async def run(args: dict[str, Any]) -> dict[str, Any]:
+    from dbos import DBOS  # type: ignore[import-not-found,unused-ignore]
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    db, url, n, sync = str(args["db"]), str(args["url"]), int(args["n"]), str(args["synchronous"])
+    if sync not in ("FULL", "OFF"):
+        raise SystemExit(f"synchronous must be FULL or OFF, not {sync}")
+    commits = [0]
+
+    @event.listens_for(Engine, "connect")
+    def _pragmas(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA synchronous={sync}")
+        cursor.close()
+
+    @event.listens_for(Engine, "commit")
+    def _count(_conn: Any) -> None:
+        commits[0] += 1
+
     with sqlite3.connect(db) as conn:
         conn.execute("PRAGMA journal_mode=WAL")
+    http_module = _load_http(str(args["http_module"]))
+    http = http_module.HttpClient()
+    payload = json.dumps(BODY).encode()
+
+    async def post() -> Any:
+        reply = await http.request("POST", url, headers=HEADERS, body=payload, timeout_s=30, max_body=1 << 20)
+        if reply.status != 200:
+            raise RuntimeError(f"HTTP {reply.status}")
+        return json.loads(reply.body)
+
     DBOS(config={"name": "quiesce-bench", "system_database_url": f"sqlite:///{db}", "log_level": "WARNING"})
-    http = httpx.Client(trust_env=False)
-    headers = {"Authorization": "Bearer bench-token", "Accept": "application/json"}
 
-    def bare() -> Any:
-        reply = http.post(url, json=BODY, headers=headers)
-        reply.raise_for_status()
-        return reply.json()
-
-    def noop_step(i: int) -> int:
+    # the async API (workflows on this event loop) ...
+    @DBOS.step()
+    async def noop_step(i: int) -> int:
         return i
 
-    def http_step(i: int) -> Any:
-        return bare()
+    @DBOS.step()
+    async def http_step(i: int) -> Any:
+        return await post()
 
-    noop = DBOS.step()(noop_step)
-    remote = DBOS.step()(http_step)
-
-    def noop_flow(i: int) -> int:
-        result: int = noop(i)
+    @DBOS.workflow()
+    async def noop_flow(i: int) -> int:
+        result: int = await noop_step(i)
         return result
 
-    def remote_flow(i: int) -> Any:
-        return remote(i)
+    @DBOS.workflow()
+    async def http_flow(i: int) -> Any:
+        return await http_step(i)
 
-    run_noop = DBOS.workflow()(noop_flow)
-    run_remote = DBOS.workflow()(remote_flow)
+    # ... and the sync API (workflows on a worker thread; its step runs the same client on a
+    # private event loop of that thread)
+    private: dict[int, asyncio.AbstractEventLoop] = {}
+
+    def post_sync() -> Any:
+        import threading
+
+        loop = private.setdefault(threading.get_ident(), asyncio.new_event_loop())
+        return loop.run_until_complete(post_on(loop))
+
+    clients: dict[int, Any] = {}
+
+    async def post_on(loop: asyncio.AbstractEventLoop) -> Any:
+        client = clients.setdefault(id(loop), http_module.HttpClient())
+        reply = await client.request(
+            "POST", url, headers=HEADERS, body=payload, timeout_s=30, max_body=1 << 20
+        )
+        if reply.status != 200:
+            raise RuntimeError(f"HTTP {reply.status}")
+        return json.loads(reply.body)
+
+    @DBOS.step()
+    def noop_step_sync(i: int) -> int:
+        return i
+
+    @DBOS.step()
+    def http_step_sync(i: int) -> Any:
+        return post_sync()
+
+    @DBOS.workflow()
+    def noop_flow_sync(i: int) -> int:
+        result: int = noop_step_sync(i)
+        return result
+
+    @DBOS.workflow()
+    def http_flow_sync(i: int) -> Any:
+        return http_step_sync(i)
+
     DBOS.launch()
+    worker = concurrent.futures.ThreadPoolExecutor(1)
+    loop = asyncio.get_running_loop()
     try:
         with sqlite3.connect(db) as conn:
             mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
-        noops: list[float] = []
-        remotes: list[float] = []
-        bares: list[float] = []
+
+        async def in_worker(flow: Any, i: int) -> None:
+            await loop.run_in_executor(worker, flow, i)
+
+        sides: dict[str, Any] = {
+            "noop": lambda i: noop_flow(i),
+            "http": lambda i: http_flow(i),
+            "noop_sync": lambda i: in_worker(noop_flow_sync, i),
+            "http_sync": lambda i: in_worker(http_flow_sync, i),
+        }
+        took: dict[str, list[float]] = {side: [] for side in sides}
+        per_flow: dict[str, list[int]] = {side: [] for side in sides}
+        names = list(sides)
         warm = max(1, n // 10)
         for i in range(n + warm):
-            start = time.perf_counter()
-            run_noop(i)
-            noop_s = time.perf_counter() - start
-            start = time.perf_counter()
-            run_remote(i)
-            remote_s = time.perf_counter() - start
-            start = time.perf_counter()
-            bare()
-            bare_s = time.perf_counter() - start
-            if i >= warm:
-                noops.append(noop_s)
-                remotes.append(remote_s)
-                bares.append(bare_s)
+            shift = i % len(names)
+            for side in names[shift:] + names[:shift]:
+                before = commits[0]
+                start = time.perf_counter()
+                await sides[side](i)
+                elapsed = time.perf_counter() - start
+                if i >= warm:
+                    took[side].append(elapsed)
+                    per_flow[side].append(commits[0] - before)
     finally:
         DBOS.destroy()
-        http.close()
-    import dbos
+        await http.aclose()
+        worker.shutdown()
+    from importlib.metadata import version
 
+    out: dict[str, Any] = {}
+    for side in took:
+        out[f"dbos_{side}_s"] = statistics.median(took[side])
+        out[f"commits_{side}"] = statistics.median(per_flow[side])
+    # the faster of DBOS's two APIs is the one compared
+    for side in ("noop", "http"):
+        out[f"dbos_{side}_best_s"] = min(out[f"dbos_{side}_s"], out[f"dbos_{side}_sync_s"])
     return {
-        "dbos_noop_s": statistics.median(noops),
-        "dbos_remote_s": statistics.median(remotes),
-        "bare_sync_s": statistics.median(bares),
+        **out,
         "journal_mode": mode,
-        "dbos_version": getattr(dbos, "__version__", None) or _version("dbos"),
+        "synchronous": sync,
+        "dbos_version": version("dbos"),
     }
 
 
-def _version(name: str) -> str:
-    from importlib.metadata import version
-
-    return version(name)
-
-
 if __name__ == "__main__":
-    out = main(json.loads(sys.argv[1]))
+    out = asyncio.run(run(json.loads(sys.argv[1])))
     out["peak_rss_mb"] = _peak_rss_mb()
     sys.stdout.write(json.dumps(out) + "\n")

@@ -82,34 +82,50 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_child(target: str, params: dict[str, Any], *, timeout_s: float = 600.0) -> dict[str, Any]:
+def run_child(
+    target: str, params: dict[str, Any], *, timeout_s: float = 600.0, tree_rss: bool = False
+) -> dict[str, Any]:
     """Run ``tools.bench.<module>.<function>(**params)`` in a fresh interpreter; its result.
 
     ``target`` is ``"module:function"``. The result is the function's dict plus ``peak_rss_mb``
-    (the child's VmHWM) and ``wall_s`` (the child's whole lifetime, seen from here).
+    (the child's VmHWM) and ``wall_s`` (the child's whole lifetime, seen from here). With
+    ``tree_rss`` also ``tree_peak_rss_mb``: the largest summed RSS of the child and every process
+    it started, sampled from here (``TreeRss``), and ``tree_processes``, the most seen at once.
     """
     started = time.perf_counter()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tools.bench.child", target, json.dumps(params)],
+        cwd=str(REPO_ROOT),
+        env=child_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    sampler = TreeRss(process.pid) if tree_rss else None
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "tools.bench.child", target, json.dumps(params)],
-            cwd=str(REPO_ROOT),
-            env=child_env(),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as error:
-        raise BenchError(f"{target} did not finish within {timeout_s:.0f} s") from error
-    if done.returncode != 0:
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-        raise BenchError(f"{target} exited with {done.returncode}:\n{tail}")
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if sampler is not None:
+            sampler.__enter__()
+        try:
+            stdout, stderr = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired as error:
+            process.kill()
+            process.communicate()
+            raise BenchError(f"{target} did not finish within {timeout_s:.0f} s") from error
+    finally:
+        if sampler is not None:
+            sampler.__exit__()
+    if process.returncode != 0:
+        tail = "\n".join((stderr or stdout).strip().splitlines()[-15:])
+        raise BenchError(f"{target} exited with {process.returncode}:\n{tail}")
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if not lines:
-        raise BenchError(f"{target} printed no result:\n{done.stdout[-2000:]}")
+        raise BenchError(f"{target} printed no result:\n{stdout[-2000:]}")
     result: dict[str, Any] = json.loads(lines[-1])
     result["wall_s"] = time.perf_counter() - started
+    if sampler is not None:
+        result["tree_peak_rss_mb"] = sampler.peak_mb
+        result["tree_processes"] = sampler.most_processes
     return result
 
 
@@ -153,6 +169,13 @@ class Result:
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
     rows: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: Each side of the comparison and its settings (durability, transport, order, ...): one dict
+    #: per side, with a ``side`` key; ``latest.md`` prints them so a reader can rerun either side.
+    settings: list[dict[str, str]] = field(default_factory=list)
+
+    def side(self, side: str, **settings: str) -> None:
+        """Record one side of the comparison and the settings it ran with."""
+        self.settings.append({"side": side, **settings})
 
     def metric(self, name: str, stats: Stats, unit: str) -> None:
         self.metrics[name] = {**stats.to_json(), "unit": unit}
@@ -171,6 +194,7 @@ class Result:
             "metrics": self.metrics,
             "rows": self.rows,
             "notes": self.notes,
+            "settings": self.settings,
         }
 
 
@@ -241,6 +265,30 @@ def _disk(path: Path) -> str:
     return f"{device} ({fstype} on {point}{kind}{total})"
 
 
+def commit() -> str:
+    """The repository's commit (``git rev-parse HEAD``), with ``+dirty`` when tracked files differ."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    return head + ("+dirty" if dirty else "")
+
+
 def machine(work: Path) -> dict[str, Any]:
     """What the numbers were measured on."""
     ram = _ram_gb()
@@ -254,3 +302,85 @@ def machine(work: Path) -> dict[str, Any]:
         "sqlite": sqlite3.sqlite_version,
         "load_avg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+# -- other processes ----------------------------------------------------------------------------
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat``, all its threads)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        # the command name (field 2) may hold spaces: split after its closing parenthesis
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _parents() -> dict[int, int]:
+    out: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as stat:
+                out[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def tree_pids(root: int) -> list[int]:
+    """``root`` and every live descendant of it."""
+    parents = _parents()
+    found = [root]
+    index = 0
+    while index < len(found):
+        found += [pid for pid, parent in parents.items() if parent == found[index]]
+        index += 1
+    return found
+
+
+def rss_mb(pid: int) -> float:
+    """The current resident set size of ``pid`` in MB (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+class TreeRss:
+    """Samples the summed RSS of a process and all its descendants (a background thread).
+
+    ``peak_mb`` is the largest sum seen: every process's resident memory at one instant, added up —
+    what the machine must hold at once. Sampling every ``interval_s`` can miss a spike shorter than
+    that; each process's own VmHWM is an upper bound of its part.
+    """
+
+    def __init__(self, root: int, interval_s: float = 0.02) -> None:
+        import threading
+
+        self.root = root
+        self.peak_mb = 0.0
+        self.most_processes = 0
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tree-rss", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            pids = tree_pids(self.root)
+            total = sum(rss_mb(pid) for pid in pids)
+            self.peak_mb = max(self.peak_mb, total)
+            self.most_processes = max(self.most_processes, len(pids))
+            self._stop.wait(self._interval_s)
+
+    def __enter__(self) -> TreeRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

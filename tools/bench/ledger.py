@@ -10,7 +10,8 @@ recorded call: ``call.sent`` + ``call.replied``), per pair of raw ``sqlite3`` co
 ``synchronous=FULL``, a row like an events row in a table with the same columns and indexes),
 and the ratio pair / raw pair (goal: <= 1.5). Both databases live in one temporary folder
 (``--dir``, default the system temp dir), so they share a filesystem; the three measurements are
-interleaved iteration by iteration so that other load on the machine affects them alike.
+interleaved iteration by iteration, in a rotating order (each of the six orders in turn), so that
+other load on the machine, and whatever the previous fsync left behind, affect them alike.
 
 ``--replay N`` also appends N events (batched) to a fresh ledger and times ``ledger.replay``
 over it, reporting events/s and the peak RSS of that phase (goals: >= 200k events/s, <= 200 MB).
@@ -19,6 +20,7 @@ over it, reporting events/s and the peak RSS of that phase (goals: >= 200k event
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -97,30 +99,36 @@ async def _measure(folder: Path, n: int) -> tuple[list[float], list[float], list
             checkpoint_id="ckpt-e1-0001",
             data={"kind": "save", "deadline_ts": 1760000000.25, "participants": ["policy_model", "agent"]},
         )
-        warm = n // 10
-        for i in range(n + warm):
-            start = time.perf_counter()
-            raw.pair(i)
-            raw_s = time.perf_counter() - start
 
-            start = time.perf_counter()
+        async def raw_pair(i: int) -> None:
+            raw.pair(i)
+
+        async def single(i: int) -> None:
             await ledger.append(
                 "call.sent", checkpoint_id="ckpt-e1-0001", server="agent", call_id=f"s{i}", data=SENT
             )
-            single_s = time.perf_counter() - start
 
-            start = time.perf_counter()
+        async def pair(i: int) -> None:
             await ledger.append(
                 "call.sent", checkpoint_id="ckpt-e1-0001", server="agent", call_id=f"p{i}", data=SENT
             )
             await ledger.append(
                 "call.replied", checkpoint_id="ckpt-e1-0001", server="agent", call_id=f"p{i}", data=REPLIED
             )
-            pair_s = time.perf_counter() - start
-            if i >= warm:
-                raws.append(raw_s)
-                singles.append(single_s)
-                pairs.append(pair_s)
+
+        sides = {"raw": (raw_pair, raws), "single": (single, singles), "pair": (pair, pairs)}
+        orders = list(itertools.permutations(sides))
+        warm = n // 10
+        for i in range(n + warm):
+            # every order of the three in turn: whichever runs first after the previous fsync
+            # (or second, or third) is not always the same side
+            for name in orders[i % len(orders)]:
+                step, out = sides[name]
+                start = time.perf_counter()
+                await step(i)
+                took = time.perf_counter() - start
+                if i >= warm:
+                    out.append(took)
     raw.conn.close()
     return singles, pairs, raws
 
@@ -205,6 +213,15 @@ def measure(ctx: Context) -> Result:
     result.value = f"{pair.fmt(1e3, 3, 'ms')} per pair; ratio {ratio.fmt(1, 2)}"
     result.baseline = f"{raw.fmt(1e3, 3, 'ms')} per pair of raw commits (WAL, synchronous=FULL)"
     result.met = ratio.median <= 1.5
+    order = "rotated: each iteration runs the three in the next of the six orders"
+    result.side("raw pair", durability="WAL, synchronous=FULL (fsync at every COMMIT)", transport="none",
+                order=order)  # fmt: skip
+    result.side(
+        "ledger pair (call.sent + call.replied)",
+        durability="full, both appends durable (WAL fdatasynced after each COMMIT)",
+        transport="none",
+        order=order,
+    )
     result.notes.append(f"{n} interleaved iterations per run (after {n // 10} warm-up)")
     return result
 

@@ -1,4 +1,5 @@
-"""``latest.md``: the results of one bench run as a Markdown table, with the machine it ran on."""
+"""``latest.md``: the results of one bench run as Markdown — summary, per-measure detail, each side's
+settings, the commit and the machine."""
 
 from __future__ import annotations
 
@@ -9,35 +10,81 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def verdict(measure: dict[str, Any]) -> str:
+    """``met``, ``**missed**``, or the status of a measure that did not run (``unavailable``, ``error``)."""
+    if measure["status"] != "ok":
+        return str(measure["status"])
+    if measure["met"] is None:
+        return "not judged"
+    return "met" if measure["met"] else "**missed**"
+
+
+def rss_cell(measure: dict[str, Any]) -> str:
+    rss = measure["metrics"].get("peak_rss_mb")
+    return f"{rss['median']:.0f} [{rss['min']:.0f}–{rss['max']:.0f}] MB" if rss else "—"
+
+
+def summary_table(document: dict[str, Any]) -> list[str]:
+    """The one-row-per-measure table (also README's, see ``tools.bench.readme``)."""
+    lines = [
+        "| # | measure | result | baseline (same run) | goal | met | peak RSS |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in document["measures"]:
+        value = r["value"] if r["status"] == "ok" else (r["reason"] or "")
+        lines.append(
+            f"| {r['id']} | {_cell(r['title'])} | {_cell(value)} | {_cell(r['baseline'] or '—')}"
+            f" | {_cell(r['goal'])} | {verdict(r)} | {rss_cell(r)} |"
+        )
+    return lines
+
+
+def machine_line(document: dict[str, Any]) -> str:
+    m = document["machine"]
+    load = m.get("load_avg_at_start")
+    text = (
+        f"CPU: {m['cpu']}, {m['cores']} cores; RAM: {m['ram_gb']} GB; disk: {m['disk']};"
+        f" {m['os']}, Python {m['python']}, SQLite {m['sqlite']}"
+    )
+    if load:
+        text += f"; load average at start: {', '.join(f'{x:.2f}' for x in load)}"
+    return text
+
+
 def render_markdown(document: dict[str, Any]) -> str:
-    """The summary table (one row per measure), detail tables, notes, and the machine."""
+    """The summary table (one row per measure), detail tables, settings, notes, and the machine."""
     m = document["machine"]
     lines = [
         "# quiesce benchmarks",
         "",
         f"`{document['command']}` — {document['started']}, {document['seconds']:.0f} s,"
-        f" {document['runs']} run(s) per measure"
+        f" {document['runs']} run(s) per measure, commit `{document.get('commit', 'unknown')}`"
         + (" (**--quick: a smoke check, not a measurement**)" if document["quick"] else "")
-        + ". Figures are median [min–max] over the runs; each run is a fresh process.",
+        + ". Figures are median [min–max] over the runs; each run is a fresh process; the two sides"
+        " of every ratio ran interleaved in the same run.",
         "",
-        "| # | measure | result | baseline (same run) | goal | met | peak RSS |",
-        "|---|---|---|---|---|---|---|",
+        *summary_table(document),
     ]
     for r in document["measures"]:
-        met = ("met" if r["met"] else "**missed**") if r["status"] == "ok" else r["status"]
-        rss = r["metrics"].get("peak_rss_mb")
-        rss_text = f"{rss['median']:.0f} [{rss['min']:.0f}–{rss['max']:.0f}] MB" if rss else "—"
-        value = r["value"] if r["status"] == "ok" else (r["reason"] or "")
-        lines.append(
-            f"| {r['id']} | {_cell(r['title'])} | {_cell(value)} | {_cell(r['baseline'] or '—')}"
-            f" | {_cell(r['goal'])} | {met} | {rss_text} |"
-        )
-    for r in document["measures"]:
-        if not r["rows"] and not r["notes"]:
+        settings = r.get("settings") or []
+        if not r["rows"] and not r["notes"] and not settings:
             continue
         lines += ["", f"### {r['id']}. {r['title']}", ""]
+        if settings:
+            columns: list[str] = []
+            for side in settings:
+                columns += [c for c in side if c not in columns]
+            lines.append("Settings of each side:")
+            lines.append("")
+            lines.append("| " + " | ".join(columns) + " |")
+            lines.append("|" + "---|" * len(columns))
+            for side in settings:
+                lines.append("| " + " | ".join(_cell(side.get(c, "")) for c in columns) + " |")
+            lines.append("")
         if r["rows"]:
             columns = list(r["rows"][0])
+            for row in r["rows"]:
+                columns += [c for c in row if c not in columns]
             lines.append("| " + " | ".join(columns) + " |")
             lines.append("|" + "---|" * len(columns))
             for row in r["rows"]:
