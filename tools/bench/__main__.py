@@ -31,7 +31,7 @@ MEASURES: dict[int, tuple[str, str]] = {
     1: ("ledger", "recorded call = two durable appends"),
     2: ("remote", "recorded remote call vs DBOS"),
     3: ("cycle", "save cycle, real vs null ledger"),
-    4: ("scale", "save cycle at N participants"),
+    4: ("scale", "save and discovery at N distinct origins vs a bare client"),
     5: ("replay", "replay 1M events"),
     6: ("recover", "quiesce recover after SIGKILL"),
     7: ("postgres", "PostgreSQL: recorded call, save, lease"),
