@@ -128,14 +128,19 @@ async def timed_cycle(coord: Coordinator) -> float:
     return time.perf_counter() - start
 
 
-async def run_cycles(config: dict[str, Any], token: str, cycles: int, dir: str) -> dict[str, Any]:
-    """One run of #3: ``cycles`` measured cycles per side (after one warm-up each), rotating order."""
+async def run_cycles(
+    config: dict[str, Any], token: str, cycles: int, dir: str, ledger_url: str | None = None
+) -> dict[str, Any]:
+    """One run of #3: ``cycles`` measured cycles per side (after one warm-up each), rotating order.
+
+    The real ledger is a new SQLite file in ``dir``, or ``ledger_url`` (an empty database: #7 runs
+    this on PostgreSQL)."""
     folder = Path(dir)
     configs = {
         side: parse_config({**config, "snapshots": str(folder / side)}, base_dir=folder)
         for side in ("null", "bare")
     }
-    ledger_url = f"sqlite+aiosqlite:///{folder / 'ledger.db'}"
+    ledger_url = ledger_url or f"sqlite+aiosqlite:///{folder / 'ledger.db'}"
     configs["real"] = parse_config(
         {**config, "ledger": ledger_url, "snapshots": str(folder / "real")}, base_dir=folder
     )
