@@ -43,7 +43,9 @@ from tools.gymsim import client
 from tools.gymsim.cluster import spawn_cluster, write_yaml_atomic
 
 #: Corpus recipe version: bump when ``record_corpus`` changes, so cached ledgers are rebuilt.
-CORPUS_VERSION = 1
+CORPUS_VERSION = 2
+#: Saves recorded per cluster size (before the rolled-back one): small clusters, many attempts.
+SAVES = {4: 20, 16: 6, 64: 3}
 _ID = re.compile(r"^e(\d+)-(.+)$")
 
 
@@ -149,7 +151,7 @@ def record_corpus(path: str, work: str, sizes: list[int]) -> dict[str, Any]:
             document = running.config(url, snapshots, fanout="parallel", keep_latest=2)
             config = write_yaml_atomic(folder / f"corpus-{size}.yaml", document)
             resources = next(name for name in running.urls if name.startswith("tools"))
-            snapshot = anyio.run(_cycles, config, token, running.urls[resources], 3)
+            snapshot = anyio.run(_cycles, config, token, running.urls[resources], SAVES.get(size, 3))
             # killed after discovery (every server read) and the prepare-phase POSTs, before the drain
             participants = len(running.urls) - (1 if size == 4 else 0)  # the judge is never paused
             crash_mid_save(config, token, len(running.urls) + participants + 1)
@@ -259,7 +261,7 @@ async def usable(path: str, events: int) -> dict[str, Any]:
 
 def corpus(ctx: Context) -> Path:
     """The recorded corpus (recorded once per schema and recipe, cached)."""
-    sizes = [4, 8] if ctx.quick else [4, 16, 64]
+    sizes = [4] if ctx.quick else [4, 16, 64]
     name = f"corpus-v{CORPUS_VERSION}-{HEAD_REVISION}-{'-'.join(map(str, sizes))}.db"
     path = ctx.cache / name
     if path.exists() and run_child("history:usable", {"path": str(path), "events": 1})["ok"]:

@@ -40,7 +40,7 @@ from tools.gymsim.cluster import write_yaml_atomic
 PARTICIPANTS = 64
 QUICK_PARTICIPANTS = 8
 HISTORY_EVENTS = 1_000_000
-QUICK_HISTORY_EVENTS = 20_000
+QUICK_HISTORY_EVENTS = 5_000
 
 
 def run_recover(config: str, token: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from tools.bench.harness import BenchError, Context, Result, run_child, stats_of
 from tools.bench.history import history
 
 EVENTS = 1_000_000
-QUICK_EVENTS = 20_000
+QUICK_EVENTS = 5_000
 
 
 async def run_replay(path: str) -> dict[str, Any]:
