@@ -1,4 +1,4 @@
-"""`python -m tools.bench --quick` runs end to end and writes the documented JSON shape.
+"""`python -m tools.bench --quick` runs every measure end to end and writes the documented JSON shape.
 
 A smoke check of the bench harness only: tiny sizes, one run per measure. Nothing here asserts a
 time — the figures of a quick run mean nothing (DESIGN.md: speed is measured, never asserted).
@@ -11,12 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tools.bench.__main__ import MEASURES, output_stem
+
 REPO = Path(__file__).resolve().parents[1]
 MEASURE_KEYS = {"id", "title", "goal", "status", "met", "value", "baseline", "reason", "runs", "metrics",
-                "rows", "notes"}  # fmt: skip
+                "rows", "notes", "settings"}  # fmt: skip
 
 
-def test_quick_bench_writes_json_and_markdown(tmp_path: Path) -> None:
+def test_quick_bench_runs_every_measure_and_writes_json_and_markdown(tmp_path: Path) -> None:
     out = tmp_path / "results"
     done = subprocess.run(
         [sys.executable, "-m", "tools.bench", "--quick", "--out", str(out)],
@@ -27,24 +29,51 @@ def test_quick_bench_writes_json_and_markdown(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    document = json.loads((out / "latest.json").read_text(encoding="utf-8"))
+    assert not (out / "latest.json").exists(), "--quick must never write latest.*"
+    assert not (out / "latest.md").exists()
+    document = json.loads((out / "quick.json").read_text(encoding="utf-8"))
     assert document["quick"] is True
+    assert document["commit"]
     assert {"cpu", "cores", "ram_gb", "disk", "python", "sqlite"} <= set(document["machine"])
     measures = {m["id"]: m for m in document["measures"]}
-    assert sorted(measures) == [1, 2, 3, 4, 5, 6, 7]
+    assert sorted(measures) == sorted(MEASURES) == list(range(1, 11))
     for measure in measures.values():
         assert set(measure) == MEASURE_KEYS, measure["id"]
         assert measure["status"] in ("ok", "unavailable"), (measure["id"], measure["reason"])
         if measure["status"] == "ok":
             assert measure["met"] in (True, False, None)
             assert measure["runs"] >= 1
+            assert measure["settings"], f"measure {measure['id']} names no side's settings"
+            for side in measure["settings"]:
+                assert "side" in side
+                assert "durability" in side
             for name, figure in measure["metrics"].items():
                 assert {"median", "min", "max", "n", "unit"} <= set(figure), name
                 assert figure["min"] <= figure["median"] <= figure["max"], name
     # DBOS is skipped with --quick unless a venv is given; the quiesce side still ran
     assert measures[2]["status"] == "unavailable"
-    assert "quiesce_recorded_s" in measures[2]["metrics"]
-    markdown = (out / "latest.md").read_text(encoding="utf-8")
+    assert "quiesce_fsync_http_s" in measures[2]["metrics"]
+    # the new measures ran and report what they must
+    assert {"reuse_ratio_8", "fresh_ratio_8", "discover_s_8"} <= set(measures[4]["metrics"])
+    assert {"replay_events_per_s", "replay_mb_per_s", "replay_cpu_s", "peak_rss_mb"} <= set(
+        measures[5]["metrics"]
+    )
+    assert {"beyond_resume_round_s", "fresh_beyond_resume_round_s"} <= set(measures[6]["metrics"])
+    assert {"added_s", "added_cpu_s", "overhead"} <= set(measures[3]["metrics"])
+    if measures[7]["status"] == "ok":  # PostgreSQL binaries are on the machine
+        assert {"ratio", "renew_s", "overhead"} <= set(measures[7]["metrics"])
+    assert {"ratio", "fresh_wall_s", "history_wall_s"} <= set(measures[8]["metrics"])
+    assert {"real_s", "process_s", "null_s"} <= set(measures[9]["metrics"])
+    markdown = (out / "quick.md").read_text(encoding="utf-8")
     assert "| # | measure |" in markdown
+    assert "Settings of each side:" in markdown
+    assert document["commit"] in markdown
     assert "## Machine" in markdown
     assert not list(out.glob("quiesce-bench-*")), "the work folder is removed"
+
+
+def test_only_and_quick_runs_never_write_latest() -> None:
+    assert output_stem(quick=False, only=None) == "latest"
+    assert output_stem(quick=True, only=None) == "quick"
+    assert output_stem(quick=True, only="3") == "quick"
+    assert output_stem(quick=False, only="5,3") == "only-3,5"

@@ -137,8 +137,9 @@ async def _recover(config: Path, token: str) -> None:
             raise BenchError("the recovery after the crash found nothing to recover")
 
 
-def record_corpus(path: str, work: str, sizes: list[int]) -> dict[str, Any]:
-    """Record real cycles on clusters of ``sizes`` into the new SQLite ledger at ``path``."""
+def record_corpus(path: str, work: str, sizes: list[int], saves: int | None = None) -> dict[str, Any]:
+    """Record real cycles on clusters of ``sizes`` into the new SQLite ledger at ``path``
+    (``saves`` saves per cluster before the rolled-back one; default ``SAVES`` by size)."""
     folder = Path(work)
     token = "bench-" + secrets.token_hex(8)
     url = f"sqlite+aiosqlite:///{path}"
@@ -151,7 +152,7 @@ def record_corpus(path: str, work: str, sizes: list[int]) -> dict[str, Any]:
             document = running.config(url, snapshots, fanout="parallel", keep_latest=2)
             config = write_yaml_atomic(folder / f"corpus-{size}.yaml", document)
             resources = next(name for name in running.urls if name.startswith("tools"))
-            snapshot = anyio.run(_cycles, config, token, running.urls[resources], SAVES.get(size, 3))
+            snapshot = anyio.run(_cycles, config, token, running.urls[resources], saves or SAVES.get(size, 3))
             # killed after discovery (every server read) and the prepare-phase POSTs, before the drain
             participants = len(running.urls) - (1 if size == 4 else 0)  # the judge is never paused
             crash_mid_save(config, token, len(running.urls) + participants + 1)
@@ -262,7 +263,8 @@ async def usable(path: str, events: int) -> dict[str, Any]:
 def corpus(ctx: Context) -> Path:
     """The recorded corpus (recorded once per schema and recipe, cached)."""
     sizes = [4] if ctx.quick else [4, 16, 64]
-    name = f"corpus-v{CORPUS_VERSION}-{HEAD_REVISION}-{'-'.join(map(str, sizes))}.db"
+    tag = "-".join(map(str, sizes)) + ("-quick" if ctx.quick else "")
+    name = f"corpus-v{CORPUS_VERSION}-{HEAD_REVISION}-{tag}.db"
     path = ctx.cache / name
     if path.exists() and run_child("history:usable", {"path": str(path), "events": 1})["ok"]:
         return path
@@ -272,7 +274,8 @@ def corpus(ctx: Context) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     for leftover in path.parent.glob(tmp.name + "*"):
         leftover.unlink()
-    done = run_child("history:record_corpus", {"path": str(tmp), "work": str(work), "sizes": sizes},
+    params = {"path": str(tmp), "work": str(work), "sizes": sizes, "saves": 2 if ctx.quick else None}
+    done = run_child("history:record_corpus", params,
                      timeout_s=1800)  # fmt: skip
     for suffix in ("-wal", "-shm", ".writer-lock"):
         Path(f"{tmp}{suffix}").unlink(missing_ok=True)

@@ -26,9 +26,17 @@ def render(document: dict[str, Any]) -> str:
     """The generated block: when and on what the run was made, the summary table, missed goals."""
     missed = [m for m in document["measures"] if m["status"] == "ok" and m["met"] is False]
     not_run = [m for m in document["measures"] if m["status"] != "ok"]
-    lines = [
+    lines: list[str] = []
+    if "commit" not in document:
+        lines += [
+            "**This run predates the fair measures of issue 23** (its #2 compared unequal durability,"
+            " its #5 replayed a synthetic ledger, its #6 recovered with no history, and #7-#9 did not"
+            " exist): its figures flatter quiesce. Run the command above to replace it.",
+            "",
+        ]
+    lines += [
         f"Full run of {document['started']} (`{document['command']}`, {document['seconds']:.0f} s) on commit"
-        f" `{document.get('commit', 'unknown')}`, {document['runs']} fresh processes per figure.",
+        f" `{document.get('commit', 'not recorded')}`, {document['runs']} fresh processes per figure.",
         "",
         *summary_table(document),
         "",

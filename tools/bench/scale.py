@@ -103,16 +103,18 @@ def members_of(urls: dict[str, str]) -> list[tuple[str, str, str]]:
 
 
 @contextlib.contextmanager
-def spawn_parts(n: int, token: str, work: Path) -> Iterator[tuple[dict[str, str], list[int]]]:
+def spawn_parts(
+    n: int, token: str, work: Path, processes: int = PROCESSES
+) -> Iterator[tuple[dict[str, str], list[int]]]:
     """The N-participant cluster (see the module docstring): (urls, server process pids)."""
     folder = work / f"scale-{n}-{secrets.token_hex(3)}"
     with contextlib.ExitStack() as stack:
-        first = spec_parts(n)[0]
+        first = spec_parts(n, processes)[0]
         running: list[ClusterProcess] = [
             stack.enter_context(spawn_cluster(first, env={TOKEN_ENV: token}, workdir=folder / "p0"))
         ]
         policy_url = running[0].urls["policy_model"]
-        for index, part in enumerate(spec_parts(n, policy_url=policy_url)[1:], start=1):
+        for index, part in enumerate(spec_parts(n, processes, policy_url)[1:], start=1):
             running.append(
                 stack.enter_context(spawn_cluster(part, env={TOKEN_ENV: token}, workdir=folder / f"p{index}"))
             )
@@ -206,7 +208,7 @@ def measure(ctx: Context) -> Result:
     token = "bench-" + secrets.token_hex(8)
     table: dict[int, list[dict[str, Any]]] = {}
     for n in sizes:
-        with spawn_parts(n, token, ctx.work) as (urls, pids):
+        with spawn_parts(n, token, ctx.work, 2 if ctx.quick else PROCESSES) as (urls, pids):
             agents = [name for name in urls if name.startswith("agent_")]
             with_rollouts = [a for i, a in enumerate(agents) if i // PROCESSES < ROLLOUTS_PER_PROCESS]
             anyio.run(start_rollouts, urls, with_rollouts, 1, 1_000_000)
