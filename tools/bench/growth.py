@@ -3,9 +3,10 @@
 Each run: a fresh 4-server reference cluster (measure #3's, rollouts running) and, in a rotating
 order, ``quiesce checkpoint --config C --json`` run as a user runs it — a new Python process,
 timed from spawn to exit: start-up and imports, ledger open (schema check, head, recovery's look
-for unfinished attempts), discovery, the save — once with a new, empty ledger and once with a
-private copy of ``tools.bench.history``'s 1M-event ledger of recorded real cycles (one copy,
-reused by every run: each adds one save). From each ledger's own timestamps the command is split
+for unfinished attempts), discovery, the save — once with a new, empty ledger (created at the schema
+head beforehand, untimed: growth is compared, not the one-time creation) and once with a private
+copy of ``tools.bench.history``'s 1M-event ledger of recorded real cycles (one copy, reused by
+every run: each adds one save). From each ledger's own timestamps the command is split
 into: until the ledger is open (``coordinator.started``), discovery (to ``discovery.completed``),
 the save (to the attempt's ``attempt.completed``) and the exit. Goal: 1M / fresh <= 1.2.
 """
@@ -25,7 +26,7 @@ from typing import Any
 import anyio
 
 from coordinator.protocol import TOKEN_ENV
-from ledger import Event, Ledger
+from ledger import Event, Ledger, upgrade_schema
 from tools.bench.cycle import SPEC, cluster, start_rollouts
 from tools.bench.harness import REPO_ROOT, BenchError, Context, Result, Stats, child_env
 from tools.bench.history import copy_ledger, history
@@ -107,6 +108,10 @@ def measure(ctx: Context) -> Result:
                 folder = ctx.work / f"growth-{side}-{index}"
                 folder.mkdir()
                 ledger = big if side == "history" else folder / "ledger.db"
+                if (
+                    side == "fresh"
+                ):  # created at the schema head beforehand: growth, not creation, is compared
+                    anyio.run(upgrade_schema, f"sqlite+aiosqlite:///{ledger}")
                 document = running.config(f"sqlite+aiosqlite:///{ledger}", folder / "snapshots")
                 config = write_yaml_atomic(folder / "cluster.yaml", document)
                 run[side] = _checkpoint(config, token, ledger)
