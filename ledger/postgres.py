@@ -8,6 +8,12 @@
   survives the writer's crash but not a crash of the database server. A write-behind append
   (``durable=False``) under "full" sets it for its own transaction only (``SET LOCAL``); the next
   synchronous commit flushes the WAL past it, and closing the ledger ends with one such commit.
+- An append runs on the writer session's own asyncpg connection (the driver connection under
+  SQLAlchemy's), not through SQLAlchemy: one transaction of three statements — the append lock
+  (with ``synchronous_commit`` for a write-behind one), the events insert conditional on the
+  stored head (``apply_append``'s check, in the same statement), and the ``attempts`` upsert —
+  so a commit costs the round trips of a plain insert plus two. The projection rows it folds
+  from come from the writer's cache, or are read first in one query.
 - Losing the writer session (the server ended it — e.g. a standby's ``pg_terminate_backend`` —
   or the connection broke) loses the writer lock with it, so an append that fails that way
   raises ``FencedError``: this writer must stop.
@@ -26,7 +32,6 @@ from typing import Any
 
 import anyio
 from sqlalchemy import Connection, delete, insert, select, text
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -40,20 +45,61 @@ from ledger.backend import (
     ProjectionCache,
     RawEvent,
     apply_append,
+    fenced_message,
 )
 from ledger.errors import FencedError, LedgerError
-from ledger.projections import AttemptRow, from_columns, to_columns
+from ledger.projections import COLUMNS, AttemptRow, from_columns, to_columns, touched
 from ledger.schema import EVENT_COLUMNS, attempts, events
 
 _EVENT_COLS = [events.c[name] for name in EVENT_COLUMNS]
 _ATTEMPT_COLS = list(attempts.c)
-_UPSERT = pg_insert(attempts)
-_UPSERT = _UPSERT.on_conflict_do_update(
-    index_elements=[attempts.c.checkpoint_id],
-    set_={c.name: _UPSERT.excluded[c.name] for c in attempts.c if c.name != "checkpoint_id"},
-)
 #: How long a writer waits for a previous writer's session to end (e.g. one that was just killed).
 CLAIM_WAIT_S = 2.0
+
+# The append's statements on the asyncpg connection (see the module docstring).
+_EV_TYPES = ("bigint", "varchar", "varchar", "varchar", "varchar", "varchar", "bigint", "text", "varchar",
+             "varchar")  # fmt: skip
+_A_LOCK = "SELECT pg_advisory_xact_lock($1)"
+_A_LOCK_BEHIND = "SELECT pg_advisory_xact_lock($1), set_config('synchronous_commit', 'off', true)"
+#: Inserts the rows only if the stored head is $1 (0: empty); returns how many went in.
+_A_INSERT = (
+    f"WITH ins AS (INSERT INTO events ({', '.join(EVENT_COLUMNS)}) "
+    f"SELECT * FROM unnest({', '.join(f'${i + 2}::{t}[]' for i, t in enumerate(_EV_TYPES))}) "
+    "WHERE COALESCE((SELECT max(seq) FROM events), 0) = $1 RETURNING 1) SELECT count(*) FROM ins"
+)
+_A_HEAD = "SELECT seq, epoch FROM events ORDER BY seq DESC LIMIT 1"
+_A_GET = f"SELECT {', '.join(COLUMNS)} FROM attempts WHERE checkpoint_id = ANY($1::varchar[])"
+_A_UPSERT = (
+    f"INSERT INTO attempts ({', '.join(COLUMNS)})"
+    f" VALUES ({', '.join(f'${i + 1}' for i in range(len(COLUMNS)))}) "
+    "ON CONFLICT (checkpoint_id) DO UPDATE SET "
+    + ", ".join(f"{c} = excluded.{c}" for c in COLUMNS if c != "checkpoint_id")
+)
+
+
+class _Prefetched:
+    """``apply_append``'s transaction view for the asyncpg path: the head check is deferred to the
+    conditional insert (``accepted`` records whether it was asked), projection rows come from a
+    prefetch, and the rows to store are collected for one upsert."""
+
+    __slots__ = ("found", "puts")
+
+    def __init__(self, found: dict[str, AttemptRow]) -> None:
+        self.found = found
+        self.puts: list[AttemptRow] = []
+
+    def head(self) -> tuple[int, int] | None:  # never asked: insert_after always accepts here
+        raise AssertionError("head() is read by the conditional insert")
+
+    def insert_after(self, last: int, rows: list[RawEvent]) -> bool:
+        return True
+
+    def get_attempt(self, checkpoint_id: str) -> AttemptRow | None:
+        return self.found.get(checkpoint_id)
+
+    def put_attempt(self, row: AttemptRow, existed: bool) -> None:
+        self.puts.append(row)
+
 
 _NOW = "extract(epoch from clock_timestamp())::float8"
 _LEASE_EXISTS = text("SELECT to_regclass('quiesce_lease') IS NOT NULL")
@@ -78,33 +124,6 @@ _WRITER_PIDS = text(
 )
 
 
-class _PgTx:
-    __slots__ = ("_c",)
-
-    def __init__(self, connection: Connection) -> None:
-        self._c = connection
-
-    def head(self) -> tuple[int, int] | None:
-        row = self._c.execute(
-            select(events.c.seq, events.c.epoch).order_by(events.c.seq.desc()).limit(1)
-        ).first()
-        return (int(row[0]), int(row[1])) if row is not None else None
-
-    def insert_after(self, last: int, rows: list[RawEvent]) -> bool:
-        head = self.head()
-        if (head[0] if head is not None else 0) != last:
-            return False
-        self._c.execute(insert(events), [dict(zip(EVENT_COLUMNS, row, strict=True)) for row in rows])
-        return True
-
-    def get_attempt(self, checkpoint_id: str) -> AttemptRow | None:
-        row = self._c.execute(select(*_ATTEMPT_COLS).where(attempts.c.checkpoint_id == checkpoint_id)).first()
-        return from_columns(tuple(row)) if row is not None else None
-
-    def put_attempt(self, row: AttemptRow, existed: bool) -> None:
-        self._c.execute(_UPSERT, to_columns(row))
-
-
 class PostgresBackend(Backend):
     def __init__(self, url: URL, *, where: str, durability: str, readonly: bool) -> None:
         self.where = where
@@ -114,6 +133,7 @@ class PostgresBackend(Backend):
         self._writer: AsyncConnection | None = None
         self._cache = ProjectionCache()
         self._unsynced = False  # the last append was write-behind (not yet flushed for sure)
+        self._driver: Any = None  # the writer session's asyncpg connection (appends)
         #: ``pg_backend_pid()`` of the writer session once writership is claimed.
         self.writer_pid: int | None = None
 
@@ -188,13 +208,41 @@ class PostgresBackend(Backend):
                 await writer.close()
             await self._engine.dispose()
 
-    def _append_sync(self, conn: Connection, batch: Batch) -> None:
+    async def _asyncpg(self) -> Any:
+        """The writer session's asyncpg connection (the same session: its locks are the writer's)."""
+        if self._driver is None:
+            assert self._writer is not None
+            raw = await self._writer.get_raw_connection()
+            self._driver = raw.driver_connection
+        return self._driver
+
+    async def _append_fast(self, batch: Batch) -> None:
+        """``apply_append`` in one transaction of three statements (see the module docstring)."""
+        conn = await self._asyncpg()
+        cached = self._cache.rows
+        missing = sorted({cid for e in batch.events for cid in touched(e) if cid not in cached})
         try:
-            with conn.begin():
-                if not batch.durable and self._durability == "full":
-                    conn.execute(text("SET LOCAL synchronous_commit = off"))
-                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": APPEND_LOCK_KEY})
-                written = apply_append(_PgTx(conn), batch, self._cache)
+            async with conn.transaction():
+                lock = _A_LOCK_BEHIND if not batch.durable and self._durability == "full" else _A_LOCK
+                await conn.execute(lock, APPEND_LOCK_KEY)
+                found = {}
+                if missing:
+                    found = {r[0]: from_columns(tuple(r)) for r in await conn.fetch(_A_GET, missing)}
+                tx = _Prefetched(found)
+                written = apply_append(tx, batch, self._cache)
+                columns = [list(column) for column in zip(*batch.rows, strict=True)]
+                inserted = await conn.fetchval(_A_INSERT, batch.expected_last, *columns)
+                if inserted != len(batch.rows):
+                    head = await conn.fetchrow(_A_HEAD)
+                    last, head_epoch = (int(head[0]), int(head[1])) if head is not None else (0, 0)
+                    if head_epoch > batch.epoch:
+                        detail = f"epoch {head_epoch} exists, newer than this writer's epoch {batch.epoch}"
+                    else:
+                        known = batch.expected_last
+                        detail = f"its head is seq {last}, but this writer's last known seq is {known}"
+                    raise FencedError(fenced_message(batch.where, detail))
+                if tx.puts:
+                    await conn.executemany(_A_UPSERT, [tuple(to_columns(r).values()) for r in tx.puts])
         except BaseException:
             self._cache.clear()
             raise
@@ -204,15 +252,20 @@ class PostgresBackend(Backend):
     async def append(self, batch: Batch) -> None:
         if self._writer is None:
             raise LedgerError(f"ledger {self.where} is not open for writing")
+        import asyncpg
+
         try:
             with anyio.CancelScope(shield=True):
-                await self._writer.run_sync(self._append_sync, batch)
-        except IntegrityError:
+                await self._append_fast(batch)
+        except (IntegrityError, asyncpg.UniqueViolationError):
             raise FencedError(
                 f"ledger {self.where}: seq {batch.rows[0][0]} was taken by another writer; this "
                 "writer is fenced and must stop making calls"
             ) from None
-        except (DBAPIError, OSError) as error:
+        except FencedError:
+            raise
+        except (DBAPIError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
+            self._driver = None
             if await self._writer_lost():
                 cause = getattr(error, "orig", error)
                 raise FencedError(
