@@ -2,7 +2,8 @@
 
 Calls ``tools.bench.MODULE.FUNCTION(**json.loads(JSON))`` (awaited under ``anyio.run`` when it is
 a coroutine function) and prints one JSON line: the returned dict plus ``peak_rss_mb``, the
-peak resident set size of this process (see ``harness.peak_rss_mb``).
+peak resident set size of this process (see ``harness.peak_rss_mb``), and ``process_cpu_s``, the
+CPU time of its whole life (start-up and imports included).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import resource
 import sys
 from functools import partial
 from typing import Any
@@ -31,6 +33,8 @@ def main(argv: list[str]) -> int:
     else:
         result = function(**params)
     result["peak_rss_mb"] = peak_rss_mb()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result["process_cpu_s"] = usage.ru_utime + usage.ru_stime  # this process's whole life, start-up included
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0

@@ -109,6 +109,7 @@ def _one_run(ctx: Context, n: int, token: str, fanout: str, folder: Path) -> dic
         "resume_round_s": resume_round,
         "beyond_resume_s": done["wall_s"] - resume_round,
         "peak_rss_mb": done["peak_rss_mb"],
+        "cpu_s": done["process_cpu_s"],
     }
 
 
@@ -154,6 +155,7 @@ def measure(ctx: Context) -> Result:
             "resume round (s)": Stats.of([r["resume_round_s"] for r in runs]).fmt(1, 2),
             "beyond the resume round (s)": Stats.of([r["beyond_resume_s"] for r in runs]).fmt(1, 2),
             "open to recovery.completed (s)": Stats.of([r["recovery_s"] for r in runs]).fmt(1, 2),
+            "CPU of the recover process (s)": Stats.of([r["cpu_s"] for r in runs]).fmt(1, 2),
             "peak RSS of the recover process (MB)": Stats.of([r["peak_rss_mb"] for r in runs]).fmt(1, 0),
         })  # fmt: skip
     runs = table[("history", "parallel")]
@@ -170,6 +172,7 @@ def measure(ctx: Context) -> Result:
     result.metric("recovery_in_ledger_s", recovery, "s")
     result.metric("fresh_beyond_resume_round_s", fresh_beyond, "s")
     result.metric("peak_rss_mb", Stats.of([r["peak_rss_mb"] for r in runs]), "MB")
+    result.metric("recover_cpu_s", Stats.of([r["cpu_s"] for r in runs]), "s")
     seq = Stats.of([r["beyond_resume_s"] for r in table.get(("history", "sequential"), runs)])
     result.metric("sequential_beyond_resume_round_s", seq, "s")
     result.value = (
