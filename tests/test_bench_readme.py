@@ -19,7 +19,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _latest() -> dict[str, Any]:
-    return json.loads((REPO / "bench-results" / "latest.json").read_text(encoding="utf-8"))
+    document: dict[str, Any] = json.loads(
+        (REPO / "bench-results" / "latest.json").read_text(encoding="utf-8")
+    )
+    return document
 
 
 def test_readme_table_matches_latest_json() -> None:

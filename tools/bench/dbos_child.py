@@ -89,22 +89,26 @@ async def run(args: dict[str, Any]) -> dict[str, Any]:
     DBOS(config={"name": "quiesce-bench", "system_database_url": f"sqlite:///{db}", "log_level": "WARNING"})
 
     # the async API (workflows on this event loop) ...
-    @DBOS.step()
-    async def noop_step(i: int) -> int:
+    async def _noop_step(i: int) -> int:
         return i
 
-    @DBOS.step()
-    async def http_step(i: int) -> Any:
+    noop_step: Any = DBOS.step()(_noop_step)
+
+    async def _http_step(i: int) -> Any:
         return await post()
 
-    @DBOS.workflow()
-    async def noop_flow(i: int) -> int:
+    http_step: Any = DBOS.step()(_http_step)
+
+    async def _noop_flow(i: int) -> int:
         result: int = await noop_step(i)
         return result
 
-    @DBOS.workflow()
-    async def http_flow(i: int) -> Any:
+    noop_flow: Any = DBOS.workflow()(_noop_flow)
+
+    async def _http_flow(i: int) -> Any:
         return await http_step(i)
+
+    http_flow: Any = DBOS.workflow()(_http_flow)
 
     # ... and the sync API (workflows on a worker thread; its step runs the same client on a
     # private event loop of that thread)
@@ -127,22 +131,26 @@ async def run(args: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError(f"HTTP {reply.status}")
         return json.loads(reply.body)
 
-    @DBOS.step()
-    def noop_step_sync(i: int) -> int:
+    def _noop_step_sync(i: int) -> int:
         return i
 
-    @DBOS.step()
-    def http_step_sync(i: int) -> Any:
+    noop_step_sync: Any = DBOS.step()(_noop_step_sync)
+
+    def _http_step_sync(i: int) -> Any:
         return post_sync()
 
-    @DBOS.workflow()
-    def noop_flow_sync(i: int) -> int:
+    http_step_sync: Any = DBOS.step()(_http_step_sync)
+
+    def _noop_flow_sync(i: int) -> int:
         result: int = noop_step_sync(i)
         return result
 
-    @DBOS.workflow()
-    def http_flow_sync(i: int) -> Any:
+    noop_flow_sync: Any = DBOS.workflow()(_noop_flow_sync)
+
+    def _http_flow_sync(i: int) -> Any:
         return http_step_sync(i)
+
+    http_flow_sync: Any = DBOS.workflow()(_http_flow_sync)
 
     DBOS.launch()
     worker = concurrent.futures.ThreadPoolExecutor(1)

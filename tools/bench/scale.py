@@ -32,7 +32,7 @@ import math
 import secrets
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +148,7 @@ async def run_scale(
     cpu: dict[str, list[float]] = {}
     servers_cpu: dict[str, list[float]] = {}
 
-    async def timed(key: str, action: Any) -> None:
+    async def timed(key: str, action: Callable[[], Awaitable[Any]]) -> None:
         wall, mine, theirs = time.perf_counter(), time.process_time(), _servers_cpu_s(pids)
         await action()
         took.setdefault(key, []).append(time.perf_counter() - wall)
@@ -159,7 +159,7 @@ async def run_scale(
     try:
         async with Coordinator.open(config, token=token) as coord:
             discovered = await coord.discover()
-            actions = {
+            actions: dict[str, Callable[[], Awaitable[Any]]] = {
                 "discover": coord.discover,
                 "bare_discover": lambda: bare.discover([url for _, _, url in members]),
                 "save": coord.checkpoint,
