@@ -1,15 +1,24 @@
-"""Benchmarks: ``python -m tools.bench [--quick] [--only N,...]`` (see ``__main__``).
+"""Benchmarks: ``python -m tools.bench [--quick] [--only N,...] [--readme]`` (see ``__main__``).
 
-One module per measure of issue 7, each with ``measure(ctx) -> harness.Result``:
+One module per measure, each with ``measure(ctx) -> harness.Result``; both sides of every ratio
+run interleaved in the same run, in a rotating order, and each states its settings:
 
-1. ``ledger``  — one recorded call (two durable appends) vs two raw ``sqlite3`` commits;
-2. ``remote``  — a recorded remote call (append, loopback HTTP, append) vs DBOS (throwaway venv);
-3. ``cycle``   — a save cycle on the 4-server reference cluster, real ledger vs ``NullLedger``;
-4. ``scale``   — a save cycle at N = 8 … 512 participants, sequential and parallel fan-out;
-5. ``replay``  — replay (projections + chain) of 1,000,000 events vs a raw read;
-6. ``recover`` — ``quiesce recover`` after a SIGKILL mid-prepare with 64 touched servers;
-7. ``service`` — a save through ``quiesce serve`` vs embedded (issue 22), and a ``/metrics`` scrape.
+1. ``ledger``     — one recorded call (two durable appends) vs two raw ``sqlite3`` commits;
+2. ``remote``     — a recorded remote call vs a DBOS workflow of one step, at equal durability
+   (fsync per step; fsync off) and with the same HTTP client code or no request;
+3. ``cycle``      — a 4-server save with rollouts running, real ledger vs ``NullLedger``: % and ms;
+4. ``scale``      — a save and a discovery at N distinct origins (4 server processes, rollouts
+   running), reusing connections and on fresh ones, vs a bare client's same requests
+   (``bareclient``);
+5. ``replay``     — replay of 1,000,000 events of recorded real cycles (``history``) vs a raw read;
+6. ``recover``    — ``quiesce recover`` after a SIGKILL mid-prepare, 64 touched servers, on the
+   1M-event history and on a fresh ledger;
+7. ``postgres``   — a recorded call vs raw asyncpg, a save real vs null ledger, the lease renewal;
+8. ``growth``     — ``quiesce checkpoint`` from a cold process, fresh vs 1M-event ledger;
+9. ``durability`` — ``durability: process`` vs ``full``, side by side;
+10. ``service``   — a save through ``quiesce serve`` vs embedded, and a ``/metrics`` scrape.
 
 ``harness`` runs every repetition in a fresh process (``child``) and reports median, min, max
-and peak RSS; ``report`` writes ``latest.md``. Nothing here asserts a time.
+and peak RSS; ``report`` writes ``latest.md``; ``readme`` makes README's table from
+``latest.json``. Nothing here asserts a time.
 """
