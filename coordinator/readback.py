@@ -70,11 +70,9 @@ async def load_attempt(ctx: Context, checkpoint_id: str) -> Recorded:
     started = next((ev for ev in events if ev.kind == "attempt.started"), None)
     if started is None:
         raise QuiesceError(f"the ledger has no attempt {checkpoint_id}")
-    discovered: dict[str, dict[str, Any]] = {}
-    async for ev in ctx.ledger.read(kinds=["discovery.completed"]):
-        if ev.seq > started.seq:
-            break
-        discovered = {str(p["name"]): p for p in ev.data.get("participants", []) if isinstance(p, dict)}
+    discovery = await ctx.ledger.last_before("discovery.completed", started.seq)  # O(1) in the history
+    participants = discovery.data.get("participants", []) if discovery is not None else []
+    discovered: dict[str, dict[str, Any]] = {str(p["name"]): p for p in participants if isinstance(p, dict)}
     members: list[Member] = []
     for name in started.data.get("participants", []):
         info = discovered.get(name, {})

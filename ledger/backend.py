@@ -205,6 +205,10 @@ class Backend(ABC):
         """Up to ``limit`` rows with seq > ``after`` (and the filters), in seq order."""
 
     @abstractmethod
+    async def read_last(self, kind: str, before: int) -> RawEvent | None:
+        """The row of ``kind`` with the largest seq below ``before`` (through the (kind, seq) index)."""
+
+    @abstractmethod
     async def attempts(self, since: str | None, outcome: str | None) -> list[AttemptRow]:
         """Projection rows started at or after ``since``, ordered by ``started_at`` then id."""
 

@@ -381,6 +381,16 @@ class PostgresBackend(Backend):
             statement = statement.where(events.c.kind.in_(list(kinds)))
         return await self._rows(statement.order_by(events.c.seq).limit(limit))
 
+    async def read_last(self, kind: str, before: int) -> RawEvent | None:
+        statement = (
+            select(*_EVENT_COLS)
+            .where(events.c.kind == kind, events.c.seq < before)
+            .order_by(events.c.seq.desc())
+            .limit(1)
+        )
+        rows = await self._rows(statement)
+        return rows[0] if rows else None
+
     async def attempts(self, since: str | None, outcome: str | None) -> list[AttemptRow]:
         statement = select(*_ATTEMPT_COLS)
         if since is not None:

@@ -354,6 +354,11 @@ class SqliteBackend(Backend, InlineAppend):
         sql = f"SELECT {_EV_COLS} FROM events WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?"
         return await self._query(sql, params)  # type: ignore[return-value]
 
+    async def read_last(self, kind: str, before: int) -> RawEvent | None:
+        sql = f"SELECT {_EV_COLS} FROM events WHERE kind = ? AND seq < ? ORDER BY seq DESC LIMIT 1"
+        rows = await self._query(sql, (kind, before))
+        return rows[0] if rows else None  # type: ignore[return-value]
+
     async def attempts(self, since: str | None, outcome: str | None) -> list[AttemptRow]:
         where, params = ["1 = 1"], []
         if since is not None:

@@ -859,6 +859,16 @@ class Ledger:
                     await self._load_head()
         return self._tail_seq
 
+    async def last_before(self, kind: str, seq: int) -> Event | None:
+        """The last event of ``kind`` stored before ``seq`` (None if there is none).
+
+        One indexed lookup (events are indexed by kind and seq), whatever the length of the
+        history: what recovery reads about an old attempt must not grow with the ledger.
+        """
+        await self._flush_staged()
+        raw = await self._backend.read_last(kind, seq)
+        return event_from_raw(raw) if raw is not None else None
+
     async def head(self) -> Event | None:
         """The last stored event, or ``None`` for an empty ledger."""
         await self._flush_staged()

@@ -2,7 +2,9 @@
 
 A ledger with finished attempts behind the one a dead coordinator left: recovery at open must
 finish that one attempt without reading the whole ``attempts`` projection (``Ledger.attempts``
-is made to fail for the test), so the work it does per open does not grow with the history.
+is made to fail for the test) and without reading events beyond the unfinished attempt's own
+(``Ledger.read`` fails for the test unless it names a checkpoint id), so the work it does per
+open does not grow with the history.
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ async def test_recovery_never_reads_the_whole_attempts_projection(
             raise AssertionError("recovery read every attempt of the history")
 
         monkeypatch.setattr(Ledger, "attempts", whole_projection)
+        reads = Ledger.read
+
+        def one_attempt_only(self: Ledger, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("checkpoint_id") is None:
+                raise AssertionError(f"recovery read the ledger beyond one attempt: {args} {kwargs}")
+            return reads(self, *args, **kwargs)
+
+        monkeypatch.setattr(Ledger, "read", one_attempt_only)
         async with Coordinator.open(config) as coord:
             report = coord.last_recovery
         assert report is not None

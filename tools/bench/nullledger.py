@@ -74,6 +74,9 @@ class NullLedger:
     async def head(self) -> Event | None:
         return self._head
 
+    async def last_before(self, kind: str, seq: int) -> Event | None:
+        return None
+
     async def read(
         self,
         after: int = 0,
