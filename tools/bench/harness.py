@@ -355,23 +355,30 @@ class TreeRss:
     """Samples the summed RSS of a process and all its descendants (a background thread).
 
     ``peak_mb`` is the largest sum seen: every process's resident memory at one instant, added up —
-    what the machine must hold at once. Sampling every ``interval_s`` can miss a spike shorter than
-    that; each process's own VmHWM is an upper bound of its part.
+    what the machine must hold at once. The RSS of the known processes is read every
+    ``interval_s``; the process tree is walked (every ``/proc/*/stat``) only every ``rescan_s``, so
+    the sampler itself costs little CPU. A spike shorter than ``interval_s``, or a process that
+    lives less than ``rescan_s``, can be missed; each process's own VmHWM bounds its part.
     """
 
-    def __init__(self, root: int, interval_s: float = 0.02) -> None:
+    def __init__(self, root: int, interval_s: float = 0.05, rescan_s: float = 0.25) -> None:
         import threading
 
         self.root = root
         self.peak_mb = 0.0
         self.most_processes = 0
         self._interval_s = interval_s
+        self._rescan_s = rescan_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tree-rss", daemon=True)
 
     def _run(self) -> None:
+        pids: list[int] = []
+        scanned = 0.0
         while not self._stop.is_set():
-            pids = tree_pids(self.root)
+            now = time.monotonic()
+            if now - scanned >= self._rescan_s:
+                pids, scanned = tree_pids(self.root), now
             total = sum(rss_mb(pid) for pid in pids)
             self.peak_mb = max(self.peak_mb, total)
             self.most_processes = max(self.most_processes, len(pids))

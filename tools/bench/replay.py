@@ -123,7 +123,7 @@ def measure(ctx: Context) -> Result:
         f" (tools/bench/history.py), cached in {ctx.cache}"
     )
     result.notes.append(
-        f"summed peak RSS: the replay process and its {workers} worker(s), sampled together every 20 ms"
+        f"summed peak RSS: the replay process and its {workers} worker(s), sampled together every 50 ms"
         f" (each process's own VmHWM: replay process {stats_of(replays, 'peak_rss_mb').fmt(1, 0, 'MB')},"
         f" largest worker {stats_of(replays, 'worker_peak_rss_mb').fmt(1, 0, 'MB')}); CPU seconds count the"
         " replay process and its workers"
