@@ -1,4 +1,4 @@
-"""Measure #7 — `quiesce serve`: a save through the service vs embedded, and a `/metrics` scrape.
+"""Measure #10 — `quiesce serve`: a save through the service vs embedded, and a `/metrics` scrape.
 
 **Save.** The 4-server reference cluster of #3 (``cycle.SPEC``: policy model at 20 ms per call,
 an auxiliary judge, an agent, a resources server; 4 rollouts running on the agent throughout), a
@@ -310,11 +310,11 @@ async def _scrape_over_http(url: str, scrapes: int) -> tuple[list[float], int, s
 
 
 def measure(ctx: Context) -> Result:
-    """Measure #7 (see the module docstring)."""
+    """Measure #10 (see the module docstring)."""
     cycles = 2 if ctx.quick else CYCLES
     attempts = 200 if ctx.quick else ATTEMPTS
     result = Result(
-        7,
+        10,
         "quiesce serve: 4-server save through the service vs embedded; /metrics scrape",
         f"service adds <= {GOAL_ADDED_MS:g} ms per save; scrape < {GOAL_SCRAPE_MS:g} ms at 10,000 attempts",
     )
@@ -360,6 +360,18 @@ def measure(ctx: Context) -> Result:
         f"embedded save {embedded.fmt(1e3, 1, 'ms')}; through the service {service.fmt(1e3, 1, 'ms')}"
     )
     result.met = added.median * 1e3 <= GOAL_ADDED_MS and scrape.median * 1e3 < GOAL_SCRAPE_MS
+    result.side(
+        "embedded (Coordinator in the bench process)",
+        durability="full (SQLite WAL, its own ledger file in the same folder)",
+        transport="coordinator to Gym: loopback HTTP, coordinator/http.py; caller to coordinator: a call",
+        order="alternating: even cycles embedded first, odd cycles service first; same cluster",
+    )
+    result.side(
+        "service (quiesce serve in its own process, RemoteCoordinator)",
+        durability="the same",
+        transport="the same to Gym; caller to coordinator: loopback HTTP (httpx), 2 requests per save",
+        order="the same",
+    )
     gap_e, gap_s = stats_of(saves, "embedded_gap_s"), stats_of(saves, "service_gap_s")
     result.metric("embedded_gap_s", gap_e, "s")
     result.metric("service_gap_s", gap_s, "s")
