@@ -238,8 +238,10 @@ async def send_call(
     body: BaseModel | None = None,
     params: dict[str, Any] | None = None,
     deadline_ts: float | None = None,
+    expect_checkpoint: str | None = None,
 ) -> CallResult:
-    """Send one control call for `attempt` (marks the server touched first)."""
+    """Send one control call for `attempt` (marks the server touched first). With
+    `expect_checkpoint`, a reply naming another checkpoint id is a failed call (`calls.py`)."""
     spec = route(member.component, operation)
     if spec.method == "POST":
         attempt.touch(member.name)
@@ -252,6 +254,7 @@ async def send_call(
         deadline_ts=deadline_ts or attempt.deadline_ts,
         body=body,
         params=params,
+        expect_checkpoint=expect_checkpoint,
     )
     if ctx.on_progress is not None:
         error = None if result.ok else result.describe()

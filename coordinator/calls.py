@@ -18,10 +18,11 @@ For every request, in this order:
    it saw this checkpoint id.
 2. The request goes out on the caller's one `HttpClient` (`coordinator/http.py`: keep-alive
    connections per server origin; never redirected, never retried, no proxy, no cookies),
-   `Authorization: Bearer <token>`, with `max(0.001, deadline_ts - now)` for the whole exchange
-   (connect, send, headers and every byte of the body: a server that trickles its reply is cut
-   off at the deadline too). No cancel scope of its own: one cost about a fifth of a call's CPU
-   at a 512-server fan-out, and every phase already runs inside the attempt's deadline scope.
+   `Authorization: Bearer <token>`, `User-Agent: quiesce/<version>`, with
+   `max(0.001, deadline_ts - now)` for the whole exchange (connect, send, headers and every byte
+   of the body: a server that trickles its reply is cut off at the deadline too). No cancel scope
+   of its own: one cost about a fifth of a call's CPU at a 512-server fan-out, and every phase
+   already runs inside the attempt's deadline scope.
 3. The outcome is staged (`Ledger.stage`) before the caller sees it: validated, chained and given
    its seq at once, and committed in front of the next append — the next call's `call.sent`, or
    the operation's next record (`phase.failed`, its final event) — so it
@@ -34,7 +35,9 @@ For every request, in this order:
    - `connect`  — the connection could not be made, or broke before a complete reply;
    - `http`     — a status other than 200; `status`, `error.code` and its detail are kept;
    - `protocol` — a 200 whose body is not JSON, does not match the schema, or exceeds 1 MiB
-     (reading stops past the cap); or bytes that are not an HTTP/1.x reply at all (no status).
+     (reading stops past the cap); or bytes that are not an HTTP/1.x reply at all (no status);
+     or, when the caller says which checkpoint the reply must be about (`expect_checkpoint`), a
+     reply that names another one (`checkpoint_id` or `source_checkpoint_id`; none named is fine).
    An append is never interrupted by a cancellation (`Ledger.append`), so a started call always
    has an outcome row once the process carries on.
 
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 from urllib.parse import urlencode
@@ -69,6 +73,7 @@ from coordinator.protocol import (
     ControlError,
     Route,
 )
+from coordinator.version import VERSION
 from ledger import Ledger, LedgerError
 
 __all__ = [
@@ -82,6 +87,8 @@ __all__ = [
 ]
 
 MAX_REPLY_BYTES: Final = 1 << 20
+#: Every control request names its sender, so a server's log can tell the coordinator's calls apart.
+USER_AGENT: Final = f"quiesce/{VERSION}"
 #: A call with less than this left to its deadline is not sent (a request must leave before the deadline).
 SEND_MARGIN_S: Final = 0.01
 ErrorClass = Literal["timeout", "connect", "http", "protocol"]
@@ -193,10 +200,10 @@ class Caller:
         if client is not None:
             await client.aclose()
 
-    def _call_id(self, checkpoint_id: str | None) -> str:
+    def _call_id(self, checkpoint_id: str | None, phase: str = "discovery") -> str:
         self._counter += 1
         if checkpoint_id is None:
-            return f"e{self._epoch}-discovery/{self._counter}"
+            return f"e{self._epoch}-{phase}/{self._counter}"
         if checkpoint_id.startswith(f"e{self._epoch}-"):
             return f"{checkpoint_id}/{self._counter}"
         return f"{checkpoint_id}@e{self._epoch}/{self._counter}"
@@ -230,12 +237,18 @@ class Caller:
         route: Route,
         *,
         phase: str,
-        checkpoint_id: str,
+        checkpoint_id: str | None,
         deadline_ts: float,
         body: BaseModel | None = None,
         params: dict[str, Any] | None = None,
+        expect_checkpoint: str | None = None,
+        check: Callable[[BaseModel], str | None] | None = None,
     ) -> CallResult:
-        """One control call on `route`: POST with `body`, or GET with `params` (a status query)."""
+        """One control call on `route`: POST with `body`, or GET with `params` (a status query).
+
+        `checkpoint_id` None: a call outside any attempt (e.g. acknowledging completed results),
+        whose call id is `e<epoch>-<phase>/<n>`. `check` judges a validated reply: the problem it
+        returns makes the call a `protocol` failure (recorded as such)."""
         if route.method == "POST" and body is None:
             raise ValueError(f"{route.full_path} needs a request body")
         return await self._send(
@@ -249,6 +262,8 @@ class Caller:
             params=params,
             deadline_ts=deadline_ts,
             reply_model=route.reply,
+            expect_checkpoint=expect_checkpoint,
+            check=check,
         )
 
     async def _send(
@@ -264,6 +279,8 @@ class Caller:
         params: dict[str, Any] | None,
         deadline_ts: float,
         reply_model: type[BaseModel],
+        expect_checkpoint: str | None = None,
+        check: Callable[[BaseModel], str | None] | None = None,
     ) -> CallResult:
         left = deadline_ts - time.time()
         if left < SEND_MARGIN_S:
@@ -277,7 +294,7 @@ class Caller:
                 detail="not sent: the deadline had passed",
                 sent=False,
             )
-        call_id = self._call_id(checkpoint_id)
+        call_id = self._call_id(checkpoint_id, phase)
         timeout_s = max(0.001, left)
         url = base_url + path
         recorded_body: Any = body if method == "POST" else ({"query": params} if params else None)
@@ -335,6 +352,19 @@ class Caller:
                         error="protocol",
                         detail=f"reply does not match {reply_model.__name__}: {_summarize(error)}",
                     )
+                else:
+                    foreign = _foreign_checkpoint(reply, expect_checkpoint)
+                    problem = (
+                        f"the reply names checkpoint {foreign!r}, not {expect_checkpoint!r}"
+                        if foreign is not None
+                        else check(reply)
+                        if check is not None
+                        else None
+                    )
+                    if problem is not None:
+                        exchange = _Exchange(
+                            status=exchange.status, body=exchange.body, error="protocol", detail=problem
+                        )
         outcome = await self._record(checkpoint_id, server, call_id, exchange, elapsed)
         return CallResult(
             call_id=call_id,
@@ -422,7 +452,11 @@ class Caller:
         params: dict[str, Any] | None,
         timeout_s: float,
     ) -> _Exchange:
-        headers = {"Authorization": f"Bearer {self._token}", "Accept": "application/json"}
+        headers = {
+            "Authorization": f"Bearer {self._token}",
+            "Accept": "application/json",
+            "User-Agent": USER_AGENT,
+        }
         data: bytes | None = None
         if method == "POST":
             headers["Content-Type"] = "application/json"
@@ -467,6 +501,17 @@ class Caller:
                 detail=detail or f"HTTP {status}",
             )
         return _Exchange(status=status, body=parsed)
+
+
+def _foreign_checkpoint(reply: BaseModel, expected: str | None) -> str | None:
+    """The checkpoint id a reply names when it is not `expected` (None: as expected, or none named)."""
+    if expected is None:
+        return None
+    for key in ("checkpoint_id", "source_checkpoint_id"):
+        named = getattr(reply, key, None)
+        if isinstance(named, str) and named != expected:
+            return named
+    return None
 
 
 def _param(value: Any) -> str:

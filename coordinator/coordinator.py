@@ -22,6 +22,9 @@ Invariants:
 - `resume()` / `abort()` without an attempt in this process act on what the ledger says was left
   paused (the newest attempt without a terminal event, a restore not yet resumed, or a rollback
   that left servers paused), so they work from a separate process.
+- `acknowledge_completed(server, executions)` may run at any time, an attempt in progress
+  included (an agent holds finished results until acknowledged; a prepare waiting on them
+  succeeds at its next retry); it is a recorded control call like any other.
 
 - `open` then runs recovery (`coordinator.recovery`) of whatever a dead coordinator left, unless
   `recover=False`; `recover()` runs it on demand. On PostgreSQL the open coordinator holds the
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -40,16 +44,25 @@ from pathlib import Path
 
 import anyio
 import anyio.to_thread
+from pydantic import BaseModel, ValidationError
 
 from coordinator import crashpoints, recovery
 from coordinator import save as saving
 from coordinator.attempt import Attempt, Context, Outcome, ProgressCallback, resume_sorted
-from coordinator.calls import Caller
+from coordinator.calls import Caller, Target
 from coordinator.config import ClusterConfig, load_config, resolve_token
 from coordinator.discovery import Discovery, discover
-from coordinator.errors import ConfigError, QuiesceError
+from coordinator.errors import AcknowledgementError, ConfigError, QuiesceError
 from coordinator.heap import frozen_step, heap_frozen
 from coordinator.lease import holder_text, keep_lease
+from coordinator.protocol import (
+    AGENT,
+    COMPLETED_RESULT_ACKNOWLEDGEMENT,
+    AcknowledgeBody,
+    AcknowledgeReply,
+    Capabilities,
+    route,
+)
 from coordinator.publish import empty_trash, read_latest, resolve_snapshot, verify_snapshot
 from coordinator.readback import find_paused, resume_recorded
 from coordinator.restore import restore as restore_snapshot
@@ -363,11 +376,89 @@ class Coordinator:
         self._idle("restore")
         discovery = await self._discovered()
         path = resolve_snapshot(self._ctx.config.snapshots, snapshot)
-        expected = {m.name: m.component for m in discovery.participants}
+        expected = {m.name: m.component for m in discovery.exporters}  # not a drain-only model
         verified = await anyio.to_thread.run_sync(lambda: verify_snapshot(path, participants=expected))
         attempt = await restore_snapshot(self._ctx, discovery, verified, deadline_s=deadline_s)
         self._current = attempt
         return attempt
+
+    # -- completed results ---------------------------------------------------------------------
+
+    async def acknowledge_completed(
+        self, server: str, executions: Sequence[tuple[str, int]]
+    ) -> list[tuple[str, int]]:
+        """Tell agent `server` that the caller now holds these finished results `(rollout_id,
+        attempt_index)`; returns the acknowledged set (the requested one).
+
+        Gym keeps every finished rollout until its consumer acknowledges it, and until then the
+        agent's prepare is incomplete. Call this once the trainer holds a result, as RL does.
+        Refused before anything is sent (`ConfigError`): a server not in the config, one whose
+        capabilities do not list `completed_result_acknowledgement`, no execution, a duplicate or
+        an id Gym would refuse. One recorded control call (`call.sent` before it leaves, its
+        outcome after) with the control token; a refusal, or a reply that does not cover exactly
+        the requested set, raises `AcknowledgementError` and nothing is assumed released. It may
+        run while an attempt is in progress.
+        """
+        configured = self._ctx.config.server(server)
+        if configured is None:
+            names = ", ".join(s.name for s in self._ctx.config.servers)
+            raise ConfigError(f"no server {server!r} in the config (its servers: {names})")
+        try:
+            body = AcknowledgeBody.model_validate(
+                {"executions": [{"rollout_id": r, "attempt_index": a} for r, a in executions]}
+            )
+        except ValidationError as error:
+            raise ConfigError(f"cannot acknowledge on {server}: {_first_problem(error)}") from None
+        wanted = [(e.rollout_id, e.attempt_index) for e in body.executions]
+        features = await self._features(server, configured.url)
+        if COMPLETED_RESULT_ACKNOWLEDGEMENT not in features:
+            raise ConfigError(
+                f"{server} does not declare the {COMPLETED_RESULT_ACKNOWLEDGEMENT} feature in its"
+                " capabilities: it holds no completed results to acknowledge"
+            )
+
+        def covers_exactly(reply: BaseModel) -> str | None:
+            assert isinstance(reply, AcknowledgeReply)
+            got = [(e.rollout_id, e.attempt_index) for e in reply.acknowledged]
+            if len(got) == len(set(got)) and set(got) == set(wanted):
+                return None
+            return f"the reply acknowledges {_pairs(got)}, not exactly the requested {_pairs(wanted)}"
+
+        result = await self._ctx.caller.call(
+            Target(server, AGENT, configured.url),
+            route(AGENT, "acknowledge"),
+            phase="acknowledge",
+            checkpoint_id=None,
+            deadline_ts=time.time() + self._ctx.config.control_timeout_s,
+            body=body,
+            check=covers_exactly,
+        )
+        if not result.ok:
+            raise AcknowledgementError(
+                f"{server} did not acknowledge {_pairs(wanted)}: {result.describe()}",
+                server=server,
+                status=result.status,
+                code=result.code,
+            )
+        return wanted
+
+    async def _features(self, server: str, url: str) -> tuple[str, ...]:
+        """The capability features of `server`: from discovery, else read now (a recorded GET)."""
+        if self._discovery is not None and server in self._discovery.features:
+            return tuple(self._discovery.features[server])
+        result = await self._ctx.caller.capabilities(
+            server, url, deadline_ts=time.time() + self._ctx.config.control_timeout_s, phase="acknowledge"
+        )
+        if not (result.ok and isinstance(result.reply, Capabilities)):
+            raise AcknowledgementError(
+                f"cannot read the capabilities of {server}: {result.describe()}",
+                server=server,
+                status=result.status,
+                code=result.code,
+            )
+        if result.reply.component != AGENT:
+            raise ConfigError(f"{server} is a {result.reply.component} server, not an agent")
+        return tuple(result.reply.features)
 
     # -- history -------------------------------------------------------------------------------
 
@@ -406,6 +497,16 @@ async def _lease_kept(ledger: Ledger, interval_s: float) -> AsyncIterator[None]:
         if len(group.exceptions) == 1:  # the block's own exception, unwrapped from the task group
             raise group.exceptions[0] from None
         raise
+
+
+def _pairs(executions: Sequence[tuple[str, int]]) -> str:
+    return ", ".join(f"{rollout}:{index}" for rollout, index in executions) or "nothing"
+
+
+def _first_problem(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return f"{where}: {first['msg']}" if where else str(first["msg"])
 
 
 async def read_history(ledger_url: str) -> list[AttemptRow]:

@@ -2,7 +2,12 @@
 
 Rules (gym-control-v1 §6 and DESIGN.md), applied by the pure function `classify`:
 - skipped (recorded with the reason, never called again): auxiliary models, stateless agents and
-  stateless resources servers;
+  stateless resources servers, and any server whose `checkpoint_mode` is `restart_only` (it can
+  pause and resume but not export its state: it comes back empty after a restart, so it takes
+  part in no phase — a `restart_only` policy model still counts as the cluster's policy model,
+  so the setup is never refused for it);
+- a policy model whose `checkpoint_mode` is `stateless` is *drain-only*: a participant that is
+  paused, drained and resumed, but takes no part in commit or restore (`Member.exports`);
 - refused — the whole setup fails with a `DiscoveryError` listing every offender: a server that
   cannot be reached or whose capabilities do not validate, `schema_version` ≠ 1, `unmanaged`
   multiple workers, a name differing from the configured one, a model with no instance role
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -47,10 +52,16 @@ class Member:
     instance_role: str | None
     role: Role
     url: str
+    features: tuple[str, ...] = ()
 
     @property
     def target(self) -> Target:
         return Target(self.name, self.component, self.url)
+
+    @property
+    def exports(self) -> bool:
+        """Takes part in commit and restore (`export_restore`); a drain-only policy model does not."""
+        return self.checkpoint_mode == "export_restore"
 
 
 @dataclass(frozen=True)
@@ -61,10 +72,17 @@ class Discovery:
     skipped: tuple[tuple[str, str], ...]
     refused: tuple[tuple[str, str], ...]
     warnings: tuple[str, ...]
+    #: the capability `features` of every server whose capabilities validated (skipped ones too)
+    features: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def group(self, role: Role) -> tuple[Member, ...]:
         """The participants of one role group, in config order."""
         return tuple(m for m in self.participants if m.role == role)
+
+    @property
+    def exporters(self) -> tuple[Member, ...]:
+        """The participants that take part in commit and restore (not a drain-only policy model)."""
+        return tuple(m for m in self.participants if m.exports)
 
     def member(self, name: str) -> Member | None:
         return next((m for m in self.participants if m.name == name), None)
@@ -116,12 +134,15 @@ def classify(config: ClusterConfig, found: Mapping[str, Capabilities | str]) -> 
     refused: list[tuple[str, str]] = []
     warnings: list[str] = []
     policy: list[str] = []
+    restart_only_policy: list[str] = []
+    features: dict[str, tuple[str, ...]] = {}
 
     for server in config.servers:
         caps = found.get(server.name, "was not asked for its capabilities")
         if isinstance(caps, str):
             refused.append((server.name, caps))
             continue
+        features[server.name] = tuple(caps.features)
         reasons: list[str] = []
         if caps.schema_version != SCHEMA_VERSION:
             reasons.append(f"speaks control-plane schema_version {caps.schema_version}; quiesce speaks 1")
@@ -161,6 +182,17 @@ def classify(config: ClusterConfig, found: Mapping[str, Capabilities | str]) -> 
         if reasons:
             refused.extend((server.name, reason) for reason in reasons)
             continue
+        if caps.checkpoint_mode == "restart_only":
+            if caps.component == MODEL and role == "policy":
+                restart_only_policy.append(server.name)
+            skipped.append(
+                (
+                    server.name,
+                    "checkpoint_mode restart_only: it can pause and resume but cannot export its state"
+                    " (it comes back empty after a restart), so it takes part in no phase",
+                )
+            )
+            continue
         group = role_of(caps.component, caps.checkpoint_mode, role)
         if group is None:
             if caps.component == MODEL:
@@ -181,10 +213,11 @@ def classify(config: ClusterConfig, found: Mapping[str, Capabilities | str]) -> 
                 instance_role=role,
                 role=group,
                 url=server.url,
+                features=tuple(caps.features),
             )
         )
 
-    claimed = policy + [n for n, _ in refused if _claims_policy(found.get(n))]
+    claimed = policy + restart_only_policy + [n for n, _ in refused if _claims_policy(found.get(n))]
     if not claimed:
         refused.append(
             (
@@ -198,7 +231,7 @@ def classify(config: ClusterConfig, found: Mapping[str, Capabilities | str]) -> 
             f"more than one model claims the policy role: {', '.join(policy)}; all of them will be paused."
             " If one is a judge or reward model, set `instance_role: auxiliary` for it in the config"
         )
-    return Discovery(tuple(participants), tuple(skipped), tuple(refused), tuple(warnings))
+    return Discovery(tuple(participants), tuple(skipped), tuple(refused), tuple(warnings), features)
 
 
 def _claims_policy(caps: Capabilities | str | None) -> bool:

@@ -6,6 +6,7 @@
     ├── PhaseError         a phase failed: names phase, server and reason
     ├── DeadlineExceeded   the attempt's absolute deadline passed
     ├── SnapshotError      a snapshot on disk is incomplete, altered, or does not match the cluster
+    ├── AcknowledgementError  an agent refused (or answered wrongly) an acknowledgement of results
     └── LedgerError        (from ledger) — FencedError: a newer coordinator owns the ledger
 
 CLI exit codes: ConfigError and DiscoveryError are 2 (usage / config / refused setup);
@@ -17,6 +18,7 @@ from __future__ import annotations
 from ledger.errors import FencedError, LedgerError, QuiesceError
 
 __all__ = [
+    "AcknowledgementError",
     "ConfigError",
     "DeadlineExceeded",
     "DiscoveryError",
@@ -77,3 +79,17 @@ class SnapshotError(QuiesceError):
     def __init__(self, message: str, differences: list[str] | None = None) -> None:
         super().__init__(message)
         self.differences: list[str] = list(differences or [])
+
+
+class AcknowledgementError(QuiesceError):
+    """An agent did not acknowledge exactly the completed results it was asked to release: it
+    refused (`status`, `code` of its reply) or its reply covered another set; nothing is assumed
+    released."""
+
+    def __init__(
+        self, message: str, *, server: str, status: int | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.server = server
+        self.status = status
+        self.code = code

@@ -6,10 +6,12 @@ step the role group's servers are called one at a time, or concurrently with `fa
 The order *between* steps never changes.
 
 Participation:
-- a model server whose instance role is `policy` always takes part (pause, status, commit,
-  restore, resume) whatever its `checkpoint_mode`;
+- a model server whose instance role is `policy` always pauses, drains and resumes; it commits
+  and restores only when its `checkpoint_mode` is `export_restore` — a `stateless` one is
+  drain-only (`Member.exports`);
 - a model with role `auxiliary` (a judge) never does — it is skipped;
-- agents and resources take part only when their `checkpoint_mode` is `export_restore`.
+- agents and resources take part only when their `checkpoint_mode` is `export_restore`;
+- a `restart_only` server of any kind takes part in no phase (discovery skips it).
 
 Rollback uses the `resume` order over the servers *touched* by the attempt (a request was sent,
 answered or not).

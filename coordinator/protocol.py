@@ -12,6 +12,11 @@ Rules kept here:
   is a finite absolute Unix time; `schema_version` is 1 or omitted.
 - Artifact references name files relative to the checkpoint dir: never absolute,
   never containing `..`.
+- What real Gym sends is accepted (gym-control-v1, lines marked **real Gym:**): an in-flight
+  entry of a model status may name no rollout, attempt or plane (`plane: null` without an
+  `x-nemo-gym-plane` header); a policy model behind Gym's multi-worker coordinator answers
+  status with `workers`/`missing_workers`/`per_worker {acked_seq, inflight, connected}` and no
+  `checkpoint_id`; `checkpoint_mode` may be `restart_only`.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ MODEL: Final = "responses_api_models"
 AGENT: Final = "responses_api_agents"
 RESOURCES: Final = "resources_servers"
 
-CheckpointMode = Literal["stateless", "export_restore"]
+CheckpointMode = Literal["stateless", "export_restore", "restart_only"]
 ConcurrencyContract = Literal["stateless", "serialized_per_session", "transactional_parallel"]
 WorkerMode = Literal["single_worker", "coordinator", "unmanaged"]
 InstanceRole = Literal["policy", "auxiliary"]
@@ -63,7 +68,7 @@ PHASES: Final[tuple[Phase, ...]] = (
     "restored_paused",
 )
 
-Operation = Literal["pause", "prepare", "status", "commit", "restore", "resume"]
+Operation = Literal["pause", "prepare", "status", "commit", "restore", "resume", "acknowledge"]
 
 #: 401 body for a missing or wrong bearer token.
 UNAUTHORIZED_DETAIL: Final = "missing or invalid control-plane bearer token"
@@ -80,11 +85,22 @@ AGENT_PREPARE_INCOMPLETE: Final = "agent_prepare_incomplete"
 RESOURCES_ADMISSION_CLOSED: Final = "resources_admission_closed"
 RESOURCES_CHECKPOINT_ERROR: Final = "resources_checkpoint_error"
 UNSAFE_RESOURCES_RESTORE: Final = "unsafe_resources_restore"
+MISSING_WORKERS: Final = "missing_workers"
+COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR: Final = "completed_execution_acknowledgement_error"
+
+# Capability features.
+#: An agent that holds each finished rollout until `acknowledge-completed` releases it.
+COMPLETED_RESULT_ACKNOWLEDGEMENT: Final = "completed_result_acknowledgement"
+#: A policy model whose commit writes `storage-references.jsonl` and names it `storage_reference_index`.
+EXTERNAL_STORAGE_REFERENCE_INDEX: Final = "external_storage_reference_index_v1"
+AGENT_CONTINUATION_INDEX: Final = "agent_continuation_index_v1"
 
 # Data-plane headers.
 ROLLOUT_ID_HEADER: Final = "x-nemo-gym-rollout-id"
 ATTEMPT_INDEX_HEADER: Final = "x-nemo-gym-attempt-index"
 RESOURCE_REVISION_HEADER: Final = "x-nemo-gym-resource-state-revision"
+#: Names the plane of a model call; real Gym reports `plane: null` for a call without it.
+PLANE_HEADER: Final = "x-nemo-gym-plane"
 
 #: Model data-plane paths gated by admission (a request path ending in one of these).
 GATED_MODEL_PATH_SUFFIXES: Final = ("/v1/responses", "/v1/chat/completions", "/v1/messages")
@@ -94,6 +110,8 @@ TOKEN_ENV_FALLBACK: Final = "NEMO_GYM_TOKEN_CAPTURE_CONTROL_TOKEN"
 
 CHECKPOINT_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 CheckpointId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=CHECKPOINT_ID_PATTERN)]
+#: Rollout ids travel in headers and file names: the checkpoint id's alphabet (Gym's ROLLOUT_ID_PATTERN).
+RolloutId = Annotated[str, StringConstraints(min_length=1, pattern=CHECKPOINT_ID_PATTERN)]
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 NonNegInt = Annotated[int, Field(ge=0)]
 
@@ -114,6 +132,11 @@ def sha256_hex(data: bytes) -> str:
 
 def model_ledger_dir(name: str) -> str:
     return f"model-ledger/{name}"
+
+
+#: In `model-ledger/<name>/`: one `<capture_key>.lineage.jsonl` per capture key, this index, the manifest.
+LINEAGE_SUFFIX: Final = ".lineage.jsonl"
+STORAGE_REFERENCES: Final = "storage-references.jsonl"
 
 
 def agent_instance_dir(name: str) -> str:
@@ -233,6 +256,41 @@ class ModelCommitBody(CheckpointDirBody):
     continuation_indexes: list[ArtifactRef] = Field(default_factory=list)
 
 
+class ModelRestoreBody(CheckpointDirBody):
+    """Model restore; `include_storage_reference_index: true` asks for the restored
+    `storage_reference_index` (the anchor's opt-in, off when omitted; later Gym dropped the
+    field — it always returns the index and refuses the field with 422)."""
+
+    include_storage_reference_index: bool = False
+
+
+#: The field later Gym refuses (422) on a model restore; the coordinator then sends `CheckpointDirBody`.
+INCLUDE_STORAGE_REFERENCE_INDEX: Final = "include_storage_reference_index"
+
+
+class ExecutionId(_Request):
+    """One rollout execution: a rollout id and its attempt index."""
+
+    rollout_id: RolloutId
+    attempt_index: Annotated[int, Field(strict=True, ge=0)]
+
+
+class AcknowledgeBody(_Request):
+    """`POST /agent-checkpoint/acknowledge-completed`: results the caller now holds (at least one,
+    no duplicates). Not fenced: it names no checkpoint id."""
+
+    schema_version: Literal[1] = 1
+    executions: Annotated[list[ExecutionId], Field(min_length=1)]
+
+    @field_validator("executions")
+    @classmethod
+    def _unique(cls, value: list[ExecutionId]) -> list[ExecutionId]:
+        keys = [(e.rollout_id, e.attempt_index) for e in value]
+        if len(keys) != len(set(keys)):
+            raise ValueError("executions must be unique")
+        return value
+
+
 class StatusQuery(BaseModel):
     """Query of the status GETs. The model's long-poll also takes `wait_state` and `timeout_s`."""
 
@@ -281,25 +339,80 @@ class ModelPauseReply(_Reply):
 
 
 class WorkerStatus(_Reply):
-    state: AdmissionState
-    inflight: NonNegInt
+    """One worker of a model status: `state` (single worker), or `acked_seq`/`connected`
+    (a worker behind Gym's multi-worker coordinator, which reports no per-worker state)."""
+
+    state: AdmissionState | None = None
+    inflight: NonNegInt = 0
+    acked_seq: NonNegInt | None = None
+    connected: bool | None = None
 
 
 class InflightEntry(_Reply):
-    rollout_id: str | None
-    attempt_index: int | None
-    plane: str
-    age_seconds: float
+    """A model call in flight. Every identity field may be null (real Gym: a call without
+    rollout headers names no rollout, one without `x-nemo-gym-plane` has `plane: null`)."""
+
+    rollout_id: str | None = None
+    attempt_index: int | None = None
+    plane: str | None = None
+    age_seconds: float | None = None
+
+
+class CoordinatorWorkers(_Reply):
+    """`workers` of a multi-worker (coordinator mode) status: acknowledged, expected, live."""
+
+    acknowledged: NonNegInt
+    expected: NonNegInt
+    live: NonNegInt
 
 
 class ModelStatusReply(_Reply):
-    checkpoint_id: str | None
+    """The status long-poll. Single worker: names its `checkpoint_id`, per-worker `state`.
+    Coordinator mode: no `checkpoint_id`; `workers`, `missing_workers`, per-worker `acked_seq`."""
+
+    checkpoint_id: str | None = None
     state: AdmissionState
     per_worker: dict[str, WorkerStatus] = Field(default_factory=dict)
     inflight_total: NonNegInt
     waiters_total: NonNegInt = 0
     inflight: list[InflightEntry] = Field(default_factory=list)
     tombstones: list[Any] = Field(default_factory=list)
+    workers: CoordinatorWorkers | None = None
+    missing_workers: NonNegInt | None = None
+
+    @property
+    def coordinator_mode(self) -> bool:
+        """True for the multi-worker coordinator's shape (it reports `workers`)."""
+        return self.workers is not None
+
+    def not_drained(self, pause_workers: Workers | None = None) -> str | None:
+        """Why this reply does not show a drained model (None when it does), read from the reply
+        itself: `paused`, nothing in flight, and every worker there and acknowledged — coordinator
+        mode: no missing worker and acknowledged = expected; single worker: each per-worker state
+        `paused`, and the pause reply's workers acknowledged (or each expected worker reporting)."""
+        problems: list[str] = []
+        if self.state != "paused":
+            problems.append(f"state {self.state}")
+        if self.inflight_total:
+            problems.append(f"{self.inflight_total} requests still in flight")
+        if self.workers is not None:
+            if self.missing_workers:
+                problems.append(f"{self.missing_workers} of {self.workers.expected} workers missing")
+            if self.workers.acknowledged != self.workers.expected:
+                problems.append(
+                    f"{self.workers.acknowledged} of {self.workers.expected} workers acknowledged"
+                )
+        else:
+            unpaused = sorted(k for k, w in self.per_worker.items() if w.state not in (None, "paused"))
+            if unpaused and self.state == "paused":
+                problems.append(f"workers {', '.join(unpaused)} not paused")
+            if pause_workers is not None and pause_workers.acknowledged < pause_workers.expected:
+                reporting = sum(1 for w in self.per_worker.values() if w.state == "paused")
+                if reporting < pause_workers.expected:
+                    problems.append(
+                        f"{pause_workers.acknowledged} of {pause_workers.expected} workers acknowledged"
+                    )
+        return "; ".join(problems) or None
 
 
 class ModelCommitReply(_Reply):
@@ -312,11 +425,15 @@ class ModelCommitReply(_Reply):
 
 
 class ModelRestoreReply(_Reply):
+    """`checkpoint_id` is the restored (source) id, or null; `storage_reference_index` comes back
+    when asked (`include_storage_reference_index`, the anchor) or always (later Gym)."""
+
     rollouts: NonNegInt
     rows: NonNegInt
-    checkpoint_id: str
+    checkpoint_id: str | None = None
     tombstones: list[Any] | int = Field(default_factory=list)
     source_attempts: list[Any] | dict[str, Any] | int = Field(default_factory=list)
+    storage_reference_index: ArtifactRef | None = None
 
 
 class ModelResumeReply(_Reply):
@@ -364,6 +481,17 @@ class AgentRestoreReply(_Reply):
     continuation_index: ArtifactRef
 
 
+class AcknowledgedExecution(_Reply):
+    rollout_id: str
+    attempt_index: NonNegInt
+
+
+class AcknowledgeReply(_Reply):
+    """Every requested execution the agent now considers acknowledged (exactly the requested set)."""
+
+    acknowledged: list[AcknowledgedExecution]
+
+
 class AgentResumeReply(_Reply):
     state: Literal["accepting"]
     released: NonNegInt = 0
@@ -380,6 +508,19 @@ class ContinuationRow(BaseModel):
     capture_key: str
     last_committed_model_call_id: str | None
     resource_state_revisions: dict[str, int] = Field(default_factory=dict)
+
+
+class StorageReference(BaseModel):
+    """One line of a model's `storage-references.jsonl`: an external token-storage row a committed
+    continuation needs (compact JSON, rows sorted by `key`, keys unique)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = 1
+    capture_key: RolloutId
+    boundary_model_call_id: Annotated[str, StringConstraints(min_length=1)]
+    kind: Literal["token_capture_staging"] = "token_capture_staging"
+    key: Annotated[str, StringConstraints(min_length=1)]
 
 
 # Resources server ---------------------------------------------------------------------------
@@ -432,7 +573,7 @@ class Route:
     operation: Operation
     method: Literal["GET", "POST"]
     path: str
-    request: type[CommonBody] | None
+    request: type[_Request] | None
     reply: type[_Reply]
 
     @property
@@ -446,13 +587,21 @@ _ROUTE_LIST: Final[tuple[Route, ...]] = (
     Route(MODEL, "pause", "POST", "/model-admission/pause", CommonBody, ModelPauseReply),
     Route(MODEL, "status", "GET", "/model-admission/status", None, ModelStatusReply),
     Route(MODEL, "commit", "POST", "/model-checkpoint/commit", ModelCommitBody, ModelCommitReply),
-    Route(MODEL, "restore", "POST", "/model-checkpoint/restore", CheckpointDirBody, ModelRestoreReply),
+    Route(MODEL, "restore", "POST", "/model-checkpoint/restore", ModelRestoreBody, ModelRestoreReply),
     Route(MODEL, "resume", "POST", "/model-admission/resume", CommonBody, ModelResumeReply),
     Route(AGENT, "prepare", "POST", "/agent-checkpoint/prepare", CommonBody, AgentPrepareReply),
     Route(AGENT, "status", "GET", "/agent-checkpoint/status", None, AgentStatusReply),
     Route(AGENT, "commit", "POST", "/agent-checkpoint/commit", CheckpointDirBody, AgentCommitReply),
     Route(AGENT, "restore", "POST", "/agent-checkpoint/restore", CheckpointDirBody, AgentRestoreReply),
     Route(AGENT, "resume", "POST", "/agent-checkpoint/resume", CommonBody, AgentResumeReply),
+    Route(
+        AGENT,
+        "acknowledge",
+        "POST",
+        "/agent-checkpoint/acknowledge-completed",
+        AcknowledgeBody,
+        AcknowledgeReply,
+    ),
     Route(RESOURCES, "prepare", "POST", "/resources-checkpoint/prepare", CommonBody, ResourcesPrepareReply),
     Route(RESOURCES, "status", "GET", "/resources-checkpoint/status", None, ResourcesStatusReply),
     Route(

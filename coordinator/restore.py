@@ -1,9 +1,17 @@
 """A restore: policy → agents → resources under a new checkpoint id; the servers stay paused.
 
-The caller verifies the snapshot before any call. Each reply is checked against the snapshot
-(source checkpoint id, each agent's continuation index). A failed restore is never rolled back —
-half-restored state must not run: `attempt.aborted` lists every touched server as `left_paused`,
-and only an explicit resume (or a new restore) lets them go.
+The caller verifies the snapshot before any call. Each reply is checked against the snapshot: a
+reply naming another checkpoint than the snapshot's is a failed call (`calls.py`); each agent's
+`continuation_index` and each policy model's `storage_reference_index` must equal the committed
+one. The model restore asks for its index (`include_storage_reference_index: true`, the anchor's
+opt-in); a later Gym, which always returns it, refuses that field with 422 — then the restore is
+sent again without it (a 422 ran nothing). An index committed but not returned, or returned
+different, fails the restore, as RL does. Only participants that export state take part: a
+drain-only policy model is neither restored nor paused by a restore.
+
+A failed restore is never rolled back — half-restored state must not run: `attempt.aborted`
+lists every touched server as `left_paused`, and only an explicit resume (or a new restore)
+lets them go.
 """
 
 import time
@@ -24,11 +32,15 @@ from coordinator.attempt import (
     run_phase,
     send_call,
 )
+from coordinator.calls import CallResult
 from coordinator.discovery import Discovery, Member
 from coordinator.errors import DeadlineExceeded, FencedError, PhaseError
 from coordinator.protocol import (
+    INCLUDE_STORAGE_REFERENCE_INDEX,
     AgentRestoreReply,
+    ArtifactRef,
     CheckpointDirBody,
+    ModelRestoreBody,
     ModelRestoreReply,
     ResourcesRestoreReply,
 )
@@ -56,7 +68,7 @@ async def restore(
         checkpoint_id=checkpoint_id,
         kind="restore",
         deadline_ts=deadline_ts,
-        participants=discovery.participants,
+        participants=discovery.exporters,
         snapshot=snapshot.path,
         source_checkpoint_id=snapshot.checkpoint_id,
     )
@@ -132,57 +144,51 @@ async def restore_body(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> di
         checkpoint_dir=str(snapshot.path),
     )
 
+    async def call(m: Member, request: CheckpointDirBody) -> CallResult:
+        return await send_call(ctx, attempt, m, "restore", phase, body=request, expect_checkpoint=source)
+
+    def same_index(m: Member, key: str, got: ArtifactRef | None) -> None:
+        committed = (snapshot.participant(m.name) or {}).get(key)
+        if committed is None and got is None:
+            return
+        if got is None:
+            raise PhaseFailure(
+                phase, m.name, f"its restore reply has no {key}, but the snapshot committed one"
+            )
+        keys = ("relative_path", "sha256", "records", "bytes")
+        reported = got.model_dump(mode="json")
+        if not isinstance(committed, dict) or any(committed.get(k) != reported.get(k) for k in keys):
+            raise PhaseFailure(
+                phase,
+                m.name,
+                f"its restored {key} differs from the one committed in the snapshot"
+                f" (restored {_describe(reported)}, committed {_describe(committed)})",
+            )
+
     async def policy(m: Member) -> dict[str, Any]:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
-        reply = expect_reply(
-            await send_call(ctx, attempt, m, "restore", phase, body=body),
-            ModelRestoreReply,
-            phase,
-            "model restore",
+        result = await call(
+            m, ModelRestoreBody.model_validate({**body.model_dump(), INCLUDE_STORAGE_REFERENCE_INDEX: True})
         )
-        if reply.checkpoint_id != source:
-            raise PhaseFailure(
-                phase, m.name, f"restored checkpoint {reply.checkpoint_id!r}, the snapshot is {source!r}"
-            )
+        if (
+            result.error == "http"
+            and result.status == 422
+            and INCLUDE_STORAGE_REFERENCE_INDEX in (result.detail or "")
+        ):
+            result = await call(m, body)  # a later Gym: no opt-in field, the index comes back anyway
+        reply = expect_reply(result, ModelRestoreReply, phase, "model restore")
+        same_index(m, "storage_reference_index", reply.storage_reference_index)
         return {"rollouts": reply.rollouts, "rows": reply.rows}
 
     async def agent(m: Member) -> dict[str, Any]:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
-        reply = expect_reply(
-            await send_call(ctx, attempt, m, "restore", phase, body=body),
-            AgentRestoreReply,
-            phase,
-            "agent restore",
-        )
-        if reply.source_checkpoint_id != source:
-            raise PhaseFailure(
-                phase,
-                m.name,
-                f"restored checkpoint {reply.source_checkpoint_id!r}, the snapshot is {source!r}",
-            )
-        committed = (snapshot.participant(m.name) or {}).get("continuation_index")
-        got = reply.continuation_index.model_dump(mode="json")
-        keys = ("relative_path", "sha256", "records", "bytes")
-        if not isinstance(committed, dict) or any(committed.get(k) != got.get(k) for k in keys):
-            raise PhaseFailure(
-                phase, m.name, "its continuation index differs from the one committed in the snapshot"
-            )
+        reply = expect_reply(await call(m, body), AgentRestoreReply, phase, "agent restore")
+        same_index(m, "continuation_index", reply.continuation_index)
         return {"records": reply.records}
 
     async def resources(m: Member) -> dict[str, Any]:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
-        reply = expect_reply(
-            await send_call(ctx, attempt, m, "restore", phase, body=body),
-            ResourcesRestoreReply,
-            phase,
-            "resources restore",
-        )
-        if reply.source_checkpoint_id != source:
-            raise PhaseFailure(
-                phase,
-                m.name,
-                f"restored checkpoint {reply.source_checkpoint_id!r}, the snapshot is {source!r}",
-            )
+        reply = expect_reply(await call(m, body), ResourcesRestoreReply, phase, "resources restore")
         return {"sessions": reply.sessions}
 
     return {
@@ -190,3 +196,10 @@ async def restore_body(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> di
         "agents": await each_member(ctx, attempt.group("agent"), agent),
         "resources": await each_member(ctx, attempt.group("resources"), resources),
     }
+
+
+def _describe(ref: Any) -> str:
+    if not isinstance(ref, dict):
+        return "none"
+    sha = str(ref.get("sha256", ""))[:12]
+    return f"{ref.get('relative_path')} sha256 {sha}… {ref.get('records')} records"

@@ -160,13 +160,8 @@ async def roll_back(
     phase = failure.phase if failure else "abort"
     message = (
         f"checkpoint {attempt.checkpoint_id} rolled back: {text}."
-        f" Resumed: {', '.join(resumed) or 'none'}."
-        + (f" Never paused: {', '.join(not_paused)}." if not_paused else "")
-        + (
-            f" Could not resume: {', '.join(left)} — run `quiesce resume` once they are reachable."
-            if left
-            else " Every server is accepting again."
-        )
+        f" Resumed (their resume answered accepting): {', '.join(resumed) or 'none'}."
+        + _unconfirmed(not_paused, left)
         + f" Latest snapshot: {latest if latest else 'none'}."
     )
     cls = DeadlineExceeded if failure is not None and failure.deadline else PhaseError
@@ -181,6 +176,24 @@ async def roll_back(
         not_resumed=left,
         latest_snapshot=str(latest) if latest else None,
     )
+
+
+def _unconfirmed(not_paused: Sequence[str], left: Sequence[str]) -> str:
+    """What a rollback message says beyond the servers whose resume replied `accepting`: only when
+    every touched server did does it say every server is accepting again (untouched ones were
+    never sent anything); otherwise it names each server whose state the replies did not show."""
+    text = ""
+    if not_paused:
+        text += (
+            f" Not confirmed accepting: {', '.join(not_paused)} — its resume found the fence idle"
+            " (409 invalid_phase), but a pause that failed may still have closed its admission; check"
+            " it with `quiesce status`."
+        )
+    if left:
+        text += f" Could not resume: {', '.join(left)} — run `quiesce resume` once they are reachable."
+    if not text:
+        text = " Every server is accepting again."
+    return text
 
 
 async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:

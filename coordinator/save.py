@@ -2,8 +2,18 @@
 
 - prepare: policy pause → agents prepare (`agent_prepare_incomplete` retried every
   `AGENT_RETRY_S` until the deadline) → resources prepare → policy status long-poll until drained.
+  Drained is read from the status reply itself (`ModelStatusReply.not_drained`): `paused`,
+  nothing in flight, every worker there and acknowledged — the single-worker and the
+  multi-worker coordinator shapes alike. A status reply naming another checkpoint id is a failed
+  call. An agent that stays incomplete because it holds finished results nobody acknowledged
+  fails the prepare at the deadline naming those executions (read from its status) and the
+  command and API call that acknowledge them; an acknowledgement sent meanwhile (by the trainer,
+  `Coordinator.acknowledge_completed`) lets the next retry succeed.
 - commit: agents → policy (given every agent's continuation index) → resources; each role group's
-  manifest digests and artifact references are verified before the next group is called.
+  manifest digests and artifact references are verified before the next group is called. A
+  drain-only policy model (`checkpoint_mode: stateless`) is not committed. The model's
+  `storage_reference_index` is verified like every artifact and kept in the attempt's commit
+  record (so in the snapshot manifest) and in the commit phase's summary.
 - publish: every staged file hashed and fsynced, the manifest written last, then the rename of
   `<snapshots>/.staging/<id>` to `<snapshots>/<id>` (`final_dir_of`) — the commit point — then
   `LATEST` and retention.
@@ -13,6 +23,7 @@ the snapshot is published whatever happens next. Durability of each record: see 
 """
 
 import hashlib
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,8 +53,10 @@ from coordinator.protocol import (
     AGENT_PREPARE_INCOMPLETE as _AGENT_PREPARE_INCOMPLETE,
 )
 from coordinator.protocol import (
+    MISSING_WORKERS,
     AgentCommitReply,
     AgentPrepareReply,
+    AgentStatusReply,
     ArtifactRef,
     CheckpointDirBody,
     ModelCommitBody,
@@ -77,6 +90,11 @@ DRAIN_POLL_S: Final = 1.0
 POLL_MARGIN_S: Final = 0.2
 #: How often `agent_prepare_incomplete` is retried (at most).
 AGENT_RETRY_S: Final = 0.1
+#: While an agent holds unacknowledged results, its status is read at most this often to name them.
+HELD_READ_S: Final = 1.0
+#: At most this many unacknowledged executions are named in an error (the rest are counted).
+NAMED_EXECUTIONS: Final = 20
+_UNACKNOWLEDGED_COUNT: Final = re.compile(r"completed_unacknowledged=(\d+)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,21 +146,34 @@ async def _prepare_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
     async def pause(m: Member) -> ModelPauseReply:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
         result = await send_call(ctx, attempt, m, "pause", phase, body=common_body(attempt))
+        if result.error == "http" and result.status == 409 and result.code == MISSING_WORKERS:
+            raise PhaseFailure(
+                phase,
+                m.name,
+                f"policy pause refused: not every worker is connected ({result.detail or MISSING_WORKERS});"
+                " a missing worker may hold model calls nobody can see, so the model cannot be drained —"
+                " restart or reconnect its workers, then checkpoint again",
+                result.code,
+            )
         return expect_reply(result, ModelPauseReply, phase, "policy pause")
 
     async def agent(m: Member) -> AgentPrepareReply:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        held: list[tuple[str, int]] = []
+        read_at: float | None = None
         while True:
             result = await send_call(ctx, attempt, m, "prepare", phase, body=common_body(attempt))
             if result.error == "http" and result.status == 409 and result.code == _AGENT_PREPARE_INCOMPLETE:
+                now = time.monotonic()
+                if _may_hold_results(result.detail) and (read_at is None or now - read_at >= HELD_READ_S):
+                    read_at = now
+                    held = await _held_results(ctx, attempt, m, phase, held)
+                elif not _may_hold_results(result.detail):
+                    held = []
                 left = attempt.deadline_ts - time.time()
                 if left <= AGENT_RETRY_S:
                     raise PhaseFailure(
-                        phase,
-                        m.name,
-                        "agent never became ready to commit before the deadline (agent_prepare_incomplete)",
-                        result.code,
-                        deadline=True,
+                        phase, m.name, _incomplete_reason(m, result.detail, held), result.code, deadline=True
                     )
                 await anyio.sleep(min(AGENT_RETRY_S, left))
                 continue
@@ -170,8 +201,55 @@ async def _prepare_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
     }
 
 
+def _may_hold_results(detail: str | None) -> bool:
+    """Whether a 409 `agent_prepare_incomplete` may be due to unacknowledged results: its detail
+    counts them (Gym: `completed_unacknowledged=N`), or says nothing this can read."""
+    match = _UNACKNOWLEDGED_COUNT.search(detail or "")
+    return match is None or int(match.group(1)) > 0
+
+
+async def _held_results(
+    ctx: Context, attempt: Attempt, m: Member, phase: str, known: list[tuple[str, int]]
+) -> list[tuple[str, int]]:
+    """The executions `m` holds unacknowledged, from its status (a recorded read); `known` when
+    the read fails."""
+    query = StatusQuery(checkpoint_id=attempt.checkpoint_id)
+    result = await send_call(ctx, attempt, m, "status", phase, params=query.model_dump(exclude_none=True))
+    if not (result.ok and isinstance(result.reply, AgentStatusReply)):
+        return known
+    held: list[tuple[str, int]] = []
+    for entry in result.reply.completed_unacknowledged_attempts:
+        if isinstance(entry, dict) and isinstance(entry.get("rollout_id"), str):
+            attempt_index = entry.get("attempt_index")
+            if isinstance(attempt_index, int):
+                held.append((entry["rollout_id"], attempt_index))
+    return held
+
+
+def _incomplete_reason(m: Member, detail: str | None, held: list[tuple[str, int]]) -> str:
+    """Why an agent never became ready; with held results, which ones and how to release them."""
+    reason = "agent never became ready to commit before the deadline (agent_prepare_incomplete"
+    reason += f": {detail})" if detail else ")"
+    if not held:
+        return reason
+    shown = held[:NAMED_EXECUTIONS]
+    ids = " ".join(f"{rollout}:{index}" for rollout, index in shown)
+    more = f" and {len(held) - len(shown)} more" if len(held) > len(shown) else ""
+    pairs = ", ".join(f"({rollout!r}, {index})" for rollout, index in shown)
+    return (
+        f"{reason}; it holds {len(held)} finished rollout result(s) nobody has acknowledged:"
+        f" {ids}{more} — Gym keeps a finished result until its consumer confirms it has it. Once"
+        f" the trainer holds those results, acknowledge them — from the trainer:"
+        f" `await coord.acknowledge_completed({m.name!r}, [{pairs}])`; from a shell (it takes the"
+        f" ledger, like every cluster command): `quiesce acknowledge --config CONFIG {m.name} {ids}` —"
+        " then checkpoint again"
+    )
+
+
 async def _drain(ctx: Context, attempt: Attempt, m: Member, workers: Workers) -> dict[str, Any]:
-    """Repeat the status long-poll (each ≤ the time left) until paused, nothing in flight, all workers."""
+    """Repeat the status long-poll (each ≤ the time left) until the reply shows the model drained:
+    paused, nothing in flight, every worker there and acknowledged (`not_drained`). A reply
+    naming another checkpoint id is a failed call (`calls.py`)."""
     phase = "prepare"
     polls = 0
     while True:
@@ -184,29 +262,30 @@ async def _drain(ctx: Context, attempt: Attempt, m: Member, workers: Workers) ->
             timeout_s=wait,
         )
         started = time.monotonic()
-        result = await send_call(ctx, attempt, m, "status", phase, params=query.model_dump(exclude_none=True))
+        result = await send_call(
+            ctx,
+            attempt,
+            m,
+            "status",
+            phase,
+            params=query.model_dump(exclude_none=True),
+            expect_checkpoint=attempt.checkpoint_id,
+        )
         polls += 1
         reply = expect_reply(result, ModelStatusReply, phase, "policy status")
         attempt.inflight = reply.inflight_total
         ctx.progress(
             Progress(attempt.checkpoint_id, phase, m.name, inflight=reply.inflight_total, state=reply.state)
         )
-        workers_paused = all(w.state == "paused" for w in reply.per_worker.values())
-        acknowledged = workers.acknowledged >= workers.expected or (
-            len(reply.per_worker) >= workers.expected and workers_paused
-        )
-        if reply.state == "paused" and reply.inflight_total == 0 and workers_paused and acknowledged:
+        problem = reply.not_drained(workers)
+        if problem is None:
             return {"polls": polls, "state": reply.state}
         if attempt.deadline_ts - time.time() <= POLL_MARGIN_S:
             # no time for another poll whose reply could arrive before the deadline: the drain
             # waits the deadline out (sending nothing after it), then fails
             await anyio.sleep(max(0.0, attempt.deadline_ts - time.time()))
             raise PhaseFailure(
-                phase,
-                m.name,
-                f"the drain did not finish before the deadline: {reply.inflight_total} requests"
-                f" still in flight (state {reply.state})",
-                deadline=True,
+                phase, m.name, f"the drain did not finish before the deadline: {problem}", deadline=True
             )
         if time.monotonic() - started < 0.01:
             await anyio.sleep(0.05)
@@ -298,6 +377,8 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
         record(m, reply, reply.manifest_digest, {"storage_reference_index": reply.storage_reference_index})
         return reply
 
+    exporters = tuple(m for m in attempt.group("policy") if m.exports)  # not a drain-only model
+
     async def resources(m: Member) -> ResourcesCommitReply:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
         result = await send_call(ctx, attempt, m, "commit", phase, body=dir_body())
@@ -305,13 +386,22 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
         record(m, reply, reply.manifest_digest, {})
         return reply
 
-    models = await each_member(ctx, attempt.group("policy"), policy)
-    await verify(attempt.group("policy"))
+    models = await each_member(ctx, exporters, policy)
+    await verify(exporters)
     res = await each_member(ctx, attempt.group("resources"), resources)
     await verify(attempt.group("resources"))
     return {
         "agents": {n: {"records": a.records} for n, a in agents.items()},
-        "policy": {n: {"rollouts": p.rollouts, "rows": p.rows} for n, p in models.items()},
+        "policy": {
+            n: {
+                "rollouts": p.rollouts,
+                "rows": p.rows,
+                "storage_reference_index": (
+                    p.storage_reference_index.model_dump(mode="json") if p.storage_reference_index else None
+                ),
+            }
+            for n, p in models.items()
+        },
         "resources": {n: {"sessions": r.sessions} for n, r in res.items()},
     }
 

@@ -5,6 +5,11 @@
   when PostgreSQL is not installed, unless ``QUIESCE_REQUIRE_POSTGRES=1``, which makes it fail.
 - ``ledger_url``: a fresh, empty ledger database, once per backend: ``sqlite`` (a file in
   ``tmp_path``) and ``postgres`` (a new database in the session cluster).
+- the wire oracle (``tests/oracle``), always on: every reference server started in this process
+  (``start_cluster``) is wrapped so that each request the coordinator sends and each reply the
+  server gives is checked against strict models of the RL anchor's wire; a test during which any
+  drift was seen fails (``wire_oracle`` yields the `Violations`, for a test that provokes drift
+  on purpose and takes it back).
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.oracle.wire import OracleMiddleware, Violations
+from tools.gymsim import host as gymsim_host
+from tools.gymsim.base import GymServer, HostContext
+from tools.gymsim.spec import ServerSpec
 from tools.pgtemp import PostgresUnavailable, TempPostgres
 
 
@@ -48,3 +57,30 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         return f"sqlite+aiosqlite:///{folder / 'ledger.db'}"
     cluster: TempPostgres = request.getfixturevalue("postgres")
     return cluster.create_database(f"t_{uuid.uuid4().hex[:20]}")
+
+
+@pytest.fixture(scope="session")
+def _oracle_session() -> Iterator[Violations]:
+    """Wrap every reference server this process starts, for the whole session (module-scoped
+    clusters included)."""
+    violations = Violations()
+    original = gymsim_host.make_server
+
+    def make(spec: ServerSpec, ctx: HostContext) -> GymServer:
+        server = original(spec, ctx)
+        always = spec.kind == "model" and spec.restore_index == "always"
+        server.asgi = OracleMiddleware(server.asgi, violations, server.name, always_index=always)
+        return server
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gymsim_host, "make_server", make)
+        yield violations
+
+
+@pytest.fixture(autouse=True)
+def wire_oracle(_oracle_session: Violations) -> Iterator[Violations]:
+    """Fail the test during which a reference server or the coordinator drifted from the real wire."""
+    _oracle_session.take()
+    yield _oracle_session
+    problems = _oracle_session.take()
+    assert not problems, "drift from the real wire (tests/oracle):\n  " + "\n  ".join(problems[:20])

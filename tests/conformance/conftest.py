@@ -31,8 +31,10 @@ def start_fake() -> Iterator[StartFake]:
             name: str = "fake",
             role: str | None = None,
             faults: frozenset[str] = frozenset(),
+            ack: bool = False,
+            coordinator: bool = False,
         ) -> tuple[FakeGym, str]:
-            fake = FakeGym(component, name, TOKEN, role=role, faults=faults)
+            fake = FakeGym(component, name, TOKEN, role=role, faults=faults, ack=ack, coordinator=coordinator)
             return fake, stack.enter_context(serve(fake.app))
 
         yield start

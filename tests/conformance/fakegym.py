@@ -14,7 +14,14 @@ continuation index) on commit, and each fault in `faults` breaks exactly one rul
 - `bad_caps`       — capabilities lack the fence fields;
 - `index_bytes`    — the agent's continuation_index gives a wrong byte count;
 - `no_conflict`    — a second id is not refused with checkpoint_conflict while one is active;
-- `slow_commit`    — a commit in phase prepared waits for `released` (to cancel a checker mid-call).
+- `slow_commit`    — a commit in phase prepared waits for `released` (to cancel a checker mid-call);
+- `nan_500`        — a non-finite deadline_ts is answered 500 (real Gym on some FastAPI versions);
+- `phase_as_state` — the resources status reports the fence phase as its `state`;
+- `ack_any`        — acknowledge-completed acknowledges executions it never ran;
+- `missing_worker` — a coordinator-mode model reports one worker missing while drained.
+
+Options: `ack` (an agent declaring `completed_result_acknowledgement`, with the route), and
+`coordinator` (a model answering status in Gym's multi-worker coordinator shape, 2 workers).
 """
 
 from __future__ import annotations
@@ -37,12 +44,14 @@ from coordinator.protocol import (
     AGENT,
     CAPABILITIES_PATH,
     CHECKPOINT_CONFLICT,
+    COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR,
     INVALID_PHASE,
     MODEL,
     NOT_A_POLICY_INSTANCE,
     RESOURCES,
     STALE_CHECKPOINT,
     UNAUTHORIZED_DETAIL,
+    AcknowledgeBody,
     CheckpointDirBody,
     CommonBody,
     ModelCommitBody,
@@ -65,6 +74,10 @@ FAULTS = frozenset(
         "index_bytes",
         "no_conflict",
         "slow_commit",
+        "nan_500",
+        "phase_as_state",
+        "ack_any",
+        "missing_worker",
     }
 )
 
@@ -119,6 +132,8 @@ class FakeGym:
         *,
         role: str | None = None,
         faults: frozenset[str] = frozenset(),
+        ack: bool = False,
+        coordinator: bool = False,
     ) -> None:
         unknown = faults - FAULTS
         if unknown:
@@ -130,6 +145,8 @@ class FakeGym:
         #: What capabilities say; tests may make it differ from how the server behaves (`role`).
         self.declared_role = self.role
         self.faults = faults
+        self.ack = ack and component == AGENT
+        self.coordinator = coordinator and component == MODEL
         self.phase = "idle"
         self.active: str | None = None
         self.deadline_ts: float | None = None
@@ -154,9 +171,17 @@ class FakeGym:
             "admission_states": ["accepting", "draining", "paused"],
             "checkpoint_mode": "export_restore",
             "concurrency_contract": "serialized_per_session",
-            "multi_process": {"mode": "single_worker", "num_workers": 1},
+            "multi_process": (
+                {"mode": "coordinator", "num_workers": 2}
+                if self.coordinator
+                else {"mode": "single_worker", "num_workers": 1}
+            ),
             "instance_role": self.declared_role,
-            "features": ["agent_continuation_index_v1"] if self.component == AGENT else [],
+            "features": (
+                ["agent_continuation_index_v1", *(["completed_result_acknowledgement"] if self.ack else [])]
+                if self.component == AGENT
+                else []
+            ),
         }
         if "bad_caps" not in self.faults:
             caps.update(phase=self.phase, active_checkpoint_id=self.active, deadline_ts=self.deadline_ts)
@@ -187,12 +212,29 @@ class FakeGym:
             self._add_post(app, op, unauthorized)
         if self.component == MODEL:
             self._add_post(app, "restore", unauthorized)
+        if self.ack:
+
+            @app.post(route(AGENT, "acknowledge").full_path)
+            async def acknowledge(request: Request) -> Any:
+                if not self._authorized(request):
+                    return unauthorized
+                try:
+                    body = AcknowledgeBody.model_validate(json.loads(await request.body()))
+                except (ValidationError, ValueError) as exc:
+                    return JSONResponse({"detail": str(exc)}, status_code=422)
+                if "ack_any" not in self.faults:
+                    return _conflict(
+                        COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR, "no completed result to acknowledge"
+                    )
+                return {"acknowledged": [e.model_dump() for e in body.executions]}
+
         return app
 
     def _add_post(self, app: FastAPI, op: str, unauthorized: JSONResponse) -> None:
         r = route(self.component, op)
         model = r.request
         assert model is not None
+        assert issubclass(model, CommonBody)
         if "accept_extra" in self.faults:
             model = _loose(model)
         body_model = model
@@ -201,8 +243,11 @@ class FakeGym:
         async def handler(request: Request) -> Any:
             if not self._authorized(request):
                 return unauthorized
+            raw = await request.body()
+            if "nan_500" in self.faults and any(word in raw for word in (b"NaN", b"Infinity", b"1e999")):
+                return JSONResponse({"detail": "Internal Server Error"}, status_code=500)
             try:
-                body = body_model.model_validate(json.loads(await request.body()))
+                body = body_model.model_validate(json.loads(raw))
             except ValidationError as exc:
                 detail = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]
                 return JSONResponse({"detail": detail}, status_code=422)
@@ -242,6 +287,18 @@ class FakeGym:
         return result
 
     def _status_body(self, checkpoint_id: str) -> dict[str, Any]:
+        if self.component == MODEL and self.coordinator:
+            missing = 1 if "missing_worker" in self.faults else 0
+            return {
+                "state": "paused" if self.phase != "idle" else "accepting",
+                "workers": {"acknowledged": 2 - missing, "expected": 2, "live": 2 - missing},
+                "missing_workers": missing,
+                "inflight_total": 0,
+                "waiters_total": 0,
+                "per_worker": {
+                    str(i): {"acked_seq": 1, "inflight": 0, "connected": i < 2 - missing} for i in range(2)
+                },
+            }
         if self.component == MODEL:
             return {
                 "checkpoint_id": self.active,
@@ -254,10 +311,11 @@ class FakeGym:
             }
         if self.component == AGENT:
             return self._agent_counters()
+        admission = "accepting" if self.phase == "idle" else "paused"
         return {
             "checkpoint_id": self.active,
-            "state": self.phase,
-            "admission_state": "accepting" if self.phase == "idle" else "paused",
+            "state": self.phase if "phase_as_state" in self.faults else admission,
+            "admission_state": admission,
             "sessions": 0,
             "per_session": [],
         }

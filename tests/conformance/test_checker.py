@@ -25,6 +25,8 @@ def statuses(report: ConformanceReport) -> dict[str, str]:
     return {r.name: r.status for r in report.results}
 
 
+ACK_ROWS = ("acknowledge.auth", "acknowledge.validation", "acknowledge.unknown_execution")
+
 CYCLE_ROWS = (
     "cycle.prepare",
     "capabilities.fence_state_prepared",
@@ -51,9 +53,13 @@ async def test_correct_server_passes(
     fake, url = start_fake(component, role=role)
     report = await run_conformance(url, TOKEN, timeout_s=10)
     rows = statuses(report)
-    failed = [r for r in report.results if r.status != "pass" and r.name != "artifacts.index"]
+    # skipped where the spec makes a row inapplicable: no index, workers of a model only, no ack feature
+    inapplicable = {"artifacts.index", "status.workers", *ACK_ROWS}
+    failed = [r for r in report.results if r.status != "pass" and r.name not in inapplicable]
     assert failed == []
     assert rows["artifacts.index"] == index_status
+    assert rows["status.workers"] == ("pass" if component == MODEL else "skip")
+    assert {rows[name] for name in ACK_ROWS} == {"skip"}
     for name in (*CYCLE_ROWS, "auth.post_wrong_token", "validation.deadline_ts", "phase.resume_at_idle"):
         assert rows[name] == "pass"
     assert report.passed
@@ -98,13 +104,22 @@ async def test_policy_model_answering_not_a_policy_instance_fails(start_fake: St
         (RESOURCES, "bad_caps", "capabilities.shape", "fence fields missing"),
         (AGENT, "index_bytes", "artifacts.index", "bytes"),
         (MODEL, "no_conflict", "fence.conflict", "checkpoint_conflict, got HTTP 409 invalid_phase"),
+        (
+            RESOURCES,
+            "phase_as_state",
+            "cycle.status",
+            "status state 'prepared' after prepare, expected 'paused'",
+        ),
+        (AGENT, "ack_any", "acknowledge.unknown_execution", "expected 409 completed_execution"),
+        (MODEL, "missing_worker", "cycle.status", "not paused within"),
     ],
 )
 async def test_broken_server_fails_with_a_clear_row(
     start_fake: StartFake, component: str, fault: str, row: str, words: str
 ) -> None:
     role = "policy" if component == MODEL else None
-    fake, url = start_fake(component, role=role, faults=frozenset({fault}))
+    options = {"ack": fault == "ack_any", "coordinator": fault == "missing_worker"}
+    fake, url = start_fake(component, role=role, faults=frozenset({fault}), **options)
     report = await run_conformance(url, TOKEN, timeout_s=10)
     result = next(r for r in report.results if r.name == row)
     assert result.status == "fail", result
@@ -115,6 +130,36 @@ async def test_broken_server_fails_with_a_clear_row(
     assert (fake.phase, fake.active) == ("idle", None)
     if fault != "bad_caps":
         assert statuses(report)["cleanup.idle"] == "pass"
+
+
+async def test_a_non_finite_deadline_answered_500_is_a_warning_not_a_failure(start_fake: StartFake) -> None:
+    fake, url = start_fake(AGENT, faults=frozenset({"nan_500"}))
+    report = await run_conformance(url, TOKEN, timeout_s=10)
+    result = next(r for r in report.results if r.name == "validation.deadline_ts")
+    assert result.status == "warn", result
+    assert "NaN, Infinity, 1e999 answered 500 instead of 422" in result.detail
+    assert report.passed  # still conformant: the deadline was refused
+    assert report.counts()["warn"] == 1
+    assert (fake.phase, fake.active) == ("idle", None)
+
+
+async def test_an_agent_with_acknowledgement_passes_its_rows(start_fake: StartFake) -> None:
+    _, url = start_fake(AGENT, ack=True)
+    report = await run_conformance(url, TOKEN, timeout_s=10)
+    rows = statuses(report)
+    assert {name: rows[name] for name in ACK_ROWS} == dict.fromkeys(ACK_ROWS, "pass")
+    assert report.passed
+
+
+async def test_a_coordinator_mode_model_is_checked_in_its_own_shape(start_fake: StartFake) -> None:
+    _, url = start_fake(MODEL, role="policy", coordinator=True)
+    report = await run_conformance(url, TOKEN, timeout_s=10)
+    result = next(r for r in report.results if r.name == "status.workers")
+    assert (result.status, result.detail) == (
+        "pass",
+        "coordinator shape: 2 workers acknowledged, live, none missing",
+    )
+    assert report.passed
 
 
 async def test_wrong_token_given_to_checker_fails_the_cycle_and_leaves_server_idle(

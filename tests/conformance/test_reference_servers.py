@@ -82,8 +82,8 @@ async def test_agent_with_rollouts_in_flight_parks_commits_and_releases_them() -
         async with httpx.AsyncClient() as client:
             reply = await client.post(model + "/gymsim/admin/options", json={"latency_s": 0.02})
             assert reply.status_code == 200, reply.text
-            for i in range(3):
-                reply = await client.post(agent + "/run", json={"rollout_id": f"r{i}", "turns": 40})
+            for i in range(3):  # long enough to be parked, not finished, when the cycle prepares
+                reply = await client.post(agent + "/run", json={"rollout_id": f"r{i}", "turns": 150})
                 assert reply.status_code == 200, reply.text
             report = await run_conformance(agent, TOKEN, timeout_s=20)
             assert _failures(report) == []
@@ -169,6 +169,54 @@ async def test_model_drain_that_never_ends_fails_status_and_commit_but_is_resume
             assert rows["cleanup.idle"][0] == "pass"
             assert await _fence(client, model) == ("idle", None)
             tg.cancel_scope.cancel()
+
+
+#: Every other kind of reference server gymsim can run, and the rows that show what it is.
+SPECIAL = {
+    "coordinator": (
+        {"kind": "model", "name": "policy_model", "workers": 2, "worker_mode": "coordinator"},
+        {"status.workers": "pass", "artifacts.index": "pass"},
+    ),
+    "later_gym_model": (
+        {"kind": "model", "name": "policy_model", "restore_index": "always"},
+        {"artifacts.index": "pass"},
+    ),
+    "drain_only_model": (
+        {"kind": "model", "name": "policy_model", "checkpoint_mode": "stateless"},
+        {"cycle.status": "pass", "cycle.commit": "skip", "cycle.resume": "pass"},
+    ),
+    "restart_only_model": (
+        {"kind": "model", "name": "policy_model", "checkpoint_mode": "restart_only"},
+        {"cycle.prepare": "skip"},
+    ),
+    "restart_only_agent": (
+        {"kind": "agent", "name": "agent", "checkpoint_mode": "restart_only", "policy": "policy_model"},
+        {"cycle.prepare": "skip", "acknowledge.auth": "skip"},
+    ),
+    "restart_only_resources": (
+        {"kind": "resources", "name": "tools", "checkpoint_mode": "restart_only"},
+        {"cycle.prepare": "skip"},
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SPECIAL))
+async def test_every_kind_of_reference_server_passes(kind: str) -> None:
+    server, expected = SPECIAL[kind]
+    servers = [server] if server["kind"] == "model" else [{"kind": "model", "name": "policy_model"}, server]
+    with start_cluster({"servers": servers}, token=TOKEN) as running:
+        report = await run_conformance(running.urls[server["name"]], TOKEN, timeout_s=20)
+        assert _failures(report) == []
+        rows = _rows(report)
+        assert {name: rows[name][0] for name in expected} == expected, rows
+        assert rows["cleanup.idle"][0] == "pass" or rows["cycle.prepare"][0] == "skip"
+
+
+async def test_the_agents_acknowledgement_rows_pass(cluster: RunningCluster) -> None:
+    report = await run_conformance(cluster.urls["simple_agent"], TOKEN, timeout_s=20)
+    rows = _rows(report)
+    for name in ("acknowledge.auth", "acknowledge.validation", "acknowledge.unknown_execution"):
+        assert rows[name][0] == "pass", rows[name]
 
 
 async def test_servers_hosted_under_a_path_prefix() -> None:

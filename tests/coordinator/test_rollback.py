@@ -35,7 +35,8 @@ pytestmark = pytest.mark.anyio
 async def _start_rollouts(http: httpx.AsyncClient, cluster: Any) -> None:
     for name in ("policy_model", "tools"):
         await http.post(f"{cluster.urls[name]}/gymsim/admin/options", json={"latency_s": 0.01})
-    await client.start_rollouts(http, cluster.urls["simple_agent"], {f"r{i}": 6 for i in range(3)})
+    # long enough to be mid-rollout when the checkpoint comes: a finished one is held until acknowledged
+    await client.start_rollouts(http, cluster.urls["simple_agent"], {f"r{i}": 40 for i in range(3)})
     await client.wait_turns(http, cluster.urls["simple_agent"], 1)
 
 

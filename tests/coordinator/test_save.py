@@ -155,7 +155,7 @@ async def test_step_wise_and_parallel_fanout(make_cluster: Any, sqlite_url: str,
     spec = {
         "fanout": "parallel",
         "servers": [
-            {"kind": "model", "name": "policy_model"},
+            {"kind": "model", "name": "policy_model", "latency_s": 0.01},
             {"kind": "agent", "name": "agent_a", "policy": "policy_model", "resources": "tools_a"},
             {"kind": "agent", "name": "agent_b", "policy": "policy_model", "resources": "tools_b"},
             {"kind": "resources", "name": "tools_a"},
@@ -166,8 +166,9 @@ async def test_step_wise_and_parallel_fanout(make_cluster: Any, sqlite_url: str,
         config = configure(running, sqlite_url)
         assert config.fanout == "parallel"
         async with httpx.AsyncClient() as http:
-            await client.start_rollouts(http, running.urls["agent_a"], {"a0": 5, "a1": 5})
-            await client.start_rollouts(http, running.urls["agent_b"], {"b0": 5})
+            # mid-rollout at the prepare: a finished rollout would be held until acknowledged
+            await client.start_rollouts(http, running.urls["agent_a"], {"a0": 40, "a1": 40})
+            await client.start_rollouts(http, running.urls["agent_b"], {"b0": 40})
             async with Coordinator.open(config) as coord:
                 attempt = await coord.prepare(deadline_s=30)
                 assert attempt.state == "prepared"

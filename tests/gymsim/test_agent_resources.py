@@ -42,12 +42,24 @@ async def step(gym: Gym, rollout_id: str, attempt: int = 0, text: str = "x") -> 
     )
 
 
-async def prepare_agent(gym: Gym, checkpoint_id: str = "c1") -> dict[str, Any]:
+async def prepare_agent(gym: Gym, checkpoint_id: str = "c1", *, give_up_s: float = 60.0) -> dict[str, Any]:
+    """Prepare, retrying `agent_prepare_incomplete` (every 0.05 s, for at most `give_up_s`)."""
+    until = asyncio.get_running_loop().time() + give_up_s
     while True:
         reply = await gym.op("simple_agent", "prepare", checkpoint_id)
-        if code(reply) != "agent_prepare_incomplete":
+        if code(reply) != "agent_prepare_incomplete" or asyncio.get_running_loop().time() > until:
             return ok(reply)
         await asyncio.sleep(0.05)
+
+
+async def acknowledge(
+    gym: Gym, executions: list[dict[str, Any]], token: str | None = TOKEN
+) -> httpx.Response:
+    return await gym.op("simple_agent", "acknowledge", body={"executions": executions}, token=token)
+
+
+def ids(entries: list[Any]) -> list[tuple[str, int]]:
+    return [(e["rollout_id"], e["attempt_index"]) for e in entries]
 
 
 # -- agent ---------------------------------------------------------------------------------------
@@ -92,7 +104,8 @@ async def test_prepare_incomplete_while_a_turn_cannot_finish_then_ready(gym: Gym
     assert await gym.fence("simple_agent") == ("idle", None)  # fence back to idle
     status = AgentStatusReply.model_validate(ok(await gym.status("simple_agent")))
     assert status.running == 1
-    assert status.blocking_attempts == [{"rollout_id": "stuck", "attempt_index": 0}]
+    assert ids(status.blocking_attempts) == [("stuck", 0)]
+    assert status.blocking_attempts[0]["state"] == "park_requested"  # asked to park, still in its turn
     closed = await gym.http.post(agent + "/run", json={"rollout_id": "late", "turns": 1})
     assert closed.status_code == 409  # admission stays closed until resume
     assert code(closed) == "checkpoint_parked"
@@ -106,7 +119,7 @@ async def test_prepare_incomplete_while_a_turn_cannot_finish_then_ready(gym: Gym
     assert gc.turn_log_problems(rollouts) == []
 
 
-async def test_model_refusal_counts_as_parked_without_boundary(gym: Gym) -> None:
+async def test_model_refusal_leaves_the_rollout_parked_at_its_boundary(gym: Gym) -> None:
     agent = gym.urls["simple_agent"]
     ok(await gym.op("policy_model", "pause"))
     await gc.start_rollout(gym.http, agent, "r1", 3)
@@ -116,8 +129,14 @@ async def test_model_refusal_counts_as_parked_without_boundary(gym: Gym) -> None
 
     await eventually(blocked, what="the rollout blocked at the model gate")
     prepared = await prepare_agent(gym)
-    assert prepared["parked"] == 1
+    assert (prepared["parked"], prepared["parked_with_boundary"], prepared["parked_without_boundary"]) == (
+        1,
+        1,
+        0,
+    )
     assert prepared["running"] == 0
+    assert prepared["executions"][0]["state"] == "parked"
+    assert prepared["executions"][0]["boundary_index"] == 0  # the turn it was refused re-runs from there
     ok(await gym.op("policy_model", "resume"))
     ok(await gym.op("simple_agent", "resume"))
     rollouts = await gc.wait_finished(gym.http, agent, expect=1)
@@ -126,9 +145,11 @@ async def test_model_refusal_counts_as_parked_without_boundary(gym: Gym) -> None
 
 async def test_agent_commit_files_and_continuation_rows(gym: Gym, tmp_path: Path) -> None:
     agent = gym.urls["simple_agent"]
-    await gc.start_rollouts(gym.http, agent, {"b": 2, "a": 2, "c": 2})
-    await gc.wait_finished(gym.http, agent, expect=3)
-    await prepare_agent(gym)
+    await gc.start_rollouts(gym.http, agent, {"b": 50, "a": 50, "c": 50})
+    await gc.wait_turns(gym.http, agent, 2)
+    prepared = await prepare_agent(gym)
+    assert (prepared["running"], prepared["parked"], prepared["completed_unacknowledged"]) == (0, 3, 0)
+    views = await gc.get_rollouts(gym.http, agent)
     commit = AgentCommitReply.model_validate(
         ok(await gym.op("simple_agent", "commit", checkpoint_dir=str(tmp_path)))
     )
@@ -154,14 +175,63 @@ async def test_agent_commit_files_and_continuation_rows(gym: Gym, tmp_path: Path
             "resource_state_revisions",
         ]
         ContinuationRow.model_validate(row)
-        assert row["last_committed_model_call_id"] == "call-2"
-        assert row["resource_state_revisions"] == {"tools": 2}
+        done = views[row["rollout_id"]]["turns_done"]  # parked at its boundary after `done` turns
+        assert done >= 2
+        assert row["last_committed_model_call_id"] == f"call-{done}"
+        assert row["resource_state_revisions"] == {"tools": done}
     assert sorted(p.name for p in folder.iterdir()) == [
         "boundaries.jsonl",
         "continuations.jsonl",
         "manifest.json",
     ]
     assert await gym.fence("simple_agent") == ("committed_paused", "c1")
+
+
+async def test_a_finished_rollout_blocks_prepare_until_acknowledged(gym: Gym, tmp_path: Path) -> None:
+    agent = gym.urls["simple_agent"]
+    caps = await gym.caps("simple_agent")
+    assert "completed_result_acknowledgement" in caps["features"]
+    await gc.start_rollouts(gym.http, agent, {"done": 2, "long": 500})
+    await gc.wait_until(gym.http, agent, lambda rs: rs["done"]["status"] == "completed")
+    refused = await gym.op("simple_agent", "prepare", deadline_s=0.5)
+    assert refused.status_code == 409
+    assert code(refused) == "agent_prepare_incomplete"
+    assert "completed_unacknowledged=1" in refused.json()["error"]["detail"]
+    status = AgentStatusReply.model_validate(ok(await gym.status("simple_agent")))
+    assert ids(status.completed_unacknowledged_attempts) == [("done", 0)]
+    assert status.completed_unacknowledged_attempts[0]["state"] == "completed"
+    # the whole batch is checked first: one unknown execution releases nothing
+    bad = await acknowledge(
+        gym, [{"rollout_id": "done", "attempt_index": 0}, {"rollout_id": "long", "attempt_index": 0}]
+    )
+    assert bad.status_code == 409
+    assert code(bad) == "completed_execution_acknowledgement_error"
+    assert "long" in bad.json()["error"]["detail"]
+    assert AgentStatusReply.model_validate(ok(await gym.status("simple_agent"))).completed_unacknowledged == 1
+    for invalid in (
+        [],
+        [{"rollout_id": "done", "attempt_index": 0}, {"rollout_id": "done", "attempt_index": 0}],
+        [{"rollout_id": "-x", "attempt_index": 0}],
+        [{"rollout_id": "done", "attempt_index": -1}],
+        [{"rollout_id": "done", "attempt_index": 0, "extra": 1}],
+    ):
+        assert (await acknowledge(gym, invalid)).status_code == 422, invalid
+    assert (
+        await acknowledge(gym, [{"rollout_id": "done", "attempt_index": 0}], token=None)
+    ).status_code == 401
+    good = await acknowledge(gym, [{"rollout_id": "done", "attempt_index": 0}])
+    assert ok(good) == {"acknowledged": [{"rollout_id": "done", "attempt_index": 0}]}
+    assert ok(await acknowledge(gym, [{"rollout_id": "done", "attempt_index": 0}])) == ok(good)  # repeatable
+    prepared = await prepare_agent(gym)
+    assert prepared["ready_to_commit"]
+    assert (prepared["completed_unacknowledged"], prepared["parked"]) == (0, 1)
+    assert ids(prepared["executions"]) == [("long", 0)]
+    commit = ok(await gym.op("simple_agent", "commit", checkpoint_dir=str(tmp_path)))
+    assert commit["records"] == 1  # an acknowledged result is never part of a checkpoint
+    views = await gc.get_rollouts(gym.http, agent)
+    assert views["done"]["acknowledged"] is True
+    assert views["done"]["result"] is not None  # its view stays readable
+    ok(await gym.op("simple_agent", "resume"))
 
 
 async def test_agent_phase_table(gym: Gym, tmp_path: Path) -> None:
@@ -180,10 +250,10 @@ async def test_agent_phase_table(gym: Gym, tmp_path: Path) -> None:
 async def test_agent_restore_of_a_damaged_snapshot_fails_and_installs_nothing(
     gym: Gym, tmp_path: Path
 ) -> None:
-    await gc.start_rollouts(gym.http, gym.urls["simple_agent"], {"r1": 1})
-    await gc.wait_finished(gym.http, gym.urls["simple_agent"], expect=1)
+    await gc.start_rollouts(gym.http, gym.urls["simple_agent"], {"r1": 100})
+    await gc.wait_turns(gym.http, gym.urls["simple_agent"], 1)
     await prepare_agent(gym)
-    ok(await gym.op("simple_agent", "commit", checkpoint_dir=str(tmp_path)))
+    assert ok(await gym.op("simple_agent", "commit", checkpoint_dir=str(tmp_path)))["records"] == 1
     boundaries = tmp_path / agent_instance_dir("simple_agent") / "boundaries.jsonl"
     boundaries.write_bytes(boundaries.read_bytes() + b"\n")
     with start_cluster(SPEC, token=TOKEN) as fresh:
@@ -231,7 +301,8 @@ async def test_prepare_closes_mutations_and_status_reports_locked_sessions(gym: 
     assert closed.json()["error"]["code"] == "resources_admission_closed"
     assert "message" in closed.json()["error"]
     status = ResourcesStatusReply.model_validate(ok(await gym.status("tools")))
-    assert (status.state, status.admission_state, status.sessions) == ("prepared", "closed", 1)
+    # real Gym: `state` is the admission state, paused after prepare — not the fence phase
+    assert (status.state, status.admission_state, status.sessions) == ("paused", "paused", 1)
     assert [(s.rollout_id, s.revision, s.locked) for s in status.per_session] == [("r1", 1, True)]
     assert code(await gym.status("tools", "c2")) == "checkpoint_conflict"
     assert ok(await gym.op("tools", "resume")) == {"state": "accepting"}

@@ -15,6 +15,7 @@ from coordinator.protocol import (
     ModelRestoreReply,
     ModelResumeReply,
     ModelStatusReply,
+    StorageReference,
     capture_key,
     manifest_path,
     sha256_hex,
@@ -172,22 +173,58 @@ async def test_commit_writes_the_ledger_up_to_each_last_committed_call(gym: Gym,
     index = write_index(tmp_path, [row("r1", "call-2"), row("r2", "call-1", attempt=1), row("r3", None)])
     reply = await gym.op("policy_model", "commit", checkpoint_dir=str(tmp_path), continuation_indexes=[index])
     assert reply.status_code == 200, reply.text
+    assert set(reply.json()) == {
+        "rollouts",
+        "rows",
+        "excluded_tombstoned",
+        "excluded_inactive",
+        "manifest_digest",
+        "storage_reference_index",
+    }
     commit = ModelCommitReply.model_validate(reply.json())
     assert (commit.rollouts, commit.rows) == (3, 3)
     assert commit.excluded_inactive == 2  # r2 (attempt 0) and stray have no continuation row
+    folder = tmp_path / "model-ledger/policy_model"
     manifest_file = tmp_path / manifest_path("responses_api_models", "policy_model")
     assert commit.manifest_digest == sha256_hex(manifest_file.read_bytes())
+    # Gym's layout: one lineage file per capture key (none for a root without calls), the index, the manifest
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "manifest.json",
+        "r1.lineage.jsonl",
+        "r2-a1.lineage.jsonl",
+        "storage-references.jsonl",
+    ]
     manifest = json.loads(manifest_file.read_bytes())
-    assert manifest["checkpoint_id"] == "c1"
-    calls = [
-        json.loads(line)
-        for line in (tmp_path / "model-ledger/policy_model/calls.jsonl").read_text().splitlines()
+    assert (manifest["schema_version"], manifest["checkpoint_id"], manifest["server_name"]) == (
+        2,
+        "c1",
+        "policy_model",
+    )
+    assert sorted(manifest["rollouts"]) == ["r1", "r2-a1", "r3"]
+    lineage = (folder / "r1.lineage.jsonl").read_bytes()
+    assert manifest["rollouts"]["r1"] == {
+        "files": {"r1.lineage.jsonl": sha256_hex(lineage)},
+        "rows": 2,
+        "bytes": len(lineage),
+    }
+    assert manifest["rollouts"]["r3"] == {"files": {}, "rows": 0, "bytes": 0}
+    assert [json.loads(line)["call_id"] for line in lineage.splitlines()] == ["call-1", "call-2"]
+    assert manifest["storage_reference_index"] == commit.storage_reference_index.model_dump(mode="json")
+    ref = commit.storage_reference_index
+    assert ref is not None
+    assert ref.relative_path == "model-ledger/policy_model/storage-references.jsonl"
+    data = (tmp_path / ref.relative_path).read_bytes()
+    assert (ref.sha256, ref.bytes, ref.records) == (sha256_hex(data), len(data), len(data.splitlines()))
+    references = [StorageReference.model_validate_json(line) for line in data.splitlines()]
+    # each root's boundary call needs its own staging row and every row before it in its capture key
+    assert [(r.capture_key, r.boundary_model_call_id, r.key) for r in references] == [
+        ("r1", "call-2", "r1/call-1"),
+        ("r1", "call-2", "r1/call-2"),
+        ("r2-a1", "call-1", "r2-a1/call-1"),
     ]
-    assert [(c["capture_key"], c["call_id"]) for c in calls] == [
-        ("r1", "call-1"),
-        ("r1", "call-2"),
-        ("r2-a1", "call-1"),
-    ]
+    assert data == b"".join(
+        json.dumps(r.model_dump(mode="json"), separators=(",", ":")).encode() + b"\n" for r in references
+    )  # compact, sorted by key
     assert await gym.fence("policy_model") == ("committed_paused", "c1")
     # idempotent replay returns the recorded reply unchanged
     again = await gym.op("policy_model", "commit", checkpoint_dir="/elsewhere", continuation_indexes=[])
@@ -266,7 +303,7 @@ async def test_restore_installs_attempt_n_plus_one_and_boots_paused(cluster: Any
 async def test_restore_verifies_digests_before_installing(cluster: Any, gym: Gym, tmp_path: Path) -> None:
     await committed_model(gym, tmp_path)
     await gym.op("policy_model", "resume", "src")
-    calls_file = tmp_path / "model-ledger/policy_model/calls.jsonl"
+    calls_file = tmp_path / "model-ledger/policy_model/r1.lineage.jsonl"
     good = calls_file.read_bytes()
     calls_file.write_bytes(good.replace(b"call-1", b"call-7"))
     from tests.gymsim.conftest import SPEC, TOKEN

@@ -9,9 +9,11 @@ Rules (each `Violation` names the seq of the offending event):
 
 - `order` — within one run of a phase (from its `phase.started`; calls made by another epoch are
   another run), calls follow the step order of `coordinator.phases.ORDER` (rollback and recovery
-  follow the resume order and may only resume; recovery may also read capabilities): a call of an
-  earlier step after a later one, a call of an operation the phase does not have, and a call sent
-  while a call of an earlier step of the same run has no outcome yet are violations.
+  follow the resume order and may only resume; recovery may also read capabilities; a prepare may
+  read an agent's status — which executions it holds unacknowledged — as part of that agent's
+  prepare step): a call of an earlier step after a later one, a call of an operation the phase
+  does not have, and a call sent while a call of an earlier step of the same run has no outcome
+  yet are violations.
 - `unsettled` — when a save attempt has ended (a terminal event), every server it touched (sent
   anything but a resume, outside rollback/recovery) was either committed and then resumed, or
   compensated: resumed in rollback or recovery — or in any phase once the attempt was aborted (a
@@ -21,7 +23,9 @@ Rules (each `Violation` names the seq of the offending event):
   held by another checkpoint id and left it alone (a warning); one that was sent
   resumes, none of which settled it, is only a warning (`left_paused`: the coordinator did its
   part, the server did not answer). A save attempt resumed in its `resume` phase without an
-  acknowledged commit (and before any abort) is a violation at that resume — unless a later
+  acknowledged commit (and before any abort) is a violation at that resume — unless it is a
+  drain-only policy model (its `mode` in the last `discovery.completed` is not `export_restore`:
+  it never commits) resumed after another server's acknowledged commit or the publication, or a later
   coordinator recorded the attempt's publication before it (`attempt.published` of a later epoch
   than `attempt.started`: recovery found the renamed snapshot on disk, its manifest naming this
   checkpoint id, after a power failure took the write-behind records of the commits with it).
@@ -59,6 +63,10 @@ _RANKS: Final[dict[str, dict[tuple[str, str], int]]] = {
     phase: {(step.role, step.operation): i for i, step in enumerate(order)} for phase, order in ORDER.items()
 }
 _RESUME_RANK: Final[dict[str, int]] = {role: i for i, role in enumerate(resume_order())}
+#: Reads that belong to another step of their phase: the agent status read while an agent prepares.
+_READ_AS: Final[dict[tuple[str, str, str], tuple[str, str]]] = {
+    ("prepare", "agent", "status"): ("agent", "prepare"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +152,8 @@ class _Attempt:
     outcomes: set[str] = field(default_factory=set)  # every terminal outcome recorded
     abort_seq: int | None = None  # the first attempt.aborting / attempt.aborted
     recovered_publication_seq: int | None = None  # the first attempt.published of a later epoch
+    published_seq: int | None = None  # the first attempt.published
+    drain_only: frozenset[str] = frozenset()  # participants that never commit (as discovered before it)
     open: dict[str, _Open] = field(default_factory=dict)
     closed: set[str] = field(default_factory=set)
     # (phase, epoch) -> number of the current run of that phase (bumped by each phase.started)
@@ -166,7 +176,8 @@ def _rank(phase: str, component: str | None, operation: str | None) -> int | Non
         return None
     if phase in COMPENSATING_PHASES:
         return _RESUME_RANK.get(role) if operation == "resume" else None
-    return _RANKS.get(phase, {}).get((role, operation))
+    step = _READ_AS.get((phase, role, operation), (role, operation))
+    return _RANKS.get(phase, {}).get(step)
 
 
 def _int(value: Any) -> int | None:
@@ -181,6 +192,7 @@ class ProtocolChecker:
         self._attempts: dict[str, _Attempt] = {}
         self._max_epoch: int | None = None
         self._max_epoch_seq: int | None = None
+        self._drain_only: frozenset[str] = frozenset()  # as of the last discovery.completed
 
     def _violation(self, seq: int, rule: Rule, attempt: str | None, server: str | None, msg: str) -> None:
         self._report.violations.append(Violation(seq, rule, attempt, server, msg))
@@ -197,6 +209,12 @@ class ProtocolChecker:
                     if found is not None and value == "abandoned":
                         found.terminal_seq = event.seq
                         found.outcomes.add("abandoned")
+        if event.kind == "discovery.completed":
+            self._drain_only = frozenset(
+                str(p.get("name"))
+                for p in event.data.get("participants", [])
+                if isinstance(p, dict) and p.get("mode") not in (None, "export_restore")
+            )
         if cid is None:
             return
         attempt = self._attempts.get(cid)
@@ -207,6 +225,7 @@ class ProtocolChecker:
             data = event.data
             attempt.kind = data.get("kind") if isinstance(data.get("kind"), str) else None
             attempt.epoch = event.epoch
+            attempt.drain_only = self._drain_only
             deadline = data.get("deadline_ts")
             if isinstance(deadline, int | float) and not isinstance(deadline, bool):
                 attempt.deadline_ts = float(deadline)
@@ -225,13 +244,15 @@ class ProtocolChecker:
                 attempt.abort_seq = event.seq
         elif kind == "attempt.aborting" and attempt.abort_seq is None:
             attempt.abort_seq = event.seq
-        elif (
-            kind == "attempt.published"
-            and attempt.recovered_publication_seq is None
-            and attempt.epoch is not None
-            and event.epoch > attempt.epoch
-        ):
-            attempt.recovered_publication_seq = event.seq
+        elif kind == "attempt.published":
+            if attempt.published_seq is None:
+                attempt.published_seq = event.seq
+            if (
+                attempt.recovered_publication_seq is None
+                and attempt.epoch is not None
+                and event.epoch > attempt.epoch
+            ):
+                attempt.recovered_publication_seq = event.seq
         elif kind == "recovery.settled" and event.server and event.data.get("result") == "other_checkpoint":
             attempt.server(event.server).other_checkpoint_seq = event.seq
 
@@ -405,6 +426,11 @@ class ProtocolChecker:
             committed = state.commit_ack_seq is not None and state.commit_ack_seq < state.settle_seq
             recovered = attempt.recovered_publication_seq
             committed = committed or (recovered is not None and recovered < state.settle_seq)
+            if name in attempt.drain_only:  # it never commits: the others' commit, or the publication
+                others = [s.commit_ack_seq for s in attempt.servers.values() if s.commit_ack_seq is not None]
+                published = attempt.published_seq
+                committed = committed or any(seq < state.settle_seq for seq in others)
+                committed = committed or (published is not None and published < state.settle_seq)
             if not state.settle_compensating and not committed:
                 self._violation(
                     state.settle_seq,

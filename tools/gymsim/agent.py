@@ -13,21 +13,30 @@ a turn lost or run twice changes the result; the turn log records which attempt
 ran which turn, with the model call id and resource revision it saw.
 
 Checkpoint rules (export_restore agents):
+- a finished rollout is held as `completed_unacknowledged` until its consumer acknowledges it
+  (`POST /agent-checkpoint/acknowledge-completed`, feature `completed_result_acknowledgement`):
+  the whole batch is checked first — every execution must be held or already acknowledged,
+  else 409 `completed_execution_acknowledgement_error` and nothing is released — then each is
+  released (a repeated acknowledgement answers the same). Its view stays in `/rollouts`
+  (`acknowledged: true`); it is never part of a checkpoint.
 - prepare closes admission (`/run` answers 409 `checkpoint_parked`) and asks every
   rollout to park at its next boundary; it waits within the budget until none is
-  running, else 409 `agent_prepare_incomplete` (the fence goes back to idle, the
+  running. It is ready (`ready_to_commit`) only with nothing running, no parked rollout
+  without a boundary and no unacknowledged completion; otherwise 409
+  `agent_prepare_incomplete` with those three counts (the fence goes back to idle, the
   park request stays until resume). A rollout whose model call was refused with
-  `checkpoint_parked` has changed nothing of its turn: it counts as parked
-  (`parked_without_boundary`) and re-runs the turn from its boundary.
+  `checkpoint_parked` has changed nothing of its turn: it is parked at its last boundary
+  (`parked_with_boundary`) and re-runs the turn from there. The prepare reply has exactly the
+  anchor's fields, `state` `preparing` once a checkpoint asked the rollouts to park.
 - commit writes, under `agent/instance-<sha256hex(name)>/`, `boundaries.jsonl` (one
-  boundary record per parked or completed rollout), `continuations.jsonl` (the
+  boundary record per parked rollout), `continuations.jsonl` (the
   spec's rows, sorted by capture key) and `manifest.json` last; durable before it answers.
 - restore verifies every digest, then installs each record of attempt n as attempt
   n+1, parked; the agent stays closed until resume.
 - resume reopens admission and releases every parked rollout.
 
-A `stateless` agent serves `/run` the same way but never parks and commits nothing
-(empty index): the coordinator skips it.
+A `stateless` (or `restart_only`) agent serves `/run` the same way but never parks, holds no
+result and commits nothing (empty index): the coordinator skips it.
 """
 
 from __future__ import annotations
@@ -49,9 +58,13 @@ from coordinator.protocol import (
     ATTEMPT_INDEX_HEADER,
     CHECKPOINT_ID_PATTERN,
     CHECKPOINT_PARKED,
+    COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR,
+    COMPLETED_RESULT_ACKNOWLEDGEMENT,
     RESOURCE_REVISION_HEADER,
     RESOURCES_ADMISSION_CLOSED,
     ROLLOUT_ID_HEADER,
+    AcknowledgeBody,
+    AcknowledgeReply,
     AgentCommitReply,
     AgentPrepareReply,
     AgentRestoreReply,
@@ -120,6 +133,9 @@ class Rollout:
     revisions: dict[str, int] = field(default_factory=dict)
     restored_from: list[dict[str, Any]] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
+    #: the consumer acknowledged the finished result: released, never part of a checkpoint again
+    acknowledged: bool = False
+    started: float = field(default_factory=time.time)
 
     @property
     def capture_key(self) -> str:
@@ -140,6 +156,7 @@ class Rollout:
             "last_committed_model_call_id": self.last_model_call_id,
             "resource_state_revisions": self.revisions,
             "restored_from": self.restored_from,
+            "acknowledged": self.acknowledged,
         }
 
     def boundary_record(self) -> dict[str, Any]:
@@ -186,6 +203,9 @@ class AgentServer(GymServer):
     @property
     def stateful(self) -> bool:
         return self.spec.checkpoint_mode == "export_restore"
+
+    def feature_list(self) -> list[str]:
+        return [*self.features, COMPLETED_RESULT_ACKNOWLEDGEMENT] if self.stateful else list(self.features)
 
     def admission_state(self) -> str:
         if not self.park_requested:
@@ -262,6 +282,12 @@ class AgentServer(GymServer):
         @self.control_route("POST", route(AGENT, "resume").full_path)
         async def resume(body: CommonBody) -> JSONResponse:
             return await self.control("resume", body, self._resume)
+
+        if self.stateful:
+
+            @self.control_route("POST", route(AGENT, "acknowledge").full_path)
+            async def acknowledge(body: AcknowledgeBody) -> JSONResponse:
+                return await self.query(lambda: self._acknowledge(body))
 
     # -- rollouts ----------------------------------------------------------------------------
 
@@ -405,39 +431,49 @@ class AgentServer(GymServer):
     # -- control operations ------------------------------------------------------------------
 
     def _participants(self) -> list[Rollout]:
-        return list(self.rollouts.values()) if self.stateful else []
+        """The rollouts a checkpoint concerns: every unreleased one of a stateful agent (a failed
+        rollout is retired, an acknowledged one released)."""
+        if not self.stateful:
+            return []
+        return [r for r in self.rollouts.values() if r.status != "failed" and not r.acknowledged]
+
+    def _execution(self, rollout: Rollout) -> dict[str, Any]:
+        """A rollout as Gym's execution status: a blocked model call leaves it parked at its boundary."""
+        parked = rollout.status in ("parked", "blocked")
+        if parked:
+            state = "parked"
+        elif rollout.status == "completed":
+            state = "completed"
+        else:
+            state = "park_requested" if self.park_requested else "running"
+        return {
+            "rollout_id": rollout.rollout_id,
+            "attempt_index": rollout.attempt_index,
+            "generation": 1,
+            "state": state,
+            "parked_boundary_state": "parked_with_boundary" if parked else None,
+            "boundary_index": rollout.turns_done,
+            "age_seconds": round(max(0.0, time.time() - rollout.started), 3),
+        }
 
     def _counters(self) -> dict[str, Any]:
-        rollouts = self._participants()
-
-        def attempts(rs: list[Rollout]) -> list[dict[str, Any]]:
-            return [{"rollout_id": r.rollout_id, "attempt_index": r.attempt_index} for r in rs]
-
+        """Exactly the anchor's prepare fields (gym-control-v1 §4)."""
+        rollouts = sorted(self._participants(), key=lambda r: r.capture_key)
         running = [r for r in rollouts if r.status == "running"]
-        with_boundary = [r for r in rollouts if r.status == "parked"]
-        without_boundary = [r for r in rollouts if r.status == "blocked"]
+        parked = [r for r in rollouts if r.status in ("parked", "blocked")]
         completed = [r for r in rollouts if r.status == "completed"]
         return {
-            "state": self.admission_state(),
-            "ready_to_commit": not running,
+            "state": "preparing" if self.park_requested else "accepting",
+            "ready_to_commit": not running and not completed,
             "running": len(running),
-            "parked": len(with_boundary) + len(without_boundary),
-            "parked_with_boundary": len(with_boundary),
-            "parked_without_boundary": len(without_boundary),
+            "parked": len(parked),
+            "parked_with_boundary": len(parked),
+            "parked_without_boundary": 0,
             "completed_unacknowledged": len(completed),
-            "active": len(running) + len(with_boundary) + len(without_boundary),
-            "failed": sum(1 for r in rollouts if r.status == "failed"),
-            "blocking_attempts": attempts(running),
-            "completed_unacknowledged_attempts": attempts(completed),
-            "executions": [
-                {
-                    "rollout_id": r.rollout_id,
-                    "attempt_index": r.attempt_index,
-                    "state": r.status,
-                    "turns_done": r.turns_done,
-                }
-                for r in sorted(rollouts, key=lambda r: r.capture_key)
-            ],
+            "active": len(running) + len(parked),
+            "blocking_attempts": [self._execution(r) for r in running],
+            "completed_unacknowledged_attempts": [self._execution(r) for r in completed],
+            "executions": [self._execution(r) for r in rollouts],
         }
 
     async def _prepare(self, body: CommonBody) -> dict[str, Any]:
@@ -452,19 +488,48 @@ class AgentServer(GymServer):
                 break
             await self.changed.wait(left)
         counters = self._counters()
-        if counters["running"]:
+        if not counters["ready_to_commit"]:
             raise ControlRejection(
                 AGENT_PREPARE_INCOMPLETE,
-                f"{counters['running']} rollouts have not reached a turn boundary yet",
+                f"agent prepare is incomplete: running={counters['running']},"
+                f" parked_without_boundary={counters['parked_without_boundary']},"
+                f" completed_unacknowledged={counters['completed_unacknowledged']}",
             )
         return AgentPrepareReply.model_validate(counters).model_dump(mode="json")
 
+    async def _acknowledge(self, body: AcknowledgeBody) -> dict[str, Any]:
+        """Release held results: the whole batch is checked before any is released."""
+        chosen: list[Rollout] = []
+        for execution in body.executions:
+            rollout = self.rollouts.get(execution.rollout_id)
+            if rollout is None or rollout.attempt_index != execution.attempt_index:
+                raise ControlRejection(
+                    COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR,
+                    f"rollout {execution.rollout_id!r} attempt {execution.attempt_index} has no completed"
+                    " result to acknowledge",
+                )
+            if rollout.status != "completed":
+                raise ControlRejection(
+                    COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR,
+                    f"rollout {execution.rollout_id!r} attempt {execution.attempt_index} is {rollout.status},"
+                    " not completed with a held result",
+                )
+            chosen.append(rollout)
+        for rollout in chosen:
+            rollout.acknowledged = True
+        self.changed.notify()
+        reply = AcknowledgeReply.model_validate(
+            {"acknowledged": [e.model_dump(mode="json") for e in body.executions]}
+        )
+        return reply.model_dump(mode="json")
+
     async def _status(self, q: StatusQuery) -> dict[str, Any]:
-        return AgentStatusReply.model_validate(self._counters()).model_dump(mode="json")
+        document = {"checkpoint_id": q.checkpoint_id, **self._counters()}
+        return AgentStatusReply.model_validate(document).model_dump(mode="json")
 
     async def _commit(self, body: CheckpointDirBody) -> dict[str, Any]:
         rollouts = sorted(
-            (r for r in self._participants() if r.status in ("parked", "blocked", "completed")),
+            (r for r in self._participants() if r.status in ("parked", "blocked")),
             key=lambda r: r.capture_key,
         )
         if any(r.status == "running" for r in self._participants()):

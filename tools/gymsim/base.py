@@ -366,6 +366,16 @@ class GymServer(ABC):
     def admission_state(self) -> str:
         return "accepting"
 
+    def feature_list(self) -> list[str]:
+        """The capability `features` this server declares (the class's, unless a server adds some)."""
+        return list(self.features)
+
+    def worker_mode(self) -> str:
+        """`multi_process.mode`: the spec's `worker_mode`, else unmanaged for more than one worker."""
+        if self.spec.worker_mode is not None:
+            return self.spec.worker_mode
+        return "unmanaged" if self.spec.workers > 1 else "single_worker"
+
     def debug_state(self) -> dict[str, Any]:
         return {}
 
@@ -395,11 +405,11 @@ class GymServer(ABC):
                 "admission_states": ["accepting", "draining", "paused"],
                 "checkpoint_mode": self.checkpoint_mode(),
                 "concurrency_contract": self.concurrency_contract,
-                "multi_process": MultiProcess(
-                    mode="unmanaged" if workers > 1 else "single_worker", num_workers=workers
+                "multi_process": MultiProcess.model_validate(
+                    {"mode": self.worker_mode(), "num_workers": workers}
                 ),
                 "instance_role": self.instance_role(),
-                "features": list(self.features),
+                "features": self.feature_list(),
                 **self.fence.snapshot(),
             }
         )

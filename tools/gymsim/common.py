@@ -214,10 +214,12 @@ class ArtifactWriter:
         self.files.append(ref)
         return ref
 
-    def write_manifest(self, document: dict[str, Any]) -> str:
-        """Write `manifest.json` (naming every file written before) and return its sha256."""
+    def write_manifest(self, document: dict[str, Any], *, list_files: bool = True) -> str:
+        """Write `manifest.json` and return its sha256. With `list_files` it names every file
+        written before (`files`); without, `document` names them in its own layout."""
         body = dict(document)
-        body["files"] = [ref.model_dump(mode="json") for ref in self.files]
+        if list_files:
+            body["files"] = [ref.model_dump(mode="json") for ref in self.files]
         data = (json.dumps(body, sort_keys=True) + "\n").encode("utf-8")  # C encoder: no indent
         folder = self._dir()
         if self._grouped:

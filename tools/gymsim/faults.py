@@ -16,7 +16,10 @@ and fires `times` times (None: every match). Kinds:
 - `malformed`: run the route, then answer 200 with truncated JSON;
 - `wrong_schema`: run the route, then answer 200 with JSON that matches no reply model;
 - `wrong_digest`: run the route, then answer its own reply with every `manifest_digest` replaced
-  by a digest of nothing (a commit whose files do not match what it reports).
+  by a digest of nothing (a commit whose files do not match what it reports);
+- `foreign_id`: run the route, then answer its own reply with the checkpoint id it names
+  (`checkpoint_id`, `source_checkpoint_id`) replaced by `FOREIGN_ID` (a server answering for
+  another checkpoint).
 
 Admin routes (`/gymsim/admin/...`) are never faulted.
 """
@@ -33,15 +36,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from coordinator.protocol import ROLLOUT_ID_HEADER
 
-FaultKind = Literal["delay", "fail", "drop", "hang", "malformed", "wrong_schema", "wrong_digest"]
+FaultKind = Literal[
+    "delay", "fail", "drop", "hang", "malformed", "wrong_schema", "wrong_digest", "foreign_id"
+]
 ADMIN_PREFIX = "/gymsim/admin"
 #: Scope key set when a reply was deliberately not delivered (drop, hang).
 UNDELIVERED = "gymsim.undelivered"
+#: Scope key set to the fault's kind when a fault fired for the request (its reply is not the server's own).
+FAULTED = "gymsim.faulted"
 
 MALFORMED_BODY = b'{"state": "accepting", "workers": {"acknowledged": '
 WRONG_SCHEMA_BODY = {"gymsim_fault": "wrong_schema", "schema_version": 1}
 #: sha256 of the empty string: what `wrong_digest` reports instead of the real manifest digest.
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+#: The checkpoint id a `foreign_id` reply names.
+FOREIGN_ID = "foreign-checkpoint"
 
 
 class Fault(BaseModel):
@@ -160,6 +169,7 @@ class FaultMiddleware:
         if fault is None:
             await self.app(scope, receive, send)
             return
+        scope[FAULTED] = fault.kind
         if fault.kind == "fail":
             await _send_json(send, fault.status, {"error": {"code": fault.code, "detail": "injected fault"}})
             return
@@ -190,15 +200,21 @@ class FaultMiddleware:
             raise DroppedConnection("gymsim drop fault: reply not delivered")
         elif fault.kind == "malformed":
             await _send_raw(send, 200, MALFORMED_BODY)
-        elif fault.kind == "wrong_digest":
+        elif fault.kind in ("wrong_digest", "foreign_id"):
             start = next((m for m in messages if m["type"] == "http.response.start"), None)
             body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
             document = json.loads(body) if body else None
-            if isinstance(document, dict) and "manifest_digest" in document:
-                document["manifest_digest"] = EMPTY_SHA256
+            keys = ("manifest_digest",) if fault.kind == "wrong_digest" else _ID_KEYS
+            if isinstance(document, dict):
+                for key in keys:
+                    if key in document:
+                        document[key] = EMPTY_SHA256 if fault.kind == "wrong_digest" else FOREIGN_ID
             await _send_json(send, start["status"] if start else 200, document)
         else:  # wrong_schema
             await _send_json(send, 200, WRONG_SCHEMA_BODY)
+
+
+_ID_KEYS = ("checkpoint_id", "source_checkpoint_id")
 
 
 async def _send_raw(send: Send, status: int, body: bytes) -> None:

@@ -8,6 +8,8 @@ session from the rollout id alone, so the state depends only on the rollout's
 exact mutation history, never on its attempt.
 
 Checkpoint rules:
+- status reports `state` as the admission state (`accepting`, or `paused` from prepare or
+  restore until resume), as real Gym does — not the fence phase;
 - prepare closes mutation admission (mutations then get 409
   `resources_admission_closed` with `{"error": {"code", "message"}}`), then takes
   every session's lock within the budget — each admitted mutation finishes first;
@@ -130,7 +132,7 @@ class ResourcesServer(GymServer):
         super().__init__(*args, **kwargs)
 
     def admission_state(self) -> str:
-        return "accepting" if self.accepting else "closed"
+        return "accepting" if self.accepting else "paused"
 
     def fence_rules(self) -> dict[str, OpRule]:
         return {
@@ -283,7 +285,7 @@ class ResourcesServer(GymServer):
         reply = ResourcesStatusReply.model_validate(
             {
                 "checkpoint_id": q.checkpoint_id,
-                "state": self.fence.phase,
+                "state": self.admission_state(),  # real Gym: the admission state, not the fence phase
                 "admission_state": self.admission_state(),
                 "sessions": len(self.sessions),
                 "per_session": [

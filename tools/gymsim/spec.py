@@ -22,11 +22,16 @@ Per server: `count` (> 1 expands `{i}` in name/policy/resources/judge, 0-based; 
 name without `{i}` gets `_<i>` appended), `prefix` (host under
 `http://HOST:PORT/s/<name>` on the one shared port instead of an own port),
 `latency_s` (model: per call; resources: per mutation, inside the session lock),
-`workers` (> 1 declares `multi_process: unmanaged`), `instance_role` (models:
+`workers` (> 1 declares `multi_process: unmanaged`, unless `worker_mode` says otherwise),
+`worker_mode` (policy models: `coordinator` runs `workers` workers behind the shapes of Gym's
+multi-worker admission coordinator), `instance_role` (models:
 `policy`, `auxiliary` or null to declare none), `config_instance_role` (written into
-the cluster config for this server), `checkpoint_mode` (agents and resources:
-`export_restore` or `stateless`), `policy` / `resources` (agent: server name or
-URL), `judge` (resources: the model `/verify` calls), `faults` (see `faults.py`).
+the cluster config for this server), `checkpoint_mode` (`export_restore`, `stateless` — a
+policy model then is drain-only —, or `restart_only`; an auxiliary model is always
+`stateless`), `restore_index` (policy models: `opt_in`, the anchor's restore that returns
+`storage_reference_index` only when asked, or `always`, later Gym's, which refuses the flag),
+`policy` / `resources` (agent: server name or URL), `judge` (resources: the model `/verify`
+calls), `faults` (see `faults.py`).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from coordinator.protocol import CheckpointMode, InstanceRole
+from coordinator.protocol import CheckpointMode, InstanceRole, WorkerMode
 from tools.gymsim.common import ROLLOUT_ID_RE
 from tools.gymsim.faults import Fault
 
@@ -55,9 +60,11 @@ class ServerSpec(BaseModel):
     prefix: bool = False
     latency_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     workers: int = Field(default=1, ge=1)
+    worker_mode: WorkerMode | None = None
     instance_role: InstanceRole | None = "policy"
     config_instance_role: InstanceRole | None = None
     checkpoint_mode: CheckpointMode = "export_restore"
+    restore_index: Literal["opt_in", "always"] = "opt_in"
     policy: str | None = None
     resources: str | None = None
     judge: str | None = None
@@ -116,6 +123,10 @@ class ClusterSpec(BaseModel):
                     raise ValueError(f"server {server.name}: {field_name} {ref!r} names no server")
             if server.kind == "agent" and server.policy is None:
                 raise ValueError(f"agent {server.name} needs a policy model (policy: NAME)")
+            if server.worker_mode == "coordinator" and server.kind != "model":
+                raise ValueError(
+                    f"server {server.name}: worker_mode coordinator applies to policy models only"
+                )
         return self
 
     def expanded(self) -> list[ServerSpec]:

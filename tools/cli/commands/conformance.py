@@ -1,7 +1,8 @@
 """`quiesce conformance URL` — probe one Gym server for control plane v1 compliance.
 
-Prints one row per check (pass / fail with a short reason / skip with why), or one
-JSON document with `--json`. Exit codes: 0 every check passed (skips allowed),
+Prints one row per check (pass / fail with a short reason / skip with why / warn: the rule holds
+in a way worth fixing), or one JSON document with `--json`. Exit codes: 0 no check failed
+(skips and warnings allowed),
 1 at least one failed, 2 bad usage (token variable unset, URL unreachable).
 The token is read from an environment variable and never printed.
 """
@@ -20,7 +21,12 @@ from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
 from tools.cli.output import console, emit_json, print_error
 from tools.conformance import DEFAULT_TIMEOUT_S, ConformanceReport, ServerUnreachable, run_conformance
 
-_STYLE = {"pass": "[green]pass[/]", "fail": "[bold red]FAIL[/]", "skip": "[yellow]skip[/]"}
+_STYLE = {
+    "pass": "[green]pass[/]",
+    "fail": "[bold red]FAIL[/]",
+    "skip": "[yellow]skip[/]",
+    "warn": "[bold yellow]warn[/]",
+}
 
 
 def register(subparsers: Any) -> None:
@@ -96,4 +102,7 @@ def print_report(report: ConformanceReport) -> None:
     console.print(table)
     counts = report.counts()
     verdict = "[green]conformant[/]" if report.passed else "[bold red]not conformant[/]"
-    console.print(f"{verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped")
+    warned = f", {counts['warn']} warning(s)" if counts["warn"] else ""
+    console.print(
+        f"{verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped{warned}"
+    )

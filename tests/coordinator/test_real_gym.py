@@ -1,0 +1,535 @@
+"""The coordinator against reference servers that behave as real NeMo Gym does (issue 18).
+
+Each test drives real uvicorn gymsim servers and checks the ledger, the servers' control logs and
+the snapshot: a drain of several seconds whose status replies name no rollout and `plane: null`;
+a finished rollout nobody acknowledged, named, acknowledged, then saved; a restored storage
+reference index that differs from the committed one; `restart_only` servers left alone; Gym's
+multi-worker coordinator; a drain-only policy model; replies naming another checkpoint; a later
+Gym that always returns the index; and the honest words of a rollback.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from coordinator import Coordinator, PhaseError, load_snapshot
+from coordinator.errors import AcknowledgementError, ConfigError
+from coordinator.protocol import sha256_hex
+from tests.coordinator.helpers import (
+    assert_all_accepting,
+    assert_protocol_ok,
+    control_log,
+    control_logs,
+    read_events,
+    routes_by_server,
+    server_states,
+    set_faults,
+)
+from tools.gymsim import client
+from tools.gymsim.agent import AgentServer
+from tools.gymsim.cluster import RunningCluster
+from tools.gymsim.spec import SpecLike
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
+
+MakeCluster = Callable[[SpecLike], AbstractContextManager[RunningCluster]]
+
+
+def spec(model: dict[str, Any] | None = None, *extra: dict[str, Any]) -> dict[str, Any]:
+    """The seed's example with its policy model changed by `model`, plus `extra` servers."""
+    return {
+        "servers": [
+            {"kind": "model", "name": "policy_model", **(model or {})},
+            {"kind": "model", "name": "judge", "instance_role": "auxiliary"},
+            {"kind": "agent", "name": "simple_agent", "policy": "policy_model", "resources": "tools"},
+            {"kind": "resources", "name": "tools", "judge": "judge"},
+            *extra,
+        ]
+    }
+
+
+async def latency(http: httpx.AsyncClient, url: str, seconds: float) -> None:
+    (await http.post(f"{url}/gymsim/admin/options", json={"latency_s": seconds})).raise_for_status()
+
+
+async def outcome(ledger_url: str, checkpoint_id: str) -> str | None:
+    events = await read_events(ledger_url, checkpoint_id)
+    ends = [ev for ev in events if ev.kind in ("attempt.completed", "attempt.aborted")]
+    return str(ends[-1].data.get("outcome", "aborted")) if ends else None
+
+
+# -- draining -----------------------------------------------------------------------------------
+
+
+async def test_a_drain_of_several_seconds_with_anonymous_calls_publishes(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any
+) -> None:
+    with make_cluster(spec()) as running:
+        model = running.urls["policy_model"]
+        config = configure(running, ledger_url)
+        async with (
+            httpx.AsyncClient(timeout=60) as http,
+            Coordinator.open(config) as coord,
+            anyio.create_task_group() as tg,
+        ):
+            await coord.discover()
+            await latency(http, model, 3.0)
+            answers: list[int] = []
+
+            async def anonymous() -> None:  # no rollout headers, no x-nemo-gym-plane: real Gym says null
+                answers.append((await http.post(model + "/v1/responses", json={"input": "hi"})).status_code)
+
+            for _ in range(3):
+                tg.start_soon(anonymous)
+            while (await http.get(model + "/gymsim/admin/state")).json()["inflight_total"] != 3:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+            attempt = await coord.checkpoint(deadline_s=60)
+        assert answers == [200, 200, 200]
+        assert attempt.snapshot is not None
+        assert await outcome(ledger_url, attempt.checkpoint_id) == "published"
+        events = await read_events(ledger_url, attempt.checkpoint_id)
+        sent = {ev.call_id: ev for ev in events if ev.kind == "call.sent"}
+        polls = [
+            ev
+            for ev in events
+            if ev.kind == "call.replied" and sent[ev.call_id].data["path"].endswith("/model-admission/status")
+        ]
+        anonymous_polls = [p for p in polls if p.data["body"]["inflight"]]
+        assert len(anonymous_polls) >= 2  # the drain outlasted more than one poll, each accepted
+        for poll in anonymous_polls:
+            assert {
+                (e["rollout_id"], e["attempt_index"], e["plane"]) for e in poll.data["body"]["inflight"]
+            } == {(None, None, None)}
+        assert polls[-1].data["body"]["state"] == "paused"
+    await assert_protocol_ok(ledger_url)
+
+
+# -- completed results --------------------------------------------------------------------------
+
+
+async def test_an_unacknowledged_result_is_named_then_acknowledged_then_saved(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any
+) -> None:
+    with make_cluster(spec({"latency_s": 0.01})) as running:
+        agent = running.urls["simple_agent"]
+        config = configure(running, ledger_url)
+        async with httpx.AsyncClient(timeout=60) as http:
+            await client.start_rollouts(http, agent, {"done": 2, "long": 100_000})
+            await client.wait_until(http, agent, lambda rs: rs["done"]["status"] == "completed")
+            async with Coordinator.open(config) as coord:
+                await coord.discover()
+                with pytest.raises(PhaseError) as caught:
+                    await coord.checkpoint(deadline_s=2)
+                failed = caught.value
+                text = str(failed)
+                assert (failed.phase, failed.server, failed.code) == (
+                    "prepare",
+                    "simple_agent",
+                    "agent_prepare_incomplete",
+                )
+                assert "1 finished rollout result(s) nobody has acknowledged: done:0" in text
+                assert "await coord.acknowledge_completed('simple_agent', [('done', 0)])" in text
+                assert "quiesce acknowledge --config CONFIG simple_agent done:0" in text
+                await assert_all_accepting(http, running)
+                assert await coord.acknowledge_completed("simple_agent", [("done", 0)]) == [("done", 0)]
+                attempt = await coord.checkpoint(deadline_s=30)
+            views = await client.get_rollouts(http, agent)
+        assert views["done"]["acknowledged"] is True
+        assert await outcome(ledger_url, failed.checkpoint_id or "") == "aborted"
+        assert await outcome(ledger_url, attempt.checkpoint_id) == "published"
+        events = await read_events(ledger_url, failed.checkpoint_id)
+        status_reads = [
+            ev
+            for ev in events
+            if ev.kind == "call.sent" and ev.data["path"].endswith("/agent-checkpoint/status")
+        ]
+        assert status_reads  # the held executions were read from the agent's status, a recorded call
+        acks = [ev for ev in await read_events(ledger_url) if ev.call_id and "-acknowledge/" in ev.call_id]
+        assert [ev.kind for ev in acks] == ["call.sent", "call.replied"]  # recorded before and after
+        assert acks[0].data["body"] == {
+            "schema_version": 1,
+            "executions": [{"rollout_id": "done", "attempt_index": 0}],
+        }
+        assert acks[0].data["path"] == "/ng-control/v1/agent-checkpoint/acknowledge-completed"
+        snapshot = load_snapshot(attempt.snapshot or Path())
+        records = snapshot.participant("simple_agent")
+        assert records is not None
+        assert records["reply"]["records"] == 1  # only "long": an acknowledged result is not saved
+    await assert_protocol_ok(ledger_url)
+
+
+async def test_an_acknowledgement_during_the_prepare_lets_it_succeed(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any
+) -> None:
+    with make_cluster(spec({"latency_s": 0.01})) as running:
+        agent = running.urls["simple_agent"]
+        config = configure(running, ledger_url)
+        async with httpx.AsyncClient(timeout=60) as http:
+            await client.start_rollouts(http, agent, {"done": 1, "long": 100_000})
+            await client.wait_until(http, agent, lambda rs: rs["done"]["status"] == "completed")
+            async with Coordinator.open(config) as coord:
+                await coord.discover()
+                results: list[Any] = []
+
+                async def save() -> None:
+                    results.append(await coord.checkpoint(deadline_s=60))
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(save)
+                    while not any(  # noqa: ASYNC110 — the prepare is being refused: the result is held
+                        e["path"].endswith("/agent-checkpoint/prepare") and e["status"] == 409
+                        for e in await control_log(http, agent)
+                    ):
+                        await anyio.sleep(0.02)
+                    await coord.acknowledge_completed("simple_agent", [("done", 0)])  # as the trainer would
+        assert await outcome(ledger_url, results[0].checkpoint_id) == "published"
+    await assert_protocol_ok(ledger_url)
+
+
+async def test_acknowledging_is_refused_before_anything_is_sent_when_it_cannot_apply(
+    cluster: RunningCluster, ledger_url: str, configure: Any
+) -> None:
+    config = configure(cluster, ledger_url)
+    async with Coordinator.open(config) as coord:
+        await coord.discover()
+        with pytest.raises(ConfigError, match="no server 'nobody' in the config"):
+            await coord.acknowledge_completed("nobody", [("r", 0)])
+        with pytest.raises(ConfigError, match="does not declare the completed_result_acknowledgement"):
+            await coord.acknowledge_completed("math_agent", [("r", 0)])  # stateless: holds nothing
+        with pytest.raises(ConfigError, match="executions"):
+            await coord.acknowledge_completed("simple_agent", [])
+        with pytest.raises(ConfigError, match="unique"):
+            await coord.acknowledge_completed("simple_agent", [("r", 0), ("r", 0)])
+        with pytest.raises(ConfigError, match="rollout_id"):
+            await coord.acknowledge_completed("simple_agent", [("-r", 0)])
+        # sent and refused: the agent holds no such result
+        with pytest.raises(AcknowledgementError, match="completed_execution_acknowledgement_error") as caught:
+            await coord.acknowledge_completed("simple_agent", [("never", 0)])
+        assert (caught.value.status, caught.value.code) == (409, "completed_execution_acknowledgement_error")
+    async with httpx.AsyncClient() as http:
+        acks = [
+            e for e in await control_log(http, cluster.urls["simple_agent"]) if "acknowledge" in e["path"]
+        ]
+        assert [(e["status"], e["authorized"]) for e in acks] == [
+            (409, True)
+        ]  # only the one that could apply
+
+
+async def test_a_reply_that_acknowledges_another_set_is_a_failed_call(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = AgentServer._acknowledge
+
+    async def partial(self: AgentServer, body: Any) -> dict[str, Any]:
+        reply = await original(self, body)
+        return {"acknowledged": reply["acknowledged"][:1]}  # drops the second execution
+
+    monkeypatch.setattr(AgentServer, "_acknowledge", partial)
+    with make_cluster(spec({"latency_s": 0.001})) as running:
+        agent = running.urls["simple_agent"]
+        async with httpx.AsyncClient(timeout=60) as http:
+            await client.start_rollouts(http, agent, {"a": 1, "b": 1})
+            await client.wait_finished(http, agent, expect=2)
+        async with Coordinator.open(configure(running, ledger_url)) as coord:
+            with pytest.raises(AcknowledgementError, match="not exactly the requested a:0, b:0"):
+                await coord.acknowledge_completed("simple_agent", [("a", 0), ("b", 0)])
+    failed = [ev for ev in await read_events(ledger_url) if ev.kind == "call.failed"]
+    assert [ev.data["error"] for ev in failed] == ["protocol"]  # recorded as a failed call
+
+
+# -- restore ------------------------------------------------------------------------------------
+
+
+def _retamper_index(snapshot: Path) -> None:
+    """Swap in a model folder that is consistent on its own — its storage index file, the index
+    named in its manifest, the snapshot's file list and the model's manifest digest all agree —
+    but whose index is not the one committed: the restored index will differ from the committed."""
+    folder = snapshot / "model-ledger" / "policy_model"
+    index_file = folder / "storage-references.jsonl"
+    lines = index_file.read_bytes().splitlines(keepends=True)
+    assert len(lines) >= 2
+    index_file.write_bytes(b"".join(lines[:-1]))
+    data = index_file.read_bytes()
+    model_manifest = json.loads((folder / "manifest.json").read_bytes())
+    model_manifest["storage_reference_index"].update(
+        sha256=sha256_hex(data), bytes=len(data), records=len(lines) - 1
+    )
+    (folder / "manifest.json").write_text(json.dumps(model_manifest, sort_keys=True) + "\n")
+    manifest_file = snapshot / "manifest.json"
+    manifest = json.loads(manifest_file.read_bytes())
+    for entry in manifest["files"]:
+        path = snapshot / entry["path"]
+        if entry["path"].startswith("model-ledger/"):
+            entry.update(bytes=path.stat().st_size, sha256=sha256_hex(path.read_bytes()))
+    model = next(p for p in manifest["participants"] if p["name"] == "policy_model")
+    model["manifest_digest"] = sha256_hex((folder / "manifest.json").read_bytes())
+    manifest_file.write_text(json.dumps(manifest, sort_keys=True, indent=1))
+
+
+async def _saved_mid_rollout(running: RunningCluster, config: Any) -> Path:
+    agent = running.urls["simple_agent"]
+    async with httpx.AsyncClient(timeout=60) as http:
+        await latency(http, running.urls["policy_model"], 0.01)
+        await client.start_rollouts(http, agent, {f"r{i}": 100_000 for i in range(3)})
+        await client.wait_turns(http, agent, 2)
+    async with Coordinator.open(config) as coord:
+        await coord.discover()
+        attempt = await coord.checkpoint(deadline_s=30)
+    assert attempt.snapshot is not None
+    return attempt.snapshot
+
+
+async def test_a_restored_storage_index_that_differs_fails_the_restore_with_nothing_resumed(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any
+) -> None:
+    with make_cluster(spec()) as first:
+        snapshot = await _saved_mid_rollout(first, configure(first, ledger_url))
+    committed = load_snapshot(snapshot).participant("policy_model")
+    assert committed is not None
+    assert (
+        committed["storage_reference_index"]["relative_path"]
+        == "model-ledger/policy_model/storage-references.jsonl"
+    )
+    _retamper_index(snapshot)
+    with make_cluster(spec()) as fresh:
+        async with Coordinator.open(configure(fresh, ledger_url)) as coord:
+            await coord.discover()
+            with pytest.raises(PhaseError) as caught:
+                await coord.restore(snapshot)
+        error = caught.value
+        assert (error.phase, error.server) == ("restore", "policy_model")
+        assert "its restored storage_reference_index differs from the one committed in the snapshot" in str(
+            error
+        )
+        assert error.resumed == []
+        async with httpx.AsyncClient() as http:
+            logs = await control_logs(http, fresh)
+            states = await server_states(http, fresh)
+        assert not any(e["path"].endswith("/resume") for log in logs.values() for e in log)  # nothing resumed
+        assert states["policy_model"] == ("restored_paused", "paused")  # left paused: must not run
+        assert routes_by_server(logs["simple_agent"]) == ["GET /capabilities"]  # never reached
+        events = await read_events(ledger_url, error.checkpoint_id)
+        aborted = next(ev for ev in events if ev.kind == "attempt.aborted")
+        assert (aborted.data["resumed"], aborted.data["left_paused"]) == ([], ["policy_model"])
+        restore_sent = [ev for ev in events if ev.kind == "call.sent" and ev.server == "policy_model"]
+        assert restore_sent[0].data["body"]["include_storage_reference_index"] is True  # the anchor's opt-in
+
+
+async def test_a_later_gym_that_refuses_the_opt_in_is_restored_without_it(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any
+) -> None:
+    later = spec({"restore_index": "always"})
+    with make_cluster(later) as first:
+        snapshot = await _saved_mid_rollout(first, configure(first, ledger_url))
+    with make_cluster(later) as fresh:
+        async with Coordinator.open(configure(fresh, ledger_url)) as coord:
+            await coord.discover()
+            restored = await coord.restore(snapshot)
+            await coord.resume()
+        events = await read_events(ledger_url, restored.checkpoint_id)
+        model_calls = [ev for ev in events if ev.server == "policy_model" and ev.kind.startswith("call.")]
+        first_call, retry = model_calls[0], model_calls[2]
+        assert first_call.data["body"]["include_storage_reference_index"] is True
+        assert model_calls[1].kind == "call.failed"
+        assert model_calls[1].data["status"] == 422
+        assert "include_storage_reference_index" not in retry.data["body"]
+        assert model_calls[3].kind == "call.replied"
+        assert (
+            model_calls[3].data["body"]["storage_reference_index"]
+            == load_snapshot(snapshot).participant("policy_model")["storage_reference_index"]
+        )
+        async with httpx.AsyncClient() as http:
+            await assert_all_accepting(http, fresh)
+    await assert_protocol_ok(ledger_url)
+
+
+# -- discovery and participation ----------------------------------------------------------------
+
+
+async def test_restart_only_servers_get_no_post(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any
+) -> None:
+    cluster_spec = spec(
+        None,
+        {
+            "kind": "agent",
+            "name": "restart_agent",
+            "checkpoint_mode": "restart_only",
+            "policy": "policy_model",
+        },
+        {"kind": "resources", "name": "restart_tools", "checkpoint_mode": "restart_only"},
+    )
+    with make_cluster(cluster_spec) as running:
+        async with Coordinator.open(configure(running, ledger_url)) as coord:
+            found = await coord.discover()
+            attempt = await coord.checkpoint(deadline_s=30)
+        skipped = dict(found.skipped)
+        for name in ("restart_agent", "restart_tools"):
+            assert "restart_only" in skipped[name]
+            assert "takes part in no phase" in skipped[name]
+        assert found.refused == ()
+        assert await outcome(ledger_url, attempt.checkpoint_id) == "published"
+        async with httpx.AsyncClient() as http:
+            for name in ("restart_agent", "restart_tools"):
+                assert routes_by_server(await control_log(http, running.urls[name])) == ["GET /capabilities"]
+
+
+async def test_a_restart_only_policy_model_is_skipped_without_refusing_the_setup(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any
+) -> None:
+    with make_cluster(spec({"checkpoint_mode": "restart_only"})) as running:
+        async with Coordinator.open(configure(running, ledger_url)) as coord:
+            found = await coord.discover()
+            attempt = await coord.checkpoint(deadline_s=30)
+        assert "policy_model" not in found.names
+        assert found.refused == ()
+        assert await outcome(ledger_url, attempt.checkpoint_id) == "published"
+        async with httpx.AsyncClient() as http:
+            assert routes_by_server(await control_log(http, running.urls["policy_model"])) == [
+                "GET /capabilities"
+            ]
+
+
+async def test_a_two_worker_coordinator_mode_policy_model_drains_and_publishes(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any
+) -> None:
+    with make_cluster(spec({"workers": 2, "worker_mode": "coordinator", "latency_s": 0.3})) as running:
+        agent = running.urls["simple_agent"]
+        async with httpx.AsyncClient(timeout=60) as http:
+            await client.start_rollouts(http, agent, {f"r{i}": 100_000 for i in range(4)})
+            await client.wait_turns(http, agent, 1)
+            async with Coordinator.open(configure(running, ledger_url)) as coord:
+                found = await coord.discover()
+                assert found.refused == ()
+                attempt = await coord.checkpoint(deadline_s=60)
+                assert await outcome(ledger_url, attempt.checkpoint_id) == "published"
+                events = await read_events(ledger_url, attempt.checkpoint_id)
+                sent = {ev.call_id: ev for ev in events if ev.kind == "call.sent"}
+                polls = [
+                    ev.data["body"]
+                    for ev in events
+                    if ev.kind == "call.replied"
+                    and sent[ev.call_id].data["path"].endswith("/model-admission/status")
+                ]
+                assert polls[-1]["state"] == "paused"
+                assert polls[-1]["workers"] == {"acknowledged": 2, "expected": 2, "live": 2}
+                assert "checkpoint_id" not in polls[-1]  # Gym's coordinator names none
+                # a lost worker: the pause is refused, naming the missing worker
+                await http.post(running.urls["policy_model"] + "/gymsim/admin/workers", json={"connected": 1})
+                with pytest.raises(PhaseError) as caught:
+                    await coord.checkpoint(deadline_s=30)
+            assert caught.value.code == "missing_workers"
+            assert "not every worker is connected" in str(caught.value)
+            assert "missing: 1" in str(caught.value)
+            await assert_all_accepting(http, running)
+    await assert_protocol_ok(ledger_url)
+
+
+async def test_a_drain_only_policy_model_is_paused_and_resumed_but_never_committed(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any
+) -> None:
+    drain_only = spec({"checkpoint_mode": "stateless"})
+    with make_cluster(drain_only) as first:
+        snapshot = await _saved_mid_rollout(first, configure(first, ledger_url))
+        async with httpx.AsyncClient() as http:
+            model_log = routes_by_server(await control_log(http, first.urls["policy_model"]))
+            await assert_all_accepting(http, first)
+    assert model_log[:2] == ["GET /capabilities", "POST /model-admission/pause"]
+    assert "POST /model-admission/resume" in model_log
+    assert not any("model-checkpoint" in r for r in model_log)
+    saved = load_snapshot(snapshot)
+    assert saved.participant("policy_model") is None
+    assert not (snapshot / "model-ledger").exists()
+    with make_cluster(drain_only) as fresh:
+        async with Coordinator.open(configure(fresh, ledger_url)) as coord:
+            await coord.discover()
+            restored = await coord.restore(snapshot)
+            await coord.resume()
+        assert "policy_model" not in restored.names
+        async with httpx.AsyncClient() as http:
+            assert routes_by_server(await control_log(http, fresh.urls["policy_model"])) == [
+                "GET /capabilities"
+            ]
+            await assert_all_accepting(http, fresh)
+    await assert_protocol_ok(ledger_url)
+
+
+# -- replies about another checkpoint, and honest rollbacks --------------------------------------
+
+
+async def test_a_status_reply_naming_another_checkpoint_is_a_failed_call(
+    cluster: RunningCluster, ledger_url: str, configure: Any
+) -> None:
+    async with httpx.AsyncClient() as http:
+        await set_faults(
+            http, cluster.urls["policy_model"], [{"kind": "foreign_id", "path": "/model-admission/status"}]
+        )
+        async with Coordinator.open(configure(cluster, ledger_url)) as coord:
+            await coord.discover()
+            with pytest.raises(PhaseError) as caught:
+                await coord.checkpoint(deadline_s=30)
+        assert (caught.value.phase, caught.value.server) == ("prepare", "policy_model")
+        assert "the reply names checkpoint 'foreign-checkpoint'" in str(caught.value)
+        await assert_all_accepting(http, cluster)
+    failed = [
+        ev for ev in await read_events(ledger_url, caught.value.checkpoint_id) if ev.kind == "call.failed"
+    ]
+    assert [(ev.server, ev.data["error"]) for ev in failed] == [("policy_model", "protocol")]
+    assert await outcome(ledger_url, caught.value.checkpoint_id or "") == "aborted"
+
+
+async def test_a_restore_reply_naming_another_checkpoint_fails_the_restore(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any
+) -> None:
+    with make_cluster(spec()) as first:
+        snapshot = await _saved_mid_rollout(first, configure(first, ledger_url))
+    with make_cluster(spec()) as fresh:
+        async with httpx.AsyncClient() as http:
+            await set_faults(
+                http,
+                fresh.urls["simple_agent"],
+                [{"kind": "foreign_id", "path": "/agent-checkpoint/restore"}],
+            )
+            async with Coordinator.open(configure(fresh, ledger_url)) as coord:
+                await coord.discover()
+                with pytest.raises(PhaseError) as caught:
+                    await coord.restore(snapshot)
+        assert (caught.value.phase, caught.value.server) == ("restore", "simple_agent")
+        assert "the reply names checkpoint 'foreign-checkpoint'" in str(caught.value)
+
+
+async def test_a_rollback_names_the_servers_whose_state_it_did_not_see(
+    cluster: RunningCluster, ledger_url: str, configure: Any
+) -> None:
+    async with httpx.AsyncClient() as http:
+        # the agent's prepare fails with a 500 that ran nothing: the model paused before it is resumed
+        # (its reply says accepting); the agent's fence stayed idle — a resume from idle answers
+        # accepting too (the agent allows it), so the message names every server as confirmed
+        await set_faults(
+            http, cluster.urls["simple_agent"], [{"kind": "fail", "path": "/agent-checkpoint/prepare"}]
+        )
+        async with Coordinator.open(configure(cluster, ledger_url)) as coord:
+            await coord.discover()
+            with pytest.raises(PhaseError) as confirmed:
+                await coord.checkpoint(deadline_s=30)
+            assert "Every server is accepting again." in str(confirmed.value)
+            # the model's pause fails the same way: its fence never left idle, so its resume is
+            # refused (invalid_phase) — the reply shows no accepting admission: it is named
+            await set_faults(http, cluster.urls["simple_agent"], [])
+            await set_faults(
+                http, cluster.urls["policy_model"], [{"kind": "fail", "path": "/model-admission/pause"}]
+            )
+            with pytest.raises(PhaseError) as unconfirmed:
+                await coord.checkpoint(deadline_s=30)
+        text = str(unconfirmed.value)
+        assert "Every server is accepting again" not in text
+        assert "Not confirmed accepting: policy_model" in text
+        assert "check it with `quiesce status`" in text
