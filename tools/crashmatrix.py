@@ -17,7 +17,9 @@ from an uncrashed dry run — against the reference Gym cluster with rollouts ru
    `quiesce resume`); no snapshot folder without a complete manifest and no staging left; `LATEST`
    names a snapshot that verifies; the previous snapshot still verifies; the ledger's hash chain
    and projections verify (replay) and the audit's protocol check passes; the rollouts finish
-   with exactly the results of an uninterrupted run, no turn lost or run twice.
+   with exactly the results of an uninterrupted run, no turn lost or run twice — and their results
+   are acknowledged (`quiesce acknowledge`), as a trainer does, before the cluster serves the next
+   point (Gym holds a finished result until then, and a checkpoint could not prepare).
 
 Prints one row per point (point, last event before death, recovery action, recovery time,
 invariants), then the recovery time median and p95 per cycle; exits 1 if any invariant failed.
@@ -59,7 +61,9 @@ from tools.gymsim.cluster import cluster_config, write_yaml_atomic
 from tools.gymsim.host import Host
 from tools.gymsim.spec import ClusterSpec, default_spec
 
-TURNS = 6
+#: Turns per rollout: enough that the rollouts are still running when a (forked) checkpoint
+#: prepares — a finished one is held until acknowledged, and its prepare could not complete.
+TURNS = 100
 ROLLOUTS_PER_POINT = 3
 PARTICIPANTS = {"policy_model": MODEL, "simple_agent": AGENT, "tools": RESOURCES}
 PAUSED_BY_RESTORE = ("policy_model", "simple_agent", "tools")
@@ -444,6 +448,9 @@ class Matrix:
                 raise RuntimeError(f"the dry-run checkpoint failed: {dry.stderr}")
             appends, sends = self._count(head)
             wait_rollouts(self.http, agent, ids)
+            problems = self._acknowledge(config, agent, ids)
+            if problems:
+                raise RuntimeError(f"acknowledging the dry run's results failed: {problems}")
             self.out(f"save cycle: {appends} append points, {sends} send points")
             plan = [(CRASH_AT, n) for n in range(1, appends + 1)] + [
                 (CRASH_BEFORE_SEND, n) for n in range(1, sends + 1)
@@ -492,7 +499,20 @@ class Matrix:
         point.problems += snapshot_problems(snapshots, previous)
         point.problems += self._second_recover(config, cluster.urls, self._workdir)
         self._check_rollouts(point, agent, ids)
+        # the cluster serves the next point: its finished results are consumed, as a trainer does
+        point.problems += self._acknowledge(config, agent, ids)
         point.problems += ledger_problems(self.ledger)
+
+    def _acknowledge(self, config: Path, agent: str, ids: list[str]) -> list[str]:
+        """`quiesce acknowledge` every finished result of `ids`: the agent holds each until then."""
+        seen = rollouts(self.http, agent)
+        done = [f"{rid}:{seen[rid]['attempt_index']}" for rid in ids if seen[rid]["status"] == "completed"]
+        if not done:
+            return []
+        run = quiesce(
+            ["acknowledge", "--config", str(config), "simple_agent", *done, "--json"], self._workdir
+        )
+        return [] if run.code == 0 else [f"acknowledge exit {run.code}: {run.stderr.strip()[-300:]}"]
 
     def _recover(self, point: Point, config: Path, urls: dict[str, str]) -> None:
         run = quiesce(["recover", "--config", str(config), "--json"], self._workdir)

@@ -7,6 +7,9 @@
 4. compare: every rollout must end exactly as in the uninterrupted run, no turn lost or run twice;
 5. print the attempts and their calls from the ledger.
 
+Like a trainer, the demo acknowledges every finished result it reads (`acknowledge_completed`, a
+recorded control call): Gym holds a finished rollout until its consumer confirms it has it.
+
 The control token is random, set in this process's environment and the clusters', never printed.
 Exit 0 when everything matches, 1 otherwise.
 
@@ -111,11 +114,26 @@ def _say(console: Console) -> Callable[[str], None]:
     return say
 
 
-async def _uninterrupted(env: dict[str, str], work: Path) -> dict[str, Any]:
+async def _consume(coord: Coordinator, rollouts: dict[str, Any]) -> int:
+    """Acknowledge every finished result read (as a trainer does once it holds them); the count."""
+    finished = [
+        (r["rollout_id"], int(r["attempt_index"]))
+        for r in rollouts.values()
+        if r["status"] == "completed" and not r.get("acknowledged")
+    ]
+    if finished:
+        await coord.acknowledge_completed(AGENT, finished)
+    return len(finished)
+
+
+async def _uninterrupted(env: dict[str, str], work: Path, ledger_url: str, snapshots: Path) -> dict[str, Any]:
     with spawn_cluster(DEMO_SPEC, env=env, workdir=work / "cluster-reference") as cluster:
+        config = cluster.write_config(work / "cluster-reference.yaml", ledger_url, snapshots)
         async with httpx.AsyncClient(timeout=30) as http:
             await client.start_rollouts(http, cluster.urls[AGENT], ROLLOUTS)
             rollouts = await client.wait_finished(http, cluster.urls[AGENT], timeout_s=120)
+            async with Coordinator.open(config) as coord:
+                await _consume(coord, rollouts)
     problems = client.turn_log_problems(rollouts)
     if problems:
         raise DemoFailed("the uninterrupted run itself is inconsistent: " + "; ".join(problems))
@@ -146,7 +164,7 @@ async def _run(folder: Path, console: Console, result: dict[str, Any]) -> int:
     snapshots = (folder / "snapshots").resolve()
     result.update({"ledger": ledger_url, "snapshots": str(snapshots), "rollouts": len(ROLLOUTS)})
 
-    expected = await _uninterrupted(env, folder)
+    expected = await _uninterrupted(env, folder, ledger_url, snapshots)
     say(
         f"reference run: {len(ROLLOUTS)} rollouts of {next(iter(ROLLOUTS.values()))} turns, never interrupted"
     )
@@ -196,7 +214,11 @@ async def _run(folder: Path, console: Console, result: dict[str, Any]) -> int:
                 say(f"restored {restored.source_checkpoint_id} as {restored.checkpoint_id}; servers paused")
                 await coord.resume()
                 say("resumed every server")
-            rollouts = await client.wait_finished(http, second.urls[AGENT], timeout_s=120)
+                rollouts = await client.wait_finished(http, second.urls[AGENT], timeout_s=120)
+                consumed = await _consume(coord, rollouts)
+                say(
+                    f"acknowledged the {consumed} finished results read, as a trainer does once it holds them"
+                )
     results = client.final_results(rollouts)
     differences = [
         f"{rid}: expected {expected.get(rid)!r}, got {results.get(rid)!r}"

@@ -10,6 +10,7 @@ leaves it idle.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import httpx
@@ -172,7 +173,7 @@ async def test_model_drain_that_never_ends_fails_status_and_commit_but_is_resume
 
 
 #: Every other kind of reference server gymsim can run, and the rows that show what it is.
-SPECIAL = {
+SPECIAL: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "coordinator": (
         {"kind": "model", "name": "policy_model", "workers": 2, "worker_mode": "coordinator"},
         {"status.workers": "pass", "artifacts.index": "pass"},

@@ -15,6 +15,7 @@ import pytest
 from coordinator import Coordinator
 from tests.coordinator.helpers import assert_all_accepting, assert_protocol_ok, server_states, set_faults
 from tools.cli.main import main
+from tools.gymsim import client
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -237,3 +238,46 @@ def test_quiesce_demo_exits_0(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "finished exactly as the uninterrupted run" in result.stdout
     assert (tmp_path / ".quiesce-demo" / "ledger.db").is_file()
+
+
+def test_acknowledge_releases_held_results_and_maps_its_exit_codes(
+    capsys: pytest.CaptureFixture[str], config_file: Path, cluster: Any
+) -> None:
+    agent = cluster.urls["simple_agent"]
+
+    async def finish() -> None:
+        async with httpx.AsyncClient() as http:
+            await client.start_rollouts(http, agent, {"d0": 1, "d1": 1})
+            await client.wait_finished(http, agent, expect=2)
+
+    anyio.run(finish)
+    config = str(config_file)
+    # bad usage: a malformed execution (argparse), an unknown server, a server without the feature
+    with pytest.raises(SystemExit) as usage:
+        main(["acknowledge", "--config", config, "simple_agent", "d0"])
+    assert usage.value.code == 2
+    assert "is not ROLLOUT_ID:ATTEMPT_INDEX" in capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["acknowledge", "--config", config, "nobody", "d0:0"]) == 2
+    assert "no server 'nobody'" in capsys.readouterr().err
+    assert _run(capsys, "acknowledge", "--config", config, "math_agent", "d0:0")[0] == 2
+    assert _run(capsys, "acknowledge", "--config", config, "simple_agent", "d0:0", "d0:0")[0] == 2
+    # refused by the agent: nothing is assumed released
+    code, doc = _run(capsys, "acknowledge", "--config", config, "simple_agent", "d0:0", "never:0", "--json")
+    assert code == 1
+    assert (doc["outcome"], doc["acknowledged"]) == ("failed", [])
+    assert (doc["error"]["status"], doc["error"]["code"]) == (
+        409,
+        "completed_execution_acknowledgement_error",
+    )
+    code, doc = _run(capsys, "acknowledge", "--config", config, "simple_agent", "d0:0", "d1:0", "--json")
+    assert code == 0
+    assert doc == {
+        "server": "simple_agent",
+        "acknowledged": [{"rollout_id": "d0", "attempt_index": 0}, {"rollout_id": "d1", "attempt_index": 0}],
+        "outcome": "acknowledged",
+    }
+    code, text = _run(capsys, "acknowledge", "--config", config, "simple_agent", "d1:0")
+    assert (code, text.strip()) == (0, "simple_agent: acknowledged d1:0")  # repeatable
+    code, doc = _run(capsys, "checkpoint", "--config", config, "--json", "--deadline-s", "20")
+    assert (code, doc["outcome"]) == (0, "published")  # nothing held any more

@@ -61,6 +61,49 @@ def test_classify_rules() -> None:
     assert found.warnings == ()
 
 
+def test_classify_restart_only_and_drain_only() -> None:
+    config = _config(
+        {"name": "policy", "url": "http://h:1"},
+        {"name": "agent", "url": "http://h:2"},
+        {"name": "restart_agent", "url": "http://h:3"},
+        {"name": "restart_tools", "url": "http://h:4"},
+    )
+    found = classify(
+        config,
+        {
+            "policy": _caps(
+                "policy", "responses_api_models", instance_role="policy", checkpoint_mode="stateless"
+            ),
+            "agent": _caps("agent", "responses_api_agents", features=["completed_result_acknowledgement"]),
+            "restart_agent": _caps("restart_agent", "responses_api_agents", checkpoint_mode="restart_only"),
+            "restart_tools": _caps("restart_tools", "resources_servers", checkpoint_mode="restart_only"),
+        },
+    )
+    # a stateless policy model is drain-only: paused and resumed, never committed nor restored
+    assert [(m.name, m.role, m.exports) for m in found.participants] == [
+        ("policy", "policy", False),
+        ("agent", "agent", True),
+    ]
+    assert [m.name for m in found.exporters] == ["agent"]
+    skipped = dict(found.skipped)
+    assert sorted(skipped) == ["restart_agent", "restart_tools"]
+    assert all("restart_only" in reason and "no phase" in reason for reason in skipped.values())
+    assert found.refused == ()
+    assert found.features["agent"] == ("completed_result_acknowledgement",)
+    assert found.features["restart_agent"] == ()
+    # a restart_only policy model is skipped too, and still counts as the cluster's policy model
+    only = classify(
+        _config({"name": "policy", "url": "http://h:1"}),
+        {
+            "policy": _caps(
+                "policy", "responses_api_models", instance_role="policy", checkpoint_mode="restart_only"
+            )
+        },
+    )
+    assert (only.participants, only.refused) == ((), ())
+    assert [n for n, _ in only.skipped] == ["policy"]
+
+
 def test_classify_refuses_every_offender() -> None:
     config = _config(
         {"name": "m1", "url": "http://h:1"},

@@ -294,10 +294,15 @@ async def test_a_restored_storage_index_that_differs_fails_the_restore_with_noth
         snapshot = await _saved_mid_rollout(first, configure(first, ledger_url))
     committed = load_snapshot(snapshot).participant("policy_model")
     assert committed is not None
-    assert (
-        committed["storage_reference_index"]["relative_path"]
-        == "model-ledger/policy_model/storage-references.jsonl"
+    index = committed["storage_reference_index"]  # recorded in the snapshot manifest...
+    assert index["relative_path"] == "model-ledger/policy_model/storage-references.jsonl"
+    assert index["records"] >= 3  # each parked rollout's staging rows
+    summary = next(
+        ev.data["summary"]
+        for ev in await read_events(ledger_url, snapshot.name)
+        if ev.kind == "phase.completed" and ev.data["phase"] == "commit"
     )
+    assert summary["policy"]["policy_model"]["storage_reference_index"] == index  # ...and in the ledger
     _retamper_index(snapshot)
     with make_cluster(spec()) as fresh:
         async with Coordinator.open(configure(fresh, ledger_url)) as coord:
@@ -342,10 +347,9 @@ async def test_a_later_gym_that_refuses_the_opt_in_is_restored_without_it(
         assert model_calls[1].data["status"] == 422
         assert "include_storage_reference_index" not in retry.data["body"]
         assert model_calls[3].kind == "call.replied"
-        assert (
-            model_calls[3].data["body"]["storage_reference_index"]
-            == load_snapshot(snapshot).participant("policy_model")["storage_reference_index"]
-        )
+        committed = load_snapshot(snapshot).participant("policy_model")
+        assert committed is not None
+        assert model_calls[3].data["body"]["storage_reference_index"] == committed["storage_reference_index"]
         async with httpx.AsyncClient() as http:
             await assert_all_accepting(http, fresh)
     await assert_protocol_ok(ledger_url)

@@ -209,9 +209,9 @@ async def test_commit_writes_the_ledger_up_to_each_last_committed_call(gym: Gym,
     }
     assert manifest["rollouts"]["r3"] == {"files": {}, "rows": 0, "bytes": 0}
     assert [json.loads(line)["call_id"] for line in lineage.splitlines()] == ["call-1", "call-2"]
-    assert manifest["storage_reference_index"] == commit.storage_reference_index.model_dump(mode="json")
     ref = commit.storage_reference_index
     assert ref is not None
+    assert manifest["storage_reference_index"] == ref.model_dump(mode="json")
     assert ref.relative_path == "model-ledger/policy_model/storage-references.jsonl"
     data = (tmp_path / ref.relative_path).read_bytes()
     assert (ref.sha256, ref.bytes, ref.records) == (sha256_hex(data), len(data), len(data.splitlines()))

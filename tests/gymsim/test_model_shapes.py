@@ -92,7 +92,7 @@ async def test_restore_returns_the_index_only_when_asked_at_the_anchor(tmp_path:
         for flag, expected in ((None, None), (False, None), (True, commit["storage_reference_index"])):
             with start_cluster(spec(), token=TOKEN) as fresh:
                 gym = Gym(fresh.urls, http)
-                extra = {} if flag is None else {"include_storage_reference_index": flag}
+                extra: dict[str, Any] = {} if flag is None else {"include_storage_reference_index": flag}
                 reply = await gym.op("policy_model", "restore", "c2", checkpoint_dir=str(tmp_path), **extra)
                 assert reply.status_code == 200, reply.text
                 body = reply.json()
