@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from coordinator.coordinator import Coordinator, read_history
     from coordinator.discovery import Discovery, Member
     from coordinator.errors import (
+        AcknowledgementError,
         ConfigError,
         DeadlineExceeded,
         DiscoveryError,
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 #: Public names and the module each lives in. Imported on first use, so that importing
 #: `coordinator.errors` (the CLI does, at start) does not load httpx, the ledger and pydantic models.
 _EXPORTS: dict[str, str] = {
+    "AcknowledgementError": "coordinator.errors",
     "Attempt": "coordinator.attempt",
     "ClusterConfig": "coordinator.config",
     "ConfigError": "coordinator.errors",
@@ -72,6 +74,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AcknowledgementError",
     "Attempt",
     "ClusterConfig",
     "ConfigError",

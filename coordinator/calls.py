@@ -44,7 +44,7 @@ For every request, in this order:
 The token is handed to the ledger as a secret (redacted from every payload) and is never put in
 an error message or a log line. Each call has a unique `call_id`: `<checkpoint_id>/<n>` (with
 `@e<epoch>` appended to the checkpoint id when a later coordinator acts on an older attempt;
-`e<epoch>-discovery/<n>` for discovery).
+`e<epoch>-<phase>/<n>` for a call outside any attempt: `discovery`, `acknowledge`).
 """
 
 from __future__ import annotations

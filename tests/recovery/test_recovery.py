@@ -37,7 +37,8 @@ from tools.gymsim import client
 
 pytestmark = pytest.mark.anyio
 
-ROLLOUTS = {f"r{i}": 6 for i in range(3)}
+#: Long enough to be mid-rollout when a checkpoint prepares: a finished one is held until acknowledged.
+ROLLOUTS = {f"r{i}": 60 for i in range(3)}
 
 
 async def _first_snapshot(config: ClusterConfig) -> Path:
