@@ -61,9 +61,11 @@ from tools.gymsim.cluster import cluster_config, write_yaml_atomic
 from tools.gymsim.host import Host
 from tools.gymsim.spec import ClusterSpec, default_spec
 
-#: Turns per rollout: enough that the rollouts are still running when a (forked) checkpoint
-#: prepares — a finished one is held until acknowledged, and its prepare could not complete.
-TURNS = 100
+TURNS = 12
+#: Per-call latency of the policy model and the resources server while a checkpoint is taken: the
+#: rollouts' remaining turns (≥ 10 × 2 × this) outlast the start of a (forked) checkpoint until
+#: its pause — a finished rollout is held until acknowledged, and its prepare could not complete.
+LATENCY_S = 0.1
 ROLLOUTS_PER_POINT = 3
 PARTICIPANTS = {"policy_model": MODEL, "simple_agent": AGENT, "tools": RESOURCES}
 PAUSED_BY_RESTORE = ("policy_model", "simple_agent", "tools")
@@ -435,7 +437,7 @@ class Matrix:
         with forked_cluster(self.spec, self.token) as cluster:
             config = write_yaml_atomic(self.folder / "save.yaml", cluster.config(self.ledger, snapshots))
             agent = cluster.urls["simple_agent"]
-            self._set_latency(cluster, 0.01)
+            self._set_latency(cluster, LATENCY_S)
             first = quiesce(["checkpoint", "--config", str(config), "--json"], self._workdir)
             if first.code != 0:
                 raise RuntimeError(f"the first checkpoint failed: {first.stderr}")
@@ -537,7 +539,7 @@ class Matrix:
         source_ids = self._ids("src")
         with forked_cluster(self.spec, self.token) as source:
             config = write_yaml_atomic(self.folder / "source.yaml", source.config(self.ledger, snapshots))
-            self._set_latency(source, 0.05)
+            self._set_latency(source, LATENCY_S)
             start_rollouts(self.http, source.urls["simple_agent"], source_ids)
             wait_rollouts(self.http, source.urls["simple_agent"], source_ids, min_turns=2)
             made = quiesce(["checkpoint", "--config", str(config), "--json"], self._workdir)
