@@ -2,7 +2,9 @@
 
 The cluster (``tools.gymsim``, its own process, a fresh one per run): ``policy_model`` (20 ms per
 model call), ``judge`` (auxiliary: never paused), ``simple_agent`` and ``tools``; 4 rollouts run
-on the agent throughout, so every prepare parks running rollouts and drains the model.
+on the agent throughout, so every prepare parks running rollouts and drains the model. They never
+finish within a run, so the agent holds no finished result a prepare would wait on (the driver
+consumes none, so it has none to acknowledge: `Coordinator.acknowledge_completed`).
 
 One run (``run_cycles``, a fresh process): three coordinators on the same code — one on a real
 SQLite ledger (WAL, the default durability "full"), one whose ledger is ``NullLedger`` (appends
