@@ -199,6 +199,14 @@ class Backend(ABC):
     async def head(self) -> RawEvent | None: ...
 
     @abstractmethod
+    async def tail(self, rows: int) -> list[RawEvent]:
+        """The last ``rows`` stored rows, in seq order."""
+
+    @abstractmethod
+    async def projection_last_seq(self) -> int | None:
+        """The largest ``last_seq`` of the ``attempts`` projection (None when it is empty)."""
+
+    @abstractmethod
     async def read_page(
         self, after: int, checkpoint_id: str | None, kinds: Sequence[str] | None, limit: int
     ) -> list[RawEvent]:

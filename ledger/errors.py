@@ -22,3 +22,15 @@ class FencedError(LedgerError):
 
     A coordinator that sees this must stop acting: it makes no further calls and no further appends.
     """
+
+
+class BrokenChainError(LedgerError):
+    """The stored hash chain does not verify at ``seq``: rows were edited, removed or reordered.
+
+    A writer refuses to append to such a ledger (it would chain new rows onto rows it cannot
+    trust); the message names the command that shows where the chain breaks.
+    """
+
+    def __init__(self, message: str, seq: int) -> None:
+        super().__init__(message)
+        self.seq = seq

@@ -13,7 +13,7 @@ from typing import Final
 VERSION_TABLE: Final = "quiesce_alembic_version"
 #: The head revision of `migrations/versions` (checked against alembic by the tests). Opening a
 #: ledger whose stored revision equals it skips alembic entirely — the common case, kept cheap.
-HEAD_REVISION: Final = "0002"
+HEAD_REVISION: Final = "0003"
 
 #: The columns of ``events``, in table order (``ledger.backend.RawEvent`` follows it).
 EVENT_COLUMNS: Final = (

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
-from sqlalchemy import Connection, delete, insert, select, text
+from sqlalchemy import Connection, delete, func, insert, select, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -370,6 +370,14 @@ class PostgresBackend(Backend):
     async def head(self) -> RawEvent | None:
         rows = await self._rows(select(*_EVENT_COLS).order_by(events.c.seq.desc()).limit(1))
         return rows[0] if rows else None
+
+    async def tail(self, rows: int) -> list[RawEvent]:
+        found = await self._rows(select(*_EVENT_COLS).order_by(events.c.seq.desc()).limit(rows))
+        return found[::-1]
+
+    async def projection_last_seq(self) -> int | None:
+        rows = await self._rows(select(func.max(attempts.c.last_seq)))
+        return int(rows[0][0]) if rows and rows[0][0] is not None else None
 
     async def read_page(
         self, after: int, checkpoint_id: str | None, kinds: Sequence[str] | None, limit: int

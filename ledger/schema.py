@@ -66,6 +66,8 @@ attempts = Table(
     Column("last_seq", BigInteger(), nullable=False),
     sqlite_with_rowid=False,
 )
+#: The largest seq the projection records, read at a writer's open (``Ledger.connect``).
+Index("ix_attempts_last_seq", attempts.c.last_seq)
 
 #: The coordinator lease (PostgreSQL standby takeover; unused on SQLite): one row per lease name.
 #: ``expires_at`` is Unix seconds on the database server's clock.

@@ -8,11 +8,14 @@
   (``durable=False``) is not fsynced; the next durable one fsyncs the same WAL file, which holds
   it too, and so does closing the ledger. ``durability="process"``: nothing is fsynced but by
   checkpoints; survives a process crash, not power loss.
-- Writership: an exclusive ``flock`` on ``<file>.writer-lock`` held for the ledger's lifetime
-  (the kernel releases it when the process dies), plus ``BEGIN IMMEDIATE`` around each append.
-  A clean close removes the lock file while still holding the lock; a claimer therefore checks,
-  once locked, that the path still names the file it locked (else it locked a removed file, and
-  tries again), so two writers never hold locks on two different files.
+- The file: its path resolved (symlinks followed), never created in a missing folder, one hard
+  link only, a SQLite header (``ledger.sqlitefile``). Errors of the filesystem (full, read-only)
+  and of SQLite are ``LedgerError`` messages that say what to do.
+- Writership: an exclusive ``flock`` on the database file itself (its identity, whatever path
+  reaches it) held for the ledger's lifetime (the kernel releases it when the process dies), plus
+  ``BEGIN IMMEDIATE`` around each append.
+- A readonly ledger reads through a read-only connection (``immutable`` on a read-only filesystem
+  with no WAL left behind), so every read command works on a read-only copy.
 - Connections: the standard library's ``sqlite3`` — one held connection for the writer, one for
   reads — each used by one thread at a time. An append is one synchronous transaction (check,
   insert, projection, commit). While commits take under ``INLINE_COMMIT_MAX_S`` on average it
@@ -24,7 +27,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import sqlite3
 import time
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.to_thread
 
+from ledger import sqlitefile
 from ledger.backend import Backend, Batch, InlineAppend, ProjectionCache, RawEvent, apply_append
 from ledger.errors import FencedError, LedgerError
 from ledger.layout import EVENT_COLUMNS, VERSION_TABLE
@@ -59,6 +62,8 @@ _GET_ATTEMPT = f"SELECT {_AT_COLS} FROM attempts WHERE checkpoint_id = ?"
 _UNFINISHED = f"SELECT {_AT_COLS} FROM attempts WHERE outcome IS NULL ORDER BY last_seq"
 _HEAD_SEQ_EPOCH = "SELECT seq, epoch FROM events ORDER BY seq DESC LIMIT 1"
 _HEAD_ROW = f"SELECT {_EV_COLS} FROM events ORDER BY seq DESC LIMIT 1"
+_TAIL_ROWS = f"SELECT {_EV_COLS} FROM events ORDER BY seq DESC LIMIT ?"
+_PROJECTION_LAST_SEQ = "SELECT max(last_seq) FROM attempts"
 #: Appends whose commits take less than this on average run on the event loop's thread.
 INLINE_COMMIT_MAX_S = 0.002
 
@@ -99,8 +104,9 @@ class SqliteBackend(Backend, InlineAppend):
             database = parse(url)[1].database
             assert database is not None
         self.where = where
-        self._url = url  # the sqlite+aiosqlite URL, for SQLAlchemy's engine (schema work only)
-        self._path = Path(database)
+        self._url = url  # as given (a new backend for the same ledger can be made from it)
+        #: the ledger file, symlinks resolved: SQLite keeps its -wal and -shm beside the target
+        self._path = sqlitefile.resolve(database)
         self._durability = durability
         self._readonly = readonly
         self._lock_fd: int | None = None
@@ -112,59 +118,51 @@ class SqliteBackend(Backend, InlineAppend):
         self._wal_fd: int | None = None  # the WAL file, for fdatasync after a durable commit
         self._unsynced = False  # a write-behind commit since the last fdatasync ("full" only)
         self._cache = ProjectionCache()
-        if readonly and not self._path.exists():
+        if readonly and not sqlitefile.inspect_existing(self._path, where):
             raise LedgerError(f"no ledger at {where}: the file {self._path} does not exist")
+
+    @property
+    def path(self) -> Path:
+        """The ledger file (symlinks resolved)."""
+        return self._path
 
     # -- writership ---------------------------------------------------------------------------
 
-    @property
-    def lock_path(self) -> Path:
-        return self._path.with_name(self._path.name + ".writer-lock")
-
     async def claim_writer(self) -> None:
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-                os.close(fd)
-                raise FencedError(
-                    f"ledger {self.where} already has a writer (process {holder} holds {self.lock_path});"
-                    " only one coordinator may write a ledger: stop the other one, or open this ledger"
-                    " readonly"
-                ) from None
-            try:
-                named, held = os.stat(self.lock_path), os.fstat(fd)
-                same = (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)  # the file was removed by a writer closing meanwhile: lock the new one
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode("ascii"), 0)
-        self._lock_fd = fd
+        self._lock_fd = sqlitefile.writer_lock(self._path, self.where)
 
     def _release_writer(self) -> None:
         if self._lock_fd is not None:
             fd, self._lock_fd = self._lock_fd, None
-            with contextlib.suppress(OSError):
-                os.unlink(self.lock_path)  # while locked: see "Writership" above
-            with contextlib.suppress(OSError):
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            sqlitefile.release(fd)
+
+    def _problem(self, error: BaseException, doing: str) -> LedgerError:
+        if isinstance(error, OSError):
+            return sqlitefile.os_problem(error, self._path, self.where, doing)
+        return sqlitefile.sqlite_problem(error, self._path, self.where, doing)  # type: ignore[arg-type]
 
     # -- schema --------------------------------------------------------------------------------
 
     async def run_schema(self, fn: Callable[[Connection], object]) -> object:
-        from sqlalchemy.ext.asyncio import create_async_engine  # schema work only
+        import aiosqlite  # schema work only
+        from sqlalchemy.exc import DBAPIError
+        from sqlalchemy.ext.asyncio import create_async_engine
 
-        engine = create_async_engine(self._url)
+        path, readonly = self._path, self._readonly
+
+        async def connect() -> aiosqlite.Connection:
+            if readonly:
+                return await aiosqlite.connect(sqlitefile.read_uri(path), uri=True)
+            return await aiosqlite.connect(str(path))
+
+        engine = create_async_engine("sqlite+aiosqlite://", async_creator=connect)
         try:
             async with engine.begin() as conn:
                 return await conn.run_sync(fn)
+        except DBAPIError as error:
+            raise self._problem(error, "the schema check") from None
+        except OSError as error:
+            raise self._problem(error, "the schema check") from None
         finally:
             await engine.dispose()
 
@@ -172,7 +170,7 @@ class SqliteBackend(Backend, InlineAppend):
         if not self._path.is_file():
             return None
         try:
-            conn = sqlite3.connect(f"{self._path.resolve().as_uri()}?mode=ro", uri=True, timeout=10.0)
+            conn = sqlitefile.connect_reader(self._path)
         except sqlite3.Error:
             return None
         try:
@@ -186,24 +184,32 @@ class SqliteBackend(Backend, InlineAppend):
     # -- connections ---------------------------------------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=10.0)
-        return conn
+        return sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=10.0)
 
     async def start(self) -> None:
         def open_all() -> None:
             if not self._readonly:
                 w = self._connect()
-                mode = w.execute("PRAGMA journal_mode=WAL").fetchone()
-                if mode is None or str(mode[0]).lower() != "wal":
+                try:
+                    mode = w.execute("PRAGMA journal_mode=WAL").fetchone()
+                    if mode is None or str(mode[0]).lower() != "wal":
+                        raise LedgerError(f"could not put {self.where} in WAL mode (journal_mode={mode})")
+                    w.execute("PRAGMA synchronous=NORMAL")
+                except BaseException:
                     w.close()
-                    raise LedgerError(f"could not put {self.where} in WAL mode (journal_mode={mode})")
-                w.execute("PRAGMA synchronous=NORMAL")
+                    raise
                 self._w = w
-            r = self._connect()
-            r.execute("PRAGMA query_only=ON")
+                r = self._connect()
+                r.execute("PRAGMA query_only=ON")
+            else:
+                r = sqlitefile.connect_reader(self._path, check_same_thread=False)
+                r.execute("SELECT 1 FROM events LIMIT 1").fetchall()  # fails now, not at the first read
             self._r = r
 
-        await anyio.to_thread.run_sync(open_all)
+        try:
+            await anyio.to_thread.run_sync(open_all)
+        except (sqlite3.Error, OSError) as error:
+            raise self._problem(error, "opening the ledger") from None
 
     async def close(self) -> None:
         w, r = self._w, self._r
@@ -249,9 +255,9 @@ class SqliteBackend(Backend, InlineAppend):
                     "writer is fenced and must stop making calls"
                 ) from None
             if isinstance(error, sqlite3.Error):
-                raise LedgerError(f"ledger {self.where}: append failed: {error}") from error
+                raise self._problem(error, "append") from error
             if isinstance(error, OSError):  # committed, but the fdatasync of the WAL failed
-                raise LedgerError(f"ledger {self.where}: could not fsync the WAL: {error}") from error
+                raise self._problem(error, "fsync the WAL") from error
             raise
 
     def _timed_append(self, batch: Batch) -> None:
@@ -318,8 +324,11 @@ class SqliteBackend(Backend, InlineAppend):
                     conn.execute("ROLLBACK")
                 raise
 
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(swap, limiter=self._wlimiter)
+        try:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(swap, limiter=self._wlimiter)
+        except (sqlite3.Error, OSError) as error:
+            raise self._problem(error, "rebuilding the projection") from None
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -331,13 +340,22 @@ class SqliteBackend(Backend, InlineAppend):
             try:
                 return conn.execute(sql, params).fetchall()
             except sqlite3.Error as error:
-                raise LedgerError(f"ledger {self.where}: read failed: {error}") from error
+                raise self._problem(error, "read") from error
 
         return await anyio.to_thread.run_sync(run, limiter=self._rlimiter)
 
     async def head(self) -> RawEvent | None:
         rows = await self._query(_HEAD_ROW, ())
         return rows[0] if rows else None  # type: ignore[return-value]
+
+    async def tail(self, rows: int) -> list[RawEvent]:
+        found = await self._query(_TAIL_ROWS, (rows,))
+        return found[::-1]  # type: ignore[return-value]
+
+    async def projection_last_seq(self) -> int | None:
+        found = await self._query(_PROJECTION_LAST_SEQ, ())
+        value = found[0][0] if found else None
+        return int(value) if value is not None else None  # type: ignore[call-overload]
 
     async def read_page(
         self, after: int, checkpoint_id: str | None, kinds: Sequence[str] | None, limit: int

@@ -17,6 +17,12 @@ Invariants:
   therefore always a prefix of the chain. A failed transaction that carried staged events (or
   had some chained after it) loses them; the ledger then refuses every later append and stage
   (``LedgerError``): its owner must reopen it.
+- **No appends onto a broken chain.** A writer's open verifies the end of the chain (the last
+  ``TAIL_ROWS`` rows: consecutive seqs, each linked to the one before, each hash recomputed from
+  the row) and that the ``attempts`` projection records no seq past the stored head (which would
+  mean rows removed from the end); otherwise it raises ``BrokenChainError`` naming the first bad
+  seq and the command that checks the whole chain. It reads only the end, so a ledger of any
+  length opens as fast as a short one; ``replay --verify`` and ``quiesce check`` verify it all.
 - **One writer.** A non-readonly open claims writership for the ledger's lifetime (see the
   backend modules) or raises ``FencedError``. Every append transaction also checks that the stored
   head is still the writer's last append and that no newer epoch exists; otherwise it raises
@@ -61,7 +67,8 @@ import anyio.lowlevel
 
 from ledger.backend import Backend, Batch, InlineAppend, LeaseState, RawEvent
 from ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
-from ledger.errors import FencedError, LedgerError
+from ledger.chain import check_rows
+from ledger.errors import BrokenChainError, FencedError, LedgerError
 from ledger.events import COLUMN_RULES, KINDS, AppendItem, Event
 from ledger.layout import HEAD_REVISION
 from ledger.projections import AttemptRow
@@ -79,6 +86,8 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
 
 Durability = Literal["full", "process"]
 PAGE_SIZE = 1000
+#: Rows at the end of the chain a writer's open verifies (several attempts' worth).
+TAIL_ROWS = 256
 #: Called with the events of each append once they are durable (see the module docstring).
 AfterAppend = Callable[[Sequence[Event]], None]
 
@@ -306,6 +315,8 @@ class Ledger:
                 )
             await backend.start()
             await ledger._load_head()
+            if not readonly:
+                await ledger._verify_tail()
             if lease is not None:
                 asked = time.monotonic()
                 await backend.lease_take(lease.name, lease.holder, lease.ttl_s, force=True)
@@ -452,6 +463,32 @@ class Ledger:
             self._last_seq, self._last_hash, self._head_epoch = int(raw[0]), raw[9], int(raw[6])
         self._tail_seq, self._tail_hash = self._last_seq, self._last_hash
         self._stale = False
+
+    async def _verify_tail(self) -> None:
+        """Refuse (``BrokenChainError``) a ledger whose chain is broken at its end; see the module docstring."""
+        rows = await self._backend.tail(TAIL_ROWS)
+        problem = None
+        head = 0
+        if rows:
+            head = int(rows[-1][0])
+            problem = check_rows(rows, (0, GENESIS_HASH) if int(rows[0][0]) <= 1 else None)
+        if problem is None:
+            recorded = await self._backend.projection_last_seq()
+            if recorded is not None and recorded > head:
+                problem = (
+                    head + 1,
+                    f"seq {head + 1}..{recorded} missing: the attempts projection records seq {recorded},"
+                    f" the events end at seq {head} (rows removed from the end)",
+                )
+        if problem is not None:
+            seq, what = problem
+            raise BrokenChainError(
+                f"ledger {self.url}: the hash chain is broken at seq {seq}: {what}. A coordinator does not"
+                f" append to a ledger whose history it cannot trust. `quiesce replay --verify --ledger"
+                f" {self.url}` shows where the whole chain breaks; keep this file as evidence and start a"
+                " new ledger (or restore the ledger from a good copy)",
+                seq,
+            )
 
     # -- writing -------------------------------------------------------------------------------
 

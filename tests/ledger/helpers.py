@@ -59,9 +59,18 @@ async def raw_sql(url: str, *statements: str, params: dict[str, Any] | None = No
 
 
 def drop_triggers_sql(url: str) -> list[str]:
+    """What a tamperer with the database's owner rights runs first: every append-only trigger dropped."""
     if is_sqlite(url):
-        return ["DROP TRIGGER events_no_update", "DROP TRIGGER events_no_delete"]
-    return ["DROP TRIGGER events_no_update_delete ON events"]
+        return [
+            "DROP TRIGGER events_no_update",
+            "DROP TRIGGER events_no_delete",
+            "DROP TRIGGER events_insert_at_head",
+        ]
+    return [
+        "DROP TRIGGER events_no_update_delete ON events",
+        "DROP TRIGGER events_no_truncate ON events",
+        "DROP TRIGGER events_insert_at_head ON events",
+    ]
 
 
 PHASES = ("prepare", "commit", "resume", "restore", "rollback")

@@ -128,6 +128,9 @@ async def test_relative_and_unusual_sqlite_urls_open_the_same_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
+    with pytest.raises(LedgerError, match="does not exist"):  # a ledger's folder is never created
+        await Ledger.connect("sqlite+aiosqlite:///rel/q.db")
+    (tmp_path / "rel").mkdir()
     async with Ledger.open("sqlite+aiosqlite:///rel/q.db") as writer:  # relative to the cwd
         await writer.start_epoch(COORDINATOR)
         assert writer.url == "sqlite+aiosqlite:///rel/q.db"
