@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ledger.backend import LeaseState
     from ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
-    from ledger.errors import FencedError, LedgerError, QuiesceError
+    from ledger.errors import BrokenChainError, FencedError, LedgerError, QuiesceError
     from ledger.events import KINDS, PAYLOADS, AppendItem, Event, Payload
     from ledger.projections import AttemptRow, fold
     from ledger.redact import BODY_CAP_BYTES, REDACTED
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         LeaseTerms,
         Ledger,
         downgrade_schema,
+        event_from_raw,
         upgrade_schema,
         utc_now,
     )
@@ -33,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "AppendItem": "ledger.events",
     "AttemptRow": "ledger.projections",
     "BODY_CAP_BYTES": "ledger.redact",
+    "BrokenChainError": "ledger.errors",
     "Durability": "ledger.store",
     "Event": "ledger.events",
     "FencedError": "ledger.errors",
@@ -49,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "ReplayReport": "ledger.replay",
     "chain_hash": "ledger.canonical",
     "downgrade_schema": "ledger.store",
+    "event_from_raw": "ledger.store",
     "fold": "ledger.projections",
     "replay_url": "ledger.replay",
     "row_bytes": "ledger.canonical",
@@ -73,6 +76,7 @@ __all__ = [
     "AfterAppend",
     "AppendItem",
     "AttemptRow",
+    "BrokenChainError",
     "Durability",
     "Event",
     "FencedError",
@@ -85,6 +89,7 @@ __all__ = [
     "ReplayReport",
     "chain_hash",
     "downgrade_schema",
+    "event_from_raw",
     "fold",
     "replay_url",
     "row_bytes",

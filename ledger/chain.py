@@ -31,7 +31,7 @@ from functools import partial
 from operator import is_not
 from typing import Any, TypeAlias
 
-from ledger.canonical import chain_hash, row_bytes
+from ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
 
 #: ``(seq, what is wrong)``: the first bad seq of a chain and the reason.
 Problem: TypeAlias = tuple[int, str]
@@ -87,6 +87,53 @@ def _check_exact(rows: Sequence[Sequence[Any]], after: tuple[int, str] | None) -
         if expected != digest:
             return seq, EDITED
         after = (seq, digest)
+    return None
+
+
+def truncation(head_seq: int, recorded_last_seq: int | None) -> Problem | None:
+    """The problem of a chain that ends at ``head_seq`` while the ``attempts`` projection (updated in
+    the same transactions as the events) records ``recorded_last_seq``: rows removed from the end."""
+    if recorded_last_seq is None or recorded_last_seq <= head_seq:
+        return None
+    return (
+        head_seq + 1,
+        f"seq {head_seq + 1}..{recorded_last_seq} missing: the attempts projection records seq"
+        f" {recorded_last_seq}, the events end at seq {head_seq} (rows removed from the end)",
+    )
+
+
+class ChainCheck:
+    """The whole chain, fed page by page in seq order from seq 1: ``feed(rows)`` for each page,
+    then ``finish(recorded_last_seq)``; ``problem`` is the first one found (None: the chain holds).
+
+    Exactly the verdict of ``check_rows`` over all rows at once, plus ``truncation`` at the end."""
+
+    def __init__(self) -> None:
+        self.after: tuple[int, str] = (0, GENESIS_HASH)
+        self.rows = 0
+        self.problem: Problem | None = None
+
+    def feed(self, rows: Sequence[Sequence[Any]]) -> None:
+        if not rows:
+            return
+        if self.problem is None:
+            self.problem = check_rows(rows, self.after)
+        self.after = (rows[-1][0], rows[-1][9])
+        self.rows += len(rows)
+
+    def finish(self, recorded_last_seq: int | None) -> Problem | None:
+        if self.problem is None:
+            self.problem = truncation(int(self.after[0]), recorded_last_seq)
+        return self.problem
+
+
+def check_each(rows: Sequence[Sequence[Any]]) -> Problem | None:
+    """The first row of ``rows`` whose hash does not recompute from its own content (rows of one
+    attempt: not consecutive, so links to the rows between them are not checked)."""
+    for row in rows:
+        problem = check_rows([row], None)
+        if problem is not None:
+            return problem
     return None
 
 

@@ -4,8 +4,10 @@
 
 - checks the chain (``ledger.chain``, which follows ``ledger.canonical``): seqs start at 1 without
   gaps, each ``prev_hash`` is the previous row's ``hash``, each ``hash`` recomputes from the stored
-  row. The first bad seq is reported with what is wrong with it. Limitation: a chain cannot
-  reveal rows removed from its end; compare ``head_seq``/``head_hash`` with a copy kept elsewhere.
+  row. The first bad seq is reported with what is wrong with it. Rows removed from the end are
+  found when the ``attempts`` projection records a seq past the head (``ledger.chain.truncation``);
+  a tamperer who also rewrites the projection is found only against a copy kept elsewhere — an
+  audit bundle (``quiesce verify-bundle --ledger``) or ``head_seq``/``head_hash``.
 - folds ``ledger.projections.fold`` over the stream (through ``FoldFeed``) and compares the result
   with the live ``attempts`` table, column by column;
 - with ``rebuild=True`` (needs writership; refused when the chain is broken) replaces the live
@@ -40,7 +42,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from ledger import replay_worker
 from ledger.backend import RawEvent
 from ledger.canonical import GENESIS_HASH
-from ledger.chain import check_rows, link
+from ledger.chain import check_rows, link, truncation
 from ledger.errors import LedgerError
 from ledger.projections import COLUMNS, AttemptRow, FoldFeed, fold_items
 from ledger.replay_worker import Chunk
@@ -340,6 +342,10 @@ async def replay_open(
         live = await backend.attempts(None, None)
     replayer.compare(live)
     report = replayer.report
+    if report.chain_ok:
+        cut = truncation(report.head_seq or 0, max((row.last_seq for row in live), default=None))
+        if cut is not None:
+            replayer._bad(*cut)
     if rebuild:
         if not report.chain_ok:
             raise LedgerError(

@@ -67,7 +67,7 @@ import anyio.lowlevel
 
 from ledger.backend import Backend, Batch, InlineAppend, LeaseState, RawEvent
 from ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
-from ledger.chain import check_rows
+from ledger.chain import check_rows, truncation
 from ledger.errors import BrokenChainError, FencedError, LedgerError
 from ledger.events import COLUMN_RULES, KINDS, AppendItem, Event
 from ledger.layout import HEAD_REVISION
@@ -473,13 +473,7 @@ class Ledger:
             head = int(rows[-1][0])
             problem = check_rows(rows, (0, GENESIS_HASH) if int(rows[0][0]) <= 1 else None)
         if problem is None:
-            recorded = await self._backend.projection_last_seq()
-            if recorded is not None and recorded > head:
-                problem = (
-                    head + 1,
-                    f"seq {head + 1}..{recorded} missing: the attempts projection records seq {recorded},"
-                    f" the events end at seq {head} (rows removed from the end)",
-                )
+            problem = truncation(head, await self._backend.projection_last_seq())
         if problem is not None:
             seq, what = problem
             raise BrokenChainError(
@@ -880,6 +874,35 @@ class Ledger:
             if len(page) < page_size:
                 return
             after = int(page[-1][0])
+
+    async def read_pages(
+        self,
+        after: int = 0,
+        checkpoint_id: str | None = None,
+        kinds: Sequence[str] | None = None,
+        *,
+        page_size: int = PAGE_SIZE,
+    ) -> AsyncIterator[list[RawEvent]]:
+        """The stored rows of ``read`` (same filters, same order), a page at a time, as stored:
+        for checking their hashes (``ledger.chain``); ``event_from_raw`` makes an ``Event`` of one."""
+        if self._closed:
+            raise LedgerError(f"ledger {self.url} is closed")
+        await self._flush_staged()
+        kind_list = list(kinds) if kinds is not None else None
+        if kind_list is not None and not kind_list:
+            return
+        while True:
+            page = await self._backend.read_page(after, checkpoint_id, kind_list, page_size)
+            if page:
+                yield page
+            if len(page) < page_size:
+                return
+            after = int(page[-1][0])
+
+    async def recorded_last_seq(self) -> int | None:
+        """The largest seq the ``attempts`` projection records (``ledger.chain.truncation``)."""
+        await self._flush_staged()
+        return await self._backend.projection_last_seq()
 
     async def last_seq(self) -> int:
         """The seq of this writer's last event — committed, or staged (0 for an empty ledger).

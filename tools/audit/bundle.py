@@ -40,7 +40,7 @@ ledger's. Every problem is reported with the seq of the event (or the line) that
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final
@@ -435,14 +435,54 @@ def claim_ranges(claims: dict[int, tuple[str, int]]) -> list[tuple[int, int]]:
     return ranges
 
 
-def compare_claims(result: Verification, stored: dict[int, str]) -> None:
-    """Record in `result.ledger_problems` each claimed seq whose hash differs from `stored` (the
-    live ledger's hash per seq) or that the ledger does not have."""
-    for seq, (digest, line) in sorted(result.claims.items()):
+def compare_claims(
+    result: Verification,
+    stored: dict[int, str],
+    *,
+    rows: Sequence[Sequence[Any]] = (),
+    span: tuple[int, int] | None = None,
+) -> None:
+    """Record in `result.ledger_problems` what the live ledger shows against the bundle's claims.
+
+    `stored` is the ledger's hash per seq; `rows` (optional) are the ledger's stored rows of the
+    claimed range `span`, whose hashes are recomputed from their content (`ledger.chain`), so a
+    ledger row edited with its hash columns left as they were is found too. Claimed seqs the
+    ledger lacks are reported as runs. Without `span`, every claim is compared.
+    """
+    from ledger.chain import check_rows
+
+    claims = sorted(
+        (seq, claim)
+        for seq, claim in result.claims.items()
+        if span is None or span[0] <= seq <= span[1]
+    )
+    if rows:
+        problem = check_rows(rows, None)
+        if problem is not None:
+            seq, what = problem
+            line = result.claims.get(seq, ("", 0))[1]
+            result.ledger_problems.append(
+                Problem(seq, line, f"the ledger's row does not verify from its content: {what}")
+            )
+    missing: list[list[int]] = []  # [first seq, last seq, line of the first] of each run the ledger lacks
+    extending = False
+    for seq, (digest, line) in claims:
         found = stored.get(seq)
         if found is None:
-            result.ledger_problems.append(Problem(seq, line, "the ledger has no event with this seq"))
-        elif found != digest:
+            if extending and missing[-1][1] == seq - 1:
+                missing[-1][1] = seq
+            else:
+                missing.append([seq, seq, line])
+            extending = True
+            continue
+        extending = False
+        if found != digest:
             result.ledger_problems.append(
                 Problem(seq, line, "the bundle's hash for this seq differs from the ledger's")
             )
+    for first, last, line in missing:
+        what = f"seq {first}..{last}" if last != first else "this seq"
+        result.ledger_problems.append(
+            Problem(first, line, f"the ledger has no event with {what} (rows removed from it?)")
+        )
+    result.ledger_problems.sort(key=lambda p: (p.seq if p.seq is not None else -1, p.line))

@@ -89,18 +89,62 @@ class Violation:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class ChainVerdict:
+    """What a check verified of the hash chain, and what it found.
+
+    `scope`: `chain` — every row from seq 1 to the head, each linked to the one before and its
+    hash recomputed from its content, and no seq recorded past the head; `rows` — each row read
+    (one attempt's) recomputed from its own content, links to the rows between them not checked;
+    `none` — not verified. `ok` is None when nothing was verified.
+    """
+
+    scope: Literal["chain", "rows", "none"] = "none"
+    ok: bool | None = None
+    first_bad_seq: int | None = None
+    problem: str | None = None
+    rows: int = 0
+
+    def describe(self) -> str:
+        if self.scope == "none":
+            return "hash chain: NOT verified"
+        if self.ok is False:
+            return f"hash chain: BROKEN at seq {self.first_bad_seq}: {self.problem}"
+        if self.scope == "chain":
+            return (
+                f"hash chain: verified, seq 1 to {self.rows} (every link and every row's hash recomputed"
+                " from its content)"
+            )
+        return (
+            f"hash chain: each of these {self.rows} events recomputes from its own content; their links"
+            " to the rest of the chain are NOT verified here (`quiesce check` without an id, or"
+            " `quiesce replay --verify`, verifies the whole chain)"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "verified": self.scope,
+            "ok": self.ok,
+            "first_bad_seq": self.first_bad_seq,
+            "problem": self.problem,
+            "rows": self.rows,
+        }
+
+
 @dataclass(slots=True)
 class CheckReport:
-    """The result of a check. `ok` is true when there is no violation (warnings do not count)."""
+    """The result of a check. `ok` is true when there is no violation (warnings do not count) and
+    the hash chain, as far as it was verified (`chain`), holds."""
 
     violations: list[Violation] = field(default_factory=list)
     warnings: list[Violation] = field(default_factory=list)
     attempts: dict[str, str] = field(default_factory=dict)  # checkpoint id -> "judged" | "open"
     events: int = 0
+    chain: ChainVerdict = field(default_factory=ChainVerdict)
 
     @property
     def ok(self) -> bool:
-        return not self.violations
+        return not self.violations and self.chain.ok is not False
 
     def for_attempt(self, checkpoint_id: str) -> CheckReport:
         return CheckReport(
@@ -108,12 +152,14 @@ class CheckReport:
             warnings=[v for v in self.warnings if v.checkpoint_id == checkpoint_id],
             attempts={k: v for k, v in self.attempts.items() if k == checkpoint_id},
             events=self.events,
+            chain=self.chain,
         )
 
     def to_json(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
             "events": self.events,
+            "chain": self.chain.to_json(),
             "attempts": dict(sorted(self.attempts.items())),
             "violations": [v.to_json() for v in self.violations],
             "warnings": [v.to_json() for v in self.warnings],

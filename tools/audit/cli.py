@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
-from tools.audit.check import CheckReport, ProtocolChecker
+from ledger import event_from_raw
+from ledger.chain import ChainCheck
+from tools.audit.check import ChainVerdict, CheckReport, ProtocolChecker
 from tools.audit.source import open_readonly
 
 
 async def check_ledger(url: str) -> CheckReport:
-    """The protocol check over every event of the ledger at `url`, streamed (read-only)."""
+    """The protocol check over every event of the ledger at `url`, streamed (read-only), and in
+    the same pass the whole hash chain (`ledger.chain.ChainCheck`): every row's hash recomputed
+    from its content, every link, no seq missing — at the end too."""
     checker = ProtocolChecker()
+    chain = ChainCheck()
     async with open_readonly(url) as ledger:
-        async for event in ledger.read():
-            checker.feed(event)
-    return checker.finish()
+        async for page in ledger.read_pages():
+            chain.feed(page)
+            for row in page:
+                checker.feed(event_from_raw(row))
+        problem = chain.finish(await ledger.recorded_last_seq())
+    report = checker.finish()
+    report.chain = ChainVerdict(
+        "chain", problem is None, problem[0] if problem else None, problem[1] if problem else None, chain.rows
+    )
+    return report

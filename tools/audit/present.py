@@ -205,6 +205,9 @@ def print_attempt(console: Console, view: AttemptView) -> None:
 
 
 def print_check(console: Console, report: CheckReport) -> None:
+    verdict = report.chain
+    style = "green" if verdict.ok else ("bold red" if verdict.ok is False else "yellow")
+    console.print(Text(verdict.describe(), style=style))
     judged = sum(1 for v in report.attempts.values() if v == "judged")
     opened = len(report.attempts) - judged
     summary = Text(f"protocol: {len(report.attempts)} attempts ({judged} ended, {opened} open), ")

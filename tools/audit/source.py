@@ -16,12 +16,15 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ledger import GENESIS_HASH, Ledger, LedgerError
+from ledger import GENESIS_HASH, Ledger, LedgerError, event_from_raw
+from ledger.backend import RawEvent
+from ledger.chain import check_each
 from ledger.events import Event
 
 if TYPE_CHECKING:
     from tools.audit.attempts import AttemptView
     from tools.audit.bundle import ExportSummary, Verification
+    from tools.audit.check import ChainVerdict
 
 #: Coordinator-level events that give an attempt's events their context: who wrote them (epochs)
 #: and how recovery ended them.
@@ -50,30 +53,56 @@ async def resolve_attempt_id(ledger: Ledger, checkpoint_id: str) -> str:
     return ids[0]
 
 
-async def attempt_events(ledger: Ledger, checkpoint_id: str, *, head_seq: int | None = None) -> list[Event]:
-    """The events of one attempt plus its context, in seq order, up to `head_seq` (if given).
+async def attempt_rows(ledger: Ledger, checkpoint_id: str, *, head_seq: int | None = None) -> list[RawEvent]:
+    """The stored rows of one attempt plus its context, in seq order, up to `head_seq` (if given).
 
     Context: every `coordinator.started` (so an epoch check knows every newer epoch) and each
     `recovery.completed` naming the attempt. Raises `LedgerError` when no event names the id.
     """
-    own = [e async for e in ledger.read(checkpoint_id=checkpoint_id)]
+    own = [row async for page in ledger.read_pages(checkpoint_id=checkpoint_id) for row in page]
     if not own:
         raise LedgerError(
             f"no attempt {checkpoint_id!r} in ledger {ledger.url}; `quiesce history` lists them"
         )
-    context: list[Event] = []
-    async for event in ledger.read(kinds=CONTEXT_KINDS):
-        if event.checkpoint_id == checkpoint_id:
-            continue  # already in `own`
-        if event.kind == "recovery.completed":
-            outcomes = event.data.get("outcomes")
-            if not (isinstance(outcomes, dict) and checkpoint_id in outcomes):
-                continue
-        context.append(event)
-    merged = list(heapq.merge(own, context, key=lambda e: e.seq))
+    context: list[RawEvent] = []
+    async for page in ledger.read_pages(kinds=CONTEXT_KINDS):
+        for row in page:
+            if row[3] == checkpoint_id:
+                continue  # already in `own`
+            if row[2] == "recovery.completed":
+                outcomes = event_from_raw(row).data.get("outcomes")
+                if not (isinstance(outcomes, dict) and checkpoint_id in outcomes):
+                    continue
+            context.append(row)
+    merged = list(heapq.merge(own, context, key=lambda r: int(r[0])))
     if head_seq is not None:
-        merged = [e for e in merged if e.seq <= head_seq]
+        merged = [r for r in merged if int(r[0]) <= head_seq]
     return merged
+
+
+async def attempt_events(ledger: Ledger, checkpoint_id: str, *, head_seq: int | None = None) -> list[Event]:
+    """The events of `attempt_rows`."""
+    return [event_from_raw(row) for row in await attempt_rows(ledger, checkpoint_id, head_seq=head_seq)]
+
+
+async def checked_attempt_events(ledger: Ledger, checkpoint_id: str) -> tuple[list[Event], ChainVerdict]:
+    """The events of `attempt_rows`, and the verdict of recomputing each one's hash from its content.
+
+    The rows of one attempt are not consecutive: their links to the rows between them are not
+    checked here (the verdict says so); `check_ledger` checks the whole chain.
+    """
+    from tools.audit.check import ChainVerdict
+
+    rows = await attempt_rows(ledger, checkpoint_id)
+    problem = check_each(rows)
+    verdict = ChainVerdict(
+        "rows",
+        problem is None,
+        problem[0] if problem else None,
+        problem[1] if problem else None,
+        len(rows),
+    )
+    return [event_from_raw(row) for row in rows], verdict
 
 
 async def load_attempt(ledger: Ledger, checkpoint_id: str) -> tuple[AttemptView, list[Event]]:
@@ -137,15 +166,20 @@ async def load_views(url: str, checkpoint_id: str | None, limit: int) -> list[At
 
 
 async def cross_check(url: str, result: Verification) -> None:
-    """Compare every hash a verified bundle states (`result.claims`) with the ledger at `url`,
-    reading only the claimed seq ranges; differences go to `result.ledger_problems`."""
+    """Compare a verified bundle with the ledger at `url`, reading only the claimed seq ranges:
+    every ledger row there must verify from its own content (its hash recomputed, each linked to
+    the row before it), and every hash the bundle states (`result.claims`) must be the ledger's.
+    Differences go to `result.ledger_problems`, each at the seq that shows it."""
     from tools.audit.bundle import claim_ranges, compare_claims
 
     stored: dict[int, str] = {}
     async with open_readonly(url) as ledger:
         for first, last in claim_ranges(result.claims):
-            async for event in ledger.read(after=first - 1, page_size=min(1000, last - first + 1)):
-                if event.seq > last:
+            rows: list[RawEvent] = []
+            async for page in ledger.read_pages(after=first - 1, page_size=min(1000, last - first + 1)):
+                rows.extend(r for r in page if int(r[0]) <= last)
+                if int(page[-1][0]) >= last:
                     break
-                stored[event.seq] = event.hash
-    compare_claims(result, stored)
+            for row in rows:
+                stored[int(row[0])] = row[9]
+            compare_claims(result, stored, rows=rows, span=(first, last))

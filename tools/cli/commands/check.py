@@ -3,9 +3,11 @@
 From the events alone.
 
 With an ID, checks that attempt (its events plus every `coordinator.started`, so stale epochs
-are seen); without, checks every attempt of the ledger (as `quiesce replay --verify` does).
-Rules and their meaning: `tools/audit/check.py`. Exit 0 with no violation (warnings allowed),
-1 with any violation or when the attempt does not exist.
+are seen) and recomputes each of those events' hashes; without, checks every attempt of the
+ledger and verifies the whole hash chain in the same pass. The output says which of the two was
+verified. Rules and their meaning: `tools/audit/check.py`. Exit 0 with no violation (warnings
+allowed) and an intact chain, 1 with any violation, a broken chain, or when the attempt does not
+exist.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import anyio
 from tools.audit.check import CheckReport, check_events
 from tools.audit.cli import check_ledger
 from tools.audit.present import print_check
-from tools.audit.source import attempt_events, open_readonly, resolve_attempt_id
+from tools.audit.source import checked_attempt_events, open_readonly, resolve_attempt_id
 from tools.cli.flags import add_ledger
 from tools.cli.output import console, emit_json
 
@@ -40,8 +42,10 @@ def register(subparsers: Any) -> None:
 async def _check_one(url: str, checkpoint_id: str) -> CheckReport:
     async with open_readonly(url) as ledger:
         checkpoint_id = await resolve_attempt_id(ledger, checkpoint_id)
-        events = await attempt_events(ledger, checkpoint_id)
-    return check_events(events).for_attempt(checkpoint_id)
+        events, chain = await checked_attempt_events(ledger, checkpoint_id)
+    report = check_events(events).for_attempt(checkpoint_id)
+    report.chain = chain
+    return report
 
 
 def handle(args: argparse.Namespace) -> int:
