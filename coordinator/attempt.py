@@ -177,6 +177,8 @@ class Attempt:
     skipped: list[dict[str, str]] = field(default_factory=list)
     inflight: int | None = None
     last_server: str | None = None
+    #: warnings given before the first request (recorded in `attempt.started`): preflight, provenance
+    warnings: list[str] = field(default_factory=list)
     #: facts of the staging files read so far: publish does not read again what commit verified
     digests: DigestCache = field(default_factory=DigestCache, repr=False, compare=False)
     _touched: set[str] = field(default_factory=set, init=False, repr=False, compare=False)

@@ -5,6 +5,9 @@ Invariants:
   whose message names the file and the field path (e.g. `servers[2].url: ...`).
 - Relative paths (`snapshots`, and the file of a `sqlite` ledger URL) are resolved against the
   folder of the config file, so a config means the same thing from any working directory.
+- Deadlines are finite, positive and at most `max_deadline_s` (default one day): the config's
+  own `deadline_s`, and every `deadline_s` a caller passes (`check_deadline`), so a typo cannot
+  pause every server for a week.
 - The control token is never in the config: only the *name* of the environment variable that
   holds it (`token_env`, default `NEMO_GYM_CHECKPOINT_CONTROL_TOKEN`, falling back to
   `NEMO_GYM_TOKEN_CAPTURE_CONTROL_TOKEN` when the named variable is unset).
@@ -12,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -28,14 +32,18 @@ from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK, InstanceRole
 
 __all__ = [
     "DEFAULT_LEDGER",
+    "MAX_DEADLINE_S",
     "ClusterConfig",
     "ServerConfig",
+    "check_deadline",
     "load_config",
     "parse_config",
     "resolve_token",
 ]
 
 DEFAULT_LEDGER = "sqlite+aiosqlite:///quiesce.db"
+#: The default upper bound of an attempt's budget: one day.
+MAX_DEADLINE_S = 86_400.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -78,6 +86,8 @@ class ClusterConfig(BaseModel):
     ledger: Annotated[str, Field(min_length=1)] = DEFAULT_LEDGER
     snapshots: Path = Path("checkpoints")
     deadline_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 60.0
+    #: The longest budget an attempt may be given (config or caller); servers stay paused that long.
+    max_deadline_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = MAX_DEADLINE_S
     control_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 10.0
     token_env: Annotated[str, Field(min_length=1)] = TOKEN_ENV
     fanout: Literal["sequential", "parallel"] = "sequential"
@@ -108,6 +118,15 @@ class ClusterConfig(BaseModel):
             seen[server.name] = index
         return self
 
+    @model_validator(mode="after")
+    def _deadline_bounded(self) -> ClusterConfig:
+        if self.deadline_s > self.max_deadline_s:
+            raise ValueError(
+                f"deadline_s: {self.deadline_s:g} is more than max_deadline_s ({self.max_deadline_s:g});"
+                " lower it, or raise max_deadline_s if servers may really stay paused that long"
+            )
+        return self
+
     def server(self, name: str) -> ServerConfig | None:
         """The configured server called `name`, if any."""
         return next((s for s in self.servers if s.name == name), None)
@@ -116,6 +135,30 @@ class ClusterConfig(BaseModel):
     def staging_root(self) -> Path:
         """`<snapshots>/.staging`: where attempts stage their checkpoint dirs."""
         return self.snapshots / ".staging"
+
+
+def check_deadline(config: ClusterConfig, deadline_s: object, *, what: str = "deadline_s") -> float:
+    """`deadline_s` (None: the config's) as a finite number of seconds in (0, `max_deadline_s`].
+
+    Anything else raises `ConfigError` naming `what`, the value and the bound — before the attempt
+    starts, so nothing has been recorded or called.
+    """
+    if deadline_s is None:
+        return config.deadline_s
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float):
+        raise ConfigError(f"{what} must be a number of seconds, not {deadline_s!r}")
+    value = float(deadline_s)
+    if math.isnan(value) or math.isinf(value):
+        raise ConfigError(f"{what} must be a finite number of seconds, not {value}")
+    if value <= 0:
+        raise ConfigError(f"{what} must be more than 0 seconds, not {value:g}")
+    if value > config.max_deadline_s:
+        raise ConfigError(
+            f"{what} {value:g} is more than max_deadline_s ({config.max_deadline_s:g} s): servers would stay"
+            " paused that long if something hangs; pass a shorter budget, or raise max_deadline_s in the"
+            " config"
+        )
+    return value
 
 
 def _field_path(loc: tuple[int | str, ...]) -> str:

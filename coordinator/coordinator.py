@@ -50,7 +50,7 @@ from coordinator import crashpoints, recovery
 from coordinator import save as saving
 from coordinator.attempt import Attempt, Context, Outcome, ProgressCallback, resume_sorted
 from coordinator.calls import Caller, Target
-from coordinator.config import ClusterConfig, load_config, resolve_token
+from coordinator.config import ClusterConfig, check_deadline, load_config, resolve_token
 from coordinator.discovery import Discovery, discover
 from coordinator.errors import AcknowledgementError, ConfigError, QuiesceError
 from coordinator.heap import frozen_step, heap_frozen
@@ -63,6 +63,8 @@ from coordinator.protocol import (
     Capabilities,
     route,
 )
+from coordinator.preflight import preflight
+from coordinator.provenance import check_provenance
 from coordinator.publish import empty_trash, read_latest, resolve_snapshot, verify_snapshot
 from coordinator.readback import find_paused, resume_recorded
 from coordinator.restore import restore as restore_snapshot
@@ -240,10 +242,16 @@ class Coordinator:
 
     @frozen_step
     async def prepare(self, *, deadline_s: float | None = None) -> Attempt:
-        """Start a save attempt and prepare it (pause, prepare, drain). Rolls back and raises on failure."""
+        """Start a save attempt and prepare it (pause, prepare, drain). Rolls back and raises on failure.
+
+        Before anything is recorded or called: `deadline_s` is checked (`ConfigError` when it is not a
+        finite number of seconds in (0, `max_deadline_s`]) and the snapshots folder passes the
+        preflight (`SnapshotError`; its warnings go on the attempt and into `attempt.started`)."""
         self._idle("prepare")
+        budget = check_deadline(self._ctx.config, deadline_s)
+        warnings = await anyio.to_thread.run_sync(preflight, self._ctx.config)  # before anyone is paused
         discovery = await self._discovered()
-        attempt = await saving.start_attempt(self._ctx, discovery, deadline_s=deadline_s)
+        attempt = await saving.start_attempt(self._ctx, discovery, deadline_s=budget, warnings=warnings)
         self._current = attempt
         await saving.prepare(self._ctx, attempt)
         return attempt
@@ -369,16 +377,23 @@ class Coordinator:
     ) -> Attempt:
         """Restore a snapshot (a folder, a checkpoint id under `snapshots`, or None/"latest").
 
-        The snapshot is verified — every file and checksum, and its participant set against
-        discovery — before any server is contacted (`SnapshotError` lists every difference).
+        The snapshot is verified before any server is contacted: its manifest against its folder
+        name and against the digest the ledger recorded at publication (`provenance`; a snapshot
+        the ledger does not know gets a warning on the attempt saying what was not verified), then
+        every file and checksum, and its participant set against discovery (`SnapshotError`
+        lists every difference). `deadline_s` is checked like the config's (`check_deadline`).
         The servers stay paused until `resume()`.
         """
         self._idle("restore")
-        discovery = await self._discovered()
+        budget = check_deadline(self._ctx.config, deadline_s)
         path = resolve_snapshot(self._ctx.config.snapshots, snapshot)
+        # before any server is contacted: the manifest against its folder name and the ledger's record
+        origin = await check_provenance(self._ctx.ledger, path)
+        discovery = await self._discovered()
         expected = {m.name: m.component for m in discovery.exporters}  # not a drain-only model
         verified = await anyio.to_thread.run_sync(lambda: verify_snapshot(path, participants=expected))
-        attempt = await restore_snapshot(self._ctx, discovery, verified, deadline_s=deadline_s)
+        warnings = [origin.warning] if origin.warning else []
+        attempt = await restore_snapshot(self._ctx, discovery, verified, deadline_s=budget, warnings=warnings)
         self._current = attempt
         return attempt
 

@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +61,7 @@ __all__ = [
     "resolve_snapshot",
     "sweep_staging",
     "tree_digests",
+    "unpublishable",
     "verify_artifact",
     "verify_snapshot",
     "write_json_durably",
@@ -95,9 +97,18 @@ def _each(fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
 
 
 def tree_digests(
-    root: Path, *, sync: bool, skip: Iterable[str] = (), cache: DigestCache | None = None
+    root: Path,
+    *,
+    sync: bool,
+    skip: Iterable[str] = (),
+    cache: DigestCache | None = None,
+    strict: bool = False,
 ) -> dict[str, tuple[int, str]]:
     """(size, sha256) of every regular file under `root` (symlinks and `skip` paths left out).
+
+    With `strict`, an entry that cannot be published (`unpublishable`: a symlink, FIFO, socket,
+    device, or a hard link to an outside file) raises `SnapshotError` naming each one, before any
+    file is read.
 
     With `sync`, each file is fsynced as it is read and then every folder of the tree — or, from
     `SYNCFS_MIN_FILES` files on where syncfs(2) exists, the files are read and then the tree's
@@ -106,7 +117,10 @@ def tree_digests(
     ``IO_THREADS`` threads.
     """
     left_out = set(skip)
-    files = [(rel, path, st) for rel, path, st in _walk(root) if rel not in left_out]
+    odd: list[str] | None = [] if strict else None
+    files = [(rel, path, st) for rel, path, st in _walk(root, odd=odd) if rel not in left_out]
+    if odd:
+        refuse_unpublishable(root, odd)
     whole_fs = sync and len(files) >= SYNCFS_MIN_FILES and syncfs_available()
     fsync = sync and not whole_fs
     sums: dict[str, tuple[int, str]] = {}
@@ -211,22 +225,82 @@ def verify_artifact(
     return None
 
 
-def _walk(root: Path, *, links: bool = False) -> list[tuple[str, Path, os.stat_result]]:
+def _walk(
+    root: Path, *, links: bool = False, odd: list[str] | None = None
+) -> list[tuple[str, Path, os.stat_result]]:
     """(posix path relative to `root`, path, lstat) of every regular file under `root`, sorted by
-    relative path. Symlinks are never followed, and listed only with `links`."""
+    relative path. Symlinks are never followed, and listed only with `links`.
+
+    With `odd`, a description of every entry that cannot be published is appended to it
+    (`unpublishable`): a symlink, FIFO, socket or device file, or a regular file with a hard link
+    outside the tree."""
     found: list[tuple[str, Path, os.stat_result]] = []
+    names: dict[tuple[int, int], list[str]] = {}  # (dev, ino) -> names in the tree, of files with links
 
     def visit(folder: Path, prefix: str) -> None:
         with os.scandir(folder) as entries:
             for entry in entries:
+                rel = prefix + entry.name
                 if entry.is_dir(follow_symlinks=False):
-                    visit(Path(entry.path), f"{prefix}{entry.name}/")
-                elif entry.is_file(follow_symlinks=False) or (links and entry.is_symlink()):
-                    found.append((prefix + entry.name, Path(entry.path), entry.stat(follow_symlinks=False)))
+                    visit(Path(entry.path), f"{rel}/")
+                elif entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    found.append((rel, Path(entry.path), st))
+                    if odd is not None and st.st_nlink > 1:
+                        names.setdefault((st.st_dev, st.st_ino), []).append(rel)
+                elif entry.is_symlink():
+                    if links:
+                        found.append((rel, Path(entry.path), entry.stat(follow_symlinks=False)))
+                    if odd is not None:
+                        odd.append(f"{rel}: a symlink (to {os.readlink(entry.path)})")
+                elif odd is not None:
+                    odd.append(f"{rel}: {_special_kind(entry.stat(follow_symlinks=False).st_mode)}")
 
     visit(root, "")
     found.sort(key=lambda item: item[0])
+    if odd is not None:
+        for rel, _, st in found:
+            inside = names.get((st.st_dev, st.st_ino))
+            if inside is not None and st.st_nlink > len(inside) and rel == inside[0]:
+                odd.append(
+                    f"{rel}: a hard link to a file outside the folder ({st.st_nlink} links,"
+                    f" {len(inside)} inside) — its bytes could change after publication"
+                )
+        odd.sort()
     return found
+
+
+def _special_kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    return "not a regular file"
+
+
+def unpublishable(root: Path) -> list[str]:
+    """Every entry under `root` that cannot be in a snapshot, described with its relative path:
+    symlinks, FIFOs, sockets, device files, and regular files hard-linked to a file outside `root`
+    (a snapshot's bytes must be its own: a link could change them after publication, a FIFO
+    blocks whoever reads it, and a symlink may point anywhere)."""
+    odd: list[str] = []
+    _walk(root, odd=odd)
+    return odd
+
+
+def refuse_unpublishable(root: Path, odd: list[str]) -> None:
+    """Raise `SnapshotError` naming every entry of `odd` (see `unpublishable`), if any."""
+    if odd:
+        raise SnapshotError(
+            f"{root} holds what a snapshot cannot: "
+            + "; ".join(odd)
+            + ". Only regular files and folders are published; remove these (or write real files).",
+            odd,
+        )
 
 
 def build_manifest(
@@ -394,9 +468,10 @@ def resolve_snapshot(snapshots: Path, which: str | os.PathLike[str] | None) -> P
 def verify_snapshot(path: Path, *, participants: Mapping[str, str]) -> Snapshot:
     """Check a snapshot before any server is contacted; raise `SnapshotError` listing every difference.
 
-    Checks: every listed file exists with its size and sha256; no unlisted files; each participant's
-    own manifest has the digest its commit reply gave; the participant set (name → component)
-    equals `participants` (the cluster's current discovery).
+    Checks: every listed file exists with its size and sha256; no unlisted files, and nothing a
+    snapshot never holds (`unpublishable`: symlinks, FIFOs, sockets, devices, outside hard links);
+    each participant's own manifest has the digest its commit reply gave; the participant set
+    (name → component) equals `participants` (the cluster's current discovery).
     """
     snapshot = load_snapshot(path)
     differences: list[str] = []
@@ -404,7 +479,7 @@ def verify_snapshot(path: Path, *, participants: Mapping[str, str]) -> Snapshot:
     for entry in snapshot.manifest.get("files", []):
         if isinstance(entry, dict) and isinstance(entry.get("path"), str):
             listed[entry["path"]] = entry
-    present = sorted(rel for rel in listed if (path / rel).is_file())
+    present = sorted(rel for rel in listed if (path / rel).is_file() and not (path / rel).is_symlink())
     sums = dict(zip(present, _each(file_digest, [path / rel for rel in present]), strict=True))
     for rel, entry in sorted(listed.items()):
         if rel not in sums:
@@ -415,9 +490,13 @@ def verify_snapshot(path: Path, *, participants: Mapping[str, str]) -> Snapshot:
             differences.append(f"{rel}: {size} bytes, the manifest says {entry.get('bytes')}")
         elif digest != entry.get("sha256"):
             differences.append(f"{rel}: sha256 differs from the manifest")
-    for rel, _, _ in _walk(path, links=True):
-        if rel != MANIFEST and rel not in listed:
+    odd: list[str] = []
+    walked = _walk(path, links=True, odd=odd)
+    odd_paths = {entry.split(": ", 1)[0] for entry in odd}
+    for rel, _, _ in walked:
+        if rel != MANIFEST and rel not in listed and rel not in odd_paths:
             differences.append(f"{rel}: not listed in the manifest")
+    differences.extend(f"{entry}, which a snapshot never holds" for entry in odd)
     recorded = {str(p.get("name")): str(p.get("component")) for p in snapshot.participants}
     for name in sorted(set(recorded) - set(participants)):
         differences.append(f"participant {name}: in the snapshot but not a participant of this cluster")

@@ -15,6 +15,7 @@ lets them go.
 """
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -34,7 +35,7 @@ from coordinator.attempt import (
 )
 from coordinator.calls import CallResult
 from coordinator.discovery import Discovery, Member
-from coordinator.errors import DeadlineExceeded, FencedError, PhaseError
+from coordinator.errors import DeadlineExceeded, FencedError, LedgerError, PhaseError
 from coordinator.protocol import (
     INCLUDE_STORAGE_REFERENCE_INDEX,
     AgentRestoreReply,
@@ -48,6 +49,7 @@ from coordinator.publish import (
     Snapshot,
     read_latest,
 )
+from coordinator.stranded import stranded
 
 # ---------------------------------------------------------------------------------------------
 # Restore
@@ -55,7 +57,12 @@ from coordinator.publish import (
 
 
 async def restore(
-    ctx: Context, discovery: Discovery, snapshot: Snapshot, *, deadline_s: float | None = None
+    ctx: Context,
+    discovery: Discovery,
+    snapshot: Snapshot,
+    *,
+    deadline_s: float | None = None,
+    warnings: Sequence[str] = (),
 ) -> Attempt:
     """Restore a verified snapshot: policy → agents → resources under a new id; servers stay paused.
 
@@ -71,6 +78,7 @@ async def restore(
         participants=discovery.exporters,
         snapshot=snapshot.path,
         source_checkpoint_id=snapshot.checkpoint_id,
+        warnings=list(warnings),
     )
     await ctx.ledger.stage(
         "attempt.started",
@@ -81,6 +89,7 @@ async def restore(
             "participants": attempt.names,
             "snapshot_dir": str(snapshot.path),
             "source_checkpoint_id": snapshot.checkpoint_id,
+            **({"warnings": list(warnings)} if warnings else {}),
         },
         durable=True,  # see "Durability" in the module docstring
     )
@@ -89,13 +98,25 @@ async def restore(
     except FencedError:
         raise
     except PhaseFailure as failure:
-        await record_phase_failed(ctx, checkpoint_id, "restore", failure.server, failure.reason, failure.code)
         reason = f"restore failed at {failure.server or 'the coordinator'}: {failure.reason}"
-        await ctx.ledger.append(
-            "attempt.aborted",
-            checkpoint_id=checkpoint_id,
-            data={"reason": reason, "resumed": [], "left_paused": list(attempt.touched), "not_paused": []},
-        )
+        try:
+            await record_phase_failed(
+                ctx, checkpoint_id, "restore", failure.server, failure.reason, failure.code
+            )
+            await ctx.ledger.append(
+                "attempt.aborted",
+                checkpoint_id=checkpoint_id,
+                data={
+                    "reason": reason,
+                    "resumed": [],
+                    "left_paused": list(attempt.touched),
+                    "not_paused": [],
+                },
+            )
+        except FencedError:
+            raise
+        except LedgerError as lost:
+            raise stranded(ctx, attempt, lost) from None
         attempt.state = "aborted"
         cls = DeadlineExceeded if failure.deadline else PhaseError
         raise cls(
@@ -113,16 +134,23 @@ async def restore(
         ) from None
     except BaseException as exc:  # cancelled or a bug: record what is left paused, then re-raise
         with anyio.CancelScope(shield=True):
-            await ctx.ledger.append(
-                "attempt.aborted",
-                checkpoint_id=checkpoint_id,
-                data={
-                    "reason": f"restore interrupted: {type(exc).__name__}: {exc}",
-                    "resumed": [],
-                    "left_paused": list(attempt.touched),
-                    "not_paused": [],
-                },
-            )
+            try:
+                await ctx.ledger.append(
+                    "attempt.aborted",
+                    checkpoint_id=checkpoint_id,
+                    data={
+                        "reason": f"restore interrupted: {type(exc).__name__}: {exc}",
+                        "resumed": [],
+                        "left_paused": list(attempt.touched),
+                        "not_paused": [],
+                    },
+                )
+            except FencedError:
+                raise
+            except LedgerError as lost:  # e.g. a full disk: nothing more can be recorded
+                if isinstance(exc, LedgerError):
+                    raise stranded(ctx, attempt, exc) from None
+                exc.add_note(str(stranded(ctx, attempt, lost)))
         attempt.state = "aborted"
         raise
     await ctx.ledger.append(

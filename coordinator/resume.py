@@ -9,7 +9,10 @@
   cannot be resumed leaves the attempt without a terminal event, so the same id's resume can be
   retried (by the caller or by recovery).
 - `rolled_back_on_failure` wraps a save step: any failure, cancellation included, is rolled back
-  (shielded) before it propagates. `FencedError` is never handled: a fenced coordinator stops.
+  (shielded) before it propagates. `FencedError` is never handled: a fenced coordinator stops. A
+  ledger that cannot be written (a full disk) makes the rollback impossible — its resumes could not
+  be recorded first — and raises `stranded.LedgerStranded`, naming who may be left paused and
+  `quiesce recover`; so does `finish_resume`.
 """
 
 import time
@@ -31,7 +34,7 @@ from coordinator.attempt import (
 )
 from coordinator.calls import CallResult
 from coordinator.discovery import Member
-from coordinator.errors import DeadlineExceeded, FencedError, PhaseError
+from coordinator.errors import DeadlineExceeded, FencedError, LedgerError, PhaseError
 from coordinator.phases import resume_order
 from coordinator.protocol import (
     INVALID_PHASE,
@@ -41,6 +44,7 @@ from coordinator.publish import (
     read_latest,
     remove_tree,
 )
+from coordinator.stranded import stranded
 
 
 async def rolled_back_on_failure(
@@ -55,13 +59,27 @@ async def rolled_back_on_failure(
     try:
         await body()
     except PhaseFailure as failure:
-        raise await roll_back(ctx, attempt, failure) from None
+        try:
+            error = await roll_back(ctx, attempt, failure)
+        except FencedError:
+            raise
+        except LedgerError as lost:  # the ledger stopped taking writes: nothing more can be sent
+            raise stranded(ctx, attempt, lost) from None
+        raise error from None
     except FencedError:
         raise
     except BaseException as exc:
         interrupted = PhaseFailure(phase, attempt.last_server, f"interrupted by {type(exc).__name__}: {exc}")
         with anyio.CancelScope(shield=True):
-            error = await roll_back(ctx, attempt, interrupted)
+            try:
+                error = await roll_back(ctx, attempt, interrupted)
+            except FencedError:
+                raise
+            except LedgerError as lost:
+                if isinstance(exc, LedgerError):  # e.g. a full disk: the rollback could not be recorded
+                    raise stranded(ctx, attempt, exc) from None
+                exc.add_note(str(stranded(ctx, attempt, lost)))
+                raise exc from None
         exc.add_note(str(error))
         raise
 
@@ -203,10 +221,15 @@ async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
     resume can be retried) and raise `PhaseError` naming them.
     """
     budget = recovery_budget(ctx, attempt)
-    await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"})
-    called, resumed, not_paused, left, failures = await resume_members(
-        ctx, attempt, attempt.names, phase="resume", deadline_ts=budget
-    )
+    try:
+        await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"})
+        called, resumed, not_paused, left, failures = await resume_members(
+            ctx, attempt, attempt.names, phase="resume", deadline_ts=budget
+        )
+    except FencedError:
+        raise
+    except LedgerError as lost:
+        raise stranded(ctx, attempt, lost) from None
     if left:
         name = left[0]
         detail = next((r.describe() for n, r in failures if n == name), "no time left to call it")

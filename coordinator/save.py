@@ -77,6 +77,7 @@ from coordinator.publish import (
     rename_into_place,
     sweep_staging,
     tree_digests,
+    unpublishable,
     verify_artifact,
     write_json_durably,
     write_latest,
@@ -102,8 +103,12 @@ _UNACKNOWLEDGED_COUNT: Final = re.compile(r"completed_unacknowledged=(\d+)")
 # ---------------------------------------------------------------------------------------------
 
 
-async def start_attempt(ctx: Context, discovery: Discovery, *, deadline_s: float | None = None) -> Attempt:
-    """Append `attempt.started` for a new save attempt and return it (nothing is called yet)."""
+async def start_attempt(
+    ctx: Context, discovery: Discovery, *, deadline_s: float | None = None, warnings: Sequence[str] = ()
+) -> Attempt:
+    """Append `attempt.started` for a new save attempt and return it (nothing is called yet).
+
+    `warnings` (the preflight's) are recorded in it and kept on the attempt."""
     checkpoint_id = await next_checkpoint_id(ctx.ledger)
     deadline_ts = time.time() + (deadline_s if deadline_s is not None else ctx.config.deadline_s)
     staging = ctx.config.staging_root / checkpoint_id
@@ -114,6 +119,7 @@ async def start_attempt(ctx: Context, discovery: Discovery, *, deadline_s: float
         participants=discovery.participants,
         staging_dir=staging,
         skipped=[{"name": n, "reason": r} for n, r in discovery.skipped],
+        warnings=list(warnings),
     )
     await ctx.ledger.stage(
         "attempt.started",
@@ -123,6 +129,7 @@ async def start_attempt(ctx: Context, discovery: Discovery, *, deadline_s: float
             "deadline_ts": deadline_ts,
             "participants": attempt.names,
             "staging_dir": str(staging),
+            **({"warnings": list(warnings)} if warnings else {}),
         },
         durable=True,  # see "Durability" in the module docstring
     )
@@ -412,6 +419,15 @@ def _verify_entry(staging: Path, entry: dict[str, Any], cache: DigestCache | Non
     name = entry["name"]
     problems: list[str] = []
     rel = entry["manifest"]
+    # its own folder holds only what can be published (no symlink, FIFO, socket, device, outside link)
+    folder = staging / Path(rel).parent
+    linked = [p for p in (folder, *folder.parents) if staging in p.parents and p.is_symlink()]
+    if linked:
+        problems.append(f"{name}: {linked[-1].relative_to(staging).as_posix()} is a symlink, not a folder")
+    elif folder.is_dir():
+        problems.extend(
+            f"{name}: {folder.relative_to(staging).as_posix()}/{odd}" for odd in unpublishable(folder)
+        )
     facts = regular_facts(staging / rel, cache=cache)  # no symlink: the tree's digests leave them out
     digest = facts.sha256 if not isinstance(facts, str) else None
     if isinstance(facts, str):
@@ -433,6 +449,19 @@ def _verify_entry(staging: Path, entry: dict[str, Any], cache: DigestCache | Non
             if problem:
                 problems.append(problem)
     return problems
+
+
+def _owner(attempt: Attempt, entries: Sequence[str]) -> str | None:
+    """The participant whose own folder holds the first of `entries` (relative paths first), or
+    None: the caller's half, or the staging folder itself."""
+    if not entries:
+        return None
+    first = entries[0].split(": ", 1)[0]
+    for entry in attempt.commits.values():
+        folder = Path(entry["manifest"]).parent.as_posix() + "/"
+        if first.startswith(folder):
+            return str(entry["name"])
+    return None
 
 
 def final_dir_of(staging: Path) -> Path:
@@ -473,7 +502,7 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
             # one pass hashes (what commit did not) and fsyncs every file and folder; the checks
             # and the manifest reuse it
             cache = attempt.digests
-            digests = tree_digests(staging, sync=True, skip=[MANIFEST], cache=cache)
+            digests = tree_digests(staging, sync=True, skip=[MANIFEST], cache=cache, strict=True)
             return digests, [p for entry in entries for p in _verify_entry(staging, entry, cache)]
 
         try:
@@ -482,6 +511,8 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
             raise PhaseFailure(
                 "publish", None, f"cannot read the staging folder {staging}: {error}"
             ) from None
+        except SnapshotError as error:  # a symlink, FIFO, socket, device or outside hard link
+            raise PhaseFailure("publish", _owner(attempt, error.differences), str(error)) from None
         if problems:
             first = next(iter(attempt.commits))
             server = next(

@@ -93,6 +93,8 @@ class AttemptStarted(Payload):
     staging_dir: str | None = None
     snapshot_dir: str | None = None
     source_checkpoint_id: str | None = None
+    #: what the coordinator warned of before the first request (preflight; an unrecorded snapshot)
+    warnings: list[str] = []
 
 
 class PhaseStarted(Payload):

@@ -122,7 +122,7 @@ def sqlite_problem(error: sqlite3.Error | Exception, path: Path, where: str, doi
     elif "unable to open" in low:
         what = f"SQLite cannot open {path} or the -wal/-shm files beside it ({text})"
     elif "disk i/o error" in low:
-        what = f"the disk holding {path} failed a read or write ({text}); check the filesystem (full, read-only?)"
+        what = f"the disk holding {path} failed a read or write ({text}); is it full or read-only?"
     else:
         what = text
     return LedgerError(f"ledger {where}: {doing} failed: {what}")
@@ -159,7 +159,9 @@ def writer_lock(path: Path, where: str) -> int:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     except OSError as error:
         if error.errno == errno.ELOOP:  # created as a symlink since it was resolved: resolve again
-            raise LedgerError(f"ledger {where}: {path} became a symlink while opening it; open it again") from None
+            raise LedgerError(
+                f"ledger {where}: {path} became a symlink while opening it; open it again"
+            ) from None
         raise os_problem(error, path, where, "open the ledger file for writing") from None
     try:
         st = os.fstat(fd)
@@ -211,7 +213,9 @@ def read_uri(path: Path) -> str:
     return f"{uri}?immutable=1"
 
 
-def connect_reader(path: Path, *, timeout: float = 10.0, check_same_thread: bool = True) -> sqlite3.Connection:
+def connect_reader(
+    path: Path, *, timeout: float = 10.0, check_same_thread: bool = True
+) -> sqlite3.Connection:
     """A read-only ``sqlite3`` connection to the ledger file (``read_uri``)."""
     return sqlite3.connect(
         read_uri(path), uri=True, timeout=timeout, isolation_level=None, check_same_thread=check_same_thread

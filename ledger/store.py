@@ -465,7 +465,7 @@ class Ledger:
         self._stale = False
 
     async def _verify_tail(self) -> None:
-        """Refuse (``BrokenChainError``) a ledger whose chain is broken at its end; see the module docstring."""
+        """Refuse (``BrokenChainError``) a ledger whose chain is broken at its end (module docstring)."""
         rows = await self._backend.tail(TAIL_ROWS)
         problem = None
         head = 0

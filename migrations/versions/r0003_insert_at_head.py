@@ -35,7 +35,8 @@ depends_on: str | Sequence[str] | None = None
 _GENESIS = "0" * 64
 _MESSAGE = (
     "events is append-only: a row may only be inserted at the head of the chain "
-    "(seq = last seq + 1, prev_hash = the last row''s hash); REPLACE, UPSERT and inserts out of order are refused"
+    "(seq = last seq + 1, prev_hash = the last row''s hash); "
+    "REPLACE, UPSERT and inserts out of order are refused"
 )
 
 _SQLITE = (

@@ -452,9 +452,7 @@ def compare_claims(
     from ledger.chain import check_rows
 
     claims = sorted(
-        (seq, claim)
-        for seq, claim in result.claims.items()
-        if span is None or span[0] <= seq <= span[1]
+        (seq, claim) for seq, claim in result.claims.items() if span is None or span[0] <= seq <= span[1]
     )
     if rows:
         problem = check_rows(rows, None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -162,3 +163,30 @@ def finish(args: argparse.Namespace) -> None:
             args.ledger = load_config(config).ledger
         elif source.required:
             raise UsageError(f"name the ledger: --ledger URL|FILE, or --config FILE (or set {CONFIG_ENV})")
+
+
+def out_file(path: Path, *, flag: str = "--out") -> Path:
+    """`path` as a file to write: its folder must exist (quiesce never creates it) and it must not
+    be a folder. Raises `UsageError` naming the flag otherwise."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise UsageError(
+            f"{flag} {path}: the folder {folder} does not exist; create it or choose another path"
+        )
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a folder; give a file name")
+    return path
+
+
+def seconds(text: str) -> float:
+    """argparse type of a budget in seconds: a finite number above 0 (the upper bound is the
+    config's `max_deadline_s`, checked once the config is read)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a budget must be more than 0 seconds")
+    return value

@@ -6,7 +6,8 @@ function taking the parsed namespace and returning the exit code. This file only
 dispatches and maps errors to exit codes:
 
 - 0 success; 1 the operation failed; 2 bad usage, bad config, or discovery refused.
-- A `QuiesceError` prints its message (no traceback unless `--debug`).
+- A `QuiesceError` prints its message (no traceback unless `--debug`); so does an `OSError` that
+  reaches here (a file that cannot be written, a full disk): its message names the file.
 
 The flags every command shares (`--json`, `--debug`, `--config`, `--ledger`) are defined once, in
 `tools/cli/flags.py`: every parser a command registers takes them (`flags.Commands`).
@@ -81,11 +82,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _print_error(error)
         return exit_code_for(error)
+    except OSError as error:
+        if args.debug:
+            raise
+        _print_error(_describe_os_error(error))
+        return 1
     except KeyboardInterrupt:
         if args.debug:
             raise
         _print_error("interrupted")
         return 130
+
+
+def _describe_os_error(error: OSError) -> str:
+    where = " -> ".join(str(f) for f in (error.filename, error.filename2) if f is not None)
+    what = error.strerror or str(error)
+    return f"{what}: {where}" if where else what
 
 
 def _print_error(error: BaseException | str) -> None:

@@ -16,7 +16,9 @@ import anyio
 from rich.markup import escape
 
 from coordinator import Attempt, Coordinator, Discovery, PhaseError, load_config
+from coordinator.config import check_deadline
 from tools.cli.cluster_cmd import add_common, phase_error_json, print_warnings, progress_line
+from tools.cli.flags import seconds
 from tools.cli.output import console, emit_json, print_error
 
 
@@ -28,15 +30,18 @@ def register(subparsers: Any) -> None:
     )
     add_common(parser)
     parser.add_argument(
-        "--deadline-s", type=float, default=None, metavar="N", help="budget of the attempt (default: config)"
+        "--deadline-s",
+        type=seconds,
+        default=None,
+        metavar="N",
+        help="budget of the attempt in seconds, at most the config's max_deadline_s (default: deadline_s)",
     )
     parser.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
-    if args.deadline_s is not None and not args.deadline_s > 0:
-        raise SystemExit("quiesce checkpoint: --deadline-s must be > 0")
     config = load_config(args.config)
+    check_deadline(config, args.deadline_s, what="--deadline-s")  # exit 2 before the ledger is opened
     found: Discovery | None = None
     attempt: Attempt | None = None
     failure: PhaseError | None = None
@@ -55,6 +60,8 @@ def handle(args: argparse.Namespace) -> int:
 
     anyio.run(run)
     assert found is not None
+    if attempt is not None:
+        print_warnings(attempt.warnings)
     published = attempt is not None and attempt.snapshot is not None
     document: dict[str, Any] = {
         "checkpoint_id": attempt.checkpoint_id if attempt else (failure.checkpoint_id if failure else None),

@@ -18,7 +18,7 @@ import anyio
 from rich.text import Text
 
 from tools.audit.source import export_bundle
-from tools.cli.flags import add_ledger
+from tools.cli.flags import add_ledger, out_file
 from tools.cli.output import console, emit_json
 
 
@@ -37,6 +37,7 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
+    out_file(args.out)  # exit 2 before the ledger is read
     summary = anyio.run(export_bundle, args.ledger, args.out, args.checkpoint)
     if args.json:
         emit_json({"out": str(args.out), "checkpoint": summary.checkpoint, **summary.to_json()})

@@ -19,7 +19,7 @@ from rich.text import Text
 from ledger.urls import safe
 from tools.audit.report import render_report
 from tools.audit.source import load_views
-from tools.cli.flags import add_ledger
+from tools.cli.flags import add_ledger, out_file
 from tools.cli.output import console, emit_json
 
 
@@ -46,6 +46,7 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
+    out_file(args.out)  # exit 2 before the ledger is read
     views = anyio.run(load_views, args.ledger, args.checkpoint, args.limit)
     page = render_report(views, source=safe(args.ledger))
     tmp = args.out.with_name(f".{args.out.name}.tmp")

@@ -79,6 +79,7 @@ def handle(args: argparse.Namespace) -> int:
         print_error(failure)
         return 1
     assert attempt is not None
+    print_warnings(attempt.warnings)
     outcome = "resumed" if resumed is not None else "restored"
     if args.json:
         emit_json(

@@ -5,14 +5,20 @@ writes exists exactly while they run (written once every server accepts connecti
 when they stop), so a script can wait for the file. The help speaks to users: what it starts,
 where the config goes, which token to set and what to run next. `--ledger` takes a file path or a
 URL, as everywhere.
+
+`sim` owns the folder of the SQLite ledger the config names (relative to the config, as the
+config is read) and creates it; every other command refuses a ledger whose folder does not exist.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from pathlib import Path
 from typing import Any
 
 from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
+from ledger.urls import plain_sqlite_path
 from tools.cli.flags import ledger_url
 from tools.cli.output import print_error
 from tools.gymsim import launcher
@@ -49,6 +55,21 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=handle)
 
 
+def _make_ledger_folder(args: argparse.Namespace) -> None:
+    """Create the folder of the SQLite ledger the written config will name (if it is a plain path)."""
+    url = args.ledger
+    if url is None:
+        with contextlib.suppress(Exception):  # a bad spec is reported by launcher.run
+            url = launcher.build_spec(args).ledger
+    path = plain_sqlite_path(url) if url else None
+    if path is None:
+        return
+    ledger = Path(path)
+    if not ledger.is_absolute():
+        ledger = Path(args.config_out).resolve().parent / ledger
+    ledger.parent.mkdir(parents=True, exist_ok=True)
+
+
 def handle(args: argparse.Namespace) -> int:
     if args.ledger is not None:
         try:
@@ -56,4 +77,5 @@ def handle(args: argparse.Namespace) -> int:
         except argparse.ArgumentTypeError as error:
             print_error(f"--ledger: {error}")
             return 2
+    _make_ledger_folder(args)
     return launcher.run(args)
