@@ -298,7 +298,7 @@ def refuse_unpublishable(root: Path, odd: list[str]) -> None:
         raise SnapshotError(
             f"{root} holds what a snapshot cannot: "
             + "; ".join(odd)
-            + ". Only regular files and folders are published; remove these (or write real files).",
+            + " — only regular files and folders are published; remove these or write real files",
             odd,
         )
 

@@ -34,8 +34,9 @@ def stranded(ctx: Context, attempt: Attempt, error: LedgerError) -> LedgerStrand
     return LedgerStranded(
         f"{attempt.kind} {attempt.checkpoint_id} stopped: the ledger could not be written ({error})."
         " Nothing can be sent without being recorded first, so no server was resumed; servers that may"
-        f" be left paused: {paused}. Make the ledger writable again (free space on its disk), then run"
-        " `quiesce recover` with this cluster's config: it resumes them and records what happened.",
+        f" be left paused (sent a request, or about to be): {paused}. Make the ledger writable again"
+        " (free space on its disk), then run `quiesce recover` with this cluster's config: it resumes"
+        " them and records what happened.",
         checkpoint_id=attempt.checkpoint_id,
         left_paused=touched,
     )

@@ -24,6 +24,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from ledger import sqlitefile
 from ledger.chain import Problem, check_rows
 from ledger.layout import EVENT_COLUMNS
 from ledger.projections import FoldFeed, FoldItem
@@ -83,8 +84,9 @@ def command(path: Path) -> list[str]:
 
 
 def connect(path: str) -> sqlite3.Connection:
-    """A read-only connection to the ledger file at ``path`` (never creates nor writes it)."""
-    return sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=10.0)
+    """A read-only connection to the ledger file at ``path`` (never creates nor writes it; on a
+    read-only filesystem too: ``ledger.sqlitefile.read_uri``)."""
+    return sqlitefile.connect_reader(sqlitefile.resolve(path))
 
 
 def main() -> None:

@@ -101,6 +101,8 @@ def os_problem(error: OSError, path: Path, where: str, doing: str) -> LedgerErro
         what = f"{path} does not exist"
     elif code == errno.ELOOP:
         what = f"{path} is a symlink loop"
+    elif code == errno.EISDIR:
+        what = f"{path} is a folder, not a SQLite database file"
     else:
         what = f"{error.strerror or error} ({path})"
     return LedgerError(f"ledger {where}: cannot {doing}: {what}")
@@ -154,7 +156,7 @@ def writer_lock(path: Path, where: str) -> int:
     closed. Raises ``FencedError`` when another process holds the lock, ``LedgerError`` for a file
     that cannot be a ledger or cannot be written.
     """
-    check_folder(path, where)
+    inspect_existing(path, where)  # a folder, FIFO or device is refused before it is opened
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     except OSError as error:
