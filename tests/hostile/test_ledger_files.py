@@ -1,6 +1,5 @@
-"""Ledger files as a user's filesystem really has them: symlinked, hard-linked, in a missing folder,
-not a database at all, on a full disk, on a read-only filesystem — and a disk that fills up in the
-middle of an attempt.
+"""Ledger files as users really have them: symlinked, hard-linked, in a missing folder, not a
+database, on a full or read-only disk, filling up in the middle of an attempt.
 
 Every refusal is a `LedgerError` whose message says what is wrong and what to do, and through the
 CLI one line with no traceback (exit 1; 2 for bad usage). Full and read-only filesystems are real
