@@ -34,7 +34,9 @@ the full chain from genesis; a subset bundle proves each included event's conten
 hash and each run's link to the anchor hash — an auditor who holds the ledger (or a trusted copy
 of an anchor or head hash) can then tie the anchors to the chain: ``quiesce verify-bundle FILE
 --ledger URL`` also compares every hash the bundle states (events and anchors) with the live
-ledger's. Every problem is reported with the seq of the event (or the line) that shows it.
+ledger's, and recomputes each of the ledger's rows in those ranges from its own content (so a row
+edited with its hash columns left as they were is found), reporting seqs the ledger lacks as runs.
+Every problem is reported with the seq of the event (or the line) that shows it.
 """
 
 from __future__ import annotations

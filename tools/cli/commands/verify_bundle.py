@@ -2,7 +2,9 @@
 
 Recomputes every event's hash and every link of the chain (see `tools/audit/bundle.py`), with no
 database. With a ledger (`--ledger`, or `--config`'s), also compares every hash the bundle states
-(events and run anchors) with that ledger's. Exit 0 when the bundle is intact, 1 naming the seq of each event
+(events and run anchors) with that ledger's, and recomputes that ledger's rows in the bundle's
+ranges from their content (an edited row whose hash columns were left alone is found too). Exit 0
+when the bundle is intact, 1 naming the seq of each event
 that is not, 2 when the file cannot be read.
 """
 
@@ -58,7 +60,13 @@ def handle(args: argparse.Namespace) -> int:
         )
         console.print(Text(f"ok: {what} verified", style="green"))
         if args.ledger is not None:
-            console.print(Text(f"ok: all {len(result.claims)} stated hashes match the ledger", style="green"))
+            console.print(
+                Text(
+                    f"ok: all {len(result.claims)} stated hashes match the ledger, whose rows there"
+                    " recompute from their content",
+                    style="green",
+                )
+            )
         return 0
     for problem in result.problems:
         console.print(Text(f"BAD {problem}", style="red"))
