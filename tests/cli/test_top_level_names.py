@@ -3,8 +3,8 @@
 A project with its own `migrations` package (Django, its own alembic) first on `sys.path` must
 not break the ledger: alembic finds quiesce's migrations by their location. Through the real
 CLI run from such a project, and through `Coordinator.open` in a script of it (where Python puts
-the script's folder first on `sys.path`). The `*.writer-lock` file exists only while a writer
-holds the ledger.
+the script's folder first on `sys.path`). The writer lock is a lock on the ledger file itself, so
+no `*.writer-lock` file is ever left beside it.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def _project(root: Path) -> Path:
     """A user's project whose own `migrations` package would be found first by its name."""
     project = root / "project"
     (project / "migrations").mkdir(parents=True)
+    (project / "run").mkdir()  # quiesce never creates a ledger's folder
     (project / "migrations" / "__init__.py").write_text("")
     (project / "migrations" / "env.py").write_text("raise SystemExit('the project migrations ran')\n")
     (project / "cluster.yaml").write_text(
@@ -67,14 +68,14 @@ def test_a_project_migrations_package_does_not_shadow_quiesce(tmp_path: Path) ->
     assert (project / "run" / "ledger.db").is_file()
 
 
-def test_the_writer_lock_file_lives_as_long_as_the_writer(tmp_path: Path) -> None:
+def test_the_writer_lock_leaves_no_file_beside_the_ledger(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
     lock = tmp_path / "q.db.writer-lock"
 
     async def hold() -> None:
         async with Ledger.open(url) as ledger:
             await ledger.start_epoch({"coordinator": {"host": "t", "pid": 1, "uuid": "u"}, "version": "t"})
-            assert lock.is_file()
+            assert not lock.exists()  # the lock is on q.db itself (ledger/sqlitefile.py)
             # another writer is refused while this one holds it (also through the CLI)
             refused = await anyio.to_thread.run_sync(
                 lambda: quiesce("replay", "--ledger", "q.db", "--rebuild", cwd=tmp_path)
@@ -86,7 +87,7 @@ def test_the_writer_lock_file_lives_as_long_as_the_writer(tmp_path: Path) -> Non
                     raise AssertionError("a second writer opened the ledger")
             except FencedError:
                 pass
-        assert not lock.exists()  # a clean close removes it
+        assert not lock.exists()
 
     anyio.run(hold)
     again = quiesce("replay", "--ledger", "q.db", "--rebuild", "--json", cwd=tmp_path)
