@@ -101,6 +101,10 @@ def ledger_url(text: str, *, must_exist: bool) -> str:
             ) from None
         plain = url.database if backend == "sqlite" else None
     if must_exist and plain is not None and not Path(plain).is_file():
+        if Path(plain).is_dir():
+            raise argparse.ArgumentTypeError(f"{shown(text)!r}: {plain} is a folder, not a ledger file")
+        if Path(plain).exists():
+            raise argparse.ArgumentTypeError(f"{shown(text)!r}: {plain} is not a regular file")
         raise argparse.ArgumentTypeError(f"{shown(text)!r}: no ledger file {plain}")
     return text
 
