@@ -98,7 +98,8 @@ def truncation(head_seq: int, recorded_last_seq: int | None) -> Problem | None:
     return (
         head_seq + 1,
         f"seq {head_seq + 1}..{recorded_last_seq} missing: the attempts projection records seq"
-        f" {recorded_last_seq}, the events end at seq {head_seq} (rows removed from the end)",
+        f" {recorded_last_seq}, the events end at seq {head_seq} (rows removed from the end, or the"
+        " projection edited)",
     )
 
 

@@ -11,7 +11,9 @@
 - folds ``ledger.projections.fold`` over the stream (through ``FoldFeed``) and compares the result
   with the live ``attempts`` table, column by column;
 - with ``rebuild=True`` (needs writership; refused when the chain is broken) replaces the live
-  ``attempts`` table with the rebuilt rows in one transaction.
+  ``attempts`` table with the rebuilt rows in one transaction — also a projection that records
+  seqs past the head (``--verify`` reports that as rows removed from the end: the events cannot
+  tell it from an edited projection, and rebuilding is the operator's explicit call).
 
 Reading: PostgreSQL, and SQLite ledgers under ``PARALLEL_MIN_EVENTS`` events, are read in this
 process, ``PAGE_SIZE`` rows per query (memory: two pages plus one projection row per checkpoint
@@ -342,10 +344,11 @@ async def replay_open(
         live = await backend.attempts(None, None)
     replayer.compare(live)
     report = replayer.report
-    if report.chain_ok:
-        cut = truncation(report.head_seq or 0, max((row.last_seq for row in live), default=None))
-        if cut is not None:
-            replayer._bad(*cut)
+    cut = truncation(report.head_seq or 0, max((row.last_seq for row in live), default=None))
+    if cut is not None and report.chain_ok and not rebuild:
+        # rows removed from the end — or a projection edited: only the events can tell, and they
+        # end at the head; `--rebuild` (an operator's explicit choice) replaces that projection
+        replayer._bad(*cut)
     if rebuild:
         if not report.chain_ok:
             raise LedgerError(
@@ -367,7 +370,7 @@ async def replay_url(
     chunk_events: int = CHUNK_EVENTS,
 ) -> ReplayReport:
     """Open ``url`` (readonly unless ``rebuild``) and replay it; see the module docstring."""
-    async with Ledger.open(url, readonly=not rebuild) as ledger:
+    async with Ledger.open(url, readonly=not rebuild, verify_tail=False) as ledger:
         return await replay_open(
             ledger, rebuild=rebuild, page_size=page_size, workers=workers, chunk_events=chunk_events
         )

@@ -280,6 +280,7 @@ class Ledger:
         readonly: bool = False,
         lease: LeaseTerms | None = None,
         after_append: AfterAppend | None = None,
+        verify_tail: bool = True,
     ) -> Ledger:
         """Open the ledger at ``url``; the caller must ``await ledger.aclose()``.
 
@@ -315,7 +316,7 @@ class Ledger:
                 )
             await backend.start()
             await ledger._load_head()
-            if not readonly:
+            if not readonly and verify_tail:
                 await ledger._verify_tail()
             if lease is not None:
                 asked = time.monotonic()
@@ -338,6 +339,7 @@ class Ledger:
         readonly: bool = False,
         lease: LeaseTerms | None = None,
         after_append: AfterAppend | None = None,
+        verify_tail: bool = True,
     ) -> AsyncIterator[Ledger]:
         """``async with Ledger.open(url) as ledger:`` — see ``connect``; closed (and writership
         and any lease released) on exit."""
@@ -348,6 +350,7 @@ class Ledger:
             readonly=readonly,
             lease=lease,
             after_append=after_append,
+            verify_tail=verify_tail,
         )
         try:
             yield ledger

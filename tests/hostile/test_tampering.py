@@ -234,3 +234,23 @@ def test_the_commands_name_the_seq_and_no_coordinator_appends(tmp_path: Path) ->
     no_traceback(recover)
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT max(seq) FROM events").fetchone() == (EVENTS,)
+
+
+@pytest.mark.anyio
+async def test_a_projection_ahead_of_the_events_blocks_writers_until_an_explicit_rebuild(
+    tmp_path: Path,
+) -> None:
+    """The events alone cannot tell rows removed from the end from an edited projection: a writer
+    refuses, `replay --verify` names the seq after the head, and `replay --rebuild` — the operator's
+    explicit call — replaces the projection from the events, after which writers open again."""
+    path = tmp_path / "ledger.db"
+    url = f"sqlite+aiosqlite:///{path}"
+    await _fill(url)
+    with sqlite3.connect(path) as db:
+        (cid,) = db.execute("SELECT checkpoint_id FROM attempts LIMIT 1").fetchone()
+        db.execute("UPDATE attempts SET last_seq = ? WHERE checkpoint_id = ?", (EVENTS + 7, cid))
+    assert await _findings(url, None) == {"open": EVENTS + 1, "replay": EVENTS + 1, "check": EVENTS + 1}
+    rebuilt = await replay_url(url, rebuild=True)
+    assert rebuilt.rebuilt
+    assert rebuilt.chain_ok
+    assert await _findings(url, None) == {"open": None, "replay": None, "check": None}
