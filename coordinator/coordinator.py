@@ -55,6 +55,7 @@ from coordinator.discovery import Discovery, discover
 from coordinator.errors import AcknowledgementError, ConfigError, QuiesceError
 from coordinator.heap import frozen_step, heap_frozen
 from coordinator.lease import holder_text, keep_lease
+from coordinator.preflight import preflight
 from coordinator.protocol import (
     AGENT,
     COMPLETED_RESULT_ACKNOWLEDGEMENT,
@@ -63,7 +64,6 @@ from coordinator.protocol import (
     Capabilities,
     route,
 )
-from coordinator.preflight import preflight
 from coordinator.provenance import check_provenance
 from coordinator.publish import empty_trash, read_latest, resolve_snapshot, verify_snapshot
 from coordinator.readback import find_paused, resume_recorded
