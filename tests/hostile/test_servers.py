@@ -15,8 +15,8 @@ coordinator runs a real save with a 2 s budget. Each case asserts:
 
 The files a server writes are checked too: a symlink or a FIFO in a server's folder, and a symlink,
 hard link to an outside file, socket or device file in the caller's half, fail the save naming the
-path. A restore answered with another checkpoint id fails, resuming nobody (half-restored state
-must not run).
+path. A restore answered with another checkpoint id fails too, resuming nobody (half-restored
+state must not run).
 """
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ def _odd_in_folder(
         make(folder / "extra")
 
     return act
+
+
+def _foreign_status(document: dict[str, Any]) -> None:
+    document["checkpoint_id"] = "e9-999999"
 
 
 def _dotdot(document: dict[str, Any]) -> None:
@@ -100,6 +104,12 @@ CASES: dict[str, tuple[str, str, front.Act, tuple[str, ...]]] = {
         "/model-admission/pause",
         front.endless_headers,
         ("policy_model", "headers"),
+    ),
+    "wrong checkpoint id": (
+        "policy_model",
+        "/model-admission/status",
+        front.rewrite(_foreign_status),
+        ("policy_model", "e9-999999"),
     ),
     "../ in an artifact path": (
         "simple_agent",
