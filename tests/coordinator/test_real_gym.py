@@ -11,6 +11,7 @@ Gym that always returns the index; and the honest words of a rollback.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -21,7 +22,7 @@ import httpx
 import pytest
 
 from coordinator import Coordinator, PhaseError, load_snapshot
-from coordinator.errors import AcknowledgementError, ConfigError
+from coordinator.errors import AcknowledgementError, ConfigError, SnapshotError
 from coordinator.protocol import sha256_hex
 from tests.coordinator.helpers import (
     assert_all_accepting,
@@ -287,8 +288,15 @@ async def _saved_mid_rollout(running: RunningCluster, config: Any) -> Path:
     return attempt.snapshot
 
 
+def _another_ledger(ledger_url: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A second, empty ledger on the same backend as `ledger_url`."""
+    if ledger_url.startswith("sqlite"):
+        return f"sqlite+aiosqlite:///{tmp_path / 'other.db'}"
+    return str(request.getfixturevalue("postgres").create_database(f"t_{uuid.uuid4().hex[:20]}"))
+
+
 async def test_a_restored_storage_index_that_differs_fails_the_restore_with_nothing_resumed(
-    make_cluster: MakeCluster, ledger_url: str, configure: Any
+    make_cluster: MakeCluster, ledger_url: str, configure: Any, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     with make_cluster(spec()) as first:
         snapshot = await _saved_mid_rollout(first, configure(first, ledger_url))
@@ -305,6 +313,12 @@ async def test_a_restored_storage_index_that_differs_fails_the_restore_with_noth
     assert summary["policy"]["policy_model"]["storage_reference_index"] == index  # ...and in the ledger
     _retamper_index(snapshot)
     with make_cluster(spec()) as fresh:
+        # the ledger that published it knows the manifest's digest: refused before any server is asked
+        async with Coordinator.open(configure(fresh, ledger_url)) as coord:
+            with pytest.raises(SnapshotError, match="not the one the ledger recorded"):
+                await coord.restore(snapshot)
+        # a ledger that never saw it can only warn; then the restored index gives the forgery away
+        ledger_url = _another_ledger(ledger_url, request, tmp_path)
         async with Coordinator.open(configure(fresh, ledger_url)) as coord:
             await coord.discover()
             with pytest.raises(PhaseError) as caught:
