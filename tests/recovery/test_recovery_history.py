@@ -32,7 +32,10 @@ async def test_recovery_never_reads_the_whole_attempts_projection(
             await coord.checkpoint(deadline_s=30)
     die_after(kind_is("phase.completed", phase="prepare"))
     async with httpx.AsyncClient() as http:
-        await client.start_rollouts(http, cluster.urls["simple_agent"], {"r0": 6})
+        # long enough to be mid-rollout at the prepare: a finished one is held until acknowledged
+        for name in ("policy_model", "tools"):
+            await http.post(f"{cluster.urls[name]}/gymsim/admin/options", json={"latency_s": 0.01})
+        await client.start_rollouts(http, cluster.urls["simple_agent"], {"r0": 60})
         await client.wait_turns(http, cluster.urls["simple_agent"], 1)
         with pytest.raises(Died):
             async with Coordinator.open(config) as coord:
