@@ -1,0 +1,236 @@
+"""No server is ever left paused (issue 19): the three paths that broke that promise, as a new user
+and a reviewer met them, against real reference servers, real ledgers and real processes.
+
+1. A plain restore (servers restored and paused), then a checkpoint: the checkpoint is refused
+   before any request leaves, naming the restore that holds the servers, since when, and the
+   command that frees them; that command (`quiesce resume`) frees them.
+2. `quiesce restore --resume` SIGKILLed in its resume phase (one server resumed, the others still
+   restored and paused): `quiesce recover` finishes the resume; a second recover does nothing.
+3. A new ledger (SQLite and PostgreSQL) against a cluster that already retired another ledger's
+   checkpoint ids: its checkpoints get ids no Gym server has seen, and succeed.
+
+And the wording: a checkpoint refused for a wrong control token says so, and does not claim a
+server "could not be resumed" or was "left paused" when it never paused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from coordinator.crashpoints import CRASH_BEFORE_SEND
+from coordinator.protocol import TOKEN_ENV
+from ledger import Ledger
+from tests.coordinator.helpers import (
+    assert_all_accepting,
+    assert_protocol_ok,
+    control_logs,
+    read_events,
+    server_states,
+)
+from tools.audit.cli import check_ledger
+from tools.cli.main import main as cli
+from tools.gymsim.cluster import REPO_ROOT
+
+GYM_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+PARTICIPANTS = ("policy_model", "simple_agent", "tools")
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any, str]:
+    """Run the CLI in this process; (exit code, stdout parsed as JSON when --json, stderr)."""
+    capsys.readouterr()
+    code = cli(list(argv))
+    captured = capsys.readouterr()
+    out: Any = captured.out
+    if "--json" in argv and captured.out.strip():
+        out = json.loads(captured.out)
+    return code, out, captured.err
+
+
+def _quiesce(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the CLI in its own process (this tree's code), so it can really be SIGKILLed."""
+    environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "tools.cli.main", *argv],
+        cwd=str(REPO_ROOT),
+        env=environ,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def _states(cluster: Any) -> dict[str, tuple[str, str]]:
+    async def go() -> dict[str, tuple[str, str]]:
+        async with httpx.AsyncClient() as http:
+            return await server_states(http, cluster)
+
+    return anyio.run(go)
+
+
+def _posts(cluster: Any) -> int:
+    async def go() -> int:
+        async with httpx.AsyncClient() as http:
+            logs = await control_logs(http, cluster)
+        return sum(1 for log in logs.values() for e in log if e["method"] == "POST")
+
+    return anyio.run(go)
+
+
+def _all_accepting(cluster: Any) -> None:
+    async def go() -> None:
+        async with httpx.AsyncClient() as http:
+            await assert_all_accepting(http, cluster)
+
+    anyio.run(go)
+
+
+@pytest.fixture
+def config_file(cluster: Any, tmp_path: Path, token: str) -> Path:
+    path: Path = cluster.write_config(
+        tmp_path / "cluster.yaml", f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", "snaps"
+    )
+    return path
+
+
+# -- 1. stuck for good -------------------------------------------------------------------------
+
+
+def test_checkpoint_after_a_plain_restore_is_refused_up_front_and_resume_frees(
+    capsys: pytest.CaptureFixture[str], config_file: Path, cluster: Any
+) -> None:
+    code, doc, _ = _run(capsys, "checkpoint", "--config", str(config_file), "--json")
+    assert code == 0, doc
+    code, doc, _ = _run(capsys, "restore", "--config", str(config_file), "--json")
+    assert (code, doc["outcome"]) == (0, "restored")
+    restore_id = doc["checkpoint_id"]
+    assert {n: s[0] for n, s in _states(cluster).items() if n in PARTICIPANTS} == dict.fromkeys(
+        PARTICIPANTS, "restored_paused"
+    )
+
+    posts = _posts(cluster)
+    code, doc, err = _run(capsys, "checkpoint", "--config", str(config_file), "--json")
+    assert code == 1
+    assert _posts(cluster) == posts, "the refused checkpoint sent a control request"
+    text = " ".join(err.split())
+    assert restore_id in text
+    assert "restore" in text and "since" in text
+    assert f"quiesce resume --config {config_file} {restore_id}" in text
+    assert doc["outcome"] == "refused"
+
+    # the command it names frees every server
+    code, doc, _ = _run(capsys, "resume", "--config", str(config_file), "--json")
+    assert code == 0, doc
+    assert (doc["checkpoint_id"], doc["outcome"]) == (restore_id, "resumed")
+    _all_accepting(cluster)
+    code, doc, _ = _run(capsys, "checkpoint", "--config", str(config_file), "--json")
+    assert (code, doc["outcome"]) == (0, "published")
+    anyio.run(assert_protocol_ok, f"sqlite+aiosqlite:///{config_file.parent / 'q.db'}")
+
+
+# -- 2. an interrupted post-restore resume -----------------------------------------------------
+
+
+def test_sigkill_in_the_resume_of_restore_resume_is_finished_by_recover(
+    capsys: pytest.CaptureFixture[str], config_file: Path, cluster: Any, token: str
+) -> None:
+    code, doc, _ = _run(capsys, "checkpoint", "--config", str(config_file), "--json")
+    assert code == 0, doc
+    # the restore sends 3 POSTs (policy, agent, resources); its resume starts with tools (POST 4):
+    # die right before POST 5 (the policy model's resume) — tools resumed, the others paused
+    died = _quiesce(
+        "restore", "--config", str(config_file), "--resume", "--json", env={CRASH_BEFORE_SEND: "5"}
+    )
+    assert died.returncode == -9, died.stderr
+    states = _states(cluster)
+    assert states["tools"] == ("idle", "accepting")
+    assert states["policy_model"][0] == "restored_paused"
+    assert states["simple_agent"][0] == "restored_paused"
+
+    code, doc, err = _run(capsys, "recover", "--config", str(config_file), "--json")
+    assert code == 0, err
+    [found] = doc["attempts"]
+    assert found["action"] == "resumed", found
+    _all_accepting(cluster)
+    # a second recover finds nothing
+    code, doc, _ = _run(capsys, "recover", "--config", str(config_file), "--json")
+    assert (code, doc["attempts"]) == (0, [])
+    url = f"sqlite+aiosqlite:///{config_file.parent / 'q.db'}"
+    events = anyio.run(read_events, url, found["checkpoint_id"])
+    # not written "restored" before its resume ran: a restore --resume ends once, resumed
+    assert [e.data["outcome"] for e in events if e.kind == "attempt.completed"] == ["resumed"]
+    anyio.run(assert_protocol_ok, url)
+
+
+# -- 3. ids unique across ledgers --------------------------------------------------------------
+
+
+@pytest.fixture
+def another_ledger(ledger_url: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A second fresh ledger on the same backend as `ledger_url`."""
+    if ledger_url.startswith("sqlite"):
+        return f"sqlite+aiosqlite:///{tmp_path / 'second.db'}"
+    postgres = request.getfixturevalue("postgres")
+    url: str = postgres.create_database(f"t_{uuid.uuid4().hex[:20]}")
+    return url
+
+
+@pytest.mark.anyio
+async def test_a_new_ledger_against_a_cluster_that_retired_another_ledgers_ids(
+    cluster: Any, ledger_url: str, another_ledger: str, configure: Any
+) -> None:
+    from coordinator import Coordinator
+
+    first = configure(cluster, ledger_url)
+    seen: list[str] = []
+    async with Coordinator.open(first) as coord:
+        for _ in range(3):
+            seen.append((await coord.checkpoint(deadline_s=20)).checkpoint_id)
+    # a new ledger, the same long-running servers (which remember every retired id)
+    second = configure(cluster, another_ledger)
+    mine: list[str] = []
+    for _ in range(3):  # one coordinator (one epoch) per checkpoint, as the CLI does
+        async with Coordinator.open(second) as coord:
+            mine.append((await coord.checkpoint(deadline_s=20)).checkpoint_id)
+    assert not set(mine) & set(seen)
+    for cid in seen + mine:
+        assert GYM_ID.match(cid) and len(cid) <= 128, cid
+    assert sorted(mine) == mine and sorted(seen) == seen  # sortable within one ledger
+    async with httpx.AsyncClient() as http:
+        await assert_all_accepting(http, cluster)
+    async with Ledger.open(another_ledger, readonly=True) as ledger:
+        rows = await ledger.attempts()
+    assert [(r.checkpoint_id, r.outcome) for r in rows] == [(cid, "published") for cid in mine]
+    await assert_protocol_ok(another_ledger)
+
+
+# -- wording -----------------------------------------------------------------------------------
+
+
+def test_a_wrong_token_says_so_and_no_server_is_called_left_paused(
+    capsys: pytest.CaptureFixture[str],
+    config_file: Path,
+    cluster: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(TOKEN_ENV, "not-the-servers-token")
+    code, doc, err = _run(capsys, "checkpoint", "--config", str(config_file), "--json")
+    assert code == 1
+    text = " ".join(err.split())
+    assert "401" in text and "token" in text
+    assert "Could not resume" not in text and "could not resume" not in text
+    assert doc["not_resumed"] == []
+    _all_accepting(cluster)
+    report = anyio.run(check_ledger, f"sqlite+aiosqlite:///{config_file.parent / 'q.db'}")
+    assert report.violations == []
+    assert not [w for w in report.warnings if "left paused" in w.message], report.warnings
