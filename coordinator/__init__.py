@@ -30,9 +30,11 @@ if TYPE_CHECKING:
         LedgerError,
         PhaseError,
         QuiesceError,
+        ServersHeld,
         SnapshotError,
     )
     from coordinator.publish import Snapshot, load_snapshot, read_latest, verify_snapshot
+    from coordinator.status import ClusterStatus
 
 #: Public names and the module each lives in. Imported on first use, so that importing
 #: `coordinator.errors` (the CLI does, at start) does not load httpx, the ledger and pydantic models.
@@ -54,6 +56,8 @@ _EXPORTS: dict[str, str] = {
     "ProgressCallback": "coordinator.attempt",
     "QuiesceError": "coordinator.errors",
     "ServerConfig": "coordinator.config",
+    "ServersHeld": "coordinator.errors",
+    "ClusterStatus": "coordinator.status",
     "Snapshot": "coordinator.publish",
     "SnapshotError": "coordinator.errors",
     "load_config": "coordinator.config",
@@ -77,6 +81,7 @@ __all__ = [
     "AcknowledgementError",
     "Attempt",
     "ClusterConfig",
+    "ClusterStatus",
     "ConfigError",
     "Coordinator",
     "DeadlineExceeded",
@@ -91,6 +96,7 @@ __all__ = [
     "ProgressCallback",
     "QuiesceError",
     "ServerConfig",
+    "ServersHeld",
     "Snapshot",
     "SnapshotError",
     "load_config",

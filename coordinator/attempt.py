@@ -60,7 +60,9 @@ caught by any step.
 from __future__ import annotations
 
 import contextlib
+import shlex
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +72,7 @@ import anyio
 import anyio.to_thread
 from pydantic import BaseModel
 
+from coordinator import ids
 from coordinator.calls import Caller, CallResult
 from coordinator.config import ClusterConfig
 from coordinator.digests import DigestCache
@@ -78,6 +81,7 @@ from coordinator.errors import QuiesceError
 from coordinator.phases import Role, resume_order
 from coordinator.protocol import (
     CommonBody,
+    refused_before_effect,
     route,
 )
 from ledger import Ledger
@@ -133,10 +137,19 @@ class Outcome:
     resumed: tuple[str, ...] = ()
     not_paused: tuple[str, ...] = ()
     left_paused: tuple[str, ...] = ()
+    #: when several checkpoint ids held the servers: what was done for the others, in order
+    also: tuple[Outcome, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
-        """The `--json` document of `quiesce restore | resume | abort`."""
-        return {"checkpoint_id": self.checkpoint_id, "outcome": self.outcome, "servers": list(self.servers)}
+        """The `--json` document of `quiesce restore | resume | abort` (`also` only when not empty)."""
+        out: dict[str, Any] = {
+            "checkpoint_id": self.checkpoint_id,
+            "outcome": self.outcome,
+            "servers": list(self.servers),
+        }
+        if self.also:
+            out["also"] = [o.as_json() for o in self.also]
+        return out
 
 
 @dataclass
@@ -147,6 +160,8 @@ class Context:
     ledger: Ledger
     caller: Caller
     on_progress: ProgressCallback | None = None
+    #: the file the config was read from, named in the commands a message tells the user to run
+    config_path: str | None = None
 
     def progress(self, report: Progress) -> None:
         """Report progress; a failing callback never disturbs the attempt."""
@@ -161,7 +176,10 @@ class Attempt:
 
     `staging_dir` is where servers write and where the caller adds its own half (save only);
     `snapshot` is the published folder (save: set after publish; restore: the source snapshot).
-    `touched` lists, in first-contact order, every server a control request was sent to.
+    `touched` lists, in first-contact order, every server a control request was sent to;
+    `refused` names those of them whose every request (a resume aside) the server refused before
+    it ran (`protocol.refused_before_effect`: a wrong token, another checkpoint id active, ...),
+    with the refusal: this attempt paused nothing there, so nothing is resumed there either.
     """
 
     checkpoint_id: str
@@ -179,9 +197,11 @@ class Attempt:
     last_server: str | None = None
     #: warnings given before the first request (recorded in `attempt.started`): preflight, provenance
     warnings: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
     #: facts of the staging files read so far: publish does not read again what commit verified
     digests: DigestCache = field(default_factory=DigestCache, repr=False, compare=False)
     _touched: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    _reached: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._touched.update(self.touched)
@@ -200,6 +220,22 @@ class Attempt:
         if name not in self._touched:
             self._touched.add(name)
             self.touched.append(name)
+
+    def note_outcome(self, name: str, status: int | None, code: str | None) -> None:
+        """Record the outcome of a request (not a resume) sent to `name`: a refusal before it ran
+        keeps the server in `refused` until any other outcome (a lost reply included) reaches it."""
+        if name in self._reached:
+            return
+        if refused_before_effect(status, code):
+            self.refused.setdefault(name, f"http {status}" + (f" {code}" if code else ""))
+        else:
+            self._reached.add(name)
+            self.refused.pop(name, None)
+
+    @property
+    def may_hold(self) -> list[str]:
+        """The touched servers this attempt may have paused (first-contact order)."""
+        return [name for name in self.touched if name not in self.refused]
 
 
 class PhaseFailure(Exception):
@@ -258,6 +294,8 @@ async def send_call(
         params=params,
         expect_checkpoint=expect_checkpoint,
     )
+    if spec.method == "POST" and operation != "resume":
+        attempt.note_outcome(member.name, result.status if result.error == "http" else None, result.code)
     if ctx.on_progress is not None:
         error = None if result.ok else result.describe()
         ctx.progress(Progress(attempt.checkpoint_id, phase, member.name, step="reply", error=error))
@@ -349,9 +387,44 @@ async def run_phase(
     return summary
 
 
+#: ledger → its ledger id (`coordinator.ids`), read once per open ledger
+_LEDGER_IDS: weakref.WeakKeyDictionary[Ledger, str | None] = weakref.WeakKeyDictionary()
+
+
+async def ledger_id(ledger: Ledger) -> str | None:
+    """The id of `ledger`: from the hash of its first event, read once (it never changes)."""
+    if ledger in _LEDGER_IDS:
+        return _LEDGER_IDS[ledger]
+    found: str | None = None
+    events = ledger.read(page_size=1)
+    try:
+        async for event in events:
+            found = ids.ledger_id_of(event.hash)
+            break
+    finally:
+        close = getattr(events, "aclose", None)  # an async generator: its query ends now
+        if close is not None:
+            await close()
+    _LEDGER_IDS[ledger] = found
+    return found
+
+
 async def next_checkpoint_id(ledger: Ledger) -> str:
-    """`e<epoch>-<seq>`: the seq its `attempt.started` will get (single writer), zero-padded."""
-    return f"e{ledger.epoch}-{await ledger.last_seq() + 1:06d}"
+    """The id of a new attempt: `q<ledger id>-<seq>-e<epoch>` (`coordinator.ids`), unique across
+    ledgers, with the seq its `attempt.started` will get (single writer)."""
+    return ids.checkpoint_id(await ledger_id(ledger), ledger.epoch, await ledger.last_seq() + 1)
+
+
+def command_line(config_path: str | None, verb: str, checkpoint_id: str | None = None) -> str:
+    """The command line that runs `verb` (resume, abort, recover) for the cluster of `config_path`
+    (`CONFIG` when the config did not come from a file), on `checkpoint_id` if given."""
+    config = shlex.quote(config_path) if config_path else "CONFIG"
+    return f"quiesce {verb} --config {config}" + (f" {checkpoint_id}" if checkpoint_id else "")
+
+
+def free_command(ctx: Context, verb: str, checkpoint_id: str) -> str:
+    """`command_line` for this coordinator's config."""
+    return command_line(ctx.config_path, verb, checkpoint_id)
 
 
 def require_state(attempt: Attempt, states: tuple[str, ...], step: str) -> None:

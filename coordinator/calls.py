@@ -67,6 +67,7 @@ from coordinator.http import (
     HttpClient,
     ReplyTimeout,
 )
+from coordinator.ids import epoch_of
 from coordinator.protocol import (
     CAPABILITIES_PATH,
     Capabilities,
@@ -204,7 +205,7 @@ class Caller:
         self._counter += 1
         if checkpoint_id is None:
             return f"e{self._epoch}-{phase}/{self._counter}"
-        if checkpoint_id.startswith(f"e{self._epoch}-"):
+        if epoch_of(checkpoint_id) == self._epoch:
             return f"{checkpoint_id}/{self._counter}"
         return f"{checkpoint_id}@e{self._epoch}/{self._counter}"
 
@@ -452,55 +453,102 @@ class Caller:
         params: dict[str, Any] | None,
         timeout_s: float,
     ) -> _Exchange:
-        headers = {
-            "Authorization": f"Bearer {self._token}",
-            "Accept": "application/json",
-            "User-Agent": USER_AGENT,
-        }
-        data: bytes | None = None
-        if method == "POST":
-            headers["Content-Type"] = "application/json"
-            data = json.dumps(body, separators=(",", ":")).encode("utf-8")
-        if params:
-            query = urlencode({k: _param(v) for k, v in params.items() if v is not None})
-            if query:
-                url = f"{url}?{query}"
+        return await _request(self._http(), self._token, method, url, body, params, timeout_s)
+
+    async def peek_capabilities(self, name: str, url: str, *, deadline_ts: float) -> CallResult:
+        """`GET /capabilities`, recorded nowhere (see `peek_capabilities`)."""
+        return await peek_capabilities(self._http(), name, url, token=self._token, deadline_ts=deadline_ts)
+
+
+async def peek_capabilities(
+    client: HttpClient, name: str, url: str, *, token: str | None, deadline_ts: float
+) -> CallResult:
+    """`GET /capabilities` that is recorded nowhere: for an observer (`quiesce status`), which
+    changes nothing on a server and takes no epoch, so it never fences a coordinator at work.
+    The token is sent when there is one (capabilities need none). `call_id` is empty."""
+    timeout_s = max(0.001, deadline_ts - time.time())
+    started = time.monotonic()
+    exchange = await _request(client, token, "GET", url + CAPABILITIES_PATH, None, None, timeout_s)
+    reply: Capabilities | None = None
+    if exchange.error is None:
         try:
-            reply = await self._http().request(
-                method, url, headers=headers, body=data, timeout_s=timeout_s, max_body=MAX_REPLY_BYTES
+            reply = Capabilities.model_validate(exchange.body)
+        except ValidationError as error:
+            exchange = _Exchange(
+                status=exchange.status,
+                error="protocol",
+                detail=f"reply does not match Capabilities: {_summarize(error)}",
             )
-        except ConnectTimeout:
-            return _Exchange(error="connect", detail="could not connect before the deadline")
-        except ReplyTimeout:
-            return _Exchange(error="timeout", detail=f"no reply within {timeout_s:.3f}s (the deadline)")
-        except ConnectFailed as error:
-            return _Exchange(error="connect", detail=f"could not connect: {_plain(error)}")
-        except BadReply as error:
-            return _Exchange(error="protocol", detail=_plain(error))
-        except (ConnectionLost, OSError) as error:
-            return _Exchange(
-                error="connect", detail=f"connection lost before a complete reply: {_plain(error)}"
-            )
-        status = reply.status
-        if reply.too_big:
-            return _Exchange(status=status, error="protocol", detail="reply larger than 1 MiB")
-        raw = reply.body
-        try:
-            parsed: Any = json.loads(raw) if raw else None
-        except (ValueError, UnicodeDecodeError):
-            parsed = None
-            if status == 200:
-                return _Exchange(status=status, error="protocol", detail="reply is not valid JSON")
-        if status != 200:
-            code, detail = _error_fields(parsed)
-            return _Exchange(
-                status=status,
-                body=parsed,
-                error="http",
-                code=code,
-                detail=detail or f"HTTP {status}",
-            )
-        return _Exchange(status=status, body=parsed)
+    return CallResult(
+        call_id="",
+        server=name,
+        path=CAPABILITIES_PATH,
+        ok=exchange.error is None,
+        status=exchange.status,
+        body=exchange.body,
+        reply=reply if exchange.error is None else None,
+        error=exchange.error,
+        code=exchange.code,
+        detail=exchange.detail,
+        elapsed_s=time.monotonic() - started,
+    )
+
+
+async def _request(
+    client: HttpClient,
+    token: str | None,
+    method: str,
+    url: str,
+    body: dict[str, Any] | None,
+    params: dict[str, Any] | None,
+    timeout_s: float,
+) -> _Exchange:
+    """One HTTP exchange; its outcome classified (see the module docstring). Never raises."""
+    headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    data: bytes | None = None
+    if method == "POST":
+        headers["Content-Type"] = "application/json"
+        data = json.dumps(body, separators=(",", ":")).encode("utf-8")
+    if params:
+        query = urlencode({k: _param(v) for k, v in params.items() if v is not None})
+        if query:
+            url = f"{url}?{query}"
+    try:
+        reply = await client.request(
+            method, url, headers=headers, body=data, timeout_s=timeout_s, max_body=MAX_REPLY_BYTES
+        )
+    except ConnectTimeout:
+        return _Exchange(error="connect", detail="could not connect before the deadline")
+    except ReplyTimeout:
+        return _Exchange(error="timeout", detail=f"no reply within {timeout_s:.3f}s (the deadline)")
+    except ConnectFailed as error:
+        return _Exchange(error="connect", detail=f"could not connect: {_plain(error)}")
+    except BadReply as error:
+        return _Exchange(error="protocol", detail=_plain(error))
+    except (ConnectionLost, OSError) as error:
+        return _Exchange(error="connect", detail=f"connection lost before a complete reply: {_plain(error)}")
+    status = reply.status
+    if reply.too_big:
+        return _Exchange(status=status, error="protocol", detail="reply larger than 1 MiB")
+    raw = reply.body
+    try:
+        parsed: Any = json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError):
+        parsed = None
+        if status == 200:
+            return _Exchange(status=status, error="protocol", detail="reply is not valid JSON")
+    if status != 200:
+        code, detail = _error_fields(parsed)
+        return _Exchange(
+            status=status,
+            body=parsed,
+            error="http",
+            code=code,
+            detail=detail or f"HTTP {status}",
+        )
+    return _Exchange(status=status, body=parsed)
 
 
 def _foreign_checkpoint(reply: BaseModel, expected: str | None) -> str | None:

@@ -17,11 +17,17 @@ Invariants:
   anything else; every later append of an older coordinator raises `FencedError`, and this class
   never catches it: a fenced coordinator stops acting.
 - One attempt at a time: a new `prepare` or `restore` while an attempt awaits its next step is
-  refused (`QuiesceError`) — finish it (`resume`) or `abort` it first.
+  refused (`QuiesceError`) — finish it (`resume`) or `abort` it first. And before it sends
+  anything, a new `prepare` or `restore` is refused (`ServersHeld`) while a participant is held by
+  another checkpoint id — by the fences discovery read, or read again when this coordinator's own
+  last step may have changed them — naming the holder, its kind, since when and what frees it.
 - Every control request goes through `calls.Caller` (recorded before and after).
-- `resume()` / `abort()` without an attempt in this process act on what the ledger says was left
-  paused (the newest attempt without a terminal event, a restore not yet resumed, or a rollback
-  that left servers paused), so they work from a separate process.
+- `resume(target)` / `abort(target)` take an `Attempt`, a checkpoint id, or None. None means the
+  attempt awaiting its next step in this process, else whatever holds the servers: they are asked
+  (capabilities, recorded) and every holding id is let go (`readback.release`; an id this ledger
+  has no attempt of is resumed as it is). A checkpoint id works from any process.
+- `status()` reads every server's fence live and names what holds it (`coordinator.status`);
+  it records nothing.
 - `acknowledge_completed(server, executions)` may run at any time, an attempt in progress
   included (an agent holds finished results until acknowledged; a prepare waiting on them
   succeeds at its next retry); it is a recorded control call like any other.
@@ -38,8 +44,9 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -49,12 +56,13 @@ from pydantic import BaseModel, ValidationError
 from coordinator import crashpoints, recovery
 from coordinator import save as saving
 from coordinator.attempt import Attempt, Context, Outcome, ProgressCallback, resume_sorted
-from coordinator.calls import Caller, Target
+from coordinator.calls import Caller, CallResult, Target
 from coordinator.config import ClusterConfig, check_deadline, load_config, resolve_token
-from coordinator.discovery import Discovery, discover
+from coordinator.discovery import Discovery, Member, discover
 from coordinator.errors import AcknowledgementError, ConfigError, QuiesceError
 from coordinator.heap import frozen_step, heap_frozen
 from coordinator.lease import holder_text, keep_lease
+from coordinator.phases import COMPONENT_OF_ROLE
 from coordinator.preflight import preflight
 from coordinator.protocol import (
     AGENT,
@@ -66,9 +74,10 @@ from coordinator.protocol import (
 )
 from coordinator.provenance import check_provenance
 from coordinator.publish import empty_trash, read_latest, resolve_snapshot, verify_snapshot
-from coordinator.readback import find_paused, resume_recorded
+from coordinator.readback import read_attempt, release
 from coordinator.restore import restore as restore_snapshot
-from coordinator.resume import finish_resume, roll_back
+from coordinator.resume import finish_resume, release_unrecorded, roll_back
+from coordinator.status import ClusterStatus, read_status, refuse_if_held, status_from
 from coordinator.version import VERSION
 from ledger import AfterAppend, AttemptRow, Event, LeaseTerms, Ledger
 
@@ -96,6 +105,11 @@ class Coordinator:
         self._discovery: Discovery | None = None
         self._current: Attempt | None = None
         self._last_recovery: recovery.RecoveryReport | None = None
+        # What is known of the servers' fences without asking them again: `_fresh`, what
+        # discovery read, until this coordinator sends a request; `_clean`, this coordinator's
+        # own last step left every participant idle (a save resumed, a rollback complete).
+        self._fresh: Mapping[str, Capabilities | str] | None = None
+        self._clean = False
 
     @classmethod
     @asynccontextmanager
@@ -109,8 +123,12 @@ class Coordinator:
         standby: bool = False,
         advertise: str | None = None,
         observe: AfterAppend | None = None,
+        config_path: str | os.PathLike[str] | None = None,
     ) -> AsyncIterator[Coordinator]:
         """Load the config (a `ClusterConfig` or a YAML path), open the ledger, take a new epoch.
+
+        `config_path` (default: `config` when it is a path) is the file named in the commands that
+        messages and `status()` tell the user to run (`quiesce resume --config FILE ID`).
 
         The token defaults to the environment (`config.token_env`, then the fallback variable); it
         is given to the ledger as a secret, so it is redacted from everything stored.
@@ -126,6 +144,11 @@ class Coordinator:
         order, once committed — its recovery's too (`Ledger.after_append`; it must not raise).
         """
         cfg = _as_config(config)
+        source = (
+            config_path
+            if config_path is not None
+            else (None if isinstance(config, ClusterConfig) else config)
+        )
         secret = token if token is not None else resolve_token(cfg)
         if advertise is not None and (not advertise or any(c.isspace() for c in advertise)):
             raise ConfigError(
@@ -154,7 +177,8 @@ class Coordinator:
             caller = Caller(ledger, secret, epoch=ledger.epoch)
             try:
                 async with _lease_kept(ledger, cfg.lease_s / 3):
-                    coord = cls(Context(cfg, ledger, caller, on_progress))
+                    path = os.fspath(source) if source is not None else None
+                    coord = cls(Context(cfg, ledger, caller, on_progress, config_path=path))
                     if recover:
                         with heap_frozen():
                             coord._last_recovery = await recovery.recover(coord._ctx, always_record=False)
@@ -167,6 +191,7 @@ class Coordinator:
     async def recover(self) -> recovery.RecoveryReport:
         """Run recovery now (`quiesce recover`): always records `recovery.started`/`completed`."""
         self._idle("recover")
+        self._changing()
         report = await recovery.recover(self._ctx, always_record=True)
         self._last_recovery = report
         return report
@@ -220,7 +245,53 @@ class Coordinator:
         found = await discover(self._ctx.config, self._ctx.caller, self._ctx.ledger, strict=strict)
         if not found.refused:
             self._discovery = found
+        self._fresh, self._clean = found.found, False
         return found
+
+    # -- what holds the servers ----------------------------------------------------------------
+
+    async def status(self) -> ClusterStatus:
+        """Every configured server's fence, read live, and what holds each held one: its kind,
+        since when, and the exact command that frees it (`coordinator.status`). Records nothing."""
+        caller = self._ctx.caller
+        return await read_status(
+            self._ctx.config,
+            self._ctx.ledger,
+            lambda name, url, deadline: caller.peek_capabilities(name, url, deadline_ts=deadline),
+            config_path=self._ctx.config_path,
+        )
+
+    async def _ask(self, names: list[str] | None = None) -> ClusterStatus:
+        """`status()` of `names` (default: every server) by recorded reads: a decision rests on it."""
+        caller = self._ctx.caller
+
+        def read(name: str, url: str, deadline: float) -> Awaitable[CallResult]:
+            return caller.capabilities(name, url, deadline_ts=deadline, phase="status")
+
+        return await read_status(
+            self._ctx.config, self._ctx.ledger, read, config_path=self._ctx.config_path, names=names
+        )
+
+    async def _refuse_if_held(self, discovery: Discovery, what: str) -> None:
+        """`ServersHeld` if a participant is held by another checkpoint id; nothing is sent before.
+
+        Free of cost while this coordinator's own last step left every participant idle; else from
+        the fences discovery read if nothing was sent since, or from a new (recorded) read."""
+        if self._clean:
+            return
+        names = discovery.names
+        if self._fresh is not None:
+            found = {n: self._fresh[n] for n in names if n in self._fresh}
+            status = await status_from(
+                self._ctx.config, self._ctx.ledger, found, config_path=self._ctx.config_path
+            )
+        else:
+            status = await self._ask(names)
+        refuse_if_held(status, names, what)
+
+    def _changing(self) -> None:
+        """Requests are about to be sent: what was known of the fences no longer holds."""
+        self._fresh, self._clean = None, False
 
     async def _discovered(self) -> Discovery:
         return self._discovery if self._discovery is not None else await self.discover()
@@ -251,6 +322,8 @@ class Coordinator:
         budget = check_deadline(self._ctx.config, deadline_s)
         warnings = await anyio.to_thread.run_sync(preflight, self._ctx.config)  # before anyone is paused
         discovery = await self._discovered()
+        await self._refuse_if_held(discovery, "checkpoint")
+        self._changing()
         attempt = await saving.start_attempt(self._ctx, discovery, deadline_s=budget, warnings=warnings)
         self._current = attempt
         await saving.prepare(self._ctx, attempt)
@@ -270,55 +343,119 @@ class Coordinator:
         return await saving.publish(self._ctx, chosen)
 
     @frozen_step
-    async def abort(self, attempt: Attempt | None = None, *, reason: str = "aborted by request") -> Outcome:
-        """Roll back an attempt before publication: resume every touched server, remove staging.
+    async def abort(
+        self, target: Attempt | str | None = None, *, reason: str = "aborted by request"
+    ) -> Outcome:
+        """Roll back an attempt before publication: resume every server it may have paused, remove
+        its staging folder. `target`: an `Attempt`, a checkpoint id, or None — the attempt
+        awaiting its next step in this process, else whatever holds the servers (asked now).
 
-        Without an attempt in this process, acts on the newest attempt in progress in the ledger.
-        An attempt already published cannot be rolled back: it is resumed instead (outcome published).
+        An attempt already published cannot be rolled back: it is resumed instead (outcome
+        `published`); a restore is finished and resumed (`resumed`); what a recorded attempt left
+        paused is resumed (`readback.release`). Outcome `none` when nothing holds the servers.
         """
-        chosen = attempt or (
-            self._current
-            if self._current is not None and self._current.state not in ("completed", "aborted")
-            else None
-        )
+        chosen = target if isinstance(target, Attempt) else None
+        if (
+            target is None
+            and self._current is not None
+            and self._current.state not in ("completed", "aborted")
+        ):
+            chosen = self._current
         if chosen is None:
-            recorded = await find_paused(self._ctx, in_progress_only=True)
-            if recorded is None:
-                return Outcome(None, "none")
-            return await resume_recorded(self._ctx, recorded, reason=reason)
+            return await self._let_go(target if isinstance(target, str) else None, reason=reason)
+        self._changing()
         if chosen.state in ("published", "restored"):
-            return await finish_resume(self._ctx, chosen)
+            return self._note(await finish_resume(self._ctx, chosen))
         if chosen.state in ("completed", "aborted"):
             return Outcome(chosen.checkpoint_id, "none")
         error = await roll_back(self._ctx, chosen, None, reason=reason)
-        return Outcome(
-            chosen.checkpoint_id,
-            "aborted",
-            tuple(resume_sorted(chosen, chosen.touched)),
-            tuple(error.resumed),
-            (),
-            tuple(error.not_resumed),
+        return self._note(
+            Outcome(
+                chosen.checkpoint_id,
+                "aborted",
+                tuple(resume_sorted(chosen, chosen.touched)),
+                tuple(error.resumed),
+                (),
+                tuple(error.not_resumed),
+            )
         )
 
     @frozen_step
-    async def resume(self, attempt: Attempt | None = None) -> Outcome:
-        """Resume the servers an attempt left paused (a published save, or a restore).
+    async def resume(self, target: Attempt | str | None = None) -> Outcome:
+        """Resume the servers an attempt left paused (a published save, a restore, a rollback).
 
-        With no attempt awaiting resume in this process, acts on what the ledger says was left
-        paused (see the class docstring). Returns outcome `none` when nothing is paused.
+        `target`: an `Attempt`, a checkpoint id, or None — the attempt awaiting its resume in this
+        process, else whatever holds the servers (asked now; every holding id is let go, the
+        others' outcomes in `Outcome.also`). An unfinished restore is finished from its snapshot
+        first. Outcome `none` when nothing holds the servers. Raises `PhaseError` when a server
+        cannot be resumed (retry the same id once it can).
         """
-        chosen = attempt or self._current
+        chosen = target if isinstance(target, Attempt) else self._current if target is None else None
+        if isinstance(target, str) and self._current is not None and self._current.checkpoint_id == target:
+            chosen = self._current
         if chosen is not None and chosen.state in ("published", "restored"):
-            return await finish_resume(self._ctx, chosen)
+            self._changing()
+            return self._note(await finish_resume(self._ctx, chosen))
         if chosen is not None and chosen.state not in ("completed", "aborted"):
             raise QuiesceError(
                 f"cannot resume attempt {chosen.checkpoint_id}: it is {chosen.state}; publish it first,"
                 " or abort() it to roll back"
             )
-        recorded = await find_paused(self._ctx)
-        if recorded is None:
+        if isinstance(target, Attempt):
+            return Outcome(target.checkpoint_id, "none")
+        return await self._let_go(target, reason="resumed by request before publication")
+
+    async def _let_go(self, checkpoint_id: str | None, *, reason: str) -> Outcome:
+        """Let go of `checkpoint_id`, or (None) of every id that holds a server now, oldest first."""
+        status = await self._ask()
+        self._changing()
+        # every server answered and nothing but what is let go here holds one: all idle after
+        known = all(s.reachable for s in status.servers)
+        if checkpoint_id is not None:
+            alone = {h.checkpoint_id for h in status.holders} <= {checkpoint_id}
+            return self._note(await self._release(checkpoint_id, status, reason), clean=known and alone)
+        # this ledger's attempts by start, then ids it does not know
+        order = [
+            h.checkpoint_id
+            for h in sorted(status.holders, key=lambda h: (not h.recorded, h.started_at or ""))
+        ]
+        if not order:
+            self._clean = known
             return Outcome(None, "none")
-        return await resume_recorded(self._ctx, recorded, reason="resumed by request before publication")
+        outcomes = [await self._release(cid, status, reason) for cid in order]
+        first = outcomes[0]
+        merged = replace(first, also=tuple(outcomes[1:]))
+        return self._note(merged, clean=known)
+
+    async def _release(self, checkpoint_id: str, status: ClusterStatus, reason: str) -> Outcome:
+        held = status.held_by(checkpoint_id)
+        recorded = await read_attempt(self._ctx.ledger, self._ctx.config, checkpoint_id)
+        if recorded is not None:
+            return await release(self._ctx, recorded, reason=reason, held=held)
+        if not held:
+            raise QuiesceError(
+                f"checkpoint {checkpoint_id} is not an attempt of this ledger ({self._ctx.config.ledger})"
+                " and no server reports it active: nothing to do. `quiesce status --config ...` shows what"
+                " holds each server"
+            )
+        members: list[Member] = []
+        for name in held:
+            server = status.server(name)
+            caps = server.capabilities if server is not None else None
+            role = next(
+                (r for r, c in COMPONENT_OF_ROLE.items() if caps is not None and c == caps.component), None
+            )
+            if server is None or caps is None or role is None:
+                continue
+            members.append(
+                Member(name, caps.component, caps.checkpoint_mode, caps.instance_role, role, server.url)
+            )
+        return await release_unrecorded(self._ctx, checkpoint_id, members)
+
+    def _note(self, outcome: Outcome, *, clean: bool = True) -> Outcome:
+        """Remember whether this step left every participant idle (no `_ask` before the next attempt)."""
+        self._clean = clean and not outcome.left_paused and all(not o.left_paused for o in outcome.also)
+        return outcome
 
     # -- save, whole ---------------------------------------------------------------------------
 
@@ -373,7 +510,11 @@ class Coordinator:
 
     @frozen_step
     async def restore(
-        self, snapshot: str | os.PathLike[str] | None = None, *, deadline_s: float | None = None
+        self,
+        snapshot: str | os.PathLike[str] | None = None,
+        *,
+        deadline_s: float | None = None,
+        resume: bool = False,
     ) -> Attempt:
         """Restore a snapshot (a folder, a checkpoint id under `snapshots`, or None/"latest").
 
@@ -381,8 +522,10 @@ class Coordinator:
         name and against the digest the ledger recorded at publication (`provenance`; a snapshot
         the ledger does not know gets a warning on the attempt saying what was not verified), then
         every file and checksum, and its participant set against discovery (`SnapshotError`
-        lists every difference). `deadline_s` is checked like the config's (`check_deadline`).
-        The servers stay paused until `resume()`.
+        lists every difference). `deadline_s` is checked like the config's (`check_deadline`). A
+        participant held by another checkpoint id refuses it (`ServersHeld`). The servers stay
+        paused until `resume()` — or, with `resume=True`, are resumed at once: the attempt ends
+        only once resumed (a death before that is finished by recovery), `attempt.state` completed.
         """
         self._idle("restore")
         budget = check_deadline(self._ctx.config, deadline_s)
@@ -393,8 +536,14 @@ class Coordinator:
         expected = {m.name: m.component for m in discovery.exporters}  # not a drain-only model
         verified = await anyio.to_thread.run_sync(lambda: verify_snapshot(path, participants=expected))
         warnings = [origin.warning] if origin.warning else []
-        attempt = await restore_snapshot(self._ctx, discovery, verified, deadline_s=budget, warnings=warnings)
+        await self._refuse_if_held(discovery, "restore")
+        self._changing()
+        attempt = await restore_snapshot(
+            self._ctx, discovery, verified, deadline_s=budget, warnings=warnings, resume=resume
+        )
         self._current = attempt
+        if resume:
+            self._note(await finish_resume(self._ctx, attempt))
         return attempt
 
     # -- completed results ---------------------------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -74,6 +74,8 @@ class Discovery:
     warnings: tuple[str, ...]
     #: the capability `features` of every server whose capabilities validated (skipped ones too)
     features: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: what each server answered (or why it could not be read), fence state included, as of discovery
+    found: Mapping[str, Capabilities | str] = field(default_factory=dict, compare=False, repr=False)
 
     def group(self, role: Role) -> tuple[Member, ...]:
         """The participants of one role group, in config order."""
@@ -266,7 +268,7 @@ async def discover(
             found[server.name] = f"capabilities reply is invalid: {result.detail}"
         else:
             found[server.name] = f"cannot be reached at {server.url}: {result.describe()}"
-    discovery = classify(config, found)
+    discovery = replace(classify(config, found), found=found)
     await ledger.append("discovery.completed", data=discovery.payload())
     if discovery.refused and strict:
         lines = [f"{name}: {reason}" for name, reason in discovery.refused]

@@ -7,6 +7,7 @@
     ├── DeadlineExceeded   the attempt's absolute deadline passed
     ├── SnapshotError      a snapshot on disk is incomplete, altered, or does not match the cluster
     ├── AcknowledgementError  an agent refused (or answered wrongly) an acknowledgement of results
+    ├── ServersHeld        a new attempt is refused: a participant is held by another checkpoint id
     └── LedgerError        (from ledger) — FencedError: a newer coordinator owns the ledger
 
 CLI exit codes: ConfigError and DiscoveryError are 2 (usage / config / refused setup);
@@ -26,6 +27,7 @@ __all__ = [
     "LedgerError",
     "PhaseError",
     "QuiesceError",
+    "ServersHeld",
     "SnapshotError",
 ]
 
@@ -93,3 +95,13 @@ class AcknowledgementError(QuiesceError):
         self.server = server
         self.status = status
         self.code = code
+
+
+class ServersHeld(QuiesceError):
+    """A checkpoint or restore was refused before any request: participants are held by another
+    checkpoint id. `held` maps each held server to that id; the message names each holder's kind,
+    since when, and the command that frees it."""
+
+    def __init__(self, message: str, held: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.held: dict[str, str] = dict(held or {})

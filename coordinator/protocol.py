@@ -624,3 +624,16 @@ ROUTES: Final[Mapping[tuple[str, str], Route]] = {(r.component, r.operation): r 
 def route(component: str, operation: str) -> Route:
     """The route of `operation` on `component`; KeyError if the component has no such operation."""
     return ROUTES[(component, operation)]
+
+
+#: 409 codes the fence answers before it runs anything (gym-control-v1 §1.1 steps 1 and 4).
+_REFUSED_CODES: Final = frozenset(
+    {STALE_CHECKPOINT, CHECKPOINT_CONFLICT, INVALID_PHASE, NOT_A_POLICY_INSTANCE}
+)
+
+
+def refused_before_effect(status: int | None, code: str | None) -> bool:
+    """Whether a reply refused a control request before it ran: a missing or wrong token (401), a
+    body that does not validate (422), or the fence's own refusals — a retired id, another id
+    active, a phase not allowed. The server is as it was: the request paused nothing."""
+    return status in (401, 422) or (status == 409 and code in _REFUSED_CODES)

@@ -388,15 +388,19 @@ class Snapshot:
     def participant(self, name: str) -> dict[str, Any] | None:
         return next((p for p in self.participants if p.get("name") == name), None)
 
-    def order_key(self) -> tuple[int, int, str]:
+    def order_key(self) -> tuple[str, int, int, str]:
+        """Oldest first: by creation time (snapshots of several ledgers share one folder when a
+        new ledger drives the same cluster, and epochs restart at 1 in each), then epoch and seq."""
+        created = self.manifest.get("created")
+        when = created if isinstance(created, str) else ""
         epoch = self.manifest.get("epoch")
         seq = self.manifest.get("ledger_seq")
         if isinstance(epoch, int) and isinstance(seq, int):
-            return (epoch, seq, self.path.name)
+            return (when, epoch, seq, self.path.name)
         match = _ID.match(self.path.name)
         if match:
-            return (int(match.group(1)), int(match.group(2)), self.path.name)
-        return (-1, -1, self.path.name)
+            return (when, int(match.group(1)), int(match.group(2)), self.path.name)
+        return (when, -1, -1, self.path.name)
 
 
 def load_snapshot(path: Path) -> Snapshot:

@@ -1,12 +1,21 @@
-"""Reading an attempt back from the ledger: what another process (`quiesce resume | abort`) or
-recovery acts on.
+"""Reading an attempt back from the ledger, and letting go of what it holds: what another process
+(`quiesce resume | abort [ID]`, `quiesce status`) or recovery acts on.
 
-`load_attempt` rebuilds an `Attempt` (participants, touched servers, publication) from events
-alone — components from the discovery before it, URLs from the config. `settle_publication`
-lets the filesystem decide whether an unfinished save was published (the fsynced rename is the
-commit point). `resume_recorded` finishes or rolls back what a recorded attempt left paused.
+`read_attempt` rebuilds an `Attempt` (participants, touched and refused servers, publication, how
+far its restore and resume got) from events alone — components from the discovery before it,
+URLs from the config. `publication_on_disk` / `settle_publication` let the filesystem decide
+whether an unfinished save was published (the fsynced rename is the commit point).
+`unfinished` lists what recovery must finish; `release` lets go of what one recorded attempt holds.
+
+An attempt is *finished* when nothing is left to do for it: it has a terminal record and, if that
+record is `attempt.completed {restored}`, no resume of it has begun since (a restore left paused
+for the caller is finished until the caller's resume starts; that resume is then a step like any
+other, finished by recovery if its coordinator dies).
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,68 +24,101 @@ import anyio
 import anyio.to_thread
 
 from coordinator.attempt import Attempt, Context, Outcome, record_phase_failed, resume_sorted
+from coordinator.config import ClusterConfig
 from coordinator.digests import file_digest
 from coordinator.discovery import Member
 from coordinator.errors import PhaseError, QuiesceError, SnapshotError
-from coordinator.protocol import (
-    AGENT,
-    MODEL,
-    RESOURCES,
-)
-from coordinator.publish import (
-    MANIFEST,
-    load_snapshot,
-    write_latest,
-)
-from coordinator.resume import finish_resume, recovery_budget, resume_members, roll_back
+from coordinator.protocol import AGENT, MODEL, RESOURCES
+from coordinator.publish import MANIFEST, load_snapshot, write_latest
+from coordinator.restore import redrive, reverify
+from coordinator.resume import finish_resume, next_step, recovery_budget, resume_members, roll_back
 from coordinator.save import final_dir_of
-from ledger import Event
+from ledger import AttemptRow, Event, Ledger
 
-# ---------------------------------------------------------------------------------------------
-# Rebuilding from the ledger (another process: `quiesce resume | abort`)
-# ---------------------------------------------------------------------------------------------
+__all__ = [
+    "Recorded",
+    "load_attempt",
+    "publication_on_disk",
+    "read_attempt",
+    "release",
+    "settle_publication",
+    "unfinished",
+]
 
 
 @dataclass
 class Recorded:
-    """What the ledger says about one attempt."""
+    """What the ledger says about one attempt.
+
+    `terminal` holds its terminal records in order (a restore may have two: restored, resumed);
+    `restore_done` is true once a restore phase completed; `resume_begun` once a resume phase began
+    after the last terminal record (or with none); `first_post` the time of the first request
+    (not a resume) sent to each server — since when that server may be held.
+    """
 
     attempt: Attempt
     events: list[Event]
+    row: AttemptRow | None = None
+    started_at: str = ""
+    resume_wanted: bool = False
     publishing: dict[str, Any] | None = None
     published: dict[str, Any] | None = None
     terminal: list[Event] = field(default_factory=list)
+    restore_done: bool = False
+    resume_begun: bool = False
+    first_post: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def last_outcome(self) -> str | None:
+        """The outcome of the last terminal record (`aborted` for `attempt.aborted`), or
+        `abandoned` for a restore recovery gave up (recorded in `recovery.completed` only)."""
+        if self.terminal:
+            last = self.terminal[-1]
+            if last.kind == "attempt.aborted":
+                return "aborted"
+            return str(last.data.get("outcome", "completed"))
+        if self.row is not None and self.row.outcome == "abandoned":
+            return "abandoned"
+        return None
+
+    @property
+    def finished(self) -> bool:
+        """Nothing left to do for it (see the module docstring); an abandoned restore is finished too."""
+        outcome = self.last_outcome
+        if outcome is None:
+            return False
+        return not (outcome == "restored" and self.resume_begun)
 
     @property
     def paused(self) -> list[str]:
-        """Servers this attempt may have left paused, by the last terminal event (empty if none)."""
-        if not self.terminal:
-            return list(self.attempt.touched)
-        last = self.terminal[-1]
-        if last.kind == "attempt.completed" and last.data.get("outcome") == "restored":
+        """Servers this attempt may have left paused, by the ledger alone (first-contact order)."""
+        outcome = self.last_outcome
+        if outcome == "restored":  # left paused for the caller, or its resume did not finish
             return self.attempt.names
-        if last.kind == "attempt.aborted":
-            value = last.data.get("left_paused")
+        if outcome == "aborted":
+            value = self.terminal[-1].data.get("left_paused")
             return [str(v) for v in value] if isinstance(value, list) else []
+        if outcome is None or outcome == "abandoned":
+            return self.attempt.may_hold
         return []
 
 
-async def load_attempt(ctx: Context, checkpoint_id: str) -> Recorded:
-    """Rebuild an attempt from its events.
+async def read_attempt(ledger: Ledger, config: ClusterConfig, checkpoint_id: str) -> Recorded | None:
+    """Rebuild an attempt from its events (None when the ledger has no such attempt).
 
     Components come from the discovery before it; URLs from the config.
     """
-    events = [ev async for ev in ctx.ledger.read(checkpoint_id=checkpoint_id)]
+    events = [ev async for ev in ledger.read(checkpoint_id=checkpoint_id)]
     started = next((ev for ev in events if ev.kind == "attempt.started"), None)
     if started is None:
-        raise QuiesceError(f"the ledger has no attempt {checkpoint_id}")
-    discovery = await ctx.ledger.last_before("discovery.completed", started.seq)  # O(1) in the history
+        return None
+    discovery = await ledger.last_before("discovery.completed", started.seq)  # O(1) in the history
     participants = discovery.data.get("participants", []) if discovery is not None else []
     discovered: dict[str, dict[str, Any]] = {str(p["name"]): p for p in participants if isinstance(p, dict)}
     members: list[Member] = []
     for name in started.data.get("participants", []):
         info = discovered.get(name, {})
-        configured = ctx.config.server(name)
+        configured = config.server(name)
         component = str(info.get("component", ""))
         role = info.get("role")
         url = configured.url if configured else str(info.get("url", ""))
@@ -101,22 +143,48 @@ async def load_attempt(ctx: Context, checkpoint_id: str) -> Recorded:
         snapshot=Path(data["snapshot_dir"]) if data.get("snapshot_dir") else None,
         source_checkpoint_id=data.get("source_checkpoint_id"),
     )
-    recorded = Recorded(attempt, events)
+    recorded = Recorded(
+        attempt,
+        events,
+        row=await ledger.attempt(checkpoint_id),
+        started_at=started.at,
+        resume_wanted=data.get("resume") is True,
+    )
+    requests: dict[str, str] = {}  # call id -> server, for requests that are not resumes
     for ev in events:
-        if ev.kind == "call.sent" and ev.server is not None and ev.data.get("method") == "POST":
+        kind = ev.kind
+        if kind == "call.sent" and ev.server is not None and ev.data.get("method") == "POST":
             attempt.touch(ev.server)
-        elif ev.kind == "attempt.publishing":
+            if not str(ev.data.get("path", "")).endswith("/resume"):
+                requests[ev.call_id or ""] = ev.server
+                recorded.first_post.setdefault(ev.server, ev.at)
+        elif kind in ("call.replied", "call.failed") and (ev.call_id or "") in requests:
+            status = ev.data.get("status")
+            code = ev.data.get("code") if kind == "call.failed" else None
+            attempt.note_outcome(
+                requests[ev.call_id or ""],
+                status if kind == "call.failed" and isinstance(status, int) else None,
+                str(code) if isinstance(code, str) else None,
+            )
+        elif kind == "attempt.publishing":
             recorded.publishing = ev.data
-        elif ev.kind == "attempt.published":
+        elif kind == "attempt.published":
             recorded.published = ev.data
             attempt.snapshot = Path(ev.data["final_dir"])
-        elif ev.kind in ("attempt.completed", "attempt.aborted"):
+        elif kind in ("attempt.completed", "attempt.aborted"):
             recorded.terminal.append(ev)
-    if recorded.terminal:
-        last = recorded.terminal[-1]
-        attempt.state = "aborted" if last.kind == "attempt.aborted" else "completed"
-        if last.kind == "attempt.completed" and last.data.get("outcome") == "restored":
-            attempt.state = "restored"
+            recorded.resume_begun = False
+        elif kind == "phase.completed" and ev.data.get("phase") == "restore":
+            recorded.restore_done = True
+        elif kind == "phase.started" and ev.data.get("phase") == "resume":
+            recorded.resume_begun = True
+    outcome = recorded.last_outcome
+    if outcome == "aborted":
+        attempt.state = "aborted"
+    elif outcome == "restored" or (outcome is None and recorded.restore_done):
+        attempt.state = "restored"
+    elif outcome is not None:
+        attempt.state = "completed"
     elif recorded.published is not None:
         attempt.state = "published"
     elif recorded.publishing is not None:
@@ -124,47 +192,61 @@ async def load_attempt(ctx: Context, checkpoint_id: str) -> Recorded:
     return recorded
 
 
-async def find_paused(ctx: Context, *, in_progress_only: bool = False) -> Recorded | None:
-    """The newest attempt that may have left servers paused.
-
-    That is an attempt without a terminal event; or (unless `in_progress_only`) a restore completed
-    but not resumed, or an attempt whose rollback left servers paused.
-    """
-    rows = await ctx.ledger.attempts()
-    for row in sorted(rows, key=lambda r: r.last_seq, reverse=True):
-        if row.outcome is None:
-            return await load_attempt(ctx, row.checkpoint_id)
-        if in_progress_only or row.outcome not in ("restored", "aborted"):
-            continue
-        recorded = await load_attempt(ctx, row.checkpoint_id)
-        if recorded.paused:
-            return recorded
-    return None
+async def load_attempt(ctx: Context, checkpoint_id: str) -> Recorded:
+    """`read_attempt`, raising `QuiesceError` when the ledger has no such attempt."""
+    recorded = await read_attempt(ctx.ledger, ctx.config, checkpoint_id)
+    if recorded is None:
+        raise QuiesceError(f"the ledger has no attempt {checkpoint_id}")
+    return recorded
 
 
-async def settle_publication(ctx: Context, recorded: Recorded) -> bool:
-    """An unfinished save without `attempt.published`: the filesystem decides whether it was published.
+async def unfinished(ledger: Ledger, config: ClusterConfig) -> list[Recorded]:
+    """Every attempt that is not finished (module docstring), in the order of their last event:
+    those without a terminal record, and restores whose resume began after `restored`."""
+    # the database filters: what is read grows with the unfinished attempts and the restores, not
+    # with the history
+    rows = await ledger.unfinished_attempts() + await ledger.attempts(outcome="restored")
+    rows.sort(key=lambda row: row.last_seq)
+    out: list[Recorded] = []
+    for row in rows:
+        recorded = await read_attempt(ledger, config, row.checkpoint_id)
+        if recorded is not None and not recorded.finished:
+            out.append(recorded)
+    return out
 
-    The final folder (the one `attempt.publishing` names, else `final_dir_of` the staging folder
-    `attempt.started` records) with a manifest naming this checkpoint id means published
-    (recorded now, LATEST updated); otherwise not. Returns whether it is published. The folder is
-    looked for even when the ledger has no `attempt.publishing`: that record is staged, so a crash
-    right after the rename loses it while the fsynced rename survives.
-    """
+
+def publication_on_disk(recorded: Recorded) -> Path | None:
+    """The folder an unfinished save was published to, if the filesystem shows it was: the final
+    folder (the one `attempt.publishing` names, else `final_dir_of` the staging folder
+    `attempt.started` records) with a manifest naming this checkpoint id. Reads only."""
     attempt = recorded.attempt
     if recorded.published is not None:
-        return True
+        return Path(recorded.published["final_dir"])
     if recorded.publishing is not None:
         final = Path(recorded.publishing["final_dir"])
     elif attempt.staging_dir is not None:
         final = final_dir_of(attempt.staging_dir)
     else:
-        return False
+        return None
     try:
-        snapshot = await anyio.to_thread.run_sync(load_snapshot, final)
+        snapshot = load_snapshot(final)
     except SnapshotError:
-        return False
-    if snapshot.checkpoint_id != attempt.checkpoint_id:
+        return None
+    return final if snapshot.checkpoint_id == attempt.checkpoint_id else None
+
+
+async def settle_publication(ctx: Context, recorded: Recorded) -> bool:
+    """An unfinished save without `attempt.published`: the filesystem decides whether it was published.
+
+    Published (`publication_on_disk`) is recorded now and LATEST updated; returns whether it is
+    published. The folder is looked for even when the ledger has no `attempt.publishing`: that
+    record is staged, so a crash right after the rename loses it while the fsynced rename survives.
+    """
+    attempt = recorded.attempt
+    if recorded.published is not None:
+        return True
+    final = await anyio.to_thread.run_sync(publication_on_disk, recorded)
+    if final is None:
         return False
     _, digest = await anyio.to_thread.run_sync(file_digest, final / MANIFEST)
     await ctx.ledger.stage(
@@ -179,43 +261,82 @@ async def settle_publication(ctx: Context, recorded: Recorded) -> bool:
     return True
 
 
-async def resume_recorded(ctx: Context, recorded: Recorded, *, reason: str) -> Outcome:
-    """Resume what a recorded attempt left paused (another process's, or this one's).
+async def release(ctx: Context, recorded: Recorded, *, reason: str, held: Sequence[str] = ()) -> Outcome:
+    """Let go of what a recorded attempt holds (`quiesce resume | abort [ID]`, from any process).
 
-    - published save (or publication found on disk): resume every participant → `published`;
-    - otherwise in progress: roll back (resume touched) → `aborted`;
-    - restore completed, or rolled back leaving servers paused: resume them → `resumed`.
+    `held` names the servers that report this checkpoint id active now (asked by the caller).
+    - save without a terminal record: published (or found published on disk) → resume every
+      participant (`published`); otherwise roll back (`aborted`);
+    - restore without a terminal record: its restore phase is finished first if it had not
+      completed (`restore.redrive`: same id, snapshot verified again) — half-restored state must
+      not run — then every participant is resumed (`resumed`). Only when its snapshot is gone or
+      damaged are the servers it may have touched resumed as they are: this is an explicit
+      request, and the only way out but restarting them;
+    - restore left paused (`restored`), or whose resume did not finish: resume every participant;
+    - otherwise the servers it left paused by its last record, and those in `held`, are resumed
+      under its id (`resumed`); nothing paused → `none`.
+    Raises `PhaseError` when a server cannot be resumed (the record allows a retry).
     """
     attempt = recorded.attempt
-    if not recorded.terminal:
-        if attempt.kind == "save" and await settle_publication(ctx, recorded):
+    outcome = recorded.last_outcome
+    if outcome is None and attempt.kind == "save":
+        if await settle_publication(ctx, recorded):
             return await finish_resume(ctx, attempt)
         error = await roll_back(ctx, attempt, None, reason=reason)
         return Outcome(
             attempt.checkpoint_id,
             "aborted",
-            tuple(n for n in resume_sorted(attempt, attempt.touched)),
-            tuple(n for n in error.resumed),
+            tuple(resume_sorted(attempt, attempt.touched)),
+            tuple(error.resumed),
             (),
             tuple(error.not_resumed),
         )
-    paused = recorded.paused
-    if not paused:
-        return Outcome(attempt.checkpoint_id, "none")
-    last = recorded.terminal[-1]
-    if last.kind == "attempt.completed" and last.data.get("outcome") == "restored":
+    ours = [name for name in held if attempt.member(name) is not None]
+    if attempt.kind == "restore" and (outcome is None or outcome == "abandoned"):
+        if not recorded.restore_done:
+            snapshot = await reverify(attempt)
+            if isinstance(snapshot, str):  # gone or damaged: nothing to finish it from
+                return await _resume_named(ctx, recorded, _union(recorded.paused, ours))
+            problem = await redrive(ctx, attempt, snapshot)
+            if problem is not None:
+                raise PhaseError(
+                    f"restore {attempt.checkpoint_id} cannot be finished: {problem}. Its servers stay"
+                    " paused (half-restored state must not run). "
+                    + next_step(ctx, attempt.checkpoint_id, [])
+                    + " Or restart them and restore another snapshot.",
+                    phase="restore",
+                    server=None,
+                    reason=problem,
+                    checkpoint_id=attempt.checkpoint_id,
+                    not_resumed=recorded.paused,
+                )
         return await finish_resume(ctx, attempt)
+    if outcome == "restored":
+        return await finish_resume(ctx, attempt)
+    return await _resume_named(ctx, recorded, _union(recorded.paused, ours))
+
+
+def _union(first: Sequence[str], second: Sequence[str]) -> list[str]:
+    return list(dict.fromkeys([*first, *second]))
+
+
+async def _resume_named(ctx: Context, recorded: Recorded, names: list[str]) -> Outcome:
+    """Resume `names` under the attempt's id (phase resume), then `attempt.completed {resumed}`."""
+    attempt = recorded.attempt
+    if not names:
+        return Outcome(attempt.checkpoint_id, "none")
     budget = recovery_budget(ctx, attempt)
     await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"})
     called, resumed, not_paused, left, failures = await resume_members(
-        ctx, attempt, paused, phase="resume", deadline_ts=budget
+        ctx, attempt, names, phase="resume", deadline_ts=budget
     )
     if left:
         name = left[0]
         detail = next((r.describe() for n, r in failures if n == name), "no time left to call it")
         await record_phase_failed(ctx, attempt.checkpoint_id, "resume", name, detail, None)
         raise PhaseError(
-            f"resume of {attempt.checkpoint_id} failed at {name}: {detail}. Still paused: {', '.join(left)}.",
+            f"resume of {attempt.checkpoint_id} failed at {name}: {detail}. Still paused: {', '.join(left)}. "
+            + next_step(ctx, attempt.checkpoint_id, [r for _, r in failures]),
             phase="resume",
             server=name,
             reason=detail,
@@ -233,4 +354,5 @@ async def resume_recorded(ctx: Context, recorded: Recorded, *, reason: str) -> O
         checkpoint_id=attempt.checkpoint_id,
         data={"servers": called, "outcome": "resumed"},
     )
+    attempt.state = "completed"
     return Outcome(attempt.checkpoint_id, "resumed", tuple(called), tuple(resumed), tuple(not_paused), ())

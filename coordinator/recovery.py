@@ -1,7 +1,8 @@
 """Recovery after coordinator death: what the next coordinator does with a dead one's attempts.
 
 Run by `Coordinator.open` (after it took its epoch, so the dead coordinator is fenced) and by
-`quiesce recover`. For every attempt without a terminal event, oldest first:
+`quiesce recover`. For every unfinished attempt (`readback.unfinished`: no terminal record, or a
+restore whose resume began after it was left paused), in the order of their last event:
 
 1. **Settle** each server the attempt touched (or, for a publication, every participant): read
    its capabilities through `calls.py` (phase `recovery`, recorded like every call) — its fence
@@ -27,27 +28,35 @@ Run by `Coordinator.open` (after it took its epoch, so the dead coordinator is f
    - *save, not published*: abort. `attempt.aborting`, then every touched server is resumed in
      resume order under this checkpoint id (phase `recovery`) — a server that already resumed
      replays its recorded result; a 409 `invalid_phase` means it never paused (`not_paused`); a
-     server paused by *another* checkpoint id is reported and not touched — then the staging
-     folder is removed and `attempt.aborted` records who was resumed and who is left paused.
-   - *restore*: the snapshot is verified again. Intact: the restore is re-driven to completion
-     under the same restore id (servers that already restored replay their result; one still
-     restoring is waited for), `attempt.completed {outcome: restored}`, and the servers stay
-     paused for the caller's `resume`. Gone or damaged (or the re-drive fails): the attempt is
-     recorded as abandoned and the servers stay paused — half-restored state must not run.
+     server paused by *another* checkpoint id is reported and not touched; one whose every
+     request the server refused before it ran (a wrong token, another id active) is `not_paused`
+     without a call — then the staging folder is removed and `attempt.aborted` records who was
+     resumed and who is left paused.
+   - *restore*: its restore phase is finished first if it had not completed: the snapshot is
+     verified again and the restore re-driven under the same restore id (servers that already
+     restored replay their result; one still restoring is waited for). Gone or damaged (or the
+     re-drive fails): the attempt is recorded as abandoned and the servers stay paused —
+     half-restored state must not run. Restored: if its caller asked for a resume
+     (`attempt.started {resume: true}`, `quiesce restore --resume`) or a resume of it had begun,
+     the resume is a recorded step like any other and is finished — every participant resumed
+     (phase `resume`), `attempt.completed {outcome: resumed}`; otherwise
+     `attempt.completed {outcome: restored}` and the servers stay paused for the caller's resume.
 3. **Record** one `recovery.settled` per settled server (what it reported, what was done, the
    result) once the action is done — before the attempt's terminal event when recovery writes it
-   (abort, restore); a published save's resume phase writes its own `attempt.completed` first.
+   (abort, restore left paused); a resume phase writes its own `attempt.completed` first.
 4. **Sweep** staging folders that belong to no unfinished attempt.
 
 The run is framed by `recovery.started {attempts}` and `recovery.completed {outcomes}` (outcome
-per attempt: `resumed` (aborted and resumed), `published`, `restored`, `abandoned`). On open,
-nothing is appended when no attempt is unfinished; an explicit `recover()` always appends the
-frame, so a second `quiesce recover` makes no call and appends only its start and finish.
+per attempt: `resumed` (a save aborted and resumed, or a restore finished and resumed),
+`published`, `restored`, `abandoned`). On open, nothing is appended when no attempt is
+unfinished; an explicit `recover()` always appends the frame, so a second `quiesce recover` makes
+no call and appends only its start and finish.
 
 Invariants: every call goes through `calls.Caller` with a budget of `control_timeout_s` from
 the moment each step starts (a re-driven restore gets `deadline_s`); `FencedError` is never
 caught (a fenced recovery stops acting); recovery never resumes a server for an attempt that
-is not its own, and never resumes a restored or half-restored server.
+is not its own, and never resumes a half-restored server — a restore is resumed only once its
+restore phase completed, and only when its caller asked for that resume.
 """
 
 from __future__ import annotations
@@ -60,9 +69,9 @@ from typing import Any, Final, Literal
 import anyio
 import anyio.to_thread
 
-from coordinator.attempt import Attempt, Context, PhaseFailure, record_phase_failed, resume_sorted, run_phase
+from coordinator.attempt import Attempt, Context, free_command, resume_sorted
 from coordinator.discovery import Member
-from coordinator.errors import PhaseError, SnapshotError
+from coordinator.errors import PhaseError
 from coordinator.protocol import MODEL, RESOURCES, Capabilities
 from coordinator.publish import (
     apply_retention,
@@ -70,12 +79,11 @@ from coordinator.publish import (
     read_latest,
     remove_tree,
     sweep_staging,
-    verify_snapshot,
     write_latest,
 )
-from coordinator.readback import Recorded, load_attempt, settle_publication
-from coordinator.restore import restore_body
-from coordinator.resume import finish_resume, resume_members
+from coordinator.readback import Recorded, settle_publication, unfinished
+from coordinator.restore import redrive, reverify
+from coordinator.resume import finish_resume, next_step, resume_members
 
 __all__ = ["AttemptReport", "RecoveryReport", "ServerReport", "recover"]
 
@@ -200,16 +208,16 @@ async def recover(ctx: Context, *, always_record: bool = True) -> RecoveryReport
     Raises `FencedError` if a newer coordinator took over meanwhile; nothing else is raised for
     a server that cannot be reached — it is reported as `left_paused`.
     """
-    rows = await ctx.ledger.unfinished_attempts()  # oldest last_seq first; O(unfinished), not O(history)
+    found = await unfinished(ctx.ledger, ctx.config)
     epoch = ctx.ledger.epoch
-    if not rows and not always_record:
+    if not found and not always_record:
         swept = await _sweep(ctx)
         return RecoveryReport(epoch, (), swept, recorded=False)
-    ids = [row.checkpoint_id for row in rows]
+    ids = [recorded.attempt.checkpoint_id for recorded in found]
     await ctx.ledger.stage("recovery.started", data={"attempts": ids})
     reports: list[AttemptReport] = []
-    for row in rows:
-        reports.append(await _recover_one(ctx, row.checkpoint_id, row.state))
+    for recorded in found:
+        reports.append(await _recover_one(ctx, recorded))
     swept = await _sweep(ctx)
     await ctx.ledger.append(
         "recovery.completed", data={"outcomes": {r.checkpoint_id: r.action for r in reports}}
@@ -222,9 +230,12 @@ async def recover(ctx: Context, *, always_record: bool = True) -> RecoveryReport
 # ---------------------------------------------------------------------------------------------
 
 
-async def _recover_one(ctx: Context, checkpoint_id: str, found: str) -> AttemptReport:
-    recorded = await load_attempt(ctx, checkpoint_id)
+async def _recover_one(ctx: Context, recorded: Recorded) -> AttemptReport:
     attempt = recorded.attempt
+    # what the dead coordinator was doing: the phase its projection row was in
+    found = (
+        "resume" if recorded.last_outcome == "restored" else recorded.row.state if recorded.row else "started"
+    )
     if attempt.kind == "restore":
         return await _recover_restore(ctx, recorded, found)
     if await settle_publication(ctx, recorded):
@@ -347,6 +358,9 @@ async def _abort(ctx: Context, recorded: Recorded, found: str) -> AttemptReport:
         elif s.active not in (None, cid):
             s.result = "other_checkpoint"
             s.detail = f"paused by checkpoint {s.active}; not touched"
+        elif s.name in attempt.refused and s.active is None:
+            s.result = "not_paused"
+            s.detail = f"it refused this attempt's request before running it ({attempt.refused[s.name]})"
         else:
             s.action = "resume"
             to_resume.append(s.name)
@@ -374,11 +388,16 @@ async def _abort(ctx: Context, recorded: Recorded, found: str) -> AttemptReport:
 
 
 def _apply_resume_results(
-    settled: list[_Settled], resumed: list[str], not_paused: list[str], failures: list[tuple[str, Any]]
+    settled: list[_Settled],
+    resumed: list[str],
+    not_paused: list[str],
+    failures: list[tuple[str, Any]],
+    *,
+    every: bool = False,
 ) -> None:
     failed = {name: result.describe() for name, result in failures}
     for s in settled:
-        if s.action != "resume":
+        if s.action != "resume" and not every:
             continue
         if s.name in resumed:
             s.result = "resumed"
@@ -422,45 +441,28 @@ async def _finish_published(ctx: Context, recorded: Recorded, found: str) -> Att
 
 
 async def _recover_restore(ctx: Context, recorded: Recorded, found: str) -> AttemptReport:
-    """Re-drive an interrupted restore when its snapshot is intact; otherwise abandon it (paused)."""
+    """Finish an interrupted restore from its snapshot (unless its restore phase completed), then
+    resume it if its caller asked for that or had begun it; otherwise leave it paused, restored.
+    A restore that cannot be finished is abandoned (paused)."""
     attempt = recorded.attempt
     cid = attempt.checkpoint_id
-    path = attempt.snapshot
-    expected = {m.name: m.component for m in attempt.participants}
-    problem: str | None = None
-    snapshot = None
-    if path is None:
-        problem = "the ledger names no snapshot folder"
-    else:
-        try:
-            snapshot = await anyio.to_thread.run_sync(lambda: verify_snapshot(path, participants=expected))
-        except SnapshotError as error:
-            problem = "; ".join(error.differences[:5]) or str(error)
     settled = await _settle_touched(ctx, attempt, idle_may_be_touched=False)
-    if snapshot is None:
-        return await _abandon(
-            ctx, attempt, settled, found, f"the snapshot {path} is gone or damaged: {problem}"
-        )
-    attempt.deadline_ts = time.time() + ctx.config.deadline_s
-    for s in settled:
-        s.action = "restore"
-    try:
-        await run_phase(ctx, attempt, "restore", lambda: restore_body(ctx, attempt, snapshot))
-    except PhaseFailure as failure:
-        await record_phase_failed(ctx, cid, "restore", failure.server, failure.reason, failure.code)
-        return await _abandon(
-            ctx,
-            attempt,
-            settled,
-            found,
-            f"re-driving the restore failed at {failure.server}: {failure.reason}",
-        )
-    by_name = {s.name: s for s in settled}
-    for name in attempt.touched:
-        if name not in by_name:  # restored now, untouched before the crash
-            member = attempt.member(name)
-            by_name[name] = _Settled(member, name, action="restore")
-            settled.append(by_name[name])
+    if not recorded.restore_done:
+        snapshot = await reverify(attempt)
+        if isinstance(snapshot, str):
+            return await _abandon(ctx, attempt, settled, found, snapshot)
+        for s in settled:
+            s.action = "restore"
+        problem = await redrive(ctx, attempt, snapshot)
+        if problem is not None:
+            return await _abandon(ctx, attempt, settled, found, problem)
+        by_name = {s.name: s for s in settled}
+        for name in attempt.touched:
+            if name not in by_name:  # restored now, untouched before the crash
+                by_name[name] = _Settled(attempt.member(name), name, action="restore")
+                settled.append(by_name[name])
+    if recorded.resume_wanted or recorded.resume_begun:
+        return await _resume_restored(ctx, recorded, settled, found)
     for s in settled:
         s.result = "restored"
     servers = await _record_settled(ctx, attempt, settled)
@@ -468,10 +470,39 @@ async def _recover_restore(ctx: Context, recorded: Recorded, found: str) -> Atte
         "attempt.completed", checkpoint_id=cid, data={"servers": list(attempt.touched), "outcome": "restored"}
     )
     message = (
-        f"restore of {path} finished as {cid}; the servers stay paused until `quiesce resume`"
-        f" ({', '.join(attempt.touched)})."
+        f"restore of {attempt.snapshot} finished as {cid}; the servers stay paused until"
+        f" `{free_command(ctx, 'resume', cid)}` ({', '.join(attempt.touched)})."
     )
     return AttemptReport(cid, attempt.kind, found, "restored", servers, message)
+
+
+async def _resume_restored(
+    ctx: Context, recorded: Recorded, settled: list[_Settled], found: str
+) -> AttemptReport:
+    """The resume a restore's caller asked for (or had begun): every participant, phase resume."""
+    attempt = recorded.attempt
+    cid = attempt.checkpoint_id
+    by_name = {s.name: s for s in settled}
+    for name in attempt.names:
+        if name not in by_name:
+            by_name[name] = _Settled(attempt.member(name), name)
+            settled.append(by_name[name])
+    for s in settled:
+        s.action = "restore, resume" if s.action == "restore" else "resume"
+    try:
+        outcome = await finish_resume(ctx, attempt)
+        _apply_resume_results(settled, list(outcome.resumed), list(outcome.not_paused), [], every=True)
+    except PhaseError as error:  # a server could not be resumed: the attempt stays open, retried later
+        for s in settled:
+            s.result, s.detail = (
+                ("left_paused", error.reason) if s.name in error.not_resumed else ("resumed", None)
+            )
+    servers = await _record_settled(ctx, attempt, settled)
+    left = [s.name for s in servers if s.result == "left_paused"]
+    message = f"restore of {attempt.snapshot} finished as {cid} and resumed, as its caller asked."
+    if left:
+        message += f" Could not resume {', '.join(left)}: " + next_step(ctx, cid, [])
+    return AttemptReport(cid, attempt.kind, found, "resumed", servers, message)
 
 
 async def _abandon(
@@ -489,7 +520,8 @@ async def _abandon(
     message = (
         f"restore {attempt.checkpoint_id} was abandoned: {why}. The servers it touched stay paused"
         f" (half-restored state must not run): {', '.join(paused) or 'none'}. To proceed, restart those"
-        " servers and restore another snapshot (`quiesce restore --snapshot DIR`)."
+        " servers and restore another snapshot (`quiesce restore --snapshot DIR`), or run"
+        f" `{free_command(ctx, 'resume', attempt.checkpoint_id)}` to run them as they are."
     )
     return AttemptReport(attempt.checkpoint_id, attempt.kind, found, "abandoned", servers, message)
 

@@ -10,8 +10,15 @@ different, fails the restore, as RL does. Only participants that export state ta
 drain-only policy model is neither restored nor paused by a restore.
 
 A failed restore is never rolled back — half-restored state must not run: `attempt.aborted`
-lists every touched server as `left_paused`, and only an explicit resume (or a new restore)
-lets them go.
+lists every server it may have restored as `left_paused`, and only an explicit resume (or a new
+restore) lets them go.
+
+A restore is terminal only when nothing is left to do for it: `attempt.completed {restored}` is
+written when the servers are explicitly left paused for the caller; a restore asked to resume too
+(`resume=True`, recorded in `attempt.started`) writes no such record — its resume phase follows at
+once and its one terminal record is `attempt.completed {resumed}`, so a death anywhere before
+that leaves it unfinished for recovery, which re-drives the restore if needed and resumes.
+`redrive` runs the restore phase once more under the same id (recovery, `quiesce resume ID`).
 """
 
 import time
@@ -28,6 +35,7 @@ from coordinator.attempt import (
     Progress,
     each_member,
     expect_reply,
+    free_command,
     next_checkpoint_id,
     record_phase_failed,
     run_phase,
@@ -35,7 +43,7 @@ from coordinator.attempt import (
 )
 from coordinator.calls import CallResult
 from coordinator.discovery import Discovery, Member
-from coordinator.errors import DeadlineExceeded, FencedError, LedgerError, PhaseError
+from coordinator.errors import DeadlineExceeded, FencedError, LedgerError, PhaseError, SnapshotError
 from coordinator.protocol import (
     INCLUDE_STORAGE_REFERENCE_INDEX,
     AgentRestoreReply,
@@ -48,6 +56,7 @@ from coordinator.protocol import (
 from coordinator.publish import (
     Snapshot,
     read_latest,
+    verify_snapshot,
 )
 from coordinator.stranded import stranded
 
@@ -63,11 +72,14 @@ async def restore(
     *,
     deadline_s: float | None = None,
     warnings: Sequence[str] = (),
+    resume: bool = False,
 ) -> Attempt:
     """Restore a verified snapshot: policy → agents → resources under a new id; servers stay paused.
 
     The caller verifies the snapshot first (`publish.verify_snapshot`) — before any call. Replies are
     checked against the snapshot: source checkpoint id, and each agent's continuation index.
+    With `resume` the attempt is left in state `restored` without a terminal record: the caller
+    resumes it next (`resume.finish_resume`), and `attempt.started` says so for recovery.
     """
     checkpoint_id = await next_checkpoint_id(ctx.ledger)
     deadline_ts = time.time() + (deadline_s if deadline_s is not None else ctx.config.deadline_s)
@@ -90,8 +102,9 @@ async def restore(
             "snapshot_dir": str(snapshot.path),
             "source_checkpoint_id": snapshot.checkpoint_id,
             **({"warnings": list(warnings)} if warnings else {}),
+            **({"resume": True} if resume else {}),
         },
-        durable=True,  # see "Durability" in the module docstring
+        durable=True,  # see "Durability" in attempt.py
     )
     try:
         await run_phase(ctx, attempt, "restore", lambda: restore_body(ctx, attempt, snapshot))
@@ -99,6 +112,8 @@ async def restore(
         raise
     except PhaseFailure as failure:
         reason = f"restore failed at {failure.server or 'the coordinator'}: {failure.reason}"
+        held = attempt.may_hold
+        never = [name for name in attempt.touched if name in attempt.refused]
         try:
             await record_phase_failed(
                 ctx, checkpoint_id, "restore", failure.server, failure.reason, failure.code
@@ -106,12 +121,7 @@ async def restore(
             await ctx.ledger.append(
                 "attempt.aborted",
                 checkpoint_id=checkpoint_id,
-                data={
-                    "reason": reason,
-                    "resumed": [],
-                    "left_paused": list(attempt.touched),
-                    "not_paused": [],
-                },
+                data={"reason": reason, "resumed": [], "left_paused": held, "not_paused": never},
             )
         except FencedError:
             raise
@@ -119,17 +129,23 @@ async def restore(
             raise stranded(ctx, attempt, lost) from None
         attempt.state = "aborted"
         cls = DeadlineExceeded if failure.deadline else PhaseError
+        untouched = f" Never restored (the request was refused): {', '.join(never)}." if never else ""
+        way_out = (
+            " Restart them and restore again, or run"
+            f" `{free_command(ctx, 'resume', checkpoint_id)}` to run them as they are."
+            if held
+            else ""
+        )
         raise cls(
             f"restore {checkpoint_id} of snapshot {snapshot.path} failed: {reason}. Servers contacted stay"
-            f" paused (half-restored state must not run): {', '.join(attempt.touched) or 'none'}."
-            " Restart them and restore again, or run `quiesce resume` to run them as they are.",
+            f" paused (half-restored state must not run): {', '.join(held) or 'none'}.{untouched}{way_out}",
             phase="restore",
             server=failure.server,
             reason=failure.reason,
             code=failure.code,
             checkpoint_id=checkpoint_id,
-            resumed=[],
-            not_resumed=list(attempt.touched),
+            resumed=never,
+            not_resumed=held,
             latest_snapshot=str(read_latest(ctx.config.snapshots) or "") or None,
         ) from None
     except BaseException as exc:  # cancelled or a bug: record what is left paused, then re-raise
@@ -141,8 +157,8 @@ async def restore(
                     data={
                         "reason": f"restore interrupted: {type(exc).__name__}: {exc}",
                         "resumed": [],
-                        "left_paused": list(attempt.touched),
-                        "not_paused": [],
+                        "left_paused": attempt.may_hold,
+                        "not_paused": [name for name in attempt.touched if name in attempt.refused],
                     },
                 )
             except FencedError:
@@ -153,11 +169,12 @@ async def restore(
                 exc.add_note(str(stranded(ctx, attempt, lost)))
         attempt.state = "aborted"
         raise
-    await ctx.ledger.append(
-        "attempt.completed",
-        checkpoint_id=checkpoint_id,
-        data={"servers": attempt.touched, "outcome": "restored"},
-    )
+    if not resume:  # explicitly left paused for the caller: terminal now
+        await ctx.ledger.append(
+            "attempt.completed",
+            checkpoint_id=checkpoint_id,
+            data={"servers": attempt.touched, "outcome": "restored"},
+        )
     attempt.state = "restored"
     return attempt
 
@@ -231,3 +248,34 @@ def _describe(ref: Any) -> str:
         return "none"
     sha = str(ref.get("sha256", ""))[:12]
     return f"{ref.get('relative_path')} sha256 {sha}… {ref.get('records')} records"
+
+
+async def reverify(attempt: Attempt) -> Snapshot | str:
+    """The snapshot of a recorded restore, verified again — or why it cannot be used (gone, damaged)."""
+    path = attempt.snapshot
+    if path is None:
+        return "the ledger names no snapshot folder"
+    expected = {m.name: m.component for m in attempt.participants}
+    try:
+        return await anyio.to_thread.run_sync(lambda: verify_snapshot(path, participants=expected))
+    except SnapshotError as error:
+        return f"the snapshot {path} is gone or damaged: " + ("; ".join(error.differences[:5]) or str(error))
+
+
+async def redrive(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> str | None:
+    """Run an unfinished restore's restore phase once more under its own id, from its verified
+    snapshot (`reverify`); None when done, else why not (`phase.failed` recorded).
+
+    Servers that already restored under this id replay their recorded result (the fence's
+    idempotent replay); a server still restoring is waited for. The budget is a fresh `deadline_s`.
+    """
+    attempt.deadline_ts = time.time() + ctx.config.deadline_s
+    try:
+        await run_phase(ctx, attempt, "restore", lambda: restore_body(ctx, attempt, snapshot))
+    except PhaseFailure as failure:
+        await record_phase_failed(
+            ctx, attempt.checkpoint_id, "restore", failure.server, failure.reason, failure.code
+        )
+        return f"re-driving the restore failed at {failure.server}: {failure.reason}"
+    attempt.state = "restored"
+    return None

@@ -16,8 +16,8 @@
 """
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Literal
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Final, Literal
 
 import anyio
 import anyio.to_thread
@@ -29,6 +29,7 @@ from coordinator.attempt import (
     PhaseFailure,
     Progress,
     anyio_deadline,
+    free_command,
     record_phase_failed,
     send_call,
 )
@@ -140,6 +141,24 @@ async def resume_members(
     return called, resumed, not_paused, left, failures
 
 
+#: What to do when a server refused the control token (401): the resume cannot work until it is fixed.
+TOKEN_HINT: Final = (
+    "A 401 means the server refused the control token: set {env} to the Gym servers' control token."
+)
+
+
+def _token_refused(described: Iterable[str]) -> bool:
+    return any(text.startswith("http 401") for text in described)
+
+
+def next_step(ctx: Context, checkpoint_id: str, failures: Sequence[CallResult]) -> str:
+    """What to run once the cause of `failures` (failed resumes) is fixed: the token, or reaching them."""
+    command = free_command(ctx, "resume", checkpoint_id)
+    if any(r.status == 401 for r in failures):
+        return f"{TOKEN_HINT.format(env=ctx.config.token_env)} Then run `{command}`."
+    return f"Run `{command}` once they are reachable."
+
+
 def recovery_budget(ctx: Context, attempt: Attempt) -> float:
     return max(attempt.deadline_ts, time.time() + ctx.config.control_timeout_s)
 
@@ -147,9 +166,13 @@ def recovery_budget(ctx: Context, attempt: Attempt) -> float:
 async def roll_back(
     ctx: Context, attempt: Attempt, failure: PhaseFailure | None, *, reason: str | None = None
 ) -> PhaseError:
-    """Resume every touched server (resume order), remove staging, record; return the error to raise.
+    """Resume every server the attempt may have paused (resume order), remove staging, record;
+    return the error to raise.
 
-    Save attempts only (a failed restore is recorded by `restore` and left paused). The budget is
+    Save attempts only (a failed restore is recorded by `restore` and left paused). Every touched
+    server is resumed but those whose every request was refused before it ran
+    (`Attempt.refused`: a wrong token, another checkpoint id holding it): this attempt paused
+    nothing there, so they are recorded as `not_paused` without a call. The budget is
     `max(deadline_ts, now + control_timeout_s)`; 409 `invalid_phase` means the server never paused.
     """
     text = reason or (
@@ -163,23 +186,28 @@ async def roll_back(
         )
     await ctx.ledger.stage("attempt.aborting", checkpoint_id=attempt.checkpoint_id, data={"reason": text})
     budget = recovery_budget(ctx, attempt)
-    _, resumed, not_paused, left, _ = await resume_members(
-        ctx, attempt, list(attempt.touched), phase="rollback", deadline_ts=budget
+    _, resumed, not_paused, left, failures = await resume_members(
+        ctx, attempt, attempt.may_hold, phase="rollback", deadline_ts=budget
     )
+    refused = dict(attempt.refused)
+    never = [name for name in attempt.touched if name in refused]
     if attempt.staging_dir is not None:
         await anyio.to_thread.run_sync(remove_tree, attempt.staging_dir)
     await ctx.ledger.append(
         "attempt.aborted",
         checkpoint_id=attempt.checkpoint_id,
-        data={"reason": text, "resumed": resumed, "left_paused": left, "not_paused": not_paused},
+        data={"reason": text, "resumed": resumed, "left_paused": left, "not_paused": not_paused + never},
     )
     attempt.state = "aborted"
     latest = read_latest(ctx.config.snapshots)
     phase = failure.phase if failure else "abort"
+    refusals = ", ".join(f"{n} (it refused the request: {refused[n]})" for n in never)
     message = (
         f"checkpoint {attempt.checkpoint_id} rolled back: {text}."
         f" Resumed (their resume answered accepting): {', '.join(resumed) or 'none'}."
-        + _unconfirmed(not_paused, left)
+        + (f" Never paused: {refusals}." if never else "")
+        + _unconfirmed(not_paused, left, next_step(ctx, attempt.checkpoint_id, [r for _, r in failures]))
+        + (f" {TOKEN_HINT.format(env=ctx.config.token_env)}" if _token_refused(refused.values()) else "")
         + f" Latest snapshot: {latest if latest else 'none'}."
     )
     cls = DeadlineExceeded if failure is not None and failure.deadline else PhaseError
@@ -190,13 +218,13 @@ async def roll_back(
         reason=failure.reason if failure else text,
         code=failure.code if failure else None,
         checkpoint_id=attempt.checkpoint_id,
-        resumed=resumed + not_paused,
+        resumed=resumed + not_paused + never,
         not_resumed=left,
         latest_snapshot=str(latest) if latest else None,
     )
 
 
-def _unconfirmed(not_paused: Sequence[str], left: Sequence[str]) -> str:
+def _unconfirmed(not_paused: Sequence[str], left: Sequence[str], advice: str) -> str:
     """What a rollback message says beyond the servers whose resume replied `accepting`: only when
     every touched server did does it say every server is accepting again (untouched ones were
     never sent anything); otherwise it names each server whose state the replies did not show."""
@@ -208,7 +236,7 @@ def _unconfirmed(not_paused: Sequence[str], left: Sequence[str]) -> str:
             " it with `quiesce status`."
         )
     if left:
-        text += f" Could not resume: {', '.join(left)} — run `quiesce resume` once they are reachable."
+        text += f" Could not resume: {', '.join(left)} — {advice}"
     if not text:
         text = " Every server is accepting again."
     return text
@@ -238,9 +266,9 @@ async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
         latest = read_latest(ctx.config.snapshots)
         raise PhaseError(
             f"resume of {attempt.checkpoint_id} failed at {name}: {detail}."
-            f" Resumed: {', '.join(resumed) or 'none'}; still paused: {', '.join(left)}."
-            " Run `quiesce resume` again once they are reachable."
-            f" Latest snapshot: {latest if latest else 'none'}.",
+            f" Resumed: {', '.join(resumed) or 'none'}; still paused: {', '.join(left)}. "
+            + next_step(ctx, attempt.checkpoint_id, [r for _, r in failures])
+            + f" Latest snapshot: {latest if latest else 'none'}.",
             phase="resume",
             server=name,
             reason=detail,
@@ -267,3 +295,44 @@ async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
     )
     attempt.state = "completed"
     return Outcome(attempt.checkpoint_id, outcome, tuple(called), tuple(resumed), tuple(not_paused), ())
+
+
+async def release_unrecorded(ctx: Context, checkpoint_id: str, members: Sequence[Member]) -> Outcome:
+    """Resume `members` (servers that report `checkpoint_id` active) under an id this ledger has no
+    attempt of — another ledger's, or one whose records were lost — in resume order.
+
+    Only on an explicit request (`quiesce resume`, which asks the servers first): no record says
+    what that attempt did, so nothing but the resume is done; its calls are recorded under that
+    id (a ledger that never started it judges nothing of it). Raises `PhaseError` naming those
+    still paused.
+    """
+    attempt = Attempt(
+        checkpoint_id=checkpoint_id,
+        kind="save",
+        deadline_ts=time.time() + ctx.config.control_timeout_s,
+        participants=tuple(members),
+    )
+    await ctx.ledger.stage("phase.started", checkpoint_id=checkpoint_id, data={"phase": "resume"})
+    called, resumed, not_paused, left, failures = await resume_members(
+        ctx, attempt, [m.name for m in members], phase="resume", deadline_ts=attempt.deadline_ts
+    )
+    if left:
+        name = left[0]
+        detail = next((r.describe() for n, r in failures if n == name), "no time left to call it")
+        await record_phase_failed(ctx, checkpoint_id, "resume", name, detail, None)
+        raise PhaseError(
+            f"resume of {checkpoint_id} (not an attempt of this ledger) failed at {name}: {detail}."
+            f" Still paused: {', '.join(left)}. " + next_step(ctx, checkpoint_id, [r for _, r in failures]),
+            phase="resume",
+            server=name,
+            reason=detail,
+            checkpoint_id=checkpoint_id,
+            resumed=resumed + not_paused,
+            not_resumed=left,
+        )
+    await ctx.ledger.append(
+        "phase.completed",
+        checkpoint_id=checkpoint_id,
+        data={"phase": "resume", "summary": {"resumed": resumed, "not_paused": not_paused}},
+    )
+    return Outcome(checkpoint_id, "resumed", tuple(called), tuple(resumed), tuple(not_paused), ())

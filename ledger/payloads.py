@@ -95,6 +95,9 @@ class AttemptStarted(Payload):
     source_checkpoint_id: str | None = None
     #: what the coordinator warned of before the first request (preflight; an unrecorded snapshot)
     warnings: list[str] = []
+    #: restore only: the caller asked for a resume once restored (the restore is not terminal
+    #: until that resume finished; recovery finishes it)
+    resume: bool = False
 
 
 class PhaseStarted(Payload):
@@ -266,7 +269,7 @@ def _check_for(annotation: Any) -> _Check | None:
     """The hand check of a field annotation, or None when the annotation is not a simple one."""
     if annotation is Any:
         return _plain
-    if annotation in (str, int, float):
+    if annotation in (str, int, float, bool):
         return _exact(annotation)
     origin, args = get_origin(annotation), get_args(annotation)
     if origin is Literal and all(type(a) is str for a in args):

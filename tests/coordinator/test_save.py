@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from coordinator import Coordinator, load_snapshot, read_latest
+from coordinator.ids import epoch_of
 from tests.coordinator.helpers import (
     assert_all_accepting,
     assert_protocol_ok,
@@ -81,7 +82,7 @@ async def test_seed_example_save_cycle(cluster: Any, ledger_url: str, configure:
                 (attempt.staging_dir / "trainer").mkdir()
                 (attempt.staging_dir / "trainer" / "weights.bin").write_bytes(b"w" * 1000)
             checkpoint_id = attempt.checkpoint_id
-            assert checkpoint_id.startswith(f"e{coord.epoch}-")
+            assert epoch_of(checkpoint_id) == coord.epoch
         assert attempt.snapshot == config.snapshots / checkpoint_id
         assert read_latest(config.snapshots) == attempt.snapshot
         assert not (config.staging_root / checkpoint_id).exists()

@@ -15,7 +15,9 @@ Rules (each `Violation` names the seq of the offending event):
   does not have, and a call sent while a call of an earlier step of the same run has no outcome
   yet are violations.
 - `unsettled` — when a save attempt has ended (a terminal event), every server it touched (sent
-  anything but a resume, outside rollback/recovery) was either committed and then resumed, or
+  anything but a resume, outside rollback/recovery, that the server did not refuse before running
+  it — `coordinator.protocol.refused_before_effect`: a wrong token, another checkpoint id active;
+  such a request paused nothing) was either committed and then resumed, or
   compensated: resumed in rollback or recovery — or in any phase once the attempt was aborted (a
   later `quiesce resume` of what a rollback left paused) — after its last touch (a 409
   `invalid_phase` to such a resume means it never paused, which settles it too). A touched server
@@ -50,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from coordinator.phases import ORDER, Role, resume_order
-from coordinator.protocol import AGENT, INVALID_PHASE, MODEL, RESOURCES
+from coordinator.protocol import AGENT, INVALID_PHASE, MODEL, RESOURCES, refused_before_effect
 from ledger.events import Event
 from tools.audit.attempts import COMPENSATING_PHASES, classify_path, parse_at
 
@@ -180,12 +182,19 @@ class _Open:
 
 @dataclass(slots=True)
 class _Server:
-    last_touch_seq: int | None = None
+    touches: list[int] = field(default_factory=list)  # sent seqs of its requests that may pause it
+    refused: set[int] = field(default_factory=set)  # ... of those refused before they ran
     commit_ack_seq: int | None = None  # sent seq of the last acknowledged commit
     last_resume_sent_seq: int | None = None
     settle_seq: int | None = None  # sent seq of the last resume that settled the server
     settle_compensating: bool = False
     other_checkpoint_seq: int | None = None  # recovery found it held by another checkpoint id
+
+    @property
+    def last_touch_seq(self) -> int | None:
+        """The last request that may have paused it: one the server refused before it ran (a
+        wrong token, another checkpoint id active) paused nothing, so it is no touch."""
+        return max((seq for seq in self.touches if seq not in self.refused), default=None)
 
 
 @dataclass(slots=True)
@@ -375,7 +384,7 @@ class ProtocolChecker:
         if operation == "resume":
             state.last_resume_sent_seq = event.seq
         elif not compensating and operation is not None and operation != "capabilities":
-            state.last_touch_seq = event.seq
+            state.touches.append(event.seq)
         attempt.open[call_id] = _Open(server, phase, operation, run, rank, event.seq)
 
     def _outcome(self, attempt: _Attempt, event: Event) -> None:
@@ -396,6 +405,8 @@ class ProtocolChecker:
         state = attempt.server(call.server)
         if call.operation == "commit" and acknowledged:
             state.commit_ack_seq = call.sent_seq
+        if call.sent_seq in state.touches and refused_before_effect(status, code):
+            state.refused.add(call.sent_seq)
         settles = call.operation == "resume" and (acknowledged or (status == 409 and code == INVALID_PHASE))
         if settles and (state.settle_seq is None or call.sent_seq > state.settle_seq):
             state.settle_seq = call.sent_seq

@@ -43,8 +43,10 @@ def print_warnings(warnings: tuple[str, ...] | list[str]) -> None:
 
 
 def run_outcome(args: argparse.Namespace, what: str) -> int:
-    """`quiesce resume` / `quiesce abort`: act on what the ledger says, print the outcome."""
+    """`quiesce resume [ID]` / `quiesce abort [ID]`: act on the given checkpoint id, or on whatever
+    holds the servers (the coordinator asks them); print the outcome."""
     config = load_config(args.config)
+    target: str | None = args.checkpoint_id
     result: Outcome | None = None
     failure: PhaseError | None = None
 
@@ -52,9 +54,11 @@ def run_outcome(args: argparse.Namespace, what: str) -> int:
         nonlocal result, failure
         with progress_line() as progress:
             # no automatic recovery first: resume/abort act on the paused attempt themselves
-            async with Coordinator.open(config, on_progress=progress, recover=False) as coord:
+            async with Coordinator.open(
+                config, on_progress=progress, recover=False, config_path=args.config
+            ) as coord:
                 try:
-                    result = await (coord.resume() if what == "resume" else coord.abort())
+                    result = await (coord.resume(target) if what == "resume" else coord.abort(target))
                 except PhaseError as error:
                     failure = error
 
@@ -76,13 +80,16 @@ def run_outcome(args: argparse.Namespace, what: str) -> int:
         emit_json(result.as_json())
     elif result.outcome == "none":
         output.console.print(
-            "nothing to do: no server was left paused" if what == "resume" else "no attempt in progress"
+            f"nothing to do: no server is held by {escape(target)}"
+            if target
+            else "nothing to do: no server is held"
         )
     else:
-        output.console.print(
-            f"{escape(result.checkpoint_id or '')}: {result.outcome} —"
-            f" {escape(', '.join(result.servers) or 'no server')}"
-        )
+        for one in (result, *result.also):
+            output.console.print(
+                f"{escape(one.checkpoint_id or '')}: {one.outcome} —"
+                f" {escape(', '.join(one.servers) or 'no server')}"
+            )
     if result.left_paused:
         print_error(
             f"could not resume {', '.join(result.left_paused)};"

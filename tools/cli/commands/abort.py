@@ -1,9 +1,11 @@
-"""`quiesce abort --config C [--json]` — roll back the attempt in progress.
+"""`quiesce abort --config C [ID] [--json]` — roll back the attempt that holds the servers.
 
-Finds the newest attempt without a terminal event in the ledger and resumes every server it
-touched, in resume order (a server that never paused is recorded as such); its staging folder is
-removed. An attempt already published is resumed instead (outcome `published`). `--json`:
-`{"checkpoint_id", "outcome", "servers"}` (`none` when nothing is in progress).
+Without ID it asks every configured server which checkpoint id holds it (capabilities, recorded)
+and rolls each back: every server a save before publication may have paused is resumed, in resume
+order (a server that never paused is recorded as such), and its staging folder removed. What
+cannot be rolled back is let go as `quiesce resume` would: a published save is resumed
+(`published`), a restore finished and resumed. With ID, acts on that checkpoint id only. `--json`:
+`{"checkpoint_id", "outcome", "servers", "also"?}` (`none` when nothing is held).
 """
 
 from __future__ import annotations
@@ -17,8 +19,14 @@ from tools.cli.cluster_cmd import add_common, run_outcome
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "abort",
-        help="roll back the attempt in progress",
-        description="Roll back the newest attempt in progress (found in the ledger): resume what it touched.",
+        help="roll back the attempt that holds the servers, or checkpoint ID",
+        description="Roll back the attempt that holds the servers (asked now), or the checkpoint ID given.",
+    )
+    parser.add_argument(
+        "checkpoint_id",
+        metavar="ID",
+        nargs="?",
+        help="the checkpoint id to act on (default: whatever holds the servers, asked now)",
     )
     add_common(parser)
     parser.set_defaults(handler=lambda args: run_outcome(args, "abort"))

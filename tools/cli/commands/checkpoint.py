@@ -2,9 +2,11 @@
 
 Prints the published snapshot. On failure the attempt is rolled back (every touched server
 resumed) and the command exits 1, naming the phase, the server, the reason, who was resumed,
-who could not be, and the latest snapshot still in place. `--json` prints
-`{"checkpoint_id", "outcome": "published"|"aborted", "snapshot", "participants", "skipped",
-"error"?, "resumed"?, "not_resumed"?}`.
+who could not be, and the latest snapshot still in place. While a participant is held by another
+checkpoint id (a restore waiting for its resume, an attempt a dead coordinator left) nothing is
+sent: it exits 1 naming the holder, its kind, since when and the command that frees it. `--json`
+prints `{"checkpoint_id", "outcome": "published"|"aborted"|"refused", "snapshot", "participants",
+"skipped", "error"?, "resumed"?, "not_resumed"?, "held"?}`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import anyio
 from rich.markup import escape
 
-from coordinator import Attempt, Coordinator, Discovery, PhaseError, load_config
+from coordinator import Attempt, Coordinator, Discovery, PhaseError, ServersHeld, load_config
 from coordinator.config import check_deadline
 from tools.cli.cluster_cmd import add_common, phase_error_json, print_warnings, progress_line
 from tools.cli.flags import seconds
@@ -45,11 +47,12 @@ def handle(args: argparse.Namespace) -> int:
     found: Discovery | None = None
     attempt: Attempt | None = None
     failure: PhaseError | None = None
+    refused: ServersHeld | None = None
 
     async def run() -> None:
-        nonlocal found, attempt, failure
+        nonlocal found, attempt, failure, refused
         with progress_line() as progress:
-            async with Coordinator.open(config, on_progress=progress) as coord:
+            async with Coordinator.open(config, on_progress=progress, config_path=args.config) as coord:
                 found = await coord.discover()
                 print_warnings(found.warnings)
                 try:
@@ -57,9 +60,26 @@ def handle(args: argparse.Namespace) -> int:
                 except PhaseError as error:
                     failure = error
                     attempt = coord.current
+                except ServersHeld as error:
+                    refused = error
 
     anyio.run(run)
     assert found is not None
+    if refused is not None:
+        if args.json:
+            emit_json(
+                {
+                    "checkpoint_id": None,
+                    "outcome": "refused",
+                    "snapshot": None,
+                    "participants": found.names,
+                    "skipped": [{"name": n, "reason": r} for n, r in found.skipped],
+                    "held": refused.held,
+                    "error": {"phase": None, "server": None, "code": None, "message": str(refused)},
+                }
+            )
+        print_error(refused)
+        return 1
     if attempt is not None:
         print_warnings(attempt.warnings)
     published = attempt is not None and attempt.snapshot is not None

@@ -5,8 +5,11 @@ the same name in the current folder never stands in for it), `latest`, or a snap
 one that is not there is bad usage (exit 2).
 Verifies the snapshot (every file and checksum, participants equal to discovery's) before
 contacting any server, then restores policy → agents → resources. The servers stay paused until
-`quiesce resume` (or `--resume` here). `--json`: `{"checkpoint_id", "outcome", "servers"}` with
-outcome `restored` (or `resumed` with `--resume`, `failed` on a failed phase).
+`quiesce resume` — or, with `--resume`, are resumed at once: the restore is not finished until
+that resume is (killed on the way, `quiesce recover` finishes it). Refused before any request
+while a participant is held by another checkpoint id (the message names it and what frees it).
+`--json`: `{"checkpoint_id", "outcome", "servers"}` with outcome `restored` (or `resumed` with
+`--resume`, `failed` on a failed phase, `refused` when held).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import anyio
 from rich.markup import escape
 
-from coordinator import Attempt, Coordinator, Outcome, PhaseError, SnapshotError, load_config
+from coordinator import Attempt, Coordinator, PhaseError, ServersHeld, SnapshotError, load_config
 from coordinator.publish import resolve_snapshot
 from tools.cli.cluster_cmd import add_common, phase_error_json, print_warnings, progress_line
 from tools.cli.output import console, emit_json, print_error
@@ -50,23 +53,29 @@ def handle(args: argparse.Namespace) -> int:
             print_error(f"--snapshot {args.snapshot}: no such snapshot folder")
             return 2
     attempt: Attempt | None = None
-    resumed: Outcome | None = None
     failure: PhaseError | None = None
+    refused: ServersHeld | None = None
 
     async def run() -> None:
-        nonlocal attempt, resumed, failure
+        nonlocal attempt, failure, refused
         with progress_line() as progress:
-            async with Coordinator.open(config, on_progress=progress) as coord:
+            async with Coordinator.open(config, on_progress=progress, config_path=args.config) as coord:
                 found = await coord.discover()
                 print_warnings(found.warnings)
                 try:
-                    attempt = await coord.restore(args.snapshot)
-                    if args.resume:
-                        resumed = await coord.resume(attempt)
+                    attempt = await coord.restore(args.snapshot, resume=args.resume)
                 except PhaseError as error:
                     failure = error
+                    attempt = coord.current
+                except ServersHeld as error:
+                    refused = error
 
     anyio.run(run)
+    if refused is not None:
+        if args.json:
+            emit_json({"checkpoint_id": None, "outcome": "refused", "servers": [], "held": refused.held})
+        print_error(refused)
+        return 1
     if failure is not None:
         document: dict[str, Any] = {
             "checkpoint_id": failure.checkpoint_id,
@@ -80,7 +89,7 @@ def handle(args: argparse.Namespace) -> int:
         return 1
     assert attempt is not None
     print_warnings(attempt.warnings)
-    outcome = "resumed" if resumed is not None else "restored"
+    outcome = "resumed" if args.resume else "restored"
     if args.json:
         emit_json(
             {"checkpoint_id": attempt.checkpoint_id, "outcome": outcome, "servers": list(attempt.touched)}
@@ -88,6 +97,7 @@ def handle(args: argparse.Namespace) -> int:
     else:
         console.print(
             f"{outcome} {escape(str(attempt.snapshot))} as {escape(attempt.checkpoint_id)}:"
-            f" {escape(', '.join(attempt.touched))}" + ("" if resumed else " (paused until `quiesce resume`)")
+            f" {escape(', '.join(attempt.touched))}"
+            + ("" if args.resume else escape(f" (paused until `quiesce resume --config {args.config}`)"))
         )
     return 0

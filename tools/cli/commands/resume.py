@@ -1,10 +1,13 @@
-"""`quiesce resume --config C [--json]` — resume every server a restore or an attempt left paused.
+"""`quiesce resume --config C [ID] [--json]` — let go of what holds the servers.
 
-Works from the ledger alone (any process): it finds the newest attempt without a terminal event,
-a restore not yet resumed, or a rollback that left servers paused, and resumes its servers under
-that attempt's checkpoint id. An attempt still before publication is rolled back (outcome
-`aborted`); a published one is finished (`published`). `--json`: `{"checkpoint_id", "outcome",
-"servers"}` (`none` when nothing was paused).
+Without ID it asks every configured server which checkpoint id holds it (capabilities, recorded)
+and lets go of each: a restore left paused or interrupted is finished (from its snapshot, under
+its own id) and resumed; a published save's unfinished resume is finished (`published`); a save
+still before publication is rolled back (`aborted`); what a rollback or a failed restore left
+paused is resumed; an id this ledger has no attempt of (another ledger's) is resumed as it is.
+With ID, acts on that checkpoint id only (as `dbos workflow resume <id>` does). Works from any
+process. `--json`: `{"checkpoint_id", "outcome", "servers", "also"?}` (`none` when nothing is held;
+`also` when several ids held servers). Exit 1 when a server could not be resumed.
 """
 
 from __future__ import annotations
@@ -18,8 +21,14 @@ from tools.cli.cluster_cmd import add_common, run_outcome
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "resume",
-        help="resume every server a restore or an attempt left paused",
-        description="Resume the servers the newest restore or attempt left paused (found in the ledger).",
+        help="resume what holds the servers (a restore, an attempt left paused), or checkpoint ID",
+        description="Let go of what holds the servers (asked now), or of the checkpoint ID given.",
+    )
+    parser.add_argument(
+        "checkpoint_id",
+        metavar="ID",
+        nargs="?",
+        help="the checkpoint id to act on (default: whatever holds the servers, asked now)",
     )
     add_common(parser)
     parser.set_defaults(handler=lambda args: run_outcome(args, "resume"))

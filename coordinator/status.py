@@ -1,0 +1,338 @@
+"""What holds each Gym server, and the command that frees it: `quiesce status`, `Coordinator.status()`,
+and the refusal of a new attempt while a participant is held.
+
+A server is *held* when its fence, as its capabilities report it, is not idle: a phase other than
+`idle`, or an active checkpoint id. The holder is that id, looked up in the ledger:
+- an attempt of this ledger: its kind, its state, and since when (the first request of it that
+  server received, else the attempt's start);
+- no attempt of this ledger: another ledger's (ids are unique across ledgers, `coordinator.ids`),
+  or one whose records were lost — kind `unknown`.
+
+What frees it (`Holder.frees`, one exact command line; `Coordinator.resume(id)` / `abort(id)`
+embedded): `quiesce abort --config C ID` for a save still before publication (it is rolled
+back); `quiesce resume --config C ID` for everything else — a published save's unfinished resume,
+a restore left paused or interrupted (finished from its snapshot first, then resumed), a rollback
+or a failed restore that left servers paused, another ledger's id. Each of these commands, run
+once the cause is fixed (a server unreachable, a wrong token), leaves that server idle: no state
+exists that no command can leave.
+
+Reading the status changes nothing and records nothing: `quiesce status` opens the ledger
+read-only and takes no epoch, so it never fences a coordinator at work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import anyio
+import anyio.to_thread
+
+from coordinator.attempt import command_line
+from coordinator.calls import CallResult
+from coordinator.config import ClusterConfig
+from coordinator.errors import ServersHeld
+from coordinator.protocol import Capabilities
+from coordinator.readback import Recorded, publication_on_disk, read_attempt
+from ledger import Ledger
+
+__all__ = [
+    "ClusterStatus",
+    "Holder",
+    "Peek",
+    "ServerStatus",
+    "describe_holder",
+    "read_status",
+    "refuse_if_held",
+    "status_from",
+]
+
+#: Reads one server's capabilities: (name, url, deadline_ts) → the call's result.
+Peek = Callable[[str, str, float], Awaitable[CallResult]]
+
+HolderKind = Literal["save", "restore", "unknown"]
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A checkpoint id that holds servers, as this ledger knows it."""
+
+    checkpoint_id: str
+    kind: HolderKind
+    state: str
+    started_at: str | None
+    verb: Literal["resume", "abort"]
+    frees: str
+
+    @property
+    def recorded(self) -> bool:
+        """Whether this ledger has the attempt."""
+        return self.kind != "unknown"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "checkpoint_id": self.checkpoint_id,
+            "kind": self.kind,
+            "state": self.state,
+            "started_at": self.started_at,
+            "frees": self.frees,
+        }
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """One configured server, live: its fence, and what holds it (if anything).
+
+    `since` is when the holder's first request reached it, from the ledger (else the holder's
+    start); `deadline_left_s` is the server's own `deadline_ts` minus now (negative: passed).
+    """
+
+    name: str
+    url: str
+    reachable: bool
+    phase: str | None = None
+    active_checkpoint_id: str | None = None
+    since: str | None = None
+    deadline_left_s: float | None = None
+    holder: Holder | None = None
+    error: str | None = None
+    #: the capabilities read (None when unreachable)
+    capabilities: Capabilities | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def held(self) -> bool:
+        return self.reachable and (self.active_checkpoint_id is not None or self.phase not in (None, "idle"))
+
+    @property
+    def holder_kind(self) -> str | None:
+        return self.holder.kind if self.holder is not None else None
+
+    @property
+    def frees(self) -> str | None:
+        """The exact command that frees this server (None when it is not held)."""
+        return self.holder.frees if self.holder is not None and self.held else None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "url": self.url,
+            "reachable": self.reachable,
+            "phase": self.phase,
+            "active_checkpoint_id": self.active_checkpoint_id,
+            "held": self.held,
+            "holder_kind": self.holder_kind,
+            "since": self.since,
+            "deadline_left_s": self.deadline_left_s,
+            "frees": self.frees,
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    """Every configured server, in config order. `idle`: every one reachable and not held."""
+
+    servers: tuple[ServerStatus, ...]
+
+    @property
+    def held(self) -> bool:
+        return any(s.held for s in self.servers)
+
+    @property
+    def idle(self) -> bool:
+        return all(s.reachable and not s.held for s in self.servers)
+
+    @property
+    def holders(self) -> list[Holder]:
+        """Each holder once, in the order of the first server it holds."""
+        found: dict[str, Holder] = {}
+        for server in self.servers:
+            if server.held and server.holder is not None:
+                found.setdefault(server.holder.checkpoint_id, server.holder)
+        return list(found.values())
+
+    def server(self, name: str) -> ServerStatus | None:
+        return next((s for s in self.servers if s.name == name), None)
+
+    def held_by(self, checkpoint_id: str) -> list[str]:
+        return [s.name for s in self.servers if s.held and s.active_checkpoint_id == checkpoint_id]
+
+    def as_json(self) -> dict[str, Any]:
+        """The `quiesce status --json` document."""
+        return {
+            "idle": self.idle,
+            "held": self.held,
+            "servers": [s.as_json() for s in self.servers],
+            "holders": [h.as_json() for h in self.holders],
+        }
+
+
+def describe_holder(recorded: Recorded | None, checkpoint_id: str, config_path: str | None) -> Holder:
+    """What `checkpoint_id` is, by the ledger (`recorded`; None: no attempt of this ledger), and the
+    command that frees what it holds (see the module docstring). Reads the filesystem for an
+    unfinished save's publication."""
+    if recorded is None:
+        return Holder(
+            checkpoint_id,
+            "unknown",
+            "not an attempt of this ledger (another ledger's, or its records were lost)",
+            None,
+            "resume",
+            command_line(config_path, "resume", checkpoint_id),
+        )
+    attempt = recorded.attempt
+    outcome = recorded.last_outcome
+    verb: Literal["resume", "abort"] = "resume"
+    if attempt.kind == "save":
+        if outcome is None and publication_on_disk(recorded) is not None:
+            state = "published; its resume did not finish"
+        elif outcome is None:
+            state, verb = "in progress, or interrupted before publication", "abort"
+        elif outcome == "aborted":
+            state = "rolled back, but servers were left paused"
+        else:
+            state = f"{outcome} by its records"
+    elif outcome is None:
+        state = (
+            "restored; its resume did not finish"
+            if recorded.restore_done
+            else "restore in progress or interrupted (resuming finishes it from its snapshot first)"
+        )
+    elif outcome == "restored":
+        state = (
+            "restored; its resume did not finish"
+            if recorded.resume_begun
+            else "restored, waiting for its resume"
+        )
+    elif outcome in ("aborted", "abandoned"):
+        state = f"restore {outcome}: half-restored state kept paused (resuming runs it as it is)"
+    else:
+        state = f"{outcome} by its records"
+    return Holder(
+        checkpoint_id,
+        attempt.kind,
+        state,
+        recorded.started_at or None,
+        verb,
+        command_line(config_path, verb, checkpoint_id),
+    )
+
+
+async def read_status(
+    config: ClusterConfig,
+    ledger: Ledger | None,
+    peek: Peek,
+    *,
+    config_path: str | None = None,
+    names: Sequence[str] | None = None,
+) -> ClusterStatus:
+    """Read every configured server's capabilities (or only `names`) concurrently, within
+    `control_timeout_s`, and name what holds each held one (`ledger` None: no ledger to ask)."""
+    deadline = time.time() + config.control_timeout_s
+    servers = [s.name for s in config.servers if names is None or s.name in names]
+    results: dict[str, CallResult] = {}
+
+    async def one(name: str, url: str) -> None:
+        results[name] = await peek(name, url, deadline)
+
+    async with anyio.create_task_group() as tg:
+        for server in config.servers:
+            if server.name in servers:
+                tg.start_soon(one, server.name, server.url)
+    found: dict[str, Capabilities | str] = {}
+    for name in servers:
+        result = results[name]
+        found[name] = (
+            result.reply if result.ok and isinstance(result.reply, Capabilities) else result.describe()
+        )
+    return await status_from(config, ledger, found, config_path=config_path)
+
+
+async def status_from(
+    config: ClusterConfig,
+    ledger: Ledger | None,
+    found: Mapping[str, Capabilities | str],
+    *,
+    config_path: str | None = None,
+) -> ClusterStatus:
+    """The status of the servers in `found` (name → capabilities already read, or why they could
+    not be), holders named from `ledger`. Config order."""
+    ids = [
+        c.active_checkpoint_id
+        for c in found.values()
+        if isinstance(c, Capabilities) and c.active_checkpoint_id is not None
+    ]
+    holders: dict[str, tuple[Holder, Recorded | None]] = {}
+    for held_by in dict.fromkeys(ids):
+        attempt = await read_attempt(ledger, config, held_by) if ledger is not None else None
+        holders[held_by] = (
+            await anyio.to_thread.run_sync(describe_holder, attempt, held_by, config_path),
+            attempt,
+        )
+    now = time.time()
+    out: list[ServerStatus] = []
+    for server in config.servers:
+        reply = found.get(server.name)
+        if reply is None:
+            continue
+        if isinstance(reply, str):
+            out.append(ServerStatus(server.name, server.url, False, error=reply))
+            continue
+        cid = reply.active_checkpoint_id
+        holder: Holder | None = None
+        recorded: Recorded | None = None
+        if cid is not None:
+            holder, recorded = holders[cid]
+        since: str | None = None
+        if recorded is not None:
+            since = recorded.first_post.get(server.name) or recorded.started_at or None
+        out.append(
+            ServerStatus(
+                server.name,
+                server.url,
+                True,
+                phase=reply.phase,
+                active_checkpoint_id=cid,
+                since=since,
+                deadline_left_s=reply.deadline_ts - now if reply.deadline_ts is not None else None,
+                holder=holder,
+                capabilities=reply,
+            )
+        )
+    return ClusterStatus(tuple(out))
+
+
+def refuse_if_held(status: ClusterStatus, participants: Iterable[str], what: str) -> None:
+    """Raise `ServersHeld` when a participant is held — before the attempt sends anything.
+
+    The message names, per holder, the servers it holds, its kind and state, since when (the
+    earliest request of it those servers received), and the command that frees them.
+    """
+    wanted = set(participants)
+    held = {s.name: s for s in status.servers if s.name in wanted and s.held}
+    if not held:
+        return
+    parts: list[str] = []
+    for cid in dict.fromkeys(s.active_checkpoint_id for s in held.values()):
+        mine = [s for s in held.values() if s.active_checkpoint_id == cid]
+        names = ", ".join(s.name for s in mine)
+        one = len(mine) == 1
+        holder = mine[0].holder
+        if cid is None or holder is None:
+            parts.append(
+                f"{names} {'reports' if one else 'report'} a fence that is not idle, with no checkpoint id"
+            )
+            continue
+        when = min((s.since for s in mine if s.since), default=holder.started_at)
+        parts.append(
+            f"{names} {'is' if one else 'are'} held by checkpoint {cid}"
+            f" ({holder.kind}: {holder.state}{f'; since {when}' if when else ''});"
+            f" free {'it' if one else 'them'} with `{holder.frees}`"
+            f" (embedded: `await coord.{holder.verb}({cid!r})`)"
+        )
+    raise ServersHeld(
+        f"cannot {what}: " + ". ".join(parts) + ". Nothing was sent.",
+        {name: s.active_checkpoint_id or "" for name, s in held.items()},
+    )
