@@ -1,8 +1,18 @@
 """What holds each Gym server, and the command that frees it: `quiesce status`, `Coordinator.status()`,
 and the refusal of a new attempt while a participant is held.
 
-A server is *held* when its fence, as its capabilities report it, is not idle: a phase other than
-`idle`, or an active checkpoint id. The holder is that id, looked up in the ledger:
+A server is *held* when
+- its fence, as its capabilities report it, is not idle (a phase other than `idle`, or an active
+  checkpoint id): the holder is that id; or
+- it is an agent or resources server whose fence is idle but an unfinished attempt of the ledger
+  may hold it (`readback.unfinished`, `Recorded.paused`): their fence does not show everything —
+  an agent whose prepare it refused (`agent_prepare_incomplete`) is back at `idle` with its
+  admission still closed, and a dead coordinator's rollback may have stopped right before it.
+  The holder is that attempt (its command finishes the attempt; a server it already let go only
+  replays its resume). A model's fence shows every hold: its pause keeps the id active until a
+  resume retires it.
+
+The holder is looked up in the ledger:
 - an attempt of this ledger: its kind, its state, and since when (the first request of it that
   server received, else the attempt's start);
 - no attempt of this ledger: another ledger's (ids are unique across ledgers, `coordinator.ids`),
@@ -34,8 +44,8 @@ from coordinator.attempt import command_line
 from coordinator.calls import CallResult
 from coordinator.config import ClusterConfig
 from coordinator.errors import ServersHeld
-from coordinator.protocol import Capabilities
-from coordinator.readback import Recorded, publication_on_disk, read_attempt
+from coordinator.protocol import MODEL, Capabilities
+from coordinator.readback import Recorded, publication_on_disk, read_attempt, unfinished
 from ledger import Ledger
 
 __all__ = [
@@ -85,8 +95,10 @@ class Holder:
 class ServerStatus:
     """One configured server, live: its fence, and what holds it (if anything).
 
-    `since` is when the holder's first request reached it, from the ledger (else the holder's
-    start); `deadline_left_s` is the server's own `deadline_ts` minus now (negative: passed).
+    `held_by` is the checkpoint id that holds it — its fence's active id, or an unfinished
+    attempt of the ledger (module docstring); `since` is when that holder's first request
+    reached it, from the ledger (else the holder's start); `deadline_left_s` is the server's own
+    `deadline_ts` minus now (negative: passed).
     """
 
     name: str
@@ -94,6 +106,7 @@ class ServerStatus:
     reachable: bool
     phase: str | None = None
     active_checkpoint_id: str | None = None
+    held_by: str | None = None
     since: str | None = None
     deadline_left_s: float | None = None
     holder: Holder | None = None
@@ -103,7 +116,7 @@ class ServerStatus:
 
     @property
     def held(self) -> bool:
-        return self.reachable and (self.active_checkpoint_id is not None or self.phase not in (None, "idle"))
+        return self.reachable and (self.held_by is not None or self.phase not in (None, "idle"))
 
     @property
     def holder_kind(self) -> str | None:
@@ -122,6 +135,7 @@ class ServerStatus:
             "phase": self.phase,
             "active_checkpoint_id": self.active_checkpoint_id,
             "held": self.held,
+            "held_by": self.held_by,
             "holder_kind": self.holder_kind,
             "since": self.since,
             "deadline_left_s": self.deadline_left_s,
@@ -157,7 +171,8 @@ class ClusterStatus:
         return next((s for s in self.servers if s.name == name), None)
 
     def held_by(self, checkpoint_id: str) -> list[str]:
-        return [s.name for s in self.servers if s.held and s.active_checkpoint_id == checkpoint_id]
+        """The servers `checkpoint_id` holds."""
+        return [s.name for s in self.servers if s.held and s.held_by == checkpoint_id]
 
     def as_json(self) -> dict[str, Any]:
         """The `quiesce status --json` document."""
@@ -231,21 +246,21 @@ async def read_status(
     """Read every configured server's capabilities (or only `names`) concurrently, within
     `control_timeout_s`, and name what holds each held one (`ledger` None: no ledger to ask)."""
     deadline = time.time() + config.control_timeout_s
-    servers = [s.name for s in config.servers if names is None or s.name in names]
+    servers = [s for s in config.servers if names is None or s.name in names]
     results: dict[str, CallResult] = {}
 
     async def one(name: str, url: str) -> None:
         results[name] = await peek(name, url, deadline)
 
     async with anyio.create_task_group() as tg:
-        for server in config.servers:
-            if server.name in servers:
-                tg.start_soon(one, server.name, server.url)
+        for server in servers:
+            tg.start_soon(one, server.name, server.url)
     found: dict[str, Capabilities | str] = {}
-    for name in servers:
-        result = results[name]
-        found[name] = (
-            result.reply if result.ok and isinstance(result.reply, Capabilities) else result.describe()
+    for server in servers:
+        result = results[server.name]
+        ok = result.ok and isinstance(result.reply, Capabilities)
+        found[server.name] = (
+            result.reply if ok and isinstance(result.reply, Capabilities) else result.describe()
         )
     return await status_from(config, ledger, found, config_path=config_path)
 
@@ -258,19 +273,30 @@ async def status_from(
     config_path: str | None = None,
 ) -> ClusterStatus:
     """The status of the servers in `found` (name → capabilities already read, or why they could
-    not be), holders named from `ledger`. Config order."""
-    ids = [
-        c.active_checkpoint_id
-        for c in found.values()
-        if isinstance(c, Capabilities) and c.active_checkpoint_id is not None
-    ]
-    holders: dict[str, tuple[Holder, Recorded | None]] = {}
-    for held_by in dict.fromkeys(ids):
-        attempt = await read_attempt(ledger, config, held_by) if ledger is not None else None
-        holders[held_by] = (
-            await anyio.to_thread.run_sync(describe_holder, attempt, held_by, config_path),
-            attempt,
-        )
+    not be), holders named from `ledger` (module docstring). Config order."""
+    holding: dict[str, str] = {}  # server -> the id that holds it
+    for name, caps in found.items():
+        if isinstance(caps, Capabilities) and caps.active_checkpoint_id is not None:
+            holding[name] = caps.active_checkpoint_id
+    attempts: dict[str, Recorded | None] = {}
+    if ledger is not None:
+        for recorded in await unfinished(ledger, config):
+            cid = recorded.attempt.checkpoint_id
+            attempts[cid] = recorded
+            for name in recorded.paused:
+                fence = found.get(name)
+                if not isinstance(fence, Capabilities) or name in holding or fence.phase != "idle":
+                    continue
+                if fence.component != MODEL:  # a model's pause keeps its id active until resumed
+                    holding[name] = cid
+    for cid in dict.fromkeys(holding.values()):
+        if cid not in attempts:
+            attempts[cid] = await read_attempt(ledger, config, cid) if ledger is not None else None
+    holders = {
+        cid: await anyio.to_thread.run_sync(describe_holder, recorded, cid, config_path)
+        for cid, recorded in attempts.items()
+        if cid in holding.values()
+    }
     now = time.time()
     out: list[ServerStatus] = []
     for server in config.servers:
@@ -280,24 +306,22 @@ async def status_from(
         if isinstance(reply, str):
             out.append(ServerStatus(server.name, server.url, False, error=reply))
             continue
-        cid = reply.active_checkpoint_id
-        holder: Holder | None = None
-        recorded: Recorded | None = None
-        if cid is not None:
-            holder, recorded = holders[cid]
+        held_by = holding.get(server.name)
         since: str | None = None
-        if recorded is not None:
-            since = recorded.first_post.get(server.name) or recorded.started_at or None
+        holding_attempt = attempts.get(held_by) if held_by is not None else None
+        if holding_attempt is not None:
+            since = holding_attempt.first_post.get(server.name) or holding_attempt.started_at or None
         out.append(
             ServerStatus(
                 server.name,
                 server.url,
                 True,
                 phase=reply.phase,
-                active_checkpoint_id=cid,
+                active_checkpoint_id=reply.active_checkpoint_id,
+                held_by=held_by,
                 since=since,
                 deadline_left_s=reply.deadline_ts - now if reply.deadline_ts is not None else None,
-                holder=holder,
+                holder=holders.get(held_by) if held_by is not None else None,
                 capabilities=reply,
             )
         )
@@ -315,15 +339,14 @@ def refuse_if_held(status: ClusterStatus, participants: Iterable[str], what: str
     if not held:
         return
     parts: list[str] = []
-    for cid in dict.fromkeys(s.active_checkpoint_id for s in held.values()):
-        mine = [s for s in held.values() if s.active_checkpoint_id == cid]
+    for cid in dict.fromkeys(s.held_by for s in held.values()):
+        mine = [s for s in held.values() if s.held_by == cid]
         names = ", ".join(s.name for s in mine)
         one = len(mine) == 1
         holder = mine[0].holder
         if cid is None or holder is None:
-            parts.append(
-                f"{names} {'reports' if one else 'report'} a fence that is not idle, with no checkpoint id"
-            )
+            verb = "reports" if one else "report"
+            parts.append(f"{names} {verb} a fence that is not idle, with no checkpoint id")
             continue
         when = min((s.since for s in mine if s.since), default=holder.started_at)
         parts.append(
@@ -334,5 +357,5 @@ def refuse_if_held(status: ClusterStatus, participants: Iterable[str], what: str
         )
     raise ServersHeld(
         f"cannot {what}: " + ". ".join(parts) + ". Nothing was sent.",
-        {name: s.active_checkpoint_id or "" for name, s in held.items()},
+        {name: s.held_by or "" for name, s in held.items()},
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import uuid
@@ -28,18 +29,23 @@ import anyio
 import httpx
 import pytest
 
+from coordinator import Coordinator
 from coordinator.crashpoints import CRASH_BEFORE_SEND
-from coordinator.protocol import TOKEN_ENV
+from coordinator.protocol import CAPABILITIES_PATH, TOKEN_ENV
 from ledger import Ledger
 from tests.coordinator.helpers import (
     assert_all_accepting,
     assert_protocol_ok,
+    clear_faults,
     control_logs,
     read_events,
     server_states,
+    set_faults,
 )
+from tests.recovery.helpers import Died, kind_is
 from tools.audit.cli import check_ledger
 from tools.cli.main import main as cli
+from tools.gymsim import client
 from tools.gymsim.cluster import REPO_ROOT
 
 GYM_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -189,8 +195,6 @@ def another_ledger(ledger_url: str, request: pytest.FixtureRequest, tmp_path: Pa
 async def test_a_new_ledger_against_a_cluster_that_retired_another_ledgers_ids(
     cluster: Any, ledger_url: str, another_ledger: str, configure: Any
 ) -> None:
-    from coordinator import Coordinator
-
     first = configure(cluster, ledger_url)
     seen: list[str] = []
     async with Coordinator.open(first) as coord:
@@ -237,3 +241,142 @@ def test_a_wrong_token_says_so_and_no_server_is_called_left_paused(
     report = anyio.run(check_ledger, f"sqlite+aiosqlite:///{config_file.parent / 'q.db'}")
     assert report.violations == []
     assert not [w for w in report.warnings if "left paused" in w.message], report.warnings
+
+
+# -- what the fence does not show -------------------------------------------------------------
+
+
+async def _status(capsys: pytest.CaptureFixture[str], config_file: Path) -> tuple[int, Any, str]:
+    return await anyio.to_thread.run_sync(
+        lambda: _run(capsys, "status", "--config", str(config_file), "--json")
+    )
+
+
+async def _run_printed(capsys: pytest.CaptureFixture[str], command: str) -> tuple[int, Any, str]:
+    """Run a command line exactly as `quiesce status` printed it (plus --json), off the event loop."""
+    argv = shlex.split(command)
+    assert argv[0] == "quiesce"
+    return await anyio.to_thread.run_sync(lambda: _run(capsys, *argv[1:], "--json"))
+
+
+@pytest.mark.anyio
+async def test_an_agent_whose_admission_a_dead_rollback_left_closed_is_named_from_the_ledger(
+    capsys: pytest.CaptureFixture[str], config_file: Path, cluster: Any, die_after: Any
+) -> None:
+    """A rollout stuck in a model call keeps the agent from parking: its prepare is refused
+    (`agent_prepare_incomplete`: fence back at idle, admission still closed) until the deadline,
+    and the coordinator dies in the rollback before the agent's resume. The agent's fence says
+    idle; only the ledger knows it is held — the status names it, and its command frees it."""
+    model, agent = cluster.urls["policy_model"], cluster.urls["simple_agent"]
+    async with httpx.AsyncClient(timeout=None) as http:
+        await set_faults(http, model, [{"kind": "hang", "path": "/v1/responses", "rollout_id": "stuck"}])
+        await client.start_rollouts(http, agent, {"stuck": 2})
+        await anyio.sleep(0.3)
+        die_after(kind_is("call.sent", server="simple_agent", phase="rollback"))
+        with pytest.raises(Died):
+            async with Coordinator.open(config_file, recover=False) as coord:
+                await coord.checkpoint(deadline_s=2)
+        caps = (await http.get(agent + CAPABILITIES_PATH)).json()
+        assert (caps["phase"], caps["active_checkpoint_id"]) == ("idle", None)
+        assert (await http.get(f"{agent}/gymsim/admin/state")).json()["admission_state"] != "accepting"
+        code, doc, _ = await _status(capsys, config_file)
+        assert code == 1
+        held = {s["name"]: s for s in doc["servers"] if s["held"]}
+        assert list(held) == ["simple_agent"]
+        [holder] = doc["holders"]
+        assert holder["kind"] == "save"
+        assert (
+            held["simple_agent"]["frees"] == f"quiesce abort --config {config_file} {holder['checkpoint_id']}"
+        )
+        code, doc, _ = await _run_printed(capsys, held["simple_agent"]["frees"])
+        assert (code, doc["outcome"]) == (0, "aborted")
+        await clear_faults(http, cluster)
+        await assert_all_accepting(http, cluster)
+        code, doc, _ = await _status(capsys, config_file)
+        assert (code, doc["idle"]) == (0, True)
+    await assert_protocol_ok(f"sqlite+aiosqlite:///{config_file.parent / 'q.db'}")
+
+
+# -- a resume of a plain restore, interrupted --------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_an_interrupted_resume_of_a_plain_restore_is_finished_by_recovery(
+    cluster: Any, sqlite_url: str, configure: Any, die_after: Any
+) -> None:
+    """The restore was left paused for the caller (terminal `restored`); the caller's resume then
+    dies after its first request: the restore is unfinished again, and recovery finishes it."""
+    config = configure(cluster, sqlite_url)
+    async with Coordinator.open(config) as coord:
+        await coord.checkpoint(deadline_s=30)
+        restored = await coord.restore()
+    die_after(kind_is("call.sent", phase="resume"), nth=2)  # tools resumed, the model's not sent
+    with pytest.raises(Died):
+        async with Coordinator.open(config) as coord:
+            await coord.resume(restored.checkpoint_id)
+    async with httpx.AsyncClient() as http:
+        states = await server_states(http, cluster)
+        assert states["tools"] == ("idle", "accepting")
+        assert states["policy_model"][0] == "restored_paused"
+        async with Coordinator.open(config) as coord:
+            report = coord.last_recovery
+            assert report is not None
+            again = await coord.recover()
+        await assert_all_accepting(http, cluster)
+    [found] = report.attempts
+    assert (found.checkpoint_id, found.found, found.action) == (restored.checkpoint_id, "resume", "resumed")
+    assert again.attempts == ()
+    events = await read_events(sqlite_url, restored.checkpoint_id)
+    assert [e.data["outcome"] for e in events if e.kind == "attempt.completed"] == ["restored", "resumed"]
+    await assert_protocol_ok(sqlite_url)
+
+
+# -- ledgers written before the id rule --------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_ledger_with_legacy_ids_keeps_working(
+    cluster: Any, sqlite_url: str, configure: Any, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """Attempts recorded under `e<epoch>-<seq>` ids (older versions) are shown, resumed and
+    checked as before; new attempts on the same ledger get new ids, listed after them."""
+    from coordinator import attempt as attempt_module
+
+    async def no_ledger_id(ledger: object) -> None:
+        return None
+
+    config = configure(cluster, sqlite_url)
+    with monkeypatch.context() as patch:
+        patch.setattr(attempt_module, "ledger_id", no_ledger_id)  # what older versions wrote
+        async with Coordinator.open(config) as coord:
+            old_save = await coord.checkpoint(deadline_s=30)
+            old_restore = await coord.restore()
+    assert re.match(r"^e1-\d{6}$", old_save.checkpoint_id)
+    async with Coordinator.open(config) as coord:
+        await coord.discover()
+        status = await coord.status()
+        assert [h.checkpoint_id for h in status.holders] == [old_restore.checkpoint_id]
+        assert status.holders[0].kind == "restore"
+        outcome = await coord.resume()
+        assert (outcome.checkpoint_id, outcome.outcome) == (old_restore.checkpoint_id, "resumed")
+        new = await coord.checkpoint(deadline_s=30)
+        restored_again = await coord.restore(old_save.checkpoint_id, resume=True)
+    assert new.checkpoint_id.startswith("q")
+    async with Ledger.open(sqlite_url, readonly=True) as ledger:
+        rows = await ledger.attempts()
+    ids = [r.checkpoint_id for r in rows]
+    assert ids == [
+        old_save.checkpoint_id,
+        old_restore.checkpoint_id,
+        new.checkpoint_id,
+        restored_again.checkpoint_id,
+    ]
+    assert sorted(ids) == ids
+    code, text, _ = await anyio.to_thread.run_sync(
+        lambda: _run(capsys, "show", old_restore.checkpoint_id, "--ledger", sqlite_url)
+    )
+    assert code == 0
+    assert old_restore.checkpoint_id in text
+    async with httpx.AsyncClient() as http:
+        await assert_all_accepting(http, cluster)
+    await assert_protocol_ok(sqlite_url)

@@ -96,7 +96,7 @@ def _print(status: ClusterStatus) -> None:
         table.add_row(
             escape(server.name),
             escape(server.phase or "") if not server.held else f"[yellow]{escape(server.phase or '')}[/]",
-            escape(server.active_checkpoint_id or "-"),
+            escape(server.held_by or "-"),
             escape(server.holder_kind or ""),
             escape(server.since or ""),
             "" if left is None else (f"{left:.1f}s" if left >= 0 else f"passed {-left:.1f}s ago"),
