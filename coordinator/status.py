@@ -75,6 +75,8 @@ class Holder:
     started_at: str | None
     verb: Literal["resume", "abort"]
     frees: str
+    #: nothing left to do for it by the ledger (recovery leaves it alone): only its command frees it
+    finished: bool = True
 
     @property
     def recorded(self) -> bool:
@@ -87,6 +89,7 @@ class Holder:
             "kind": self.kind,
             "state": self.state,
             "started_at": self.started_at,
+            "finished": self.finished,
             "frees": self.frees,
         }
 
@@ -146,9 +149,12 @@ class ServerStatus:
 
 @dataclass(frozen=True)
 class ClusterStatus:
-    """Every configured server, in config order. `idle`: every one reachable and not held."""
+    """Every configured server, in config order. `idle`: every one reachable and not held.
+    `unfinished`: the ledger's unfinished attempts (what `quiesce recover` would act on), whether
+    or not they hold a server."""
 
     servers: tuple[ServerStatus, ...]
+    unfinished: tuple[str, ...] = ()
 
     @property
     def held(self) -> bool:
@@ -181,6 +187,7 @@ class ClusterStatus:
             "held": self.held,
             "servers": [s.as_json() for s in self.servers],
             "holders": [h.as_json() for h in self.holders],
+            "unfinished": list(self.unfinished),
         }
 
 
@@ -232,6 +239,7 @@ def describe_holder(recorded: Recorded | None, checkpoint_id: str, config_path: 
         recorded.started_at or None,
         verb,
         command_line(config_path, verb, checkpoint_id),
+        recorded.finished,
     )
 
 
@@ -279,8 +287,9 @@ async def status_from(
         if isinstance(caps, Capabilities) and caps.active_checkpoint_id is not None:
             holding[name] = caps.active_checkpoint_id
     attempts: dict[str, Recorded | None] = {}
-    if ledger is not None:
-        for recorded in await unfinished(ledger, config):
+    pending = await unfinished(ledger, config) if ledger is not None else []
+    if pending:
+        for recorded in pending:
             cid = recorded.attempt.checkpoint_id
             attempts[cid] = recorded
             for name in recorded.paused:
@@ -325,7 +334,7 @@ async def status_from(
                 capabilities=reply,
             )
         )
-    return ClusterStatus(tuple(out))
+    return ClusterStatus(tuple(out), tuple(r.attempt.checkpoint_id for r in pending))
 
 
 def refuse_if_held(status: ClusterStatus, participants: Iterable[str], what: str) -> None:

@@ -9,8 +9,10 @@ nothing is recorded. The control token is sent when it is set (capabilities need
 
 Exit 0 when every server is reachable and idle, 1 when any is held or cannot be read, 2 on bad
 usage or config. `--json`: `{"idle", "held", "servers": [{"name", "url", "reachable", "phase",
-"active_checkpoint_id", "held", "holder_kind", "since", "deadline_left_s", "frees", "error"}],
-"holders": [{"checkpoint_id", "kind", "state", "started_at", "frees"}]}`.
+"active_checkpoint_id", "held", "held_by", "holder_kind", "since", "deadline_left_s", "frees",
+"error"}],
+"holders": [{"checkpoint_id", "kind", "state", "started_at", "finished", "frees"}],
+"unfinished": [ID...]}`: `finished` false for an attempt `quiesce recover` would finish.
 """
 
 from __future__ import annotations
