@@ -1,25 +1,35 @@
-"""The crash matrix: kill the coordinator at every instant of a save and a restore, then recover.
+"""The crash matrix: kill the coordinator at every instant of a save and of each restore, then recover.
 
-    python -m tools.crashmatrix [--ledger sqlite|postgres] [--cycle save|restore|both] [--sample K]
+    python -m tools.crashmatrix [--ledger sqlite|postgres] [--cycle CYCLE] [--sample K]
 
-For every *append point* (`QUIESCE_CRASH_AT=n`: SIGKILL right after the coordinator's n-th committed
-append) and every *send point* (`QUIESCE_CRASH_BEFORE_SEND=n`: SIGKILL right before its n-th
-POST request leaves; a read's record is committed after it) of one full cycle — the counts come
-from an uncrashed dry run — against the reference Gym cluster with rollouts running:
+CYCLE is `save`, `restore`, `restore-resume`, `restore-checkpoint`, `both` (save and restore) or
+`all`. For every *append point* (`QUIESCE_CRASH_AT=n`: SIGKILL right after the coordinator's n-th
+committed append) and every *send point* (`QUIESCE_CRASH_BEFORE_SEND=n`: SIGKILL right before its
+n-th POST request leaves; a read's record is committed after it) of one full cycle — the counts
+come from an uncrashed dry run — against the reference Gym cluster with rollouts running:
 
-1. `quiesce checkpoint` (save cycle) or `quiesce restore` (restore cycle, into a fresh cluster)
-   runs in a child process with the crash variable set, and dies there;
+1. the cycle's command runs in a child process with the crash variable set, and dies there:
+   - `save`: `quiesce checkpoint`;
+   - `restore`: `quiesce restore` into a fresh cluster (the servers stay paused for the caller);
+   - `restore-resume`: `quiesce restore --resume` into a fresh cluster — through its resume
+     phase: the restore is not finished until its resume is;
+   - `restore-checkpoint`: the sequence that once left servers paused for good — a plain
+     `quiesce restore`, then `quiesce checkpoint` — crashed at every point of either command;
 2. `quiesce recover --json` runs in another child (its wall time is the point's recovery time),
    then a second `quiesce recover`, which must make no call and append only
    `coordinator.started`, `recovery.started`, `recovery.completed`;
-3. the invariants are checked: every server idle and accepting (restore points: restored and
+3. the invariants are checked: every server idle and accepting (`restore` points: restored and
    paused after recovery — the restore is re-run if it never started — then resumed with
-   `quiesce resume`); no snapshot folder without a complete manifest and no staging left; `LATEST`
-   names a snapshot that verifies; the previous snapshot still verifies; the ledger's hash chain
-   and projections verify (replay) and the audit's protocol check passes; the rollouts finish
-   with exactly the results of an uninterrupted run, no turn lost or run twice — and their results
-   are acknowledged (`quiesce acknowledge`), as a trainer does, before the cluster serves the next
-   point (Gym holds a finished result until then, and a checkpoint could not prepare).
+   `quiesce resume`; `restore-resume` points: resumed by recovery itself, or the command re-run
+   if it never started; `restore-checkpoint` points: a checkpoint is refused before any request
+   while the restore holds the servers, every command `quiesce status` then prints frees them,
+   and a checkpoint succeeds); no snapshot folder without a complete manifest and no staging
+   left; `LATEST` names a snapshot that verifies; the previous snapshot still verifies; the
+   ledger's hash chain and projections verify (replay) and the audit's protocol check passes; the
+   rollouts finish with exactly the results of an uninterrupted run, no turn lost or run twice —
+   and their results are acknowledged (`quiesce acknowledge`), as a trainer does, before the
+   cluster serves the next point (Gym holds a finished result until then, and a checkpoint could
+   not prepare).
 
 Prints one row per point (point, last event before death, recovery action, recovery time,
 invariants), then the recovery time median and p95 per cycle; exits 1 if any invariant failed.
@@ -39,6 +49,7 @@ import io
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import statistics
@@ -69,6 +80,7 @@ LATENCY_S = 0.1
 ROLLOUTS_PER_POINT = 3
 PARTICIPANTS = {"policy_model": MODEL, "simple_agent": AGENT, "tools": RESOURCES}
 PAUSED_BY_RESTORE = ("policy_model", "simple_agent", "tools")
+CYCLES = ("save", "restore", "restore-resume", "restore-checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,6 +283,16 @@ def control_log_sizes(http: httpx.Client, urls: dict[str, str]) -> dict[str, int
     return {name: len(http.get(f"{url}/gymsim/admin/control-log").json()) for name, url in urls.items()}
 
 
+def post_count(http: httpx.Client, urls: dict[str, str]) -> int:
+    """Control POSTs the servers received so far (requests that may change them)."""
+    return sum(
+        1
+        for url in urls.values()
+        for e in http.get(f"{url}/gymsim/admin/control-log").json()
+        if e["method"] == "POST"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Ledger and snapshot checks (ledger reads run in forked children)
 # ---------------------------------------------------------------------------------------------
@@ -359,10 +381,12 @@ class Point:
     action: str = ""
     recover_s: float | None = None
     problems: list[str] = field(default_factory=list)
+    step: str = ""  # restore-checkpoint: the command crashed (restore, checkpoint)
 
     @property
     def name(self) -> str:
-        return f"{'append' if self.variable == CRASH_AT else 'send'} {self.n}"
+        where = f"{self.step[0]}:" if self.step else ""
+        return f"{where}{'append' if self.variable == CRASH_AT else 'send'} {self.n}"
 
 
 def _describe(event: dict[str, Any] | None) -> str:
@@ -534,9 +558,14 @@ class Matrix:
 
     # -- restore --------------------------------------------------------------------------------
 
-    def restore_cycle(self) -> None:
+    def _source(self) -> tuple[Path, Path, list[str]]:
+        """The snapshot every restore cycle restores (made once, mid-rollout): its snapshots
+        folder, the snapshot, and the ids of the rollouts it holds."""
         snapshots = self.folder / "restore-snapshots"
         source_ids = self._ids("src")
+        snapshot = read_latest(snapshots)
+        if snapshot is not None:
+            return snapshots, snapshot, source_ids
         with forked_cluster(self.spec, self.token) as source:
             config = write_yaml_atomic(self.folder / "source.yaml", source.config(self.ledger, snapshots))
             self._set_latency(source, LATENCY_S)
@@ -547,6 +576,16 @@ class Matrix:
                 raise RuntimeError(f"the source checkpoint failed: {made.stderr}")
         snapshot = read_latest(snapshots)
         assert snapshot is not None
+        return snapshots, snapshot, source_ids
+
+    def _plan(self, appends: int, sends: int) -> list[tuple[str, int]]:
+        plan = [(CRASH_AT, n) for n in range(1, appends + 1)] + [
+            (CRASH_BEFORE_SEND, n) for n in range(1, sends + 1)
+        ]
+        return [step for index, step in enumerate(plan) if index % self.sample == 0]
+
+    def restore_cycle(self) -> None:
+        snapshots, snapshot, source_ids = self._source()
         head = self._head()
         with forked_cluster(self.spec, self.token) as fresh:
             config = write_yaml_atomic(self.folder / "restore.yaml", fresh.config(self.ledger, snapshots))
@@ -605,19 +644,175 @@ class Matrix:
         self._check_rollouts(point, fresh.urls["simple_agent"], ids)
         point.problems += ledger_problems(self.ledger)
 
+    # -- restore --resume -------------------------------------------------------------------------
+
+    def restore_resume_cycle(self) -> None:
+        snapshots, snapshot, source_ids = self._source()
+        head = self._head()
+        command = ["restore", "--snapshot", str(snapshot), "--resume", "--json"]
+        with forked_cluster(self.spec, self.token) as fresh:
+            config = write_yaml_atomic(self.folder / "restore.yaml", fresh.config(self.ledger, snapshots))
+            dry = quiesce([*command, "--config", str(config)], self._workdir)
+            if dry.code != 0:
+                raise RuntimeError(f"the dry-run restore --resume failed: {dry.stderr}")
+            appends, sends = self._count(head)
+            wait_rollouts(self.http, fresh.urls["simple_agent"], source_ids)
+        self.out(f"restore-resume cycle: {appends} append points, {sends} send points")
+        for variable, n in self._plan(appends, sends):
+            point = Point("restore-resume", variable, n)
+            self.points.append(point)
+            try:
+                with forked_cluster(self.spec, self.token) as fresh:
+                    config = write_yaml_atomic(
+                        self.folder / "restore.yaml", fresh.config(self.ledger, snapshots)
+                    )
+                    head = self._head()
+                    crashed = quiesce([*command, "--config", str(config)], self._workdir, {variable: str(n)})
+                    tail = self._crashed(point, crashed, head)
+                    self._recover(point, config, fresh.urls)
+                    if not any(e["kind"] == "attempt.started" for e in tail):
+                        # it died before the restore started: the operator runs it again
+                        again = quiesce([*command, "--config", str(config)], self._workdir)
+                        if again.code != 0:
+                            point.problems.append(
+                                f"restore --resume again failed: {again.stderr.strip()[-300:]}"
+                            )
+                    self._all_accepting(point, fresh, "after recovery (the restore asked for its resume)")
+                    point.problems += self._second_recover(config, fresh.urls, self._workdir)
+                    point.problems += snapshot_problems(snapshots, snapshot)
+                    self._check_rollouts(point, fresh.urls["simple_agent"], source_ids)
+                    point.problems += ledger_problems(self.ledger)
+            except Exception as error:
+                point.problems.append(f"harness: {type(error).__name__}: {error}")
+            self._row(point)
+
+    # -- restore, then checkpoint ---------------------------------------------------------------
+
+    def restore_checkpoint_cycle(self) -> None:
+        _, snapshot, source_ids = self._source()
+        restore = ["restore", "--snapshot", str(snapshot), "--json"]
+        checkpoint = ["checkpoint", "--json"]
+        with forked_cluster(self.spec, self.token) as fresh:
+            config = write_yaml_atomic(
+                self.folder / "rc.yaml", fresh.config(self.ledger, self.folder / "rc-dry")
+            )
+            head = self._head()
+            if quiesce([*restore, "--config", str(config)], self._workdir).code != 0:
+                raise RuntimeError("the dry-run restore failed")
+            restore_points = self._count(head)
+            head = self._head()
+            refused = quiesce([*checkpoint, "--config", str(config)], self._workdir)
+            if (refused.code, (refused.json() or {}).get("outcome")) != (1, "refused"):
+                raise RuntimeError(
+                    f"the dry-run checkpoint after a restore was not refused: {refused.stdout}"
+                )
+            checkpoint_points = self._count(head)
+        self.out(
+            f"restore-checkpoint cycle: restore {restore_points[0]} append, {restore_points[1]} send points;"
+            f" checkpoint {checkpoint_points[0]} append, {checkpoint_points[1]} send points"
+        )
+        plan = [("restore", v, n) for v, n in self._plan(*restore_points)]
+        plan += [("checkpoint", v, n) for v, n in self._plan(*checkpoint_points)]
+        for step, variable, n in plan:
+            point = Point("restore-checkpoint", variable, n, step=step)
+            self.points.append(point)
+            try:
+                with forked_cluster(self.spec, self.token) as fresh:
+                    self._restore_checkpoint_point(point, fresh, snapshot, source_ids, restore, checkpoint)
+            except Exception as error:
+                point.problems.append(f"harness: {type(error).__name__}: {error}")
+            self._row(point)
+
+    def _restore_checkpoint_point(
+        self,
+        point: Point,
+        fresh: ForkedCluster,
+        snapshot: Path,
+        ids: list[str],
+        restore: list[str],
+        checkpoint: list[str],
+    ) -> None:
+        snapshots = self.folder / f"rc-{point.step}-{point.name.replace(' ', '-').replace(':', '')}"
+        config = write_yaml_atomic(self.folder / "rc.yaml", fresh.config(self.ledger, snapshots))
+        urls = fresh.urls
+        if (
+            point.step == "checkpoint"
+            and quiesce([*restore, "--config", str(config)], self._workdir).code != 0
+        ):
+            raise RuntimeError("the restore before the checkpoint failed")
+        head = self._head()
+        command = restore if point.step == "restore" else checkpoint
+        crashed = quiesce([*command, "--config", str(config)], self._workdir, {point.variable: str(point.n)})
+        tail = self._crashed(point, crashed, head)
+        self._recover(point, config, urls)
+        point.problems += self._second_recover(config, urls, self._workdir)
+        restored = point.step == "checkpoint" or any(e["kind"] == "attempt.started" for e in tail)
+        # the sequence goes on: the checkpoint, refused before any request while the restore holds
+        # the servers; `quiesce status` names what frees them; then the checkpoint succeeds
+        held = {n: s for n, s in states(self.http, urls).items() if s != ("idle", "accepting")}
+        posts = post_count(self.http, urls)
+        again = quiesce([*checkpoint, "--config", str(config)], self._workdir)
+        if held and again.code == 0:  # it cannot have succeeded while the restore held them
+            point.problems.append(f"checkpoint on held servers {held} was not refused")
+        elif held:
+            if (again.code, (again.json() or {}).get("outcome")) != (1, "refused"):
+                point.problems.append(f"checkpoint on held servers {held} not refused: {again.stdout[:200]}")
+            if post_count(self.http, urls) != posts:
+                point.problems.append("the refused checkpoint sent a request")
+            status = quiesce(["status", "--config", str(config), "--json"], self._workdir)
+            document = status.json() or {}
+            named = {s["name"] for s in document.get("servers", []) if s.get("held") and s.get("frees")}
+            if not set(held) <= named:
+                point.problems.append(f"status does not name what frees {sorted(set(held) - named)}")
+            for holder in document.get("holders", []):
+                argv = shlex.split(holder["frees"])[1:]
+                freed = quiesce([*argv, "--json"], self._workdir)
+                if freed.code != 0:
+                    point.problems.append(f"`{holder['frees']}` failed: {freed.stderr.strip()[-300:]}")
+            self._all_accepting(point, fresh, "after the commands status named")
+            # the restored rollouts run on; their results are consumed (acknowledged), as a trainer
+            # does, so the agent can prepare, then the checkpoint the sequence was after is taken
+            wait_rollouts(self.http, urls["simple_agent"], ids)
+            point.problems += self._acknowledge(config, urls["simple_agent"], ids)
+            again = quiesce([*checkpoint, "--config", str(config)], self._workdir)
+        if again.code != 0:
+            point.problems.append(f"checkpoint failed: {again.stderr.strip()[-300:]}")
+        if not restored:  # it died before the restore started: run the rest of the sequence
+            redo = quiesce([*restore, "--resume", "--config", str(config)], self._workdir)
+            if redo.code != 0:
+                point.problems.append(f"restore --resume again failed: {redo.stderr.strip()[-300:]}")
+        self._all_accepting(point, fresh, "at the end")
+        point.problems += snapshot_problems(snapshots, None)
+        point.problems += snapshot_problems(snapshot.parent, snapshot)
+        self._check_rollouts(point, urls["simple_agent"], ids)
+        point.problems += ledger_problems(self.ledger)
+
+    def _crashed(self, point: Point, crashed: Run, head: int) -> list[dict[str, Any]]:
+        """The events the crashed command left; notes the last one (and whether it died at all)."""
+        tail = ledger_tail(self.ledger, head)
+        point.last_event = _describe(tail[-1] if tail else None)
+        if not crashed.killed:
+            point.last_event = f"(not reached: exit {crashed.code}) " + point.last_event
+        return tail
+
+    def _all_accepting(self, point: Point, cluster: ForkedCluster, when: str) -> None:
+        bad = {n: s for n, s in states(self.http, cluster.urls).items() if s != ("idle", "accepting")}
+        if bad:
+            point.problems.append(f"not accepting {when}: {bad}")
+
     # -- output ---------------------------------------------------------------------------------
 
     def _row(self, point: Point) -> None:
         took = f"{point.recover_s:6.2f}s" if point.recover_s is not None else "      -"
         verdict = "ok" if not point.problems else "FAIL: " + "; ".join(point.problems)
         self.out(
-            f"{point.cycle:<8} {point.name:<10} {point.last_event[:52]:<52} {point.action:<10}"
+            f"{point.cycle:<18} {point.name:<12} {point.last_event[:52]:<52} {point.action:<10}"
             f" {took}  {verdict}"
         )
 
     def summary(self) -> bool:
         ok = True
-        for cycle in ("save", "restore"):
+        for cycle in CYCLES:
             mine = [p for p in self.points if p.cycle == cycle]
             if not mine:
                 continue
@@ -646,7 +841,7 @@ def _ledger_url(kind: str, folder: Path, stack: contextlib.ExitStack) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.crashmatrix", description=__doc__.split("\n")[0])
     parser.add_argument("--ledger", choices=("sqlite", "postgres"), default="sqlite")
-    parser.add_argument("--cycle", choices=("save", "restore", "both"), default="both")
+    parser.add_argument("--cycle", choices=(*CYCLES, "both", "all"), default="both")
     parser.add_argument("--sample", type=int, default=1, metavar="K", help="run every K-th point only")
     parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (default: a temp folder)")
     parser.add_argument(
@@ -665,13 +860,18 @@ def main(argv: list[str] | None = None) -> int:
         ledger = args.ledger_url if args.ledger_url else _ledger_url(args.ledger, folder, stack)
         matrix = Matrix(folder, ledger, args.sample, out)
         out(f"crash matrix: ledger {args.ledger}, cycle {args.cycle}, every {args.sample} point(s)")
-        columns = ("cycle", 8), ("point", 10), ("last event before death", 52), ("recovery", 10)
+        columns = ("cycle", 18), ("point", 12), ("last event before death", 52), ("recovery", 10)
         out(" ".join(f"{name:<{width}}" for name, width in columns) + f" {'time':>7}  invariants")
         started = time.monotonic()
-        if args.cycle in ("save", "both"):
+        chosen = {"both": ("save", "restore"), "all": CYCLES}.get(args.cycle, (args.cycle,))
+        if "save" in chosen:
             matrix.save_cycle()
-        if args.cycle in ("restore", "both"):
+        if "restore" in chosen:
             matrix.restore_cycle()
+        if "restore-resume" in chosen:
+            matrix.restore_resume_cycle()
+        if "restore-checkpoint" in chosen:
+            matrix.restore_checkpoint_cycle()
         ok = matrix.summary()
         out(f"{'all invariants hold' if ok else 'INVARIANTS FAILED'} ({time.monotonic() - started:.0f}s)")
         if not args.keep:

@@ -1,4 +1,5 @@
-"""The crash matrix as a test: every crash point on SQLite, a sampled third on PostgreSQL.
+"""The crash matrix as a test: every crash point of every cycle (save, restore, restore --resume,
+restore → checkpoint) on SQLite, a sampled third on PostgreSQL.
 
 Slow (minutes) but run by default: CI runs the full SQLite matrix. The matrix prints its table;
 run with `-s` to see it (or run `python -m tools.crashmatrix` directly).
@@ -15,7 +16,8 @@ import pytest
 from tools.gymsim.cluster import REPO_ROOT
 from tools.pgtemp import TempPostgres
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
+CYCLES = ["save", "restore", "restore-resume", "restore-checkpoint"]
 
 
 def _matrix(*args: str) -> subprocess.CompletedProcess[str]:
@@ -35,17 +37,20 @@ def _summary(stdout: str) -> list[str]:
 
 
 def test_full_crash_matrix_on_sqlite() -> None:
-    done = _matrix("--ledger", "sqlite", "--cycle", "both")
+    done = _matrix("--ledger", "sqlite", "--cycle", "all")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "all invariants hold" in done.stdout
     summary = _summary(done.stdout)
-    assert [line.split(":")[0] for line in summary] == ["save", "restore"]
+    assert [line.split(":")[0] for line in summary] == CYCLES
     assert all(", 0 failed;" in line for line in summary)
 
 
 @pytest.mark.postgres
 def test_sampled_crash_matrix_on_postgres(postgres: TempPostgres) -> None:
     url = postgres.create_database(f"t_{uuid.uuid4().hex[:20]}")
-    done = _matrix("--ledger", "postgres", "--ledger-url", url, "--cycle", "both", "--sample", "3")
+    done = _matrix("--ledger", "postgres", "--ledger-url", url, "--cycle", "all", "--sample", "3")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "all invariants hold" in done.stdout
+    summary = _summary(done.stdout)
+    assert [line.split(":")[0] for line in summary] == CYCLES
+    assert all(", 0 failed;" in line for line in summary)
