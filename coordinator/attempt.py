@@ -18,11 +18,20 @@ then `attempt.aborted {resumed, left_paused, not_paused}`; the staging folder is
 `PhaseError` (or `DeadlineExceeded`) is raised naming the phase, the server, the reason, who was
 resumed, who could not be, and the latest snapshot still in place.
 
-A restore: `attempt.started {kind: restore, snapshot_dir, source_checkpoint_id}`, phase restore
-(policy → agents → resources), `attempt.completed {outcome: restored}`; the servers stay paused until
-`resume`, which appends phase resume and `attempt.completed {outcome: resumed}`. A failed restore
-is not rolled back (half-restored state must not run): `attempt.aborted` lists every touched server
-as `left_paused`; an explicit `resume` resumes them.
+A restore: `attempt.started {kind: restore, snapshot_dir, source_checkpoint_id, resume}`, phase
+restore (policy → agents → resources), then either `attempt.completed {outcome: restored}` — the
+servers stay paused for the caller, whose later `resume` appends phase resume and
+`attempt.completed {outcome: resumed}` — or, when the caller asked for the resume at once
+(`resume: true`), phase resume straight away and one terminal record, `attempt.completed {outcome:
+resumed}`: a restore is not terminal until its resume finished or it was explicitly left for the
+caller. A failed restore is not rolled back (half-restored state must not run): `attempt.aborted`
+lists every server it may have restored as `left_paused`; an explicit `resume` resumes them.
+
+A request the server refused before it ran it (`protocol.refused_before_effect`: a wrong token,
+another checkpoint id active) paused nothing: the server is in `Attempt.refused`, and neither a
+rollback nor recovery resumes it (`Attempt.may_hold`).
+
+Checkpoint ids: `next_checkpoint_id`, by the rule in `ids.py` (unique across ledgers).
 
 Deadline: one absolute `deadline_ts` per attempt. Every call's timeout is the time left to it, and
 each phase runs inside an anyio cancel scope whose deadline is `deadline_ts` converted to anyio's

@@ -355,12 +355,10 @@ class Coordinator:
         paused is resumed (`readback.release`). Outcome `none` when nothing holds the servers.
         """
         chosen = target if isinstance(target, Attempt) else None
-        if (
-            target is None
-            and self._current is not None
-            and self._current.state not in ("completed", "aborted")
-        ):
-            chosen = self._current
+        current = self._current
+        awaiting = current is not None and current.state not in ("completed", "aborted")
+        if current is not None and awaiting and target in (None, current.checkpoint_id):
+            chosen = current
         if chosen is None:
             return await self._let_go(target if isinstance(target, str) else None, reason=reason)
         self._changing()

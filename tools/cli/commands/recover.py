@@ -1,11 +1,13 @@
 """`quiesce recover --config C [--json]` — finish or roll back what a dead coordinator left.
 
-Takes a new epoch (fencing the dead coordinator), then for every attempt without a terminal
-event: settles each server it touched (capabilities, recorded), and resumes them (a save before
-publication), finishes the publication the filesystem shows happened (then resumes), re-drives an
-interrupted restore whose snapshot is intact (the servers stay paused until `quiesce resume`), or
-abandons a restore whose snapshot is gone (the servers stay paused; the output says how to
-proceed). Orphaned staging folders are removed. A second run makes no call.
+Takes a new epoch (fencing the dead coordinator), then for every unfinished attempt (no terminal
+event, or a restore whose resume began after it was left paused): settles each server it touched
+(capabilities, recorded), and resumes them (a save before publication), finishes the publication
+the filesystem shows happened (then resumes), re-drives an interrupted restore whose snapshot is
+intact — then resumes it if it was a `restore --resume` or its resume had begun, else the servers
+stay paused until `quiesce resume` — or abandons a restore whose snapshot is gone (the servers stay
+paused; the output says how to proceed). Orphaned staging folders are removed. A second run makes
+no call.
 
 `--json`: `{"epoch", "attempts": [{"checkpoint_id", "found", "action", "servers": [{"name",
 "reported_phase", "result", "detail"?}], "message"}], "swept_staging"}` with action
