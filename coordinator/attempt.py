@@ -207,6 +207,8 @@ class Attempt:
     #: warnings given before the first request (recorded in `attempt.started`): preflight, provenance
     warnings: list[str] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
+    #: what its resume did, once a resume of it finished in this process (`restore(resume=True)`)
+    resume_outcome: Outcome | None = None
     #: facts of the staging files read so far: publish does not read again what commit verified
     digests: DigestCache = field(default_factory=DigestCache, repr=False, compare=False)
     _touched: set[str] = field(default_factory=set, init=False, repr=False, compare=False)

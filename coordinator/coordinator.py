@@ -541,7 +541,7 @@ class Coordinator:
         )
         self._current = attempt
         if resume:
-            self._note(await finish_resume(self._ctx, attempt))
+            attempt.resume_outcome = self._note(await finish_resume(self._ctx, attempt))
         return attempt
 
     # -- completed results ---------------------------------------------------------------------

@@ -201,18 +201,26 @@ async def load_attempt(ctx: Context, checkpoint_id: str) -> Recorded:
 
 
 async def unfinished(ledger: Ledger, config: ClusterConfig) -> list[Recorded]:
-    """Every attempt that is not finished (module docstring), in the order of their last event:
-    those without a terminal record, and restores whose resume began after `restored`."""
-    # the database filters: what is read grows with the unfinished attempts and the restores, not
-    # with the history
-    rows = await ledger.unfinished_attempts() + await ledger.attempts(outcome="restored")
-    rows.sort(key=lambda row: row.last_seq)
-    out: list[Recorded] = []
-    for row in rows:
-        recorded = await read_attempt(ledger, config, row.checkpoint_id)
+    """Every attempt that is not finished (module docstring), in the order of their last event.
+
+    Those without a terminal record come from the database's filter (`unfinished_attempts`); a
+    restore whose resume began after `restored` can only be the ledger's latest attempt — while it
+    holds the servers no other attempt may start (`status.refuse_if_held`), and recovery finishes
+    it before any other — so only that one is read back. What is read grows with the unfinished
+    attempts, never with the history.
+    """
+    rows = await ledger.unfinished_attempts()
+    out = [
+        r for r in [await read_attempt(ledger, config, row.checkpoint_id) for row in rows] if r is not None
+    ]
+    latest = await ledger.last_before("attempt.started", await ledger.last_seq() + 1)
+    cid = latest.checkpoint_id if latest is not None and latest.data.get("kind") == "restore" else None
+    if cid is not None and all(r.attempt.checkpoint_id != cid for r in out):
+        recorded = await read_attempt(ledger, config, cid)
         if recorded is not None and not recorded.finished:
             out.append(recorded)
-    return out
+    out.sort(key=lambda r: r.events[-1].seq if r.events else 0)
+    return [r for r in out if not r.finished]
 
 
 def publication_on_disk(recorded: Recorded) -> Path | None:

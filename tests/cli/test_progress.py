@@ -19,7 +19,9 @@ import httpx
 from tests.cli.helpers import child_env, command, json_of, quiesce
 from tests.coordinator.helpers import set_faults
 
-LINE = re.compile(r"^quiesce \d\d:\d\d:\d\dZ (e\d+-\d+) (\w+) (started|done|FAILED)\b(.*)$")
+LINE = re.compile(
+    r"^quiesce \d\d:\d\d:\d\dZ (q[0-9a-f]+-\d+-e\d+|e\d+-\d+) (\w+) (started|done|FAILED)\b(.*)$"
+)
 
 
 def _arm(url: str, faults: list[dict[str, Any]]) -> None:

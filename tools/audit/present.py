@@ -184,11 +184,12 @@ def attempt_header(view: AttemptView) -> Text:
 
 
 def widened(console: Console) -> Console:
-    """`console` on a terminal; when piped, a console on the same stream at least 160 columns wide,
-    so tables are not squeezed into 80 columns (still without colours)."""
+    """`console` on a terminal; when piped, a console on the same stream at least 240 columns wide,
+    so tables are not squeezed into 80 columns (still without colours): a history row, with its
+    checkpoint id and snapshot (`q<ledger id>-<seq>-e<epoch>`, 25 characters each), fits one line."""
     if console.is_terminal:
         return console
-    return Console(file=console.file, width=max(console.width, 160), highlight=False)
+    return Console(file=console.file, width=max(console.width, 240), highlight=False)
 
 
 def print_attempt(console: Console, view: AttemptView) -> None:

@@ -265,8 +265,8 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
 
     @app.post("/v1/abort", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
     async def abort(request: AbortRequest | None = None) -> OutcomeModel:
-        """Roll back the attempt in progress: the two-step save waiting here, else the newest
-        attempt in progress in the ledger (what `Coordinator.abort()` without an attempt does)."""
+        """Roll back the attempt in progress: the two-step save waiting here, else whatever holds
+        the servers (what `Coordinator.abort()` without an attempt does: it asks them)."""
         reason = request.reason if request is not None else "aborted by request"
         waiting = service.pending
 
@@ -290,10 +290,12 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         body = request or RestoreRequest()
 
         async def restore_step(coord: Coordinator) -> RestoreReply:
-            attempt = await coord.restore(body.snapshot, deadline_s=body.deadline_s)
+            # with `resume`, one attempt that ends only once resumed (recovery finishes it if the
+            # service dies on the way), never a restore recorded as done before its resume
+            attempt = await coord.restore(body.snapshot, deadline_s=body.deadline_s, resume=body.resume)
             reply = RestoreReply(attempt=AttemptModel.of(attempt, outcome="restored"))
-            if body.resume:
-                reply.resumed = OutcomeModel.of(await coord.resume(attempt))
+            if attempt.resume_outcome is not None:
+                reply.resumed = OutcomeModel.of(attempt.resume_outcome)
             return reply
 
         reply: RestoreReply = await op("restore", restore_step)
@@ -301,7 +303,8 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
 
     @app.post("/v1/resume", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
     async def resume() -> OutcomeModel:
-        """Resume whatever a restore or an attempt left paused (found in the ledger)."""
+        """Resume whatever holds the servers: a restore, an attempt a rollback left paused (asked
+        of the servers, as `Coordinator.resume()` does)."""
         return OutcomeModel.of(await op("resume", lambda coord: coord.resume()))
 
     # -- reading the ledger -------------------------------------------------------------------
