@@ -18,7 +18,7 @@ At the end of each example: `quiesce recover` and `quiesce resume` leave every s
 on every ledger used `replay --verify` passes and `check` finds no violation.
 
 Sized for CI: `QUIESCE_PROPERTY_EXAMPLES` examples (default 12) of up to
-`QUIESCE_PROPERTY_STEPS` steps (default 12): 65–145 s in two runs on a shared 2-core machine (each
+`QUIESCE_PROPERTY_STEPS` steps (default 12): 27–145 s in three runs on a shared 2-core machine (each
 SIGKILLed coordinator is a new process; how many the draw holds sets the time). A failure is shrunk
 to a short sequence, which takes minutes more. `QUIESCE_PROPERTY_VERBOSE=1` (with `-s`) prints
 every step.
