@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -188,8 +189,16 @@ async def test_a_misbehaving_server_fails_the_save_and_everyone_is_resumed(
 
 
 def _socket(path: Path) -> None:
-    with socket.socket(socket.AF_UNIX) as server:
-        server.bind(str(path))
+    # an AF_UNIX address holds at most 107 bytes, less than a staging folder's path under pytest's
+    # tmp_path (a checkpoint id is 25 characters): bind the socket at a short path in the temp
+    # folder (the filesystem tmp_path is on), then move it in
+    short = Path(tempfile.mkdtemp(prefix="s")) / "s"
+    try:
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(str(short))
+        os.replace(short, path)
+    finally:
+        os.rmdir(short.parent)
 
 
 def _device(path: Path) -> None:
