@@ -513,14 +513,17 @@ def verify_snapshot(path: Path, *, participants: Mapping[str, str]) -> Snapshot:
             )
     for entry in snapshot.participants:
         own = entry.get("manifest")
-        own_digest = entry.get("manifest_own_digest")
+        own_digest = entry.get("manifest_digest")
         if (
             isinstance(own, str)
             and isinstance(own_digest, str)
             and own in listed
             and listed[own].get("sha256") != own_digest
         ):
-            differences.append(f"participant {entry.get('name')}: {own} does not match its commit own_digest")
+            differences.append(
+                f"participant {entry.get('name')}: {own} is not the manifest its commit reported"
+                " (sha256 differs from the commit's manifest_digest)"
+            )
     if differences:
         raise SnapshotError(
             f"snapshot {path} cannot be restored into this cluster:\n  " + "\n  ".join(differences),

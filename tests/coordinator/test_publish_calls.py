@@ -15,6 +15,7 @@ import pytest
 from coordinator.calls import MAX_REPLY_BYTES, STAGED_READ_COMMIT_S, Caller, CallResult
 from coordinator.digests import file_digest
 from coordinator.errors import SnapshotError
+from coordinator.protocol import sha256_hex
 from coordinator.publish import (
     LATEST,
     SYNCFS_MIN_FILES,
@@ -196,6 +197,41 @@ def test_verify_snapshot_lists_every_difference(tmp_path: Path) -> None:
     ]
     with pytest.raises(SnapshotError, match="is not a snapshot folder"):
         verify_snapshot(tmp_path / "nothing", participants={})
+
+
+def test_verify_snapshot_checks_each_participant_manifest_against_its_commit_digest(tmp_path: Path) -> None:
+    """A server manifest re-listed in the top manifest (file list consistent) but not the one its
+    commit reported (`manifest_digest` of the commit reply) is a difference."""
+    own = "resources/tools/manifest.json"
+    folder = tmp_path / "e1-000002"
+    (folder / "resources" / "tools").mkdir(parents=True)
+    (folder / own).write_text('{"sessions": 1}\n')
+    committed = sha256_hex((folder / own).read_bytes())
+    entry = {"name": "tools", "component": "resources_servers", "manifest": own, "manifest_digest": committed}
+
+    def publish_manifest() -> None:
+        manifest = build_manifest(
+            folder,
+            checkpoint_id=folder.name,
+            created="2025-01-01T00:00:00Z",
+            epoch=1,
+            ledger_seq=2,
+            participants=[entry],
+            skipped=[],
+        )
+        write_json_durably(folder / "manifest.json", manifest)
+
+    publish_manifest()
+    assert verify_snapshot(folder, participants={"tools": "resources_servers"}).checkpoint_id == folder.name
+    (folder / own).write_text('{"sessions": 2}\n')
+    (folder / "manifest.json").unlink()
+    publish_manifest()  # the file list re-digested; the commit's digest kept
+    with pytest.raises(SnapshotError) as caught:
+        verify_snapshot(folder, participants={"tools": "resources_servers"})
+    assert caught.value.differences == [
+        f"participant tools: {own} is not the manifest its commit reported"
+        " (sha256 differs from the commit's manifest_digest)"
+    ]
 
 
 @asynccontextmanager
