@@ -198,6 +198,9 @@ class Attempt:
     staging_dir: Path | None = None
     snapshot: Path | None = None
     source_checkpoint_id: str | None = None
+    #: restore: the sha256 of the snapshot's manifest when the restore began (recorded in
+    #: `attempt.started`); a re-driven restore refuses a snapshot whose manifest has changed since
+    snapshot_sha256: str | None = None
     state: AttemptState = "started"
     touched: list[str] = field(default_factory=list)
     commits: dict[str, dict[str, Any]] = field(default_factory=dict)

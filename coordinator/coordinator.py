@@ -537,7 +537,13 @@ class Coordinator:
         await self._refuse_if_held(discovery, "restore")
         self._changing()
         attempt = await restore_snapshot(
-            self._ctx, discovery, verified, deadline_s=budget, warnings=warnings, resume=resume
+            self._ctx,
+            discovery,
+            verified,
+            deadline_s=budget,
+            warnings=warnings,
+            resume=resume,
+            manifest_sha256=origin.manifest_sha256,
         )
         self._current = attempt
         if resume:

@@ -142,6 +142,7 @@ async def read_attempt(ledger: Ledger, config: ClusterConfig, checkpoint_id: str
         staging_dir=Path(data["staging_dir"]) if data.get("staging_dir") else None,
         snapshot=Path(data["snapshot_dir"]) if data.get("snapshot_dir") else None,
         source_checkpoint_id=data.get("source_checkpoint_id"),
+        snapshot_sha256=data.get("manifest_sha256") if isinstance(data.get("manifest_sha256"), str) else None,
     )
     recorded = Recorded(
         attempt,
@@ -302,7 +303,7 @@ async def release(ctx: Context, recorded: Recorded, *, reason: str, held: Sequen
     ours = [name for name in held if attempt.member(name) is not None]
     if attempt.kind == "restore" and (outcome is None or outcome == "abandoned"):
         if not recorded.restore_done:
-            snapshot = await reverify(attempt)
+            snapshot = await reverify(ctx, attempt)
             if isinstance(snapshot, str):  # gone or damaged: nothing to finish it from
                 return await _resume_named(ctx, recorded, _union(recorded.paused, ours))
             problem = await redrive(ctx, attempt, snapshot)

@@ -448,7 +448,7 @@ async def _recover_restore(ctx: Context, recorded: Recorded, found: str) -> Atte
     cid = attempt.checkpoint_id
     settled = await _settle_touched(ctx, attempt, idle_may_be_touched=False)
     if not recorded.restore_done:
-        snapshot = await reverify(attempt)
+        snapshot = await reverify(ctx, attempt)
         if isinstance(snapshot, str):
             return await _abandon(ctx, attempt, settled, found, snapshot)
         for s in settled:

@@ -42,6 +42,7 @@ from coordinator.attempt import (
     send_call,
 )
 from coordinator.calls import CallResult
+from coordinator.digests import file_digest
 from coordinator.discovery import Discovery, Member
 from coordinator.errors import DeadlineExceeded, FencedError, LedgerError, PhaseError, SnapshotError
 from coordinator.protocol import (
@@ -53,7 +54,9 @@ from coordinator.protocol import (
     ModelRestoreReply,
     ResourcesRestoreReply,
 )
+from coordinator.provenance import check_provenance
 from coordinator.publish import (
+    MANIFEST,
     Snapshot,
     read_latest,
     verify_snapshot,
@@ -73,6 +76,7 @@ async def restore(
     deadline_s: float | None = None,
     warnings: Sequence[str] = (),
     resume: bool = False,
+    manifest_sha256: str | None = None,
 ) -> Attempt:
     """Restore a verified snapshot: policy → agents → resources under a new id; servers stay paused.
 
@@ -90,6 +94,7 @@ async def restore(
         participants=discovery.exporters,
         snapshot=snapshot.path,
         source_checkpoint_id=snapshot.checkpoint_id,
+        snapshot_sha256=manifest_sha256,
         warnings=list(warnings),
     )
     await ctx.ledger.stage(
@@ -101,6 +106,7 @@ async def restore(
             "participants": attempt.names,
             "snapshot_dir": str(snapshot.path),
             "source_checkpoint_id": snapshot.checkpoint_id,
+            **({"manifest_sha256": manifest_sha256} if manifest_sha256 else {}),
             **({"warnings": list(warnings)} if warnings else {}),
             **({"resume": True} if resume else {}),
         },
@@ -250,16 +256,35 @@ def _describe(ref: Any) -> str:
     return f"{ref.get('relative_path')} sha256 {sha}… {ref.get('records')} records"
 
 
-async def reverify(attempt: Attempt) -> Snapshot | str:
-    """The snapshot of a recorded restore, verified again — or why it cannot be used (gone, damaged)."""
+async def reverify(ctx: Context, attempt: Attempt) -> Snapshot | str:
+    """The snapshot of a recorded restore, verified again — or why it cannot be used (gone,
+    damaged, or not the one the restore began from).
+
+    Checks as a first restore does, before any server is contacted: every file against the
+    manifest and the participants; then the manifest itself — against the digest the restore
+    recorded when it began, or (a ledger written before that was recorded) against the ledger's
+    publication of it (`provenance.check_provenance`).
+    """
     path = attempt.snapshot
     if path is None:
         return "the ledger names no snapshot folder"
     expected = {m.name: m.component for m in attempt.participants}
     try:
-        return await anyio.to_thread.run_sync(lambda: verify_snapshot(path, participants=expected))
+        snapshot = await anyio.to_thread.run_sync(lambda: verify_snapshot(path, participants=expected))
+        if attempt.snapshot_sha256 is None:
+            await check_provenance(ctx.ledger, path)
+            return snapshot
+        _, digest = await anyio.to_thread.run_sync(file_digest, path / MANIFEST)
     except SnapshotError as error:
         return f"the snapshot {path} is gone or damaged: " + ("; ".join(error.differences[:5]) or str(error))
+    except OSError as error:
+        return f"the snapshot {path} cannot be read: {error}"
+    if digest != attempt.snapshot_sha256:
+        return (
+            f"the snapshot {path} changed since the restore began: its {MANIFEST} has sha256 {digest},"
+            f" the restore recorded {attempt.snapshot_sha256}"
+        )
+    return snapshot
 
 
 async def redrive(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> str | None:

@@ -93,6 +93,9 @@ class AttemptStarted(Payload):
     staging_dir: str | None = None
     snapshot_dir: str | None = None
     source_checkpoint_id: str | None = None
+    #: restore only: sha256 of the snapshot's manifest when the restore began (a re-driven restore
+    #: refuses a snapshot whose manifest changed since)
+    manifest_sha256: str | None = None
     #: what the coordinator warned of before the first request (preflight; an unrecorded snapshot)
     warnings: list[str] = []
     #: restore only: the caller asked for a resume once restored (the restore is not terminal

@@ -10,6 +10,7 @@ the audit's independent protocol check, and that rollouts finish with no turn lo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -19,7 +20,7 @@ import anyio
 import httpx
 import pytest
 
-from coordinator import ClusterConfig, ConfigError, Coordinator, load_snapshot, read_latest
+from coordinator import ClusterConfig, ConfigError, Coordinator, load_snapshot, read_latest, verify_snapshot
 from coordinator.protocol import RESOURCES, route
 from coordinator.publish import rename_into_place
 from coordinator.recovery import RecoveryReport
@@ -601,4 +602,46 @@ async def test_restore_with_its_snapshot_gone_is_abandoned_and_stays_paused(
         row = await ledger.attempt(cid)
     assert row is not None
     assert (row.state, row.outcome) == ("abandoned", "abandoned")
+    await assert_protocol_ok(sqlite_url)
+
+
+async def test_restore_whose_snapshot_was_consistently_redigested_is_not_redriven(
+    make_cluster: Any, sqlite_url: str, configure: Any, die_after: Any
+) -> None:
+    """Between the death and the recovery, one file of the snapshot is replaced and the top
+    manifest re-digested to match (its own check passes): the re-driven restore is refused by the
+    manifest digest the restore recorded when it began, and the servers stay paused."""
+    snapshot, _ = await _snapshot_mid_rollout(make_cluster, configure, sqlite_url)
+    with make_cluster(None) as fresh:
+        config = configure(fresh, sqlite_url)
+        die_after(kind_is("call.replied", server="policy_model", status=200), nth=2)  # discovery, restore
+        cid = await _die_during_restore(config, snapshot)
+        began = load_snapshot(snapshot)
+        started = next(e for e in await read_events(sqlite_url, cid) if e.kind == "attempt.started")
+        assert (
+            started.data["manifest_sha256"]
+            == hashlib.sha256((snapshot / "manifest.json").read_bytes()).hexdigest()
+        )
+        manifest = json.loads((snapshot / "manifest.json").read_text())
+        forged = next(
+            f
+            for f in manifest["files"]
+            if f["path"].startswith("resources/") and not f["path"].endswith("manifest.json")
+        )
+        content = (snapshot / forged["path"]).read_bytes() + b"\n"
+        (snapshot / forged["path"]).write_bytes(content)
+        forged["bytes"], forged["sha256"] = len(content), hashlib.sha256(content).hexdigest()
+        (snapshot / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        expected = {str(p["name"]): str(p["component"]) for p in began.participants}
+        verify_snapshot(snapshot, participants=expected)  # a consistent forgery: its own check passes
+        async with httpx.AsyncClient() as http:
+            async with Coordinator.open(config) as coord:
+                report = coord.last_recovery
+            states = await server_states(http, fresh)
+    assert report is not None
+    found = report.attempts[0]
+    assert found.action == "abandoned"
+    assert "changed since the restore began" in found.message
+    assert started.data["manifest_sha256"] in found.message
+    assert states["policy_model"][0] == "restored_paused"  # half-restored state must not run
     await assert_protocol_ok(sqlite_url)
