@@ -210,6 +210,12 @@ class Attempt:
     #: warnings given before the first request (recorded in `attempt.started`): preflight, provenance
     warnings: list[str] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
+    #: the last refusal that explains why a server is not ready yet, while the phase keeps asking
+    #: it again (an agent's 409 `agent_prepare_incomplete`, with the unacknowledged executions it
+    #: was found to hold): server → that failure, dropped once the server's request succeeds or
+    #: fails otherwise. When the deadline ends the phase meanwhile, this is what `run_phase`
+    #: reports — not a bare "deadline passed" — whichever request was in flight at that moment.
+    waiting_on: dict[str, PhaseFailure] = field(default_factory=dict)
     #: what its resume did, once a resume of it finished in this process (`restore(resume=True)`)
     resume_outcome: Outcome | None = None
     #: facts of the staging files read so far: publish does not read again what commit verified
@@ -377,7 +383,9 @@ async def run_phase(
 ) -> dict[str, Any]:
     """Run one phase inside the attempt's deadline scope, with phase.started / phase.completed.
 
-    Raises `PhaseFailure` (deadline=True when the scope expired) — the caller rolls back.
+    Raises `PhaseFailure` (deadline=True when the scope expired) — the caller rolls back. When
+    the deadline ends it while a participant was being asked again (`Attempt.waiting_on`), the
+    failure is that participant's last refusal (its code, and what it named), marked as a deadline.
     """
     await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": phase})
     servers = len(attempt.participants)
@@ -389,6 +397,9 @@ async def run_phase(
     with anyio.CancelScope(deadline=anyio_deadline(attempt.deadline_ts)) as scope:
         summary = await body()
     if scope.cancelled_caught or summary is None:
+        waiting = next((attempt.waiting_on[n] for n in attempt.names if n in attempt.waiting_on), None)
+        if waiting is not None and waiting.phase == phase:
+            raise PhaseFailure(phase, waiting.server, waiting.reason, waiting.code, deadline=True)
         reason = "the attempt's deadline passed"
         if phase == "prepare" and attempt.inflight:
             reason += f" while draining: {attempt.inflight} requests still in flight"

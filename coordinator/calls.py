@@ -18,7 +18,8 @@ For every request, in this order:
    it saw this checkpoint id.
 2. The request goes out on the caller's one `HttpClient` (`coordinator/http.py`: keep-alive
    connections per server origin; never redirected, never retried, no proxy, no cookies),
-   `Authorization: Bearer <token>`, `User-Agent: quiesce/<version>`, with
+   `Authorization: Bearer <token>` (none from a caller without a token, which may only read
+   capabilities), `User-Agent: quiesce/<version>`, with
    `max(0.001, deadline_ts - now)` for the whole exchange (connect, send, headers and every byte
    of the body: a server that trickles its reply is cut off at the deadline too). No cancel scope
    of its own: one cost about a fifth of a call's CPU at a 512-server fan-out, and every phase
@@ -59,6 +60,7 @@ from urllib.parse import urlencode
 import anyio
 from pydantic import BaseModel, ValidationError
 
+from coordinator.errors import ConfigError
 from coordinator.http import (
     BadReply,
     ConnectFailed,
@@ -166,21 +168,26 @@ def token_problem(token: str) -> str | None:
 class Caller:
     """Sends control calls for one coordinator (one epoch) and records each one in the ledger.
 
-    A token that is not visible ASCII is refused here (`ValueError`), before any call."""
+    A token that is not visible ASCII is refused here (`ConfigError`), before any call. Without
+    a token (`token=None`: read-only, e.g. discovery) no Authorization header is sent and only
+    `GET /capabilities` — public in gym-control-v1 — may be called; any other call raises
+    `ConfigError(no_token)` before anything is recorded or sent (`require_token`)."""
 
     def __init__(
         self,
         ledger: Ledger,
-        token: str,
+        token: str | None,
         *,
         epoch: int,
         client: HttpClient | None = None,
+        no_token: str = "no control token: this call needs the Gym servers' control-plane bearer token",
     ) -> None:
-        problem = token_problem(token)
+        problem = token_problem(token) if token is not None else None
         if problem is not None:
-            raise ValueError(problem)
+            raise ConfigError(problem)
         self._ledger = ledger
         self._token = token
+        self._no_token = no_token
         self._epoch = epoch
         self._given = client  # a client given by the caller is used for every call, never closed here
         self._client: HttpClient | None = None
@@ -195,6 +202,15 @@ class Caller:
         if self._client is None:
             self._client = HttpClient()
         return self._client
+
+    @property
+    def has_token(self) -> bool:
+        return self._token is not None
+
+    def require_token(self) -> None:
+        """Raise `ConfigError` (saying which variable to set) when this caller has no token."""
+        if self._token is None:
+            raise ConfigError(self._no_token)
 
     async def aclose(self) -> None:
         client, self._client = self._client, None
@@ -218,7 +234,7 @@ class Caller:
         phase: str = "discovery",
         checkpoint_id: str | None = None,
     ) -> CallResult:
-        """`GET /capabilities` (with the token anyway), validated as `Capabilities`."""
+        """`GET /capabilities` (with the token when there is one), validated as `Capabilities`."""
         return await self._send(
             server=name,
             base_url=url,
@@ -283,6 +299,8 @@ class Caller:
         expect_checkpoint: str | None = None,
         check: Callable[[BaseModel], str | None] | None = None,
     ) -> CallResult:
+        if path != CAPABILITIES_PATH:
+            self.require_token()  # before anything is recorded: a call that cannot succeed
         left = deadline_ts - time.time()
         if left < SEND_MARGIN_S:
             # nothing is sent once the deadline has passed, so nothing is recorded either

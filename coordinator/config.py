@@ -36,7 +36,9 @@ __all__ = [
     "ClusterConfig",
     "ServerConfig",
     "check_deadline",
+    "find_token",
     "load_config",
+    "missing_token",
     "parse_config",
     "resolve_token",
 ]
@@ -239,10 +241,12 @@ def load_config(path: str | os.PathLike[str]) -> ClusterConfig:
     return parse_config(data, base_dir=file.resolve().parent, source=str(file))
 
 
-def resolve_token(config: ClusterConfig, environ: Mapping[str, str] | None = None) -> str:
-    """The control token from `config.token_env`, else `NEMO_GYM_TOKEN_CAPTURE_CONTROL_TOKEN`.
+def find_token(config: ClusterConfig, environ: Mapping[str, str] | None = None) -> str | None:
+    """The control token from `config.token_env`, else `NEMO_GYM_TOKEN_CAPTURE_CONTROL_TOKEN`;
+    None when neither is set (an empty value counts as unset).
 
-    Raises `ConfigError` (naming the variables, never a value) when neither is set.
+    Raises `ConfigError` (naming the variable, never the value) for a value that cannot be a
+    bearer token (`calls.token_problem`).
     """
     env = os.environ if environ is None else environ
     for name in (config.token_env, TOKEN_ENV_FALLBACK):
@@ -254,7 +258,22 @@ def resolve_token(config: ClusterConfig, environ: Mapping[str, str] | None = Non
                     f"{problem} (from the environment variable {name}); set it to the bearer token alone"
                 )
             return value
-    raise ConfigError(
+    return None
+
+
+def missing_token(config: ClusterConfig) -> str:
+    """What to do when there is no control token: the variables to set (never a value)."""
+    return (
         f"no control token: set the environment variable {config.token_env}"
         f" (or {TOKEN_ENV_FALLBACK}) to the Gym servers' control-plane bearer token"
     )
+
+
+def resolve_token(config: ClusterConfig, environ: Mapping[str, str] | None = None) -> str:
+    """The control token (`find_token`). Raises `ConfigError` (naming the variables, never a
+    value) when neither is set or the value cannot be a bearer token.
+    """
+    token = find_token(config, environ)
+    if token is None:
+        raise ConfigError(missing_token(config))
+    return token

@@ -56,8 +56,8 @@ from pydantic import BaseModel, ValidationError
 from coordinator import crashpoints, recovery
 from coordinator import save as saving
 from coordinator.attempt import Attempt, Context, Outcome, ProgressCallback, resume_sorted
-from coordinator.calls import Caller, CallResult, Target
-from coordinator.config import ClusterConfig, check_deadline, load_config, resolve_token
+from coordinator.calls import Caller, CallResult, Target, token_problem
+from coordinator.config import ClusterConfig, check_deadline, find_token, load_config, missing_token
 from coordinator.discovery import Discovery, Member, discover
 from coordinator.errors import AcknowledgementError, ConfigError, QuiesceError
 from coordinator.heap import frozen_step, heap_frozen
@@ -124,6 +124,7 @@ class Coordinator:
         advertise: str | None = None,
         observe: AfterAppend | None = None,
         config_path: str | os.PathLike[str] | None = None,
+        require_token: bool = True,
     ) -> AsyncIterator[Coordinator]:
         """Load the config (a `ClusterConfig` or a YAML path), open the ledger, take a new epoch.
 
@@ -131,7 +132,12 @@ class Coordinator:
         messages and `status()` tell the user to run (`quiesce resume --config FILE ID`).
 
         The token defaults to the environment (`config.token_env`, then the fallback variable); it
-        is given to the ledger as a secret, so it is redacted from everything stored.
+        is given to the ledger as a secret, so it is redacted from everything stored. No token is a
+        `ConfigError` naming the variable to set — unless `require_token=False`: then the
+        coordinator is read-only (discovery, `status()`): no Authorization header is sent, recovery
+        does not run (it would resume servers), and every step that sends a request other than
+        `GET /capabilities` raises that `ConfigError` before anything is recorded or sent. A token
+        that cannot be a bearer token (a space, a line break, non-ASCII) is always a `ConfigError`.
 
         Then, unless `recover=False`, recovery runs (`coordinator.recovery`): every attempt a dead
         coordinator left without a terminal event is finished or rolled back; its report is
@@ -149,7 +155,11 @@ class Coordinator:
             if config_path is not None
             else (None if isinstance(config, ClusterConfig) else config)
         )
-        secret = token if token is not None else resolve_token(cfg)
+        if token is not None and (problem := token_problem(token)) is not None:
+            raise ConfigError(f"{problem}; give the bearer token alone")  # before the ledger is opened
+        secret = token if token is not None else find_token(cfg)
+        if secret is None and require_token:
+            raise ConfigError(missing_token(cfg))
         if advertise is not None and (not advertise or any(c.isspace() for c in advertise)):
             raise ConfigError(
                 f"advertise {advertise!r}: give an address without spaces, e.g. http://host:port"
@@ -169,17 +179,17 @@ class Coordinator:
         async with Ledger.open(
             cfg.ledger,
             durability=cfg.durability,
-            secrets=(secret,),
+            secrets=(secret,) if secret is not None else (),
             lease=lease,
             after_append=_chained(points.after_append if points is not None else None, observe),
         ) as ledger:
             await ledger.start_epoch({"coordinator": identity, "version": quiesce_version()})
-            caller = Caller(ledger, secret, epoch=ledger.epoch)
+            caller = Caller(ledger, secret, epoch=ledger.epoch, no_token=missing_token(cfg))
             try:
                 async with _lease_kept(ledger, cfg.lease_s / 3):
                     path = os.fspath(source) if source is not None else None
                     coord = cls(Context(cfg, ledger, caller, on_progress, config_path=path))
-                    if recover:
+                    if recover and secret is not None:
                         with heap_frozen():
                             coord._last_recovery = await recovery.recover(coord._ctx, always_record=False)
                     yield coord
@@ -190,6 +200,7 @@ class Coordinator:
     @frozen_step
     async def recover(self) -> recovery.RecoveryReport:
         """Run recovery now (`quiesce recover`): always records `recovery.started`/`completed`."""
+        self._ctx.caller.require_token()  # before anything is read or recorded
         self._idle("recover")
         self._changing()
         report = await recovery.recover(self._ctx, always_record=True)
@@ -290,7 +301,9 @@ class Coordinator:
         refuse_if_held(status, names, what)
 
     def _changing(self) -> None:
-        """Requests are about to be sent: what was known of the fences no longer holds."""
+        """Requests are about to be sent: what was known of the fences no longer holds. Without a
+        control token nothing may be sent: `ConfigError` naming the variable to set."""
+        self._ctx.caller.require_token()
         self._fresh, self._clean = None, False
 
     async def _discovered(self) -> Discovery:
@@ -318,6 +331,7 @@ class Coordinator:
         Before anything is recorded or called: `deadline_s` is checked (`ConfigError` when it is not a
         finite number of seconds in (0, `max_deadline_s`]) and the snapshots folder passes the
         preflight (`SnapshotError`; its warnings go on the attempt and into `attempt.started`)."""
+        self._ctx.caller.require_token()  # before anything is read or recorded
         self._idle("prepare")
         budget = check_deadline(self._ctx.config, deadline_s)
         warnings = await anyio.to_thread.run_sync(preflight, self._ctx.config)  # before anyone is paused
@@ -354,6 +368,7 @@ class Coordinator:
         `published`); a restore is finished and resumed (`resumed`); what a recorded attempt left
         paused is resumed (`readback.release`). Outcome `none` when nothing holds the servers.
         """
+        self._ctx.caller.require_token()  # before the servers are even asked what holds them
         chosen = target if isinstance(target, Attempt) else None
         current = self._current
         awaiting = current is not None and current.state not in ("completed", "aborted")
@@ -388,6 +403,7 @@ class Coordinator:
         first. Outcome `none` when nothing holds the servers. Raises `PhaseError` when a server
         cannot be resumed (retry the same id once it can).
         """
+        self._ctx.caller.require_token()  # before the servers are even asked what holds them
         chosen = target if isinstance(target, Attempt) else self._current if target is None else None
         if isinstance(target, str) and self._current is not None and self._current.checkpoint_id == target:
             chosen = self._current
@@ -525,6 +541,7 @@ class Coordinator:
         paused until `resume()` — or, with `resume=True`, are resumed at once: the attempt ends
         only once resumed (a death before that is finished by recovery), `attempt.state` completed.
         """
+        self._ctx.caller.require_token()  # before anything is read or recorded
         self._idle("restore")
         budget = check_deadline(self._ctx.config, deadline_s)
         path = resolve_snapshot(self._ctx.config.snapshots, snapshot)
@@ -560,13 +577,14 @@ class Coordinator:
 
         Gym keeps every finished rollout until its consumer acknowledges it, and until then the
         agent's prepare is incomplete. Call this once the trainer holds a result, as RL does.
-        Refused before anything is sent (`ConfigError`): a server not in the config, one whose
-        capabilities do not list `completed_result_acknowledgement`, no execution, a duplicate or
-        an id Gym would refuse. One recorded control call (`call.sent` before it leaves, its
-        outcome after) with the control token; a refusal, or a reply that does not cover exactly
-        the requested set, raises `AcknowledgementError` and nothing is assumed released. It may
-        run while an attempt is in progress.
+        Refused before anything is sent (`ConfigError`): no control token, a server not in the
+        config, one whose capabilities do not list `completed_result_acknowledgement`, no
+        execution, a duplicate or an id Gym would refuse. One recorded control call (`call.sent`
+        before it leaves, its outcome after) with the control token; a refusal, or a reply that
+        does not cover exactly the requested set, raises `AcknowledgementError` and nothing is
+        assumed released. It may run while an attempt is in progress.
         """
+        self._ctx.caller.require_token()
         configured = self._ctx.config.server(server)
         if configured is None:
             names = ", ".join(s.name for s in self._ctx.config.servers)

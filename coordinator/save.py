@@ -7,7 +7,9 @@
   multi-worker coordinator shapes alike. A status reply naming another checkpoint id is a failed
   call. An agent that stays incomplete because it holds finished results nobody acknowledged
   fails the prepare at the deadline naming those executions (read from its status) and the
-  command and API call that acknowledge them; an acknowledgement sent meanwhile (by the trainer,
+  command and API call that acknowledge them — also when the deadline cuts a retry, a status
+  read or the pause between them short (`Attempt.waiting_on`: the last refusal is what is
+  reported); an acknowledgement sent meanwhile (by the trainer,
   `Coordinator.acknowledge_completed`) lets the next retry succeed.
 - commit: agents → policy (given every agent's continuation index) → resources; each role group's
   manifest digests and artifact references are verified before the next group is called. A
@@ -46,6 +48,7 @@ from coordinator.attempt import (
     run_phase,
     send_call,
 )
+from coordinator.calls import CallResult
 from coordinator.digests import DigestCache, regular_facts
 from coordinator.discovery import Discovery, Member
 from coordinator.errors import SnapshotError
@@ -172,18 +175,25 @@ async def _prepare_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
             result = await send_call(ctx, attempt, m, "prepare", phase, body=common_body(attempt))
             if result.error == "http" and result.status == 409 and result.code == _AGENT_PREPARE_INCOMPLETE:
                 now = time.monotonic()
+                if not _may_hold_results(result.detail):
+                    held = []
+                # remembered before anything else is awaited: a deadline that ends the phase from
+                # here on (the status read, the pause, the next prepare) reports this refusal
+                attempt.waiting_on[m.name] = _incomplete(m, result, held)
                 if _may_hold_results(result.detail) and (read_at is None or now - read_at >= HELD_READ_S):
                     read_at = now
                     held = await _held_results(ctx, attempt, m, phase, held)
-                elif not _may_hold_results(result.detail):
-                    held = []
+                    attempt.waiting_on[m.name] = _incomplete(m, result, held)
                 left = attempt.deadline_ts - time.time()
                 if left <= AGENT_RETRY_S:
-                    raise PhaseFailure(
-                        phase, m.name, _incomplete_reason(m, result.detail, held), result.code, deadline=True
-                    )
+                    raise attempt.waiting_on.pop(m.name)
                 await anyio.sleep(min(AGENT_RETRY_S, left))
                 continue
+            refusal = attempt.waiting_on.pop(m.name, None)
+            if refusal is not None and result.error == "timeout":
+                # the retry ran into the deadline (every call's timeout is the time left to it):
+                # why this agent is not ready is its last refusal, not the cut-off retry
+                raise refusal
             reply = expect_reply(result, AgentPrepareReply, phase, "agent prepare")
             if not reply.ready_to_commit:
                 raise PhaseFailure(phase, m.name, "agent prepare answered but is not ready_to_commit")
@@ -231,6 +241,12 @@ async def _held_results(
             if isinstance(attempt_index, int):
                 held.append((entry["rollout_id"], attempt_index))
     return held
+
+
+def _incomplete(m: Member, result: CallResult, held: list[tuple[str, int]]) -> PhaseFailure:
+    """An agent's `agent_prepare_incomplete` refusal as the prepare's failure at the deadline."""
+    reason = _incomplete_reason(m, result.detail, held)
+    return PhaseFailure("prepare", m.name, reason, result.code, deadline=True)
 
 
 def _incomplete_reason(m: Member, detail: str | None, held: list[tuple[str, int]]) -> str:

@@ -1,3 +1,3 @@
-"""The command line through real processes: shared flags, progress, snapshots, demo and sim, and
-quiesce's top-level names beside a user's own packages.
+"""The command line through real processes: shared flags, progress, snapshots, demo and sim, the
+control token (missing or malformed), and quiesce's top-level names beside a user's own packages.
 """

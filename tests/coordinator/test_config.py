@@ -9,6 +9,7 @@ import pytest
 
 from coordinator import ConfigError, load_config, resolve_token
 from coordinator.calls import Caller, token_problem
+from coordinator.config import find_token
 from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
 
 GOOD = """
@@ -112,5 +113,17 @@ def test_a_token_that_is_not_visible_ascii_is_refused_without_being_shown(tmp_pa
     assert token not in str(caught.value)
     assert config.token_env in str(caught.value)
     assert token_problem(token) is not None
-    with pytest.raises(ValueError, match="control token holds"):
+    with pytest.raises(ConfigError, match="control token holds") as refused:
         Caller(cast(Any, None), token, epoch=1)
+    assert token not in str(refused.value)
+    with pytest.raises(ConfigError) as unset_not:
+        find_token(config, {config.token_env: token})
+    assert token not in str(unset_not.value)
+
+
+def test_no_token_is_none_for_find_token_and_an_error_for_resolve_token(tmp_path: Path) -> None:
+    config = load_config(_write(tmp_path, "servers: [{name: m, url: 'http://h:1'}]\n"))
+    assert find_token(config, {}) is None
+    assert find_token(config, {config.token_env: ""}) is None  # empty counts as unset
+    with pytest.raises(ConfigError, match=config.token_env):
+        resolve_token(config, {})

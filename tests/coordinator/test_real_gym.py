@@ -167,6 +167,71 @@ async def test_an_unacknowledged_result_is_named_then_acknowledged_then_saved(
     await assert_protocol_ok(ledger_url)
 
 
+async def test_a_retry_cut_short_by_the_deadline_still_names_the_unacknowledged_result(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any
+) -> None:
+    # The agent keeps refusing its prepare (a result nobody acknowledged); once the held result
+    # has been read, its next prepare hangs, so the deadline ends the phase in the middle of a
+    # retry, not between two. The error is still the agent's last refusal, with what it named.
+    with make_cluster(spec({"latency_s": 0.01})) as running:
+        agent = running.urls["simple_agent"]
+        config = configure(running, ledger_url)
+        async with httpx.AsyncClient(timeout=60) as http:
+            await client.start_rollouts(http, agent, {"done": 1, "long": 100_000})
+            await client.wait_until(http, agent, lambda rs: rs["done"]["status"] == "completed")
+            async with Coordinator.open(config) as coord:
+                await coord.discover()
+                failures: list[PhaseError] = []
+
+                async def save() -> None:
+                    try:
+                        await coord.checkpoint(deadline_s=8)
+                    except PhaseError as error:
+                        failures.append(error)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(save)
+                    # two refused prepares: the held result was read between them
+                    while (  # noqa: ASYNC110 — waiting on the server's log, not on an event
+                        sum(
+                            e["path"].endswith("/agent-checkpoint/prepare") and e["status"] == 409
+                            for e in await control_log(http, agent)
+                        )
+                        < 2
+                    ):
+                        await anyio.sleep(0.02)
+                    await set_faults(
+                        http, agent, [{"kind": "hang", "path": "/agent-checkpoint/prepare", "method": "POST"}]
+                    )
+            await set_faults(http, agent, [])  # releases the hung request
+            await assert_all_accepting(http, running)
+        [failed] = failures
+        assert (failed.phase, failed.server, failed.code) == (
+            "prepare",
+            "simple_agent",
+            "agent_prepare_incomplete",
+        )
+        text = str(failed)
+        assert "1 finished rollout result(s) nobody has acknowledged: done:0" in text
+        assert "await coord.acknowledge_completed('simple_agent', [('done', 0)])" in text
+        assert "quiesce acknowledge --config CONFIG simple_agent done:0" in text
+        events = await read_events(ledger_url, failed.checkpoint_id)
+        prepares = {
+            ev.call_id
+            for ev in events
+            if ev.kind == "call.sent" and ev.data["path"].endswith("/agent-checkpoint/prepare")
+        }
+        outcomes = [ev for ev in events if ev.call_id in prepares and ev.kind != "call.sent"]
+        # the last prepare was cut by the deadline (its outcome: a timeout), or has no outcome at all
+        cut = len(outcomes) < len(prepares) or outcomes[-1].data.get("error") == "timeout"
+        assert cut, [(ev.kind, ev.data.get("status"), ev.data.get("error")) for ev in outcomes]
+        phase_failed = [ev for ev in events if ev.kind == "phase.failed"]
+        assert [(ev.server, ev.data["code"]) for ev in phase_failed] == [
+            ("simple_agent", "agent_prepare_incomplete")
+        ]
+    await assert_protocol_ok(ledger_url)
+
+
 async def test_an_acknowledgement_during_the_prepare_lets_it_succeed(
     make_cluster: MakeCluster, ledger_url: str, configure: Any
 ) -> None:

@@ -72,7 +72,9 @@ async def test_seed_example_save_cycle(cluster: Any, ledger_url: str, configure:
     async with httpx.AsyncClient() as http:
         for name in ("policy_model", "tools"):
             await http.post(f"{cluster.urls[name]}/gymsim/admin/options", json={"latency_s": 0.02})
-        await client.start_rollouts(http, agent, {f"r{i}": 8 for i in range(4)})
+        # long enough to be mid-rollout at the prepare however slow the opening is: a finished
+        # rollout is held until acknowledged, and this save acknowledges nothing
+        await client.start_rollouts(http, agent, {f"r{i}": 80 for i in range(4)})
         await client.start_rollouts(http, cluster.urls["math_agent"], {"m0": 3})
         await client.wait_turns(http, agent, 2)
         async with Coordinator.open(config) as coord:

@@ -17,6 +17,7 @@ import anyio
 from rich.markup import escape
 from rich.table import Table
 
+from coordinator.calls import token_problem
 from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
 from tools.cli.output import console, emit_json, print_error
 from tools.conformance import DEFAULT_TIMEOUT_S, ConformanceReport, ServerUnreachable, run_conformance
@@ -57,11 +58,18 @@ def register(subparsers: Any) -> None:
 
 
 def read_token(token_env: str | None) -> tuple[str | None, str]:
-    """The token and where it came from; None with a message naming what to set when unset."""
+    """The token and where it came from; None with a message naming what to set when it is unset
+    or cannot be a bearer token."""
     names = [token_env] if token_env else [TOKEN_ENV, TOKEN_ENV_FALLBACK]
     for name in names:
         value = os.environ.get(name)
         if value:
+            problem = token_problem(value)
+            if problem is not None:  # the value itself is never shown
+                return (
+                    None,
+                    f"{problem} (from the environment variable {name}); set it to the bearer token alone",
+                )
             return value, name
     wanted = " or ".join(names)
     return None, f"no control-plane token: set {wanted} (or name another variable with --token-env)"

@@ -1,13 +1,14 @@
 """`quiesce discover --config C [--json]` — participants, skipped and refused servers, with reasons.
 
 Exit 0 when the cluster can take part, 2 when discovery refuses it (every reason is listed).
-Needs no control token (capabilities are public); the token is sent when it is set.
+Needs no control token (capabilities are public): without one the coordinator is opened read-only
+(no Authorization header, no recovery); the token is sent when it is set. A token that cannot be
+a bearer token is a config error (exit 2), as for every command.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 import anyio
@@ -15,7 +16,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from coordinator import Coordinator, Discovery, load_config
-from coordinator.protocol import TOKEN_ENV_FALLBACK
 from tools.cli.cluster_cmd import add_common, print_warnings
 from tools.cli.output import console, emit_json
 
@@ -46,10 +46,9 @@ def _print(found: Discovery) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    token = os.environ.get(config.token_env) or os.environ.get(TOKEN_ENV_FALLBACK) or ""
 
     async def run() -> Discovery:
-        async with Coordinator.open(config, token=token) as coord:
+        async with Coordinator.open(config, require_token=False) as coord:
             return await coord.discover(strict=False)
 
     found = anyio.run(run)

@@ -5,7 +5,8 @@ and looks each holding id up in the ledger: its kind (save, restore, or `unknown
 has no such attempt — another ledger's), since when (the first request of it the server received),
 and the exact command that frees the server (`coordinator/status.py` has the rules). Read-only: the
 ledger is opened read-only and no epoch is taken, so a coordinator at work is never disturbed;
-nothing is recorded. The control token is sent when it is set (capabilities need none).
+nothing is recorded. The control token is sent when it is set (capabilities need none, so the
+report is the same without it); a token that cannot be a bearer token is a config error (exit 2).
 
 Exit 0 when every server is reachable and idle, 1 when any is held or cannot be read, 2 on bad
 usage or config. `--json`: `{"idle", "held", "servers": [{"name", "url", "reachable", "phase",
@@ -22,8 +23,9 @@ from typing import Any
 
 import anyio
 
-from coordinator import ConfigError, QuiesceError, load_config, resolve_token
+from coordinator import QuiesceError, load_config
 from coordinator.calls import peek_capabilities
+from coordinator.config import find_token
 from coordinator.http import HttpClient
 from coordinator.status import ClusterStatus, read_status
 from ledger import Ledger
@@ -44,10 +46,9 @@ def register(subparsers: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    try:
-        token: str | None = resolve_token(config)
-    except ConfigError:
-        token = None  # capabilities need no token
+    # the report reads only capabilities, which need no token (the status routes do): without
+    # one it is complete; a token that cannot be a bearer token is still a config error
+    token = find_token(config)
     warnings: list[str] = []
 
     async def run() -> ClusterStatus:

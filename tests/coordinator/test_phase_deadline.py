@@ -1,0 +1,66 @@
+"""`run_phase` at the attempt's deadline, on a real SQLite ledger: when the deadline cancels a phase
+while a participant was being asked again (`Attempt.waiting_on`), the failure is that
+participant's last refusal — its code and what it named — not a bare "deadline passed".
+
+The real-server view of the same rule is in `test_real_gym.py` (a prepare retry cut short).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import anyio
+import pytest
+
+from coordinator.attempt import Attempt, Context, PhaseFailure, run_phase
+from coordinator.config import parse_config
+from coordinator.discovery import Member
+from ledger import Ledger
+
+pytestmark = pytest.mark.anyio
+
+AGENT = Member("simple_agent", "responses_api_agents", "export_restore", None, "agent", "http://127.0.0.1:9")
+
+
+async def _deadline_failure(tmp_path: Path, waiting: PhaseFailure | None) -> PhaseFailure:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
+    config = parse_config(
+        {"ledger": url, "servers": [{"name": AGENT.name, "url": AGENT.url}]}, base_dir=tmp_path
+    )
+    async with Ledger.open(url) as ledger:
+        await ledger.start_epoch({"coordinator": {"host": "h", "pid": 1, "uuid": "u"}, "version": "t"})
+        ctx = Context(config, ledger, cast(Any, None))
+        attempt = Attempt("q-test-1", "save", time.time() + 0.3, (AGENT,))
+
+        async def body() -> dict[str, Any]:
+            if waiting is not None:
+                attempt.waiting_on[AGENT.name] = waiting
+            await anyio.sleep_forever()
+            raise AssertionError("unreachable")
+
+        with pytest.raises(PhaseFailure) as caught:
+            await run_phase(ctx, attempt, "prepare", body)
+    return caught.value
+
+
+async def test_the_deadline_reports_the_last_refusal_of_a_server_being_asked_again(tmp_path: Path) -> None:
+    refusal = PhaseFailure("prepare", AGENT.name, "holds done:0 — acknowledge it", "agent_prepare_incomplete")
+    failed = await _deadline_failure(tmp_path, refusal)
+    assert (failed.phase, failed.server, failed.code) == ("prepare", AGENT.name, "agent_prepare_incomplete")
+    assert failed.reason == "holds done:0 — acknowledge it"
+    assert failed.deadline
+
+
+async def test_without_a_refusal_to_report_the_deadline_is_bare(tmp_path: Path) -> None:
+    failed = await _deadline_failure(tmp_path, None)
+    assert failed.code is None
+    assert failed.reason == "the attempt's deadline passed"
+    assert failed.deadline
+
+
+async def test_a_refusal_seen_in_another_phase_is_not_reported(tmp_path: Path) -> None:
+    failed = await _deadline_failure(tmp_path, PhaseFailure("restore", AGENT.name, "other", "some_code"))
+    assert failed.code is None
+    assert failed.reason == "the attempt's deadline passed"
