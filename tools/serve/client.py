@@ -10,10 +10,14 @@
         await coord.resume()
 
 The methods return what `Coordinator`'s return — `coordinator.Attempt`, `coordinator.Outcome`,
-`coordinator.Discovery`, `ledger.AttemptRow` — and raise what they raise: a failed phase is a
-`PhaseError` with the same fields (what was resumed, what could not be), a bad snapshot a
-`SnapshotError`, and so on; the service adds `Busy` (another attempt in progress), `Unauthorized`
-and `Unavailable` (`tools.serve.errors`).
+`coordinator.Discovery`, `coordinator.status.ClusterStatus` (each server's `capabilities` None:
+not sent), `ledger.AttemptRow`, the acknowledged `(rollout_id, attempt_index)` pairs — and raise
+what they raise: a failed phase is a `PhaseError` with the same fields (what was resumed, what
+could not be), a bad snapshot a `SnapshotError`, a held participant `ServersHeld`, a refused
+acknowledgement `AcknowledgementError`, and so on; the service adds `Busy` (another attempt in
+progress), `Unauthorized` and `Unavailable` (`tools.serve.errors`). Executions the service
+refuses as a body (`ConfigError` embedded: no execution, a duplicate, an id Gym refuses) raise
+`ConfigError` here too.
 
 Rules kept here:
 - `save()` mirrors `Coordinator.save`: leaving the block normally publishes and resumes (one
@@ -44,6 +48,7 @@ import httpx
 from coordinator.attempt import Attempt, Outcome
 from coordinator.discovery import Discovery
 from coordinator.errors import (
+    AcknowledgementError,
     ConfigError,
     DeadlineExceeded,
     DiscoveryError,
@@ -51,12 +56,22 @@ from coordinator.errors import (
     LedgerError,
     PhaseError,
     QuiesceError,
+    ServersHeld,
     SnapshotError,
 )
+from coordinator.status import ClusterStatus
 from ledger import AttemptRow
 from tools.serve.auth import API_TOKEN_ENV
 from tools.serve.errors import Busy, NotFound, OutcomeUnknown, Unauthorized, Unavailable
-from tools.serve.models import AttemptModel, DiscoveryModel, HistoryRow, OutcomeModel, RestoreReply
+from tools.serve.models import (
+    AcknowledgeReply,
+    AttemptModel,
+    DiscoveryModel,
+    HistoryRow,
+    OutcomeModel,
+    RestoreReply,
+    StatusModel,
+)
 
 __all__ = ["RemoteCoordinator"]
 
@@ -147,36 +162,69 @@ class RemoteCoordinator:
         return AttemptModel.model_validate(reply).attempt()
 
     async def restore(
-        self, snapshot: str | os.PathLike[str] | None = None, *, deadline_s: float | None = None
+        self,
+        snapshot: str | os.PathLike[str] | None = None,
+        *,
+        deadline_s: float | None = None,
+        resume: bool = False,
     ) -> Attempt:
-        """Restore a snapshot (a folder, a checkpoint id, or None/"latest"); servers stay paused."""
+        """Restore a snapshot (a folder, a checkpoint id, or None/"latest"); servers stay paused
+        unless `resume` (then the attempt ends only once they run again)."""
         body: dict[str, Any] = {"snapshot": os.fspath(snapshot) if snapshot is not None else None}
         body.update(_deadline(deadline_s))
+        if resume:
+            body["resume"] = True
         reply = RestoreReply.model_validate(await self._request("POST", "/v1/restore", json=body))
-        return reply.attempt.attempt()
+        attempt = reply.attempt.attempt()
+        if reply.resumed is not None:
+            attempt.resume_outcome = reply.resumed.outcome_()
+        return attempt
 
-    async def resume(self, attempt: Attempt | None = None) -> Outcome:
-        """Resume a published two-step attempt, or whatever a restore or an attempt left paused."""
-        if attempt is not None and attempt.kind == "save" and attempt.state not in ("completed", "aborted"):
-            reply = await self._request("POST", f"/v1/attempts/{attempt.checkpoint_id}/resume")
-        else:
+    async def resume(self, target: Attempt | str | None = None) -> Outcome:
+        """Resume `target` — an `Attempt`, a checkpoint id — or (None) whatever holds the servers:
+        a published two-step save, a restore (finished first if interrupted), what a rollback
+        left paused, another ledger's id. Outcome `none` when nothing holds them."""
+        if target is None:
             reply = await self._request("POST", "/v1/resume")
-        return OutcomeModel.model_validate(reply).outcome_()
+        else:
+            checkpoint_id = target if isinstance(target, str) else target.checkpoint_id
+            reply = await self._request("POST", f"/v1/attempts/{checkpoint_id}/resume")
+        outcome = OutcomeModel.model_validate(reply).outcome_()
+        if (
+            isinstance(target, Attempt)
+            and outcome.outcome in ("resumed", "published")
+            and not outcome.left_paused
+        ):
+            target.state = "completed"
+        return outcome
 
     async def abort(
-        self, attempt: Attempt | str | None = None, *, reason: str = "aborted by request"
+        self, target: Attempt | str | None = None, *, reason: str = "aborted by request"
     ) -> Outcome:
-        """Roll back a save attempt before publication (every touched server resumed); without one,
-        the attempt in progress (the service's waiting two-step save, else the ledger's newest)."""
-        if attempt is None:
+        """Roll back `target` — an `Attempt`, a checkpoint id — before publication (every touched
+        server resumed); None: the service's waiting two-step save, else whatever holds the servers."""
+        if target is None:
             reply = await self._request("POST", "/v1/abort", json={"reason": reason})
             return OutcomeModel.model_validate(reply).outcome_()
-        checkpoint_id = attempt if isinstance(attempt, str) else attempt.checkpoint_id
+        checkpoint_id = target if isinstance(target, str) else target.checkpoint_id
         reply = await self._request("POST", f"/v1/attempts/{checkpoint_id}/abort", json={"reason": reason})
         outcome = OutcomeModel.model_validate(reply).outcome_()
-        if isinstance(attempt, Attempt) and outcome.outcome == "aborted":
-            attempt.state = "aborted"
+        if isinstance(target, Attempt) and outcome.outcome == "aborted":
+            target.state = "aborted"
         return outcome
+
+    async def status(self) -> ClusterStatus:
+        """Live, read-only: every server's fence, what holds it and the command that frees it."""
+        return StatusModel.model_validate(await self._request("GET", "/v1/status")).status()
+
+    async def acknowledge_completed(
+        self, server: str, executions: Sequence[tuple[str, int]]
+    ) -> list[tuple[str, int]]:
+        """Tell agent `server` the caller now holds these finished results `(rollout_id,
+        attempt_index)`; returns the acknowledged set. May run while a save is in progress."""
+        body = {"server": server, "executions": [[rollout, index] for rollout, index in executions]}
+        reply = AcknowledgeReply.model_validate(await self._request("POST", "/v1/acknowledge", json=body))
+        return [(rollout, index) for rollout, index in reply.acknowledged]
 
     async def history(self) -> list[AttemptRow]:
         """The `attempts` projection, oldest first."""
@@ -272,6 +320,14 @@ _CLASSES: Final[dict[str, type[QuiesceError]]] = {
 }
 
 
+def _problem(item: Any) -> str:
+    """One FastAPI validation problem as `where: what` (`body.executions.0: ...`)."""
+    if not isinstance(item, dict):
+        return str(item)
+    where = ".".join(str(p) for p in item.get("loc") or [])
+    return f"{where}: {item.get('msg', '')}" if where else str(item.get("msg", ""))
+
+
 def _error(reply: httpx.Response) -> QuiesceError:
     """The error an error reply stands for (the same class and fields the embedded API raises)."""
     try:
@@ -281,6 +337,8 @@ def _error(reply: httpx.Response) -> QuiesceError:
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):
         detail = body.get("detail") if isinstance(body, dict) else reply.text[:500]
+        if reply.status_code == 422 and isinstance(detail, list) and detail:
+            return ConfigError(f"the service refused the request: {_problem(detail[0])}")  # bad input
         return QuiesceError(f"the service answered {reply.status_code}: {detail}")
     kind, message = str(error.get("type", "QuiesceError")), str(error.get("message", ""))
     if kind in ("PhaseError", "DeadlineExceeded"):
@@ -304,6 +362,12 @@ def _error(reply: httpx.Response) -> QuiesceError:
         return Unauthorized(message)
     if kind == "Unavailable":
         return Unavailable(message, state=error.get("state"), active=error.get("active"))
+    if kind == "ServersHeld":
+        return ServersHeld(message, dict(error.get("held") or {}))
+    if kind == "AcknowledgementError":
+        return AcknowledgementError(
+            message, server=str(error.get("server") or ""), status=error.get("status"), code=error.get("code")
+        )
     cls_ = _CLASSES.get(kind, QuiesceError)
     if cls_ is SnapshotError:
         return SnapshotError(message, list(error.get("differences") or []))
