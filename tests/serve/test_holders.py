@@ -117,7 +117,8 @@ async def test_status_names_a_restore_a_cli_left_held_and_resume_without_id_free
         async with RemoteCoordinator(service.url, token=API) as coord:
             seen = await coord.status()
             assert isinstance(seen, ClusterStatus)
-            assert seen.held and not seen.idle
+            assert seen.held
+            assert not seen.idle
             assert [(h.checkpoint_id, h.kind, h.frees) for h in seen.holders] == [
                 (held_by, "restore", holder["frees"])
             ]
@@ -209,7 +210,8 @@ async def test_status_is_served_while_a_save_runs(
             status = reply.json()
             [holder] = status["holders"]
             assert (holder["kind"], holder["verb"]) == ("save", "abort")
-            assert holder["frees"] == f"quiesce abort --config {shlex.quote(str(config))} {holder['checkpoint_id']}"
+            cid = holder["checkpoint_id"]
+            assert holder["frees"] == f"quiesce abort --config {shlex.quote(str(config))} {cid}"
             busy = await http.post("/v1/checkpoints")
             assert busy.status_code == 409
             assert busy.json()["error"]["checkpoint_id"] == holder["checkpoint_id"]
@@ -269,7 +271,8 @@ async def test_acknowledge_through_the_client_lets_its_waiting_save_publish(
                 await coord.acknowledge_completed("simple_agent", [("r", 0), ("r", 0)])
             with pytest.raises(ConfigError, match=r"executions\[0\]\.rollout_id: String should match"):
                 await coord.acknowledge_completed("simple_agent", [("-r", 0)])
-            with pytest.raises(AcknowledgementError, match="completed_execution_acknowledgement_error") as caught:
+            refused = "completed_execution_acknowledgement_error"
+            with pytest.raises(AcknowledgementError, match=refused) as caught:
                 await coord.acknowledge_completed("simple_agent", [("never", 0)])
             assert (caught.value.server, caught.value.status, caught.value.code) == (
                 "simple_agent",
@@ -283,9 +286,8 @@ async def test_acknowledge_through_the_client_lets_its_waiting_save_publish(
                          {"server": "simple_agent", "executions": [["r", 0]], "typo": 1}):  # fmt: skip
                 bad = await http.post(f"{service.url}/v1/acknowledge", json=body, headers=RIGHT)
                 assert bad.status_code == 422, (body, bad.text)
-            unknown = await http.post(
-                f"{service.url}/v1/acknowledge", json={"server": "nobody", "executions": [["r", 0]]}, headers=RIGHT
-            )
+            nobody = {"server": "nobody", "executions": [["r", 0]]}
+            unknown = await http.post(f"{service.url}/v1/acknowledge", json=nobody, headers=RIGHT)
             assert (unknown.status_code, unknown.json()["error"]["type"]) == (400, "ConfigError")
             acks = [e for e in await control_log(http, agent) if e["path"].endswith("/acknowledge-completed")]
             assert len(acks) == 2  # "done" and "never": nothing refused up front was sent
