@@ -27,7 +27,7 @@ Rules kept here:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import anyio.to_thread
 from fastapi import Depends, FastAPI, Header, Query, Request
@@ -257,7 +257,9 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
             return waiting
         return None
 
-    async def let_go(verb: str, checkpoint_id: str | None, reason: str) -> OutcomeModel:
+    async def let_go(
+        verb: Literal["resume", "abort"], checkpoint_id: str | None, reason: str
+    ) -> OutcomeModel:
         """Resume or abort `checkpoint_id` (None: the save waiting here, else whatever holds the
         servers): the waiting save continues as that attempt; any other id goes to the
         coordinator's `resume(id)` / `abort(id)`, one operation (409 while another runs)."""
