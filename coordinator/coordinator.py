@@ -261,13 +261,16 @@ class Coordinator:
 
     # -- what holds the servers ----------------------------------------------------------------
 
-    async def status(self) -> ClusterStatus:
+    async def status(self, *, ledger: Ledger | None = None) -> ClusterStatus:
         """Every configured server's fence, read live, and what holds each held one: its kind,
-        since when, and the exact command that frees it (`coordinator.status`). Records nothing."""
+        since when, and the exact command that frees it (`coordinator.status`). Records nothing.
+
+        `ledger` is where holders are looked up (default: this coordinator's); a service passes its
+        read-only one, so a status read while an attempt runs never waits on that attempt's appends."""
         caller = self._ctx.caller
         return await read_status(
             self._ctx.config,
-            self._ctx.ledger,
+            ledger if ledger is not None else self._ctx.ledger,
             lambda name, url, deadline: caller.peek_capabilities(name, url, deadline_ts=deadline),
             config_path=self._ctx.config_path,
         )

@@ -1,4 +1,5 @@
-"""The HTTP/1.1 client under every control call (`coordinator/calls.py` is its only user).
+"""The HTTP/1.1 client under every control call (`coordinator/calls.py`), also `quiesce status`'s peeks
+and the service client's requests (`tools/serve/client.py`).
 
 Why not a general client: a control call is one small JSON request and one small JSON reply, and
 at a 512-server fan-out the client's own CPU per call was most of the coordinator's. Measured on

@@ -159,7 +159,8 @@ async def test_two_step_save_and_409_while_it_waits(
         assert (await http.get("/v1/attempts/nope")).status_code == 404
         schema = (await http.get("/openapi.json")).json()
         routes = {"/v1/checkpoints", "/v1/attempts", "/v1/attempts/{checkpoint_id}/publish", "/v1/restore",
-                  "/v1/resume", "/v1/discovery", "/v1/attempts/{checkpoint_id}/events"}  # fmt: skip
+                  "/v1/resume", "/v1/discovery", "/v1/attempts/{checkpoint_id}/events", "/v1/status",
+                  "/v1/acknowledge", "/v1/abort", "/v1/attempts/{checkpoint_id}/resume"}  # fmt: skip
         assert routes <= set(schema["paths"])
 
 

@@ -6,9 +6,19 @@ Rules kept here:
   `/healthz` and `/readyz` never do (they show no ledger data; the page asks for the token itself).
 - Every route that drives servers is one `Service.run` operation; the ledger reads
   (`/v1/attempts...`) go through a separate read-only ledger, so they never disturb a save.
+- Two routes claim no operation, as the embedded API allows them beside an attempt: `GET
+  /v1/status` (read-only: live fences, holders looked up in the read-only ledger, nothing
+  recorded) and `POST /v1/acknowledge` (a trainer releasing a finished result may be what lets the
+  save in progress prepare). Both need a ready (or stopping) service: a standby answers 503.
+- Resume and abort act on any checkpoint id (`POST /v1/resume|abort` with `checkpoint_id`, or
+  `POST /v1/attempts/{id}/resume|abort`): the two-step save waiting here continues as that
+  attempt; any other id — a restore a CLI left held, another ledger's id — is let go through the
+  coordinator's id-targeted `resume(id)` / `abort(id)` as one operation.
 - Errors are `{"error": {...}}` (`models.ErrorReply`) with these statuses: 401 `Unauthorized`;
-  404 `NotFound`; 409 `Busy` (another attempt is in progress; names it) and any other refusal of
-  the current state; 400 `ConfigError`; 422 `SnapshotError` (and FastAPI's own body validation);
+  404 `NotFound`; 409 `Busy` (another attempt is in progress; names it), `ServersHeld` (names each
+  holder and what frees it; `held`), `AcknowledgementError` (the agent refused; its `status` and
+  `code`) and any other refusal of the current state; 400 `ConfigError`; 422 `SnapshotError` (and
+  FastAPI's own body validation);
   502 `PhaseError`, `DeadlineExceeded`, `DiscoveryError` (a Gym server or the deadline failed the
   operation; what was rolled back is in the body); 503 `Unavailable` (standby, recovering,
   stopping; a standby names the active one in `active`), `FencedError`, `LedgerError`.
@@ -17,7 +27,7 @@ Rules kept here:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import anyio.to_thread
 from fastapi import Depends, FastAPI, Header, Query, Request
@@ -25,11 +35,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 
 from coordinator import Attempt, Coordinator, Outcome
 from coordinator.errors import (
+    AcknowledgementError,
     ConfigError,
     DiscoveryError,
     LedgerError,
     PhaseError,
     QuiesceError,
+    ServersHeld,
     SnapshotError,
 )
 from ledger import AttemptRow
@@ -38,6 +50,8 @@ from tools.serve.errors import Busy, NotFound, Unauthorized, Unavailable
 from tools.serve.metrics import CONTENT_TYPE
 from tools.serve.models import (
     AbortRequest,
+    AcknowledgeReply,
+    AcknowledgeRequest,
     AttemptModel,
     DiscoveryModel,
     ErrorBody,
@@ -48,7 +62,9 @@ from tools.serve.models import (
     Readiness,
     RestoreReply,
     RestoreRequest,
+    ResumeRequest,
     SaveRequest,
+    StatusModel,
 )
 from tools.serve.page import render_page
 from tools.serve.service import Service
@@ -92,6 +108,10 @@ def error_body(error: QuiesceError) -> ErrorBody:
         body.differences = list(error.differences)
     elif isinstance(error, DiscoveryError):
         body.reasons = list(error.reasons)
+    elif isinstance(error, ServersHeld):
+        body.held = dict(error.held)
+    elif isinstance(error, AcknowledgementError):
+        body.server, body.status, body.code = error.server, error.status, error.code
     return body
 
 
@@ -230,58 +250,71 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         attempt = await op("publish", publish_step, checkpoint_id)
         return AttemptModel.of(attempt, outcome="published" if attempt.state == "completed" else None)
 
+    def waiting_for(checkpoint_id: str | None) -> Attempt | None:
+        """The two-step save waiting here if `checkpoint_id` names it (None: whichever waits)."""
+        waiting = service.pending
+        if waiting is not None and checkpoint_id in (None, waiting.checkpoint_id):
+            return waiting
+        return None
+
+    async def let_go(
+        verb: Literal["resume", "abort"], checkpoint_id: str | None, reason: str
+    ) -> OutcomeModel:
+        """Resume or abort `checkpoint_id` (None: the save waiting here, else whatever holds the
+        servers): the waiting save continues as that attempt; any other id goes to the
+        coordinator's `resume(id)` / `abort(id)`, one operation (409 while another runs)."""
+        waiting = waiting_for(checkpoint_id)
+        if waiting is not None:
+            claim = waiting.checkpoint_id
+
+            async def step(coord: Coordinator) -> Outcome:
+                attempt = service.pending
+                if attempt is None or attempt.checkpoint_id != claim:
+                    raise NotFound(f"attempt {claim} no longer awaits its next step in this service")
+                try:
+                    if verb == "resume":
+                        return await coord.resume(attempt)
+                    return await coord.abort(attempt, reason=reason)
+                finally:
+                    if attempt.state in ("completed", "aborted"):
+                        service.pending = None
+
+            return OutcomeModel.of(await op(verb, step, claim))
+
+        async def by_id(coord: Coordinator) -> Outcome:
+            if verb == "resume":
+                return await coord.resume(checkpoint_id)
+            return await coord.abort(checkpoint_id, reason=reason)
+
+        return OutcomeModel.of(await op(verb, by_id, checkpoint_id))
+
     @app.post(
         "/v1/attempts/{checkpoint_id}/resume", dependencies=guarded, responses=_ERRORS, tags=["cluster"]
     )
     async def resume_attempt(checkpoint_id: str) -> OutcomeModel:
-        """Resume every server of a published attempt (the last step of a two-step save)."""
-        pending(checkpoint_id)
-
-        async def resume_step(coord: Coordinator) -> Outcome:
-            attempt = pending(checkpoint_id)
-            try:
-                return await coord.resume(attempt)
-            finally:
-                if attempt.state in ("completed", "aborted"):
-                    service.pending = None
-
-        return OutcomeModel.of(await op("resume", resume_step, checkpoint_id))
+        """Resume checkpoint `checkpoint_id`: the last step of a two-step save waiting here, or any
+        id that holds servers — a restore left paused (finished first if interrupted), a published
+        save's unfinished resume, what a rollback left paused, another ledger's id."""
+        return await let_go("resume", checkpoint_id, "resumed by request before publication")
 
     @app.post("/v1/attempts/{checkpoint_id}/abort", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
     async def abort_attempt(checkpoint_id: str, request: AbortRequest | None = None) -> OutcomeModel:
-        """Roll back an attempt before publication (every touched server resumed, staging removed)."""
-        reason = request.reason if request is not None else "aborted by request"
-        pending(checkpoint_id)
-
-        async def abort_step(coord: Coordinator) -> Outcome:
-            attempt = pending(checkpoint_id)
-            try:
-                return await coord.abort(attempt, reason=reason)
-            finally:
-                if attempt.state in ("completed", "aborted"):
-                    service.pending = None
-
-        return OutcomeModel.of(await op("abort", abort_step, checkpoint_id))
+        """Roll back checkpoint `checkpoint_id` before publication (every touched server resumed,
+        staging removed) — the two-step save waiting here or any attempt that holds servers; one
+        already published is resumed instead, a restore finished and resumed."""
+        body = request or AbortRequest()
+        if body.checkpoint_id not in (None, checkpoint_id):
+            raise ConfigError(
+                f"the path names checkpoint {checkpoint_id} and the body {body.checkpoint_id}: give one"
+            )
+        return await let_go("abort", checkpoint_id, body.reason)
 
     @app.post("/v1/abort", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
     async def abort(request: AbortRequest | None = None) -> OutcomeModel:
-        """Roll back the attempt in progress: the two-step save waiting here, else whatever holds
-        the servers (what `Coordinator.abort()` without an attempt does: it asks them)."""
-        reason = request.reason if request is not None else "aborted by request"
-        waiting = service.pending
-
-        async def abort_any(coord: Coordinator) -> Outcome:
-            if waiting is None:
-                return await coord.abort(reason=reason)
-            try:
-                return await coord.abort(waiting, reason=reason)
-            finally:
-                if waiting.state in ("completed", "aborted"):
-                    service.pending = None
-
-        return OutcomeModel.of(
-            await op("abort", abort_any, waiting.checkpoint_id if waiting is not None else None)
-        )
+        """Roll back `checkpoint_id`, or (none given) the two-step save waiting here, else whatever
+        holds the servers (what `Coordinator.abort()` without a target does: it asks them)."""
+        body = request or AbortRequest()
+        return await let_go("abort", body.checkpoint_id, body.reason)
 
     @app.post("/v1/restore", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
     async def restore(request: RestoreRequest | None = None) -> RestoreReply:
@@ -302,10 +335,33 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         return reply
 
     @app.post("/v1/resume", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
-    async def resume() -> OutcomeModel:
-        """Resume whatever holds the servers: a restore, an attempt a rollback left paused (asked
-        of the servers, as `Coordinator.resume()` does)."""
-        return OutcomeModel.of(await op("resume", lambda coord: coord.resume()))
+    async def resume(request: ResumeRequest | None = None) -> OutcomeModel:
+        """Resume `checkpoint_id`, or (none given) whatever holds the servers: a restore, a
+        published save's unfinished resume, what a rollback left paused (asked of the servers, as
+        `Coordinator.resume()` does). A two-step save waiting here is resumed only when named."""
+        checkpoint_id = request.checkpoint_id if request is not None else None
+        if checkpoint_id is None:
+            return OutcomeModel.of(await op("resume", lambda coord: coord.resume()))
+        return await let_go("resume", checkpoint_id, "resumed by request before publication")
+
+    @app.post("/v1/acknowledge", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
+    async def acknowledge(request: AcknowledgeRequest) -> AcknowledgeReply:
+        """Tell agent `server` the caller now holds these finished results; returns the
+        acknowledged set. Claims no operation: it may run while a save is in progress (it may be
+        what lets that save prepare). 400 for a server not in the config or without the
+        `completed_result_acknowledgement` feature; 409 when the agent refuses (nothing is
+        assumed released); 422 for executions Gym would refuse."""
+        coord = service.require_coordinator()
+        done = await coord.acknowledge_completed(request.server, request.executions)
+        return AcknowledgeReply(server=request.server, acknowledged=done)
+
+    @app.get("/v1/status", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
+    async def status() -> StatusModel:
+        """Live, read-only: every server's fence, what holds each held one (its kind, since when)
+        and the command that frees it — what `quiesce status --json` prints. Claims no operation
+        (served while an attempt runs) and records nothing."""
+        coord, reader = service.require_observer()
+        return StatusModel.of(await coord.status(ledger=reader))
 
     # -- reading the ledger -------------------------------------------------------------------
 

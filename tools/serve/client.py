@@ -10,10 +10,14 @@
         await coord.resume()
 
 The methods return what `Coordinator`'s return — `coordinator.Attempt`, `coordinator.Outcome`,
-`coordinator.Discovery`, `ledger.AttemptRow` — and raise what they raise: a failed phase is a
-`PhaseError` with the same fields (what was resumed, what could not be), a bad snapshot a
-`SnapshotError`, and so on; the service adds `Busy` (another attempt in progress), `Unauthorized`
-and `Unavailable` (`tools.serve.errors`).
+`coordinator.Discovery`, `coordinator.status.ClusterStatus` (each server's `capabilities` None:
+not sent), `ledger.AttemptRow`, the acknowledged `(rollout_id, attempt_index)` pairs — and raise
+what they raise: a failed phase is a `PhaseError` with the same fields (what was resumed, what
+could not be), a bad snapshot a `SnapshotError`, a held participant `ServersHeld`, a refused
+acknowledgement `AcknowledgementError`, and so on; the service adds `Busy` (another attempt in
+progress), `Unauthorized` and `Unavailable` (`tools.serve.errors`). Executions the service
+refuses as a body (`ConfigError` embedded: no execution, a duplicate, an id Gym refuses) raise
+`ConfigError` here too.
 
 Rules kept here:
 - `save()` mirrors `Coordinator.save`: leaving the block normally publishes and resumes (one
@@ -26,10 +30,15 @@ Rules kept here:
   A request whose connection broke after it was sent is *not* repeated (the save may have run):
   `OutcomeUnknown` says so; `history()` shows how it ended.
 - The token defaults to `QUIESCE_API_TOKEN`; it is sent only as the bearer header, never logged.
+- Requests go through the coordinator's own HTTP/1.1 client (`coordinator.http.HttpClient`, the
+  one under every control call): on the bench machine a request's round trip on loopback took
+  ~0.5 ms with it and ~1.7 ms with httpx, whose per-request cost was most of what a save through
+  the service added (two requests per save). httpx serves only the event stream (`events`).
 """
 
 from __future__ import annotations
 
+import json as jsonlib
 import os
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -44,6 +53,7 @@ import httpx
 from coordinator.attempt import Attempt, Outcome
 from coordinator.discovery import Discovery
 from coordinator.errors import (
+    AcknowledgementError,
     ConfigError,
     DeadlineExceeded,
     DiscoveryError,
@@ -51,18 +61,31 @@ from coordinator.errors import (
     LedgerError,
     PhaseError,
     QuiesceError,
+    ServersHeld,
     SnapshotError,
 )
+from coordinator.http import ConnectFailed, ConnectTimeout, HttpClient, HttpFailure
+from coordinator.status import ClusterStatus
 from ledger import AttemptRow
 from tools.serve.auth import API_TOKEN_ENV
 from tools.serve.errors import Busy, NotFound, OutcomeUnknown, Unauthorized, Unavailable
-from tools.serve.models import AttemptModel, DiscoveryModel, HistoryRow, OutcomeModel, RestoreReply
+from tools.serve.models import (
+    AcknowledgeReply,
+    AttemptModel,
+    DiscoveryModel,
+    HistoryRow,
+    OutcomeModel,
+    RestoreReply,
+    StatusModel,
+)
 
 __all__ = ["RemoteCoordinator"]
 
 #: How long one request may take: a save's deadline bounds the service's side; this only guards
 #: against a service that stopped answering altogether.
 DEFAULT_TIMEOUT_S: Final = 600.0
+#: The largest reply read (a `show` of a long attempt is the largest); more is a failed request.
+MAX_REPLY_BYTES: Final = 256 * 1024 * 1024
 RETRY_PAUSE_S: Final = 0.2
 
 
@@ -83,8 +106,13 @@ class RemoteCoordinator:
         self._urls = [u.rstrip("/") for u in urls]
         self._current = 0
         token = token if token is not None else (os.environ.get(API_TOKEN_ENV) or None)
+        if token is not None and any(c in token for c in "\r\n"):
+            raise ConfigError(f"the API token holds a line break: check {API_TOKEN_ENV}")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.AsyncClient(headers=headers, timeout=timeout_s, trust_env=False)
+        self._headers = {"Accept": "application/json", **headers}
+        self._rpc = HttpClient()
+        self._http = httpx.AsyncClient(headers=headers, timeout=timeout_s, trust_env=False)  # events only
+        self._timeout_s = timeout_s
         self._failover_s = failover_s
 
     async def __aenter__(self) -> Self:
@@ -96,6 +124,7 @@ class RemoteCoordinator:
         await self.aclose()
 
     async def aclose(self) -> None:
+        await self._rpc.aclose()
         await self._http.aclose()
 
     @property
@@ -147,36 +176,69 @@ class RemoteCoordinator:
         return AttemptModel.model_validate(reply).attempt()
 
     async def restore(
-        self, snapshot: str | os.PathLike[str] | None = None, *, deadline_s: float | None = None
+        self,
+        snapshot: str | os.PathLike[str] | None = None,
+        *,
+        deadline_s: float | None = None,
+        resume: bool = False,
     ) -> Attempt:
-        """Restore a snapshot (a folder, a checkpoint id, or None/"latest"); servers stay paused."""
+        """Restore a snapshot (a folder, a checkpoint id, or None/"latest"); servers stay paused
+        unless `resume` (then the attempt ends only once they run again)."""
         body: dict[str, Any] = {"snapshot": os.fspath(snapshot) if snapshot is not None else None}
         body.update(_deadline(deadline_s))
+        if resume:
+            body["resume"] = True
         reply = RestoreReply.model_validate(await self._request("POST", "/v1/restore", json=body))
-        return reply.attempt.attempt()
+        attempt = reply.attempt.attempt()
+        if reply.resumed is not None:
+            attempt.resume_outcome = reply.resumed.outcome_()
+        return attempt
 
-    async def resume(self, attempt: Attempt | None = None) -> Outcome:
-        """Resume a published two-step attempt, or whatever a restore or an attempt left paused."""
-        if attempt is not None and attempt.kind == "save" and attempt.state not in ("completed", "aborted"):
-            reply = await self._request("POST", f"/v1/attempts/{attempt.checkpoint_id}/resume")
-        else:
+    async def resume(self, target: Attempt | str | None = None) -> Outcome:
+        """Resume `target` — an `Attempt`, a checkpoint id — or (None) whatever holds the servers:
+        a published two-step save, a restore (finished first if interrupted), what a rollback
+        left paused, another ledger's id. Outcome `none` when nothing holds them."""
+        if target is None:
             reply = await self._request("POST", "/v1/resume")
-        return OutcomeModel.model_validate(reply).outcome_()
+        else:
+            checkpoint_id = target if isinstance(target, str) else target.checkpoint_id
+            reply = await self._request("POST", f"/v1/attempts/{checkpoint_id}/resume")
+        outcome = OutcomeModel.model_validate(reply).outcome_()
+        if (
+            isinstance(target, Attempt)
+            and outcome.outcome in ("resumed", "published")
+            and not outcome.left_paused
+        ):
+            target.state = "completed"
+        return outcome
 
     async def abort(
-        self, attempt: Attempt | str | None = None, *, reason: str = "aborted by request"
+        self, target: Attempt | str | None = None, *, reason: str = "aborted by request"
     ) -> Outcome:
-        """Roll back a save attempt before publication (every touched server resumed); without one,
-        the attempt in progress (the service's waiting two-step save, else the ledger's newest)."""
-        if attempt is None:
+        """Roll back `target` — an `Attempt`, a checkpoint id — before publication (every touched
+        server resumed); None: the service's waiting two-step save, else whatever holds the servers."""
+        if target is None:
             reply = await self._request("POST", "/v1/abort", json={"reason": reason})
             return OutcomeModel.model_validate(reply).outcome_()
-        checkpoint_id = attempt if isinstance(attempt, str) else attempt.checkpoint_id
+        checkpoint_id = target if isinstance(target, str) else target.checkpoint_id
         reply = await self._request("POST", f"/v1/attempts/{checkpoint_id}/abort", json={"reason": reason})
         outcome = OutcomeModel.model_validate(reply).outcome_()
-        if isinstance(attempt, Attempt) and outcome.outcome == "aborted":
-            attempt.state = "aborted"
+        if isinstance(target, Attempt) and outcome.outcome == "aborted":
+            target.state = "aborted"
         return outcome
+
+    async def status(self) -> ClusterStatus:
+        """Live, read-only: every server's fence, what holds it and the command that frees it."""
+        return StatusModel.model_validate(await self._request("GET", "/v1/status")).status()
+
+    async def acknowledge_completed(
+        self, server: str, executions: Sequence[tuple[str, int]]
+    ) -> list[tuple[str, int]]:
+        """Tell agent `server` the caller now holds these finished results `(rollout_id,
+        attempt_index)`; returns the acknowledged set. May run while a save is in progress."""
+        body = {"server": server, "executions": [[rollout, index] for rollout, index in executions]}
+        reply = AcknowledgeReply.model_validate(await self._request("POST", "/v1/acknowledge", json=body))
+        return [(rollout, index) for rollout, index in reply.acknowledged]
 
     async def history(self) -> list[AttemptRow]:
         """The `attempts` projection, oldest first."""
@@ -197,8 +259,7 @@ class RemoteCoordinator:
         url = f"{self.url}/v1/attempts/{checkpoint_id}/events"
         async with self._http.stream("GET", url, timeout=httpx.Timeout(None, connect=10)) as reply:
             if reply.status_code != 200:
-                await reply.aread()
-                raise _error(reply)
+                raise _error(reply.status_code, await reply.aread())
             kind, data = None, None
             async for line in reply.aiter_lines():
                 if line.startswith("event: "):
@@ -216,22 +277,38 @@ class RemoteCoordinator:
     async def _request(self, method: str, path: str, *, json: Mapping[str, Any] | None = None) -> Any:
         give_up = time.monotonic() + self._failover_s
         tried = 0
+        headers = self._headers
+        body: bytes | None = None
+        if json is not None:
+            body = jsonlib.dumps(json).encode()
+            headers = {**headers, "Content-Type": "application/json"}
         while True:
             url = self._urls[self._current]
             try:
-                reply = await self._http.request(method, url + path, json=json)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+                reply = await self._rpc.request(
+                    method,
+                    url + path,
+                    headers=headers,
+                    body=body,
+                    timeout_s=self._timeout_s,
+                    max_body=MAX_REPLY_BYTES,
+                )
+            except (ConnectFailed, ConnectTimeout) as error:  # nothing was sent
                 failure: QuiesceError = Unavailable(f"cannot reach the quiesce service at {url}: {error}")
                 self._next(None)
-            except httpx.TransportError as error:
+            except HttpFailure as error:
                 raise OutcomeUnknown(
-                    f"the connection to {url} broke during {method} {path} ({type(error).__name__}): the"
-                    " service may or may not have run it; history() shows what the ledger recorded"
+                    f"the connection to {url} broke during {method} {path} ({type(error).__name__}: {error}):"
+                    " the service may or may not have run it; history() shows what the ledger recorded"
                 ) from None
             else:
-                if reply.status_code < 400:
-                    return reply.json()
-                failure = _error(reply)
+                if reply.too_big:
+                    raise QuiesceError(
+                        f"{method} {path}: the reply of {url} exceeds {MAX_REPLY_BYTES} bytes; not read"
+                    )
+                if reply.status < 400:
+                    return jsonlib.loads(reply.body)
+                failure = _error(reply.status, reply.body)
                 if not isinstance(failure, Unavailable):
                     raise failure
                 self._next(failure.active)
@@ -272,16 +349,26 @@ _CLASSES: Final[dict[str, type[QuiesceError]]] = {
 }
 
 
-def _error(reply: httpx.Response) -> QuiesceError:
+def _problem(item: Any) -> str:
+    """One FastAPI validation problem as `where: what` (`body.executions.0: ...`)."""
+    if not isinstance(item, dict):
+        return str(item)
+    where = ".".join(str(p) for p in item.get("loc") or [])
+    return f"{where}: {item.get('msg', '')}" if where else str(item.get("msg", ""))
+
+
+def _error(status: int, content: bytes) -> QuiesceError:
     """The error an error reply stands for (the same class and fields the embedded API raises)."""
     try:
-        body = reply.json()
+        body = jsonlib.loads(content)
     except ValueError:
         body = None
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):
-        detail = body.get("detail") if isinstance(body, dict) else reply.text[:500]
-        return QuiesceError(f"the service answered {reply.status_code}: {detail}")
+        detail = body.get("detail") if isinstance(body, dict) else content[:500].decode(errors="replace")
+        if status == 422 and isinstance(detail, list) and detail:
+            return ConfigError(f"the service refused the request: {_problem(detail[0])}")  # bad input
+        return QuiesceError(f"the service answered {status}: {detail}")
     kind, message = str(error.get("type", "QuiesceError")), str(error.get("message", ""))
     if kind in ("PhaseError", "DeadlineExceeded"):
         cls = DeadlineExceeded if kind == "DeadlineExceeded" else PhaseError
@@ -304,6 +391,12 @@ def _error(reply: httpx.Response) -> QuiesceError:
         return Unauthorized(message)
     if kind == "Unavailable":
         return Unavailable(message, state=error.get("state"), active=error.get("active"))
+    if kind == "ServersHeld":
+        return ServersHeld(message, dict(error.get("held") or {}))
+    if kind == "AcknowledgementError":
+        return AcknowledgementError(
+            message, server=str(error.get("server") or ""), status=error.get("status"), code=error.get("code")
+        )
     cls_ = _CLASSES.get(kind, QuiesceError)
     if cls_ is SnapshotError:
         return SnapshotError(message, list(error.get("differences") or []))

@@ -12,10 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from coordinator.attempt import Attempt, Outcome
 from coordinator.discovery import Discovery, Member
+from coordinator.protocol import AcknowledgeBody
+from coordinator.status import ClusterStatus, Holder, ServerStatus
 from ledger import AttemptRow
 
 
@@ -44,6 +46,12 @@ class ErrorBody(BaseModel):
     reasons: list[tuple[str, str]] | None = None
     state: str | None = None
     active: str | None = Field(default=None, description="a standby names the active service's address")
+    held: dict[str, str] | None = Field(
+        default=None, description="`ServersHeld`: each held server → the checkpoint id holding it"
+    )
+    status: int | None = Field(
+        default=None, description="`AcknowledgementError`: the HTTP status of the agent's reply"
+    )
 
 
 class ErrorReply(BaseModel):
@@ -172,6 +180,18 @@ class PublishRequest(Request):
 
 class AbortRequest(Request):
     reason: str = Field(default="aborted by request", max_length=500)
+    checkpoint_id: str | None = Field(
+        default=None,
+        description="the attempt to roll back (default: the one waiting here, else whatever holds the"
+        " servers, asked now)",
+    )
+
+
+class ResumeRequest(Request):
+    checkpoint_id: str | None = Field(
+        default=None,
+        description="the checkpoint id to let go of (default: whatever holds the servers, asked now)",
+    )
 
 
 class RestoreRequest(Request):
@@ -184,7 +204,8 @@ class RestoreRequest(Request):
 
 
 class OutcomeModel(BaseModel):
-    """What a resume, abort or restore's resume did (`coordinator.Outcome`)."""
+    """What a resume, abort or restore's resume did (`coordinator.Outcome`); `also`: what was done
+    for the other checkpoint ids that held the servers, in order."""
 
     checkpoint_id: str | None
     outcome: str
@@ -192,6 +213,7 @@ class OutcomeModel(BaseModel):
     resumed: list[str] = []
     not_paused: list[str] = []
     left_paused: list[str] = []
+    also: list[OutcomeModel] = []
 
     @classmethod
     def of(cls, outcome: Outcome) -> OutcomeModel:
@@ -202,6 +224,7 @@ class OutcomeModel(BaseModel):
             resumed=list(outcome.resumed),
             not_paused=list(outcome.not_paused),
             left_paused=list(outcome.left_paused),
+            also=[cls.of(o) for o in outcome.also],
         )
 
     def outcome_(self) -> Outcome:
@@ -212,12 +235,129 @@ class OutcomeModel(BaseModel):
             tuple(self.resumed),
             tuple(self.not_paused),
             tuple(self.left_paused),
+            tuple(o.outcome_() for o in self.also),
         )
 
 
 class RestoreReply(BaseModel):
     attempt: AttemptModel
     resumed: OutcomeModel | None = None
+
+
+# -- completed results ------------------------------------------------------------------------
+
+
+class AcknowledgeRequest(Request):
+    """`POST /v1/acknowledge`: agent `server` may release these finished results, which the caller
+    now holds. `executions` must be what Gym accepts (at least one, no duplicate, valid ids): a
+    body that is not is a 422 before anything is sent."""
+
+    server: str = Field(min_length=1, description="an agent server of the config")
+    executions: list[tuple[str, int]] = Field(
+        min_length=1, description="`[[rollout_id, attempt_index], ...]`"
+    )
+
+    @field_validator("executions")
+    @classmethod
+    def _as_gym_accepts(cls, value: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        try:
+            AcknowledgeBody.model_validate(
+                {"executions": [{"rollout_id": r, "attempt_index": a} for r, a in value]}
+            )
+        except ValidationError as error:
+            first = error.errors()[0]
+            loc = [str(p) for p in first["loc"][1:]]  # drop "executions"
+            where = f"executions[{loc[0]}]" + "".join(f".{p}" for p in loc[1:]) if loc else "executions"
+            raise ValueError(f"{where}: {first['msg']}") from None
+        return value
+
+
+class AcknowledgeReply(BaseModel):
+    server: str
+    acknowledged: list[tuple[str, int]]
+
+
+# -- status -----------------------------------------------------------------------------------
+
+
+class HolderModel(BaseModel):
+    """A checkpoint id that holds servers (`coordinator.status.Holder`); `verb` is the embedded
+    method that frees it (`resume` or `abort`), `frees` the command line."""
+
+    checkpoint_id: str
+    kind: Literal["save", "restore", "unknown"]
+    state: str
+    started_at: str | None
+    finished: bool
+    frees: str
+    verb: Literal["resume", "abort"]
+
+    @classmethod
+    def of(cls, holder: Holder) -> HolderModel:
+        return cls(**holder.as_json(), verb=holder.verb)
+
+    def holder(self) -> Holder:
+        return Holder(
+            self.checkpoint_id, self.kind, self.state, self.started_at, self.verb, self.frees, self.finished
+        )
+
+
+class ServerStatusModel(BaseModel):
+    """One server's fence and what holds it (`coordinator.status.ServerStatus.as_json`)."""
+
+    name: str
+    url: str
+    reachable: bool
+    phase: str | None
+    active_checkpoint_id: str | None
+    held: bool
+    held_by: str | None
+    holder_kind: str | None
+    since: str | None
+    deadline_left_s: float | None
+    frees: str | None
+    error: str | None
+
+
+class StatusModel(BaseModel):
+    """`GET /v1/status`: what `quiesce status --json` prints, each holder with its `verb` too.
+
+    `status()` rebuilds the `coordinator.status.ClusterStatus` `Coordinator.status()` returns, but
+    for each server's `capabilities` (not sent: None); `deadline_left_s` is as of the service's read.
+    """
+
+    idle: bool
+    held: bool
+    servers: list[ServerStatusModel]
+    holders: list[HolderModel]
+    unfinished: list[str]
+
+    @classmethod
+    def of(cls, status: ClusterStatus) -> StatusModel:
+        document = status.as_json()
+        document["holders"] = [HolderModel.of(h) for h in status.holders]
+        return cls.model_validate(document)
+
+    def status(self) -> ClusterStatus:
+        holders = {h.checkpoint_id: h.holder() for h in self.holders}
+        return ClusterStatus(
+            tuple(
+                ServerStatus(
+                    s.name,
+                    s.url,
+                    s.reachable,
+                    phase=s.phase,
+                    active_checkpoint_id=s.active_checkpoint_id,
+                    held_by=s.held_by,
+                    since=s.since,
+                    deadline_left_s=s.deadline_left_s,
+                    holder=holders.get(s.held_by) if s.held_by is not None else None,
+                    error=s.error,
+                )
+                for s in self.servers
+            ),
+            tuple(self.unfinished),
+        )
 
 
 # -- reading ----------------------------------------------------------------------------------

@@ -55,7 +55,12 @@ def _url(host: str, port: int) -> str:
 
 
 async def serve(
-    config: ClusterConfig, listen: str, *, advertise: str | None = None, as_json: bool = True
+    config: ClusterConfig,
+    listen: str,
+    *,
+    advertise: str | None = None,
+    as_json: bool = True,
+    config_path: str | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT (see the module docstring); the exit status."""
     host, port = parse_listen(listen)
@@ -75,7 +80,7 @@ async def serve(
     sock.listen(128)
     sock.setblocking(False)
     bound = _url(host, sock.getsockname()[1])
-    service = Service(config, advertise=advertise or bound)
+    service = Service(config, advertise=advertise or bound, config_path=config_path)
     server = _Server(
         uvicorn.Config(
             build_app(service, api_token=api_token),

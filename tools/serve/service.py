@@ -83,8 +83,11 @@ class Service:
         advertise: str,
         control_token: str | None = None,
         standby: bool | None = None,
+        config_path: str | None = None,
     ) -> None:
         self.config = config
+        #: the file the config came from: named in the commands errors and `status` tell users to run
+        self.config_path = config_path
         self.advertise = advertise
         self._control_token = control_token
         self.standby_mode = config.ledger.startswith("postgresql") if standby is None else standby
@@ -157,6 +160,14 @@ class Service:
         if reader is None or self.state not in ("ready", "stopping"):
             raise self.unavailable()
         return reader
+
+    def require_observer(self) -> tuple[Coordinator, Ledger]:
+        """The coordinator and the read-only ledger, for a read that claims no operation (status):
+        served while an attempt runs, like the ledger reads; 503 where they are."""
+        reader, coord = self.require_reader(), self.coord
+        if coord is None:
+            raise self.unavailable()
+        return coord, reader
 
     def require_coordinator(self) -> Coordinator:
         coord = self.coord
@@ -308,6 +319,7 @@ class Service:
                         standby=self.standby_mode,
                         advertise=self.advertise,
                         observe=self._observe,
+                        config_path=self.config_path,
                     ) as coord:
                         watching.cancel()
                         self._open_scope = None

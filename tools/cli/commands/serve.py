@@ -52,4 +52,8 @@ def handle(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     parse_listen(args.listen)  # bad usage before anything is opened
     resolve_token(config)  # no control token: a config error now, not at the first request
-    return anyio.run(lambda: serve(config, args.listen, advertise=args.advertise, as_json=args.json))
+    return anyio.run(
+        lambda: serve(
+            config, args.listen, advertise=args.advertise, as_json=args.json, config_path=args.config
+        )
+    )

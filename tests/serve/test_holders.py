@@ -1,0 +1,294 @@
+"""What holds the servers, through the service: `GET /v1/status`, resume and abort by checkpoint
+id, and `POST /v1/acknowledge` — real `quiesce serve` processes, real gymsim servers, SQLite and
+PostgreSQL.
+
+- a restore a CLI left held before the service started: `GET /v1/status` is what `quiesce status
+  --json` prints (each holder's `verb` added), names the restore and the command that frees it; a
+  save is refused with 409 `ServersHeld` naming it; `POST /v1/resume` with no id frees it and the
+  status is idle; the client's `status()` is a `ClusterStatus`; the new routes need the API token;
+- by id: another ledger's restore (resumed by its id through the client), an unknown id (409, says
+  why), the service's own restore aborted by id (finished and resumed), the two-step save waiting
+  here aborted by `POST /v1/abort {"checkpoint_id"}`, and a resume of another id while it waits is
+  409 `Busy`;
+- a status read while a save runs claims no operation: 200 naming the save in progress and `quiesce
+  abort` as what frees it, while a second save still gets 409;
+- acknowledging through the client while the client's own save waits on that very result (the
+  agent refuses its prepare until it is acknowledged) lets the save publish; an unknown server,
+  a duplicate and an id Gym refuses raise `ConfigError` (400 / 422), a result the agent does not
+  hold raises `AcknowledgementError` with the agent's status and code.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from coordinator import Attempt, ConfigError
+from coordinator.errors import AcknowledgementError, ServersHeld
+from coordinator.status import ClusterStatus
+from tests.coordinator.helpers import assert_all_accepting, control_log, server_states, set_faults
+from tests.serve.conftest import Patience, ServiceProcess, wait_ready
+from tools.cli.main import main as cli
+from tools.gymsim import client as gym
+from tools.gymsim.cluster import RunningCluster
+from tools.serve.client import RemoteCoordinator
+from tools.serve.errors import Busy
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
+
+API = "api-secret-for-tests"
+RIGHT = {"Authorization": f"Bearer {API}"}
+HOLD = {"kind": "hang", "path": "/resources-checkpoint/prepare", "method": "POST"}
+
+
+async def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
+    """The CLI in a worker thread (it runs its own event loop); `--json` output parsed."""
+
+    def run() -> tuple[int, Any]:
+        capsys.readouterr()
+        code = cli(list(argv))
+        out = capsys.readouterr().out
+        return code, json.loads(out) if out.strip() else None
+
+    return await anyio.to_thread.run_sync(run)
+
+
+def _without(document: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in document.items() if k not in keys}
+
+
+def _comparable(status: dict[str, Any]) -> dict[str, Any]:
+    """A status document without what moves between two reads (the deadline left) or what only the
+    API adds (each holder's `verb`)."""
+    return {
+        **status,
+        "servers": [_without(s, "deadline_left_s") for s in status["servers"]],
+        "holders": [_without(h, "verb") for h in status["holders"]],
+    }
+
+
+async def test_status_names_a_restore_a_cli_left_held_and_resume_without_id_frees_it(
+    cluster: RunningCluster, tmp_path: Path, ledger_url: str, spawn_service: Any, capsys: Any
+) -> None:
+    config = cluster.write_config(tmp_path / "cluster.yaml", ledger_url, tmp_path / "snaps")
+    assert (await _cli(capsys, "checkpoint", "--config", str(config), "--json"))[0] == 0
+    code, restored = await _cli(capsys, "restore", "--config", str(config), "--json")
+    assert code == 0
+    held_by = restored["checkpoint_id"]
+    service: ServiceProcess = spawn_service(config, api_token=API)
+    await wait_ready(service.url)
+    async with httpx.AsyncClient(base_url=service.url, trust_env=False, timeout=60) as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            for method, path in (("GET", "/v1/status"), ("POST", "/v1/acknowledge"), ("POST", "/v1/resume"),
+                                 ("POST", "/v1/abort"), ("POST", f"/v1/attempts/{held_by}/resume"),
+                                 ("POST", f"/v1/attempts/{held_by}/abort")):  # fmt: skip
+                reply = await http.request(method, path, headers=headers)
+                assert reply.status_code == 401, (method, path, reply.text)
+                assert reply.json()["error"]["type"] == "Unauthorized"
+        assert (await server_states(http, cluster))["policy_model"][0] != "idle"  # nothing freed them
+
+        reply = await http.get("/v1/status", headers=RIGHT)
+        assert reply.status_code == 200, reply.text
+        status = reply.json()
+        assert (status["idle"], status["held"]) == (False, True)
+        [holder] = status["holders"]
+        assert (holder["checkpoint_id"], holder["kind"], holder["verb"]) == (held_by, "restore", "resume")
+        assert holder["frees"] == f"quiesce resume --config {shlex.quote(str(config))} {held_by}"
+        held = {s["name"] for s in status["servers"] if s["held"]}
+        assert {"policy_model", "simple_agent", "tools"} <= held
+        assert all(s["frees"] == holder["frees"] for s in status["servers"] if s["held"])
+        code, printed = await _cli(capsys, "status", "--config", str(config), "--json")
+        assert code == 1
+        assert _comparable(status) == _comparable(printed)  # what `quiesce status --json` prints
+
+        refused = await http.post("/v1/checkpoints", headers=RIGHT)
+        assert refused.status_code == 409, refused.text
+        error = refused.json()["error"]
+        assert error["type"] == "ServersHeld"
+        assert set(error["held"].values()) == {held_by}
+        assert holder["frees"] in error["message"]
+
+        async with RemoteCoordinator(service.url, token=API) as coord:
+            seen = await coord.status()
+            assert isinstance(seen, ClusterStatus)
+            assert seen.held
+            assert not seen.idle
+            assert [(h.checkpoint_id, h.kind, h.frees) for h in seen.holders] == [
+                (held_by, "restore", holder["frees"])
+            ]
+            assert seen.as_json()["holders"] == [_without(holder, "verb")]
+            with pytest.raises(ServersHeld) as caught:
+                await coord.checkpoint()
+            assert set(caught.value.held.values()) == {held_by}
+
+        resumed = await http.post("/v1/resume", headers=RIGHT)  # no id: whatever holds the servers
+        assert resumed.status_code == 200, resumed.text
+        assert (resumed.json()["checkpoint_id"], resumed.json()["outcome"]) == (held_by, "resumed")
+        after = (await http.get("/v1/status", headers=RIGHT)).json()
+        assert (after["idle"], after["held"], after["holders"]) == (True, False, [])
+        await assert_all_accepting(http, cluster)
+        nothing = await http.post("/v1/resume", headers=RIGHT)
+        assert (nothing.json()["checkpoint_id"], nothing.json()["outcome"]) == (None, "none")
+
+
+async def test_resume_and_abort_by_id_of_attempts_the_service_did_not_start(
+    cluster: RunningCluster, tmp_path: Path, ledger_url: str, spawn_service: Any, capsys: Any
+) -> None:
+    other = cluster.write_config(tmp_path / "other.yaml", f"sqlite+aiosqlite:///{tmp_path / 'other.db'}", "o")
+    assert (await _cli(capsys, "checkpoint", "--config", str(other), "--json"))[0] == 0
+    code, restored = await _cli(capsys, "restore", "--config", str(other), "--json")
+    assert code == 0
+    foreign = restored["checkpoint_id"]  # another ledger's id holds the servers
+    config = cluster.write_config(tmp_path / "cluster.yaml", ledger_url, tmp_path / "snaps")
+    service: ServiceProcess = spawn_service(config)
+    await wait_ready(service.url)
+    async with (
+        httpx.AsyncClient(base_url=service.url, trust_env=False, timeout=60) as http,
+        RemoteCoordinator(service.url) as coord,
+    ):
+        [holder] = (await coord.status()).holders
+        assert (holder.checkpoint_id, holder.kind, holder.verb) == (foreign, "unknown", "resume")
+        unknown = await http.post("/v1/abort", json={"checkpoint_id": "q0000000000-0000000001-aa"})
+        assert unknown.status_code == 409, unknown.text
+        assert "is not an attempt of this ledger" in unknown.json()["error"]["message"]
+        assert "no server reports it active" in unknown.json()["error"]["message"]
+        outcome = await coord.resume(foreign)  # POST /v1/attempts/{id}/resume: any id
+        assert (outcome.checkpoint_id, outcome.outcome) == (foreign, "resumed")
+        assert (await coord.status()).idle
+        await assert_all_accepting(http, cluster)
+
+        saved = await coord.checkpoint(deadline_s=60)
+        mine = await coord.restore(saved.snapshot)  # the service's own restore, not a waiting save
+        assert isinstance(mine, Attempt)
+        assert (await coord.status()).holders[0].checkpoint_id == mine.checkpoint_id
+        aborted = await coord.abort(mine.checkpoint_id)  # a restore is finished and resumed
+        assert (aborted.checkpoint_id, aborted.outcome) == (mine.checkpoint_id, "resumed")
+        assert (await coord.status()).idle
+
+        waiting = (await http.post("/v1/attempts", json={"deadline_s": 60})).json()["checkpoint_id"]
+        busy = await http.post("/v1/resume", json={"checkpoint_id": foreign})
+        assert busy.status_code == 409
+        assert (busy.json()["error"]["type"], busy.json()["error"]["checkpoint_id"]) == ("Busy", waiting)
+        with pytest.raises(Busy):
+            await coord.resume(mine.checkpoint_id)
+        named = await http.post("/v1/abort", json={"checkpoint_id": waiting, "reason": "test"})
+        assert named.status_code == 200, named.text
+        assert (named.json()["checkpoint_id"], named.json()["outcome"]) == (waiting, "aborted")
+        assert (await coord.status()).idle
+        await assert_all_accepting(http, cluster)
+        rows = {r.checkpoint_id: r.outcome for r in await coord.history()}
+        assert rows[waiting] == "aborted"
+        assert foreign not in rows  # another ledger's id: let go, never recorded as an attempt here
+
+
+async def test_status_is_served_while_a_save_runs(
+    cluster: RunningCluster, tmp_path: Path, ledger_url: str, spawn_service: Any
+) -> None:
+    config = cluster.write_config(tmp_path / "cluster.yaml", ledger_url, tmp_path / "snaps")
+    service: ServiceProcess = spawn_service(config)
+    await wait_ready(service.url)
+    async with httpx.AsyncClient(base_url=service.url, trust_env=False, timeout=120) as http:
+        await set_faults(http, cluster.urls["tools"], [HOLD])
+        result: dict[str, Any] = {}
+
+        async def save() -> None:
+            result["reply"] = await http.post("/v1/checkpoints", json={"deadline_s": 60})
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(save)
+            patience = Patience()
+            while (await server_states(http, cluster))["simple_agent"][0] != "prepared":
+                await patience.wait("the agent prepared")
+            reply = await http.get("/v1/status")
+            assert reply.status_code == 200, reply.text  # not 409: a status claims no operation
+            status = reply.json()
+            [holder] = status["holders"]
+            assert (holder["kind"], holder["verb"]) == ("save", "abort")
+            cid = holder["checkpoint_id"]
+            assert holder["frees"] == f"quiesce abort --config {shlex.quote(str(config))} {cid}"
+            busy = await http.post("/v1/checkpoints")
+            assert busy.status_code == 409
+            assert busy.json()["error"]["checkpoint_id"] == holder["checkpoint_id"]
+            await http.delete(f"{cluster.urls['tools']}/gymsim/admin/faults")
+        assert result["reply"].status_code == 200, result["reply"].text
+        assert result["reply"].json()["checkpoint_id"] == holder["checkpoint_id"]
+        assert (await http.get("/v1/status")).json()["idle"] is True
+
+
+SPEC = {
+    "servers": [
+        {"kind": "model", "name": "policy_model", "latency_s": 0.01},
+        {"kind": "model", "name": "judge", "instance_role": "auxiliary"},
+        {"kind": "agent", "name": "simple_agent", "policy": "policy_model", "resources": "tools"},
+        {"kind": "resources", "name": "tools", "judge": "judge"},
+    ]
+}
+
+
+async def test_acknowledge_through_the_client_lets_its_waiting_save_publish(
+    make_cluster: Any, tmp_path: Path, ledger_url: str, spawn_service: Any
+) -> None:
+    with make_cluster(SPEC) as running:
+        agent = running.urls["simple_agent"]
+        config = running.write_config(tmp_path / "cluster.yaml", ledger_url, tmp_path / "snaps")
+        service: ServiceProcess = spawn_service(config, api_token=API)
+        await wait_ready(service.url)
+        async with (
+            httpx.AsyncClient(trust_env=False, timeout=60) as http,
+            RemoteCoordinator(service.url, token=API) as coord,
+        ):
+            await gym.start_rollouts(http, agent, {"done": 1, "long": 100_000})
+            await gym.wait_until(http, agent, lambda rs: rs["done"]["status"] == "completed")
+            saved: list[Attempt] = []
+
+            async def save() -> None:
+                saved.append(await coord.checkpoint(deadline_s=60))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(save)
+                patience = Patience()
+                while not any(  # the agent refuses the prepare: the finished result is held
+                    e["path"].endswith("/agent-checkpoint/prepare") and e["status"] == 409
+                    for e in await control_log(http, agent)
+                ):
+                    await patience.wait("the agent to refuse a prepare")
+                # while the save is in progress: an acknowledgement claims no operation
+                assert await coord.acknowledge_completed("simple_agent", [("done", 0)]) == [("done", 0)]
+            assert saved[0].snapshot is not None
+            assert (await gym.get_rollouts(http, agent))["done"]["acknowledged"] is True
+            rows = {r.checkpoint_id: r.outcome for r in await coord.history()}
+            assert rows[saved[0].checkpoint_id] == "published"
+
+            with pytest.raises(ConfigError, match="no server 'nobody' in the config"):
+                await coord.acknowledge_completed("nobody", [("r", 0)])
+            with pytest.raises(ConfigError, match="executions must be unique"):
+                await coord.acknowledge_completed("simple_agent", [("r", 0), ("r", 0)])
+            with pytest.raises(ConfigError, match=r"executions\[0\]\.rollout_id: String should match"):
+                await coord.acknowledge_completed("simple_agent", [("-r", 0)])
+            refused = "completed_execution_acknowledgement_error"
+            with pytest.raises(AcknowledgementError, match=refused) as caught:
+                await coord.acknowledge_completed("simple_agent", [("never", 0)])
+            assert (caught.value.server, caught.value.status, caught.value.code) == (
+                "simple_agent",
+                409,
+                "completed_execution_acknowledgement_error",
+            )
+            for body in ({"server": "simple_agent", "executions": []},
+                         {"server": "simple_agent", "executions": [["r", -1]]},
+                         {"server": "simple_agent", "executions": [["r"]]},
+                         {"executions": [["r", 0]]},
+                         {"server": "simple_agent", "executions": [["r", 0]], "typo": 1}):  # fmt: skip
+                bad = await http.post(f"{service.url}/v1/acknowledge", json=body, headers=RIGHT)
+                assert bad.status_code == 422, (body, bad.text)
+            nobody = {"server": "nobody", "executions": [["r", 0]]}
+            unknown = await http.post(f"{service.url}/v1/acknowledge", json=nobody, headers=RIGHT)
+            assert (unknown.status_code, unknown.json()["error"]["type"]) == (400, "ConfigError")
+            acks = [e for e in await control_log(http, agent) if e["path"].endswith("/acknowledge-completed")]
+            assert len(acks) == 2  # "done" and "never": nothing refused up front was sent
+            await assert_all_accepting(http, running)
