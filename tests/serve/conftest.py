@@ -11,16 +11,12 @@ The coordinator tests' fixtures (`token`, `make_cluster`, `cluster`, `configure`
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import signal
 import subprocess
-import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 
@@ -28,6 +24,7 @@ from coordinator.protocol import TOKEN_ENV
 from tests.coordinator.conftest import cluster, configure, make_cluster, sqlite_url, token
 from tools.gymsim.cluster import REPO_ROOT
 from tools.serve.auth import API_TOKEN_ENV
+from tools.serve.spawn import ServiceDidNotStart, start_service
 
 __all__ = [
     "Patience",
@@ -76,15 +73,6 @@ class ServiceProcess:
                 self.process.wait()
 
 
-def _first_line(stream: IO[str], timeout_s: float) -> str | None:
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: lines.put(stream.readline()), daemon=True).start()
-    try:
-        return lines.get(timeout=timeout_s)
-    except queue.Empty:
-        return None
-
-
 @pytest.fixture
 def spawn_service(token: str, tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
     started: list[ServiceProcess] = []
@@ -95,35 +83,11 @@ def spawn_service(token: str, tmp_path: Path) -> Iterator[Callable[..., ServiceP
         if api_token is not None:
             env[API_TOKEN_ENV] = api_token
         log_path = tmp_path / f"serve-{len(started)}.log"
-        log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115  # the child writes it
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tools",
-                "serve",
-                "--config",
-                str(config),
-                "--listen",
-                "127.0.0.1:0",
-                "--json",
-                *extra,
-            ],
-            cwd=str(REPO_ROOT),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-        )
-        log.close()
-        assert process.stdout is not None
-        line = _first_line(process.stdout, STARTUP_S)
-        if not line:
-            process.kill()
-            process.wait()
-            pytest.fail(f"quiesce serve did not start:\n{log_path.read_text()}")
-        service = ServiceProcess(process, log_path, json.loads(line))
+        try:
+            process, announced = start_service(config, env, log_path, extra=extra, startup_s=STARTUP_S)
+        except ServiceDidNotStart as error:
+            pytest.fail(str(error))
+        service = ServiceProcess(process, log_path, announced)
         started.append(service)
         return service
 

@@ -32,7 +32,6 @@ import secrets
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Final
@@ -45,8 +44,9 @@ from coordinator.protocol import TOKEN_ENV
 from ledger import AppendItem, Event, Ledger
 from tools.audit.bench import attempt_items
 from tools.bench.cycle import SETTLE_JITTER_S, SETTLE_S, SPEC, cluster, start_rollouts
-from tools.bench.harness import REPO_ROOT, Context, Result, Stats, child_env, run_child, stats_of
+from tools.bench.harness import Context, Result, Stats, child_env, run_child, stats_of
 from tools.serve.client import RemoteCoordinator
+from tools.serve.spawn import start_service
 
 CYCLES: Final = 60
 ATTEMPTS: Final = 10_000
@@ -61,32 +61,8 @@ GOAL_SCRAPE_MS: Final = 5.0
 def _spawn_service(config: Path, token: str, log: Path) -> tuple[subprocess.Popen[str], str]:
     env = {**child_env(), TOKEN_ENV: token}
     env.pop("QUIESCE_API_TOKEN", None)
-    with open(log, "w", encoding="utf-8") as errors:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tools",
-                "serve",
-                "--config",
-                str(config),
-                "--listen",
-                "127.0.0.1:0",
-                "--json",
-            ],
-            cwd=str(REPO_ROOT),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=errors,
-            text=True,
-        )
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    if not line:
-        process.wait()
-        raise RuntimeError(f"quiesce serve did not start:\n{log.read_text()}")
-    return process, json.loads(line)["listening"]
+    process, announced = start_service(config, env, log)
+    return process, str(announced["listening"])
 
 
 async def _one_save(coord: Any, payload: bytes) -> float:
