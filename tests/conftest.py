@@ -10,6 +10,8 @@
   server gives is checked against strict models of the RL anchor's wire; a test during which any
   drift was seen fails (``wire_oracle`` yields the `Violations`, for a test that provokes drift
   on purpose and takes it back).
+- ``crash_matrices``: when the session selects a crash-matrix test, both crash matrices start as
+  child processes at its first test and run beside the suite (``tests/recovery/matrices.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.oracle.wire import OracleMiddleware, Violations
+from tests.recovery.matrices import MODULE, Running, start_matrices
 from tools.gymsim import host as gymsim_host
 from tools.gymsim.base import GymServer, HostContext
 from tools.gymsim.spec import ServerSpec
@@ -47,6 +50,26 @@ def postgres() -> Iterator[TempPostgres]:
         pytest.skip(str(error))
     with cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session", autouse=True)
+def crash_matrices(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Running]]:
+    """The crash matrices, started with the session when a crash-matrix test is selected (else
+    none); PostgreSQL's only where the session's cluster runs (its test skips otherwise)."""
+    if not any(item.path.name == MODULE for item in request.session.items):
+        yield {}
+        return
+    cluster: TempPostgres | None
+    try:
+        cluster = request.getfixturevalue("postgres")
+    except pytest.skip.Exception:
+        cluster = None
+    running = start_matrices(tmp_path_factory.mktemp("crashmatrix"), cluster)
+    yield running
+    for child in running.values():
+        child.kill()
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

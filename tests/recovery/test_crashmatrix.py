@@ -1,56 +1,36 @@
 """The crash matrix as a test: every crash point of every cycle (save, restore, restore --resume,
 restore → checkpoint) on SQLite, a sampled third on PostgreSQL.
 
-Slow (minutes) but run by default: CI runs the full SQLite matrix. The matrix prints its table;
-run with `-s` to see it (or run `python -m tools.crashmatrix` directly).
+Slow (minutes) but run by default: CI runs the full SQLite matrix. Both matrices are child
+processes started with the session and run beside the rest of the suite
+(`tests/recovery/matrices.py`); each test waits for its own and judges it. Every matrix's table
+is printed; run with `-s` to see it (or run `python -m tools.crashmatrix` directly).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import uuid
-
 import pytest
 
-from tools.gymsim.cluster import REPO_ROOT
+from tests.recovery.matrices import Running
 from tools.pgtemp import TempPostgres
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 CYCLES = ["save", "restore", "restore-resume", "restore-checkpoint"]
 
 
-def _matrix(*args: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [sys.executable, "-m", "tools.crashmatrix", *args],
-        cwd=str(REPO_ROOT),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    print(done.stdout[-6000:])
-    return done
-
-
-def _summary(stdout: str) -> list[str]:
-    return [line for line in stdout.splitlines() if " points (" in line]
-
-
-def test_full_crash_matrix_on_sqlite() -> None:
-    done = _matrix("--ledger", "sqlite", "--cycle", "all")
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "all invariants hold" in done.stdout
-    summary = _summary(done.stdout)
+def _judge(child: Running) -> None:
+    code, output = child.finish()
+    assert code == 0, output[-6000:]
+    assert "all invariants hold" in output
+    summary = [line for line in output.splitlines() if " points (" in line]
     assert [line.split(":")[0] for line in summary] == CYCLES
     assert all(", 0 failed;" in line for line in summary)
+
+
+def test_full_crash_matrix_on_sqlite(crash_matrices: dict[str, Running]) -> None:
+    _judge(crash_matrices["sqlite"])
 
 
 @pytest.mark.postgres
-def test_sampled_crash_matrix_on_postgres(postgres: TempPostgres) -> None:
-    url = postgres.create_database(f"t_{uuid.uuid4().hex[:20]}")
-    done = _matrix("--ledger", "postgres", "--ledger-url", url, "--cycle", "all", "--sample", "3")
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "all invariants hold" in done.stdout
-    summary = _summary(done.stdout)
-    assert [line.split(":")[0] for line in summary] == CYCLES
-    assert all(", 0 failed;" in line for line in summary)
+def test_sampled_crash_matrix_on_postgres(postgres: TempPostgres, crash_matrices: dict[str, Running]) -> None:
+    _judge(crash_matrices["postgres"])
