@@ -8,6 +8,11 @@ URL. Rollouts run throughout: ``ROLLOUTS_PER_PROCESS`` agents per process each r
 rollout (policy model ``MODEL_LATENCY_S`` per call, then a tool call), so every prepare parks
 running rollouts and drains the model, and every commit writes real state files.
 
+Each run gets a cluster of its own, started for it: the rollouts' state (the model's call ledger
+and storage index, the agents' turn logs) grows for as long as they run and every commit writes
+all of it, so a cluster kept across runs made each run slower than the last (at N=64: 1.0, 5.3,
+17.8 s per save in three runs), with both sides slowed alike.
+
 One run (``run_scale``, a fresh process) holds a coordinator on a real SQLite ledger (durability
 full, ``fanout: parallel``, ``keep_latest: 1``) and a ``BareClient`` (``bareclient.py``: the same
 requests in the same role-group order to the same servers, with the same HTTP client code and
@@ -208,11 +213,11 @@ def measure(ctx: Context) -> Result:
     token = "bench-" + secrets.token_hex(8)
     table: dict[int, list[dict[str, Any]]] = {}
     for n in sizes:
-        with spawn_parts(n, token, ctx.work, 2 if ctx.quick else PROCESSES) as (urls, pids):
-            agents = [name for name in urls if name.startswith("agent_")]
-            with_rollouts = [a for i, a in enumerate(agents) if i // PROCESSES < ROLLOUTS_PER_PROCESS]
-            anyio.run(start_rollouts, urls, with_rollouts, 1, 1_000_000)
-            for index in range(ctx.runs):
+        for index in range(ctx.runs):  # a fresh cluster per run: see "Each run" in the docstring
+            with spawn_parts(n, token, ctx.work, 2 if ctx.quick else PROCESSES) as (urls, pids):
+                agents = [name for name in urls if name.startswith("agent_")]
+                with_rollouts = [a for i, a in enumerate(agents) if i // PROCESSES < ROLLOUTS_PER_PROCESS]
+                anyio.run(start_rollouts, urls, with_rollouts, 1, 1_000_000)
                 folder = ctx.work / f"scale-{n}-run-{index}"
                 folder.mkdir()
                 params = {"urls": urls, "token": token, "cycles": cycles, "dir": str(folder), "pids": pids,
