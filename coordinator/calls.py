@@ -385,20 +385,8 @@ class Caller:
                             status=exchange.status, body=exchange.body, error="protocol", detail=problem
                         )
         outcome = await self._record(checkpoint_id, server, call_id, exchange, elapsed)
-        return CallResult(
-            call_id=call_id,
-            server=server,
-            path=path,
-            ok=exchange.error is None,
-            status=exchange.status,
-            body=exchange.body,
-            reply=reply if exchange.error is None else None,
-            error=exchange.error,
-            code=exchange.code,
-            detail=exchange.detail,
-            elapsed_s=elapsed,
-            sent_seq=sent.seq,
-            outcome_seq=outcome,
+        return _result(
+            call_id, server, path, exchange, reply, elapsed, sent_seq=sent.seq, outcome_seq=outcome
         )
 
     async def _record(
@@ -497,18 +485,36 @@ async def peek_capabilities(
                 error="protocol",
                 detail=f"reply does not match Capabilities: {_summarize(error)}",
             )
+    return _result("", name, CAPABILITIES_PATH, exchange, reply, time.monotonic() - started)
+
+
+def _result(
+    call_id: str,
+    server: str,
+    path: str,
+    exchange: _Exchange,
+    reply: BaseModel | None,
+    elapsed_s: float,
+    *,
+    sent_seq: int = 0,
+    outcome_seq: int = 0,
+) -> CallResult:
+    """A sent call's result: ok exactly when the exchange has no error (only then the reply)."""
+    ok = exchange.error is None
     return CallResult(
-        call_id="",
-        server=name,
-        path=CAPABILITIES_PATH,
-        ok=exchange.error is None,
+        call_id=call_id,
+        server=server,
+        path=path,
+        ok=ok,
         status=exchange.status,
         body=exchange.body,
-        reply=reply if exchange.error is None else None,
+        reply=reply if ok else None,
         error=exchange.error,
         code=exchange.code,
         detail=exchange.detail,
-        elapsed_s=time.monotonic() - started,
+        elapsed_s=elapsed_s,
+        sent_seq=sent_seq,
+        outcome_seq=outcome_seq,
     )
 
 
