@@ -9,11 +9,15 @@
   (``durable=False``) under "full" sets it for its own transaction only (``SET LOCAL``); the next
   synchronous commit flushes the WAL past it, and closing the ledger ends with one such commit.
 - An append runs on the writer session's own asyncpg connection (the driver connection under
-  SQLAlchemy's), not through SQLAlchemy: one transaction of three statements — the append lock
-  (with ``synchronous_commit`` for a write-behind one), the events insert conditional on the
-  stored head (``apply_append``'s check, in the same statement), and the ``attempts`` upsert —
-  so a commit costs the round trips of a plain insert plus two. The projection rows it folds
-  from come from the writer's cache, or are read first in one query.
+  SQLAlchemy's), not through SQLAlchemy, as ONE statement — its own transaction, one round trip,
+  against a plain insert's three (BEGIN, INSERT, COMMIT): the append lock (and, for a write-behind
+  one, ``synchronous_commit`` off for that transaction), the events insert conditional on the
+  stored head (``apply_append``'s check), and the ``attempts`` upsert, which runs only if the
+  events went in. The statement's snapshot is taken before the lock is granted; a row another
+  session committed in between is still refused, by revision 0003's insert-at-head trigger
+  (its query sees the latest commit) and the seq primary key — both raise, which fences this
+  writer. The projection rows it folds from come from the writer's cache, or are read first in
+  one query (only this writer writes them).
 - Losing the writer session (the server ended it — e.g. a standby's ``pg_terminate_backend`` —
   or the connection broke) loses the writer lock with it, so an append that fails that way
   raises ``FencedError``: this writer must stop.
@@ -59,22 +63,36 @@ CLAIM_WAIT_S = 2.0
 # The append's statements on the asyncpg connection (see the module docstring).
 _EV_TYPES = ("bigint", "varchar", "varchar", "varchar", "varchar", "varchar", "bigint", "text", "varchar",
              "varchar")  # fmt: skip
-_A_LOCK = "SELECT pg_advisory_xact_lock($1)"
-_A_LOCK_BEHIND = "SELECT pg_advisory_xact_lock($1), set_config('synchronous_commit', 'off', true)"
-#: Inserts the rows only if the stored head is $1 (0: empty); returns how many went in.
-_A_INSERT = (
-    f"WITH ins AS (INSERT INTO events ({', '.join(EVENT_COLUMNS)}) "
-    f"SELECT * FROM unnest({', '.join(f'${i + 2}::{t}[]' for i, t in enumerate(_EV_TYPES))}) "
-    "WHERE COALESCE((SELECT max(seq) FROM events), 0) = $1 RETURNING 1) SELECT count(*) FROM ins"
-)
+_AT_TYPES = ("varchar", "varchar", "varchar", "varchar", "varchar", "varchar", "float8", "text", "bigint",
+             "bigint", "bigint", "bigint", "bigint")  # fmt: skip
+
+
+def _append_statement(behind: bool) -> str:
+    """One append as one statement (see the module docstring): ``$1`` the append lock's key,
+    ``$2`` the writer's last known seq, then the rows' columns as arrays (``events``, then the
+    ``attempts`` rows to upsert). Returns how many events went in: all of them, or none when the
+    stored head is not ``$2``. ``behind``: the transaction commits with ``synchronous_commit``
+    off (a write-behind append under "full")."""
+    behind_sql = ", set_config('synchronous_commit', 'off', true)" if behind else ""
+    n = len(_EV_TYPES)
+    ev = ", ".join(f"${i + 3}::{t}[]" for i, t in enumerate(_EV_TYPES))
+    at = ", ".join(f"${i + 3 + n}::{t}[]" for i, t in enumerate(_AT_TYPES))
+    return (
+        f"WITH held AS (SELECT pg_advisory_xact_lock($1){behind_sql}), "
+        f"ins AS (INSERT INTO events ({', '.join(EVENT_COLUMNS)}) SELECT * FROM unnest({ev}) "
+        "WHERE (SELECT count(*) FROM held) = 1 AND COALESCE((SELECT max(seq) FROM events), 0) = $2 "
+        "RETURNING 1), "
+        f"up AS (INSERT INTO attempts ({', '.join(COLUMNS)}) SELECT * FROM unnest({at}) "
+        "WHERE EXISTS (SELECT 1 FROM ins) ON CONFLICT (checkpoint_id) DO UPDATE SET "
+        + ", ".join(f"{c} = excluded.{c}" for c in COLUMNS if c != "checkpoint_id")
+        + ") SELECT count(*) FROM ins"
+    )
+
+
+_A_APPEND = _append_statement(behind=False)
+_A_APPEND_BEHIND = _append_statement(behind=True)
 _A_HEAD = "SELECT seq, epoch FROM events ORDER BY seq DESC LIMIT 1"
 _A_GET = f"SELECT {', '.join(COLUMNS)} FROM attempts WHERE checkpoint_id = ANY($1::varchar[])"
-_A_UPSERT = (
-    f"INSERT INTO attempts ({', '.join(COLUMNS)})"
-    f" VALUES ({', '.join(f'${i + 1}' for i in range(len(COLUMNS)))}) "
-    "ON CONFLICT (checkpoint_id) DO UPDATE SET "
-    + ", ".join(f"{c} = excluded.{c}" for c in COLUMNS if c != "checkpoint_id")
-)
 
 
 class _Prefetched:
@@ -217,37 +235,43 @@ class PostgresBackend(Backend):
         return self._driver
 
     async def _append_fast(self, batch: Batch) -> None:
-        """``apply_append`` in one transaction of three statements (see the module docstring)."""
+        """``apply_append`` as one statement in its own transaction (see the module docstring)."""
         conn = await self._asyncpg()
         cached = self._cache.rows
         missing = sorted({cid for e in batch.events for cid in touched(e) if cid not in cached})
+        behind = not batch.durable and self._durability == "full"
         try:
-            async with conn.transaction():
-                lock = _A_LOCK_BEHIND if not batch.durable and self._durability == "full" else _A_LOCK
-                await conn.execute(lock, APPEND_LOCK_KEY)
-                found = {}
-                if missing:
-                    found = {r[0]: from_columns(tuple(r)) for r in await conn.fetch(_A_GET, missing)}
-                tx = _Prefetched(found)
-                written = apply_append(tx, batch, self._cache)
-                columns = [list(column) for column in zip(*batch.rows, strict=True)]
-                inserted = await conn.fetchval(_A_INSERT, batch.expected_last, *columns)
-                if inserted != len(batch.rows):
-                    head = await conn.fetchrow(_A_HEAD)
-                    last, head_epoch = (int(head[0]), int(head[1])) if head is not None else (0, 0)
-                    if head_epoch > batch.epoch:
-                        detail = f"epoch {head_epoch} exists, newer than this writer's epoch {batch.epoch}"
-                    else:
-                        known = batch.expected_last
-                        detail = f"its head is seq {last}, but this writer's last known seq is {known}"
-                    raise FencedError(fenced_message(batch.where, detail))
-                if tx.puts:
-                    await conn.executemany(_A_UPSERT, [tuple(to_columns(r).values()) for r in tx.puts])
+            found = {}
+            if missing:  # the writer's cache lacks them: read before the statement (only this writer writes)
+                found = {r[0]: from_columns(tuple(r)) for r in await conn.fetch(_A_GET, missing)}
+            tx = _Prefetched(found)
+            written = apply_append(tx, batch, self._cache)
+            events_columns = [list(column) for column in zip(*batch.rows, strict=True)]
+            puts = [tuple(to_columns(r).values()) for r in tx.puts]
+            attempts_columns = (
+                [list(column) for column in zip(*puts, strict=True)] if puts else [[] for _ in COLUMNS]
+            )
+            inserted = await conn.fetchval(
+                _A_APPEND_BEHIND if behind else _A_APPEND,
+                APPEND_LOCK_KEY,
+                batch.expected_last,
+                *events_columns,
+                *attempts_columns,
+            )
+            if inserted != len(batch.rows):  # nothing was written: the head is not where this writer left it
+                head = await conn.fetchrow(_A_HEAD)
+                last, head_epoch = (int(head[0]), int(head[1])) if head is not None else (0, 0)
+                if head_epoch > batch.epoch:
+                    detail = f"epoch {head_epoch} exists, newer than this writer's epoch {batch.epoch}"
+                else:
+                    known = batch.expected_last
+                    detail = f"its head is seq {last}, but this writer's last known seq is {known}"
+                raise FencedError(fenced_message(batch.where, detail))
         except BaseException:
             self._cache.clear()
             raise
         self._cache.committed(written)
-        self._unsynced = not batch.durable and self._durability == "full"
+        self._unsynced = behind
 
     async def append(self, batch: Batch) -> None:
         if self._writer is None:

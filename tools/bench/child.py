@@ -18,7 +18,7 @@ from typing import Any
 
 import anyio
 
-from tools.bench.harness import peak_rss_mb
+from tools.bench.clichild import peak_rss_mb
 
 
 def main(argv: list[str]) -> int:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -28,7 +26,7 @@ import anyio
 from coordinator.protocol import TOKEN_ENV
 from ledger import Event, Ledger, upgrade_schema
 from tools.bench.cycle import SPEC, cluster, start_rollouts
-from tools.bench.harness import REPO_ROOT, BenchError, Context, Result, Stats, child_env
+from tools.bench.harness import Context, Result, Stats, run_cli
 from tools.bench.history import copy_ledger, history
 from tools.gymsim.cluster import write_yaml_atomic
 
@@ -55,24 +53,10 @@ def _checkpoint(config: Path, token: str, ledger: Path) -> dict[str, Any]:
     url = f"sqlite+aiosqlite:///{ledger}"
     before = anyio.run(_head, url) if ledger.exists() else 0
     spawned_wall = time.time()
-    start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "tools.cli.main", "checkpoint", "--config", str(config), "--json"],
-        cwd=str(REPO_ROOT),
-        env={**child_env(), TOKEN_ENV: token},
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    wall = time.perf_counter() - start
+    done = run_cli(["checkpoint", "--config", str(config), "--json"], env={TOKEN_ENV: token})
+    wall = done["wall_s"]
     ended_wall = spawned_wall + wall
-    if done.returncode != 0:
-        raise BenchError(
-            f"quiesce checkpoint exited {done.returncode}: {(done.stderr or done.stdout)[-800:]}"
-        )
-    json.loads(done.stdout)
+    json.loads(done["stdout"])
     events = anyio.run(_tail, url, before)
     opened = next(e for e in events if e.kind == "coordinator.started")
     discovered = next(e for e in events if e.kind == "discovery.completed")

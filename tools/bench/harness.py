@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
 import sqlite3
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,18 +61,6 @@ class Stats:
 def stats_of(runs: Sequence[dict[str, Any]], key: str) -> Stats:
     """``Stats`` of ``run[key]`` over the runs."""
     return Stats.of([float(run[key]) for run in runs])
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident set size in MB (``VmHWM``; ``ru_maxrss`` as a fallback)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def child_env() -> dict[str, str]:
@@ -126,6 +114,38 @@ def run_child(
     if sampler is not None:
         result["tree_peak_rss_mb"] = sampler.peak_mb
         result["tree_processes"] = sampler.most_processes
+    return result
+
+
+def run_cli(
+    args: Sequence[str], *, env: dict[str, str] | None = None, timeout_s: float = 600.0
+) -> dict[str, Any]:
+    """Run ``quiesce ARGS`` in a fresh interpreter that imports only the CLI (``clichild``).
+
+    Returns ``exit``, ``stdout``, ``peak_rss_mb`` and ``process_cpu_s`` (reported by that process
+    about itself) and ``wall_s``, spawn to exit seen from here: Python's start-up and the CLI's
+    imports, not the bench's. A non-zero exit raises ``BenchError`` with the output's tail.
+    """
+    with tempfile.TemporaryDirectory(prefix="quiesce-bench-cli-") as scratch:
+        report = Path(scratch) / "report.json"
+        started = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-m", "tools.bench.clichild", str(report), *args],
+            cwd=str(REPO_ROOT),
+            env={**child_env(), **(env or {})},
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+        wall = time.perf_counter() - started
+        if done.returncode != 0 or not report.exists():
+            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+            raise BenchError(f"quiesce {' '.join(args[:1])} exited {done.returncode}:\n{tail}")
+        result: dict[str, Any] = json.loads(report.read_text(encoding="utf-8"))
+    result["stdout"] = done.stdout
+    result["wall_s"] = wall
     return result
 
 

@@ -10,7 +10,7 @@ discovers and starts a save; the test-only crash point ``QUIESCE_CRASH_BEFORE_SE
 right before its 129th control request — after the 64 capabilities reads and the 64
 prepare-phase POSTs, before the drain's status poll — so 64 servers are paused or prepared under a
 dead coordinator. Then ``quiesce recover --config C --json`` runs in a new process
-(``run_recover``: the CLI's ``main`` in a fresh interpreter, which reports its own peak RSS,
+(``harness.run_cli``: a fresh interpreter that imports only the CLI and reports its own peak RSS,
 VmHWM), timed from spawn to exit. From the ledger: the span of its resume calls (first
 ``call.sent`` to last outcome: "one resume round") and of the recovery itself
 (``coordinator.started`` to ``recovery.completed``). Goal: the command's wall time minus the resume
@@ -20,8 +20,6 @@ shows what the history adds (recovery must cost O(unfinished attempts), not O(hi
 
 from __future__ import annotations
 
-import contextlib
-import io
 import secrets
 from datetime import datetime
 from pathlib import Path
@@ -32,7 +30,7 @@ import anyio
 from coordinator.protocol import TOKEN_ENV
 from ledger import Event, Ledger
 from tools.bench.cycle import cluster
-from tools.bench.harness import BenchError, Context, Result, Stats, run_child
+from tools.bench.harness import BenchError, Context, Result, Stats, run_cli
 from tools.bench.history import copy_ledger, crash_mid_save, history
 from tools.bench.scale import spec_for
 from tools.gymsim.cluster import write_yaml_atomic
@@ -41,21 +39,6 @@ PARTICIPANTS = 64
 QUICK_PARTICIPANTS = 8
 HISTORY_EVENTS = 1_000_000
 QUICK_HISTORY_EVENTS = 5_000
-
-
-def run_recover(config: str, token: str) -> dict[str, Any]:
-    """``quiesce recover --config C --json`` through the CLI's ``main``, in this (fresh) process."""
-    import os
-
-    from tools.cli.main import main
-
-    os.environ[TOKEN_ENV] = token
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main(["recover", "--config", config, "--json"])
-    if code != 0:
-        raise BenchError(f"quiesce recover exited {code}: {out.getvalue()[-800:]}")
-    return {"exit": code}
 
 
 def _ts(at: str) -> float:
@@ -87,7 +70,7 @@ def _one_run(ctx: Context, n: int, token: str, fanout: str, folder: Path) -> dic
         touched = {
             e.server for e in before if e.kind == "call.sent" and e.data.get("method") == "POST" and e.server
         }
-        done = run_child("recover:run_recover", {"config": str(config), "token": token})
+        done = run_cli(["recover", "--config", str(config), "--json"], env={TOKEN_ENV: token})
         after = anyio.run(_events_after, ledger_url, crashed_head)
     sent = {
         e.call_id: e

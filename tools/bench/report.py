@@ -103,4 +103,6 @@ def render_markdown(document: dict[str, Any]) -> str:
     ]
     if load:
         lines.append(f"- load average at start: {', '.join(f'{x:.2f}' for x in load)} (a shared machine)")
+    if m.get("bytecode"):
+        lines.append(f"- quiesce's bytecode for the child processes: {m['bytecode']}")
     return "\n".join(lines) + "\n"

@@ -9,8 +9,12 @@ requests: ``POST /v1/attempts``, then ``/publish`` with ``resume``). Both sides 
 small trainer file into the staging folder, and the embedded side's ledger starts one epoch
 later, so the two sides' checkpoint ids never collide on the servers. After one warm-up save
 each, ``CYCLES`` measured saves per side alternate (the order flips every round), each after the
-same random settle time as #3. The per-run medians give the ratio service / embedded and the
-milliseconds the service adds per save (goal: at most 5 ms).
+same random settle time as #3. The two saves of a round are paired (same settle time, one right
+after the other): the per-run medians of their differences and ratios give the milliseconds the
+service adds per save (goal: at most 5 ms) and the ratio service / embedded — paired, because a
+save's time moves by ±20% with where the rollouts are in their turns, which a difference of two
+medians carries whole. CPU per save is reported beside it: embedded, the measuring process's;
+through the service, the service process's plus the measuring (client) process's.
 
 **Scrape.** One run (``run_scrape``, a fresh process) folds the events of ``ATTEMPTS`` recorded
 attempts into a service's metrics through ``Metrics.observe`` — the path the coordinator's events
@@ -44,11 +48,11 @@ from coordinator.protocol import TOKEN_ENV
 from ledger import AppendItem, Event, Ledger
 from tools.audit.bench import attempt_items
 from tools.bench.cycle import SETTLE_JITTER_S, SETTLE_S, SPEC, cluster, start_rollouts
-from tools.bench.harness import Context, Result, Stats, child_env, run_child, stats_of
+from tools.bench.harness import Context, Result, Stats, child_env, process_cpu_s, run_child, stats_of
 from tools.serve.client import RemoteCoordinator
 from tools.serve.spawn import start_service
 
-CYCLES: Final = 60
+CYCLES: Final = 100
 ATTEMPTS: Final = 10_000
 SCRAPES: Final = 200
 GOAL_ADDED_MS: Final = 5.0
@@ -86,6 +90,7 @@ async def run_saves(config: dict[str, Any], token: str, cycles: int, dir: str) -
     process, url = _spawn_service(folder / "service.yaml", token, folder / "service.log")
     payload = os.urandom(4096)
     took: dict[str, list[float]] = {"embedded": [], "service": []}
+    cpu: dict[str, list[float]] = {"embedded": [], "service": []}
     rng = random.Random()
     try:
         async with (
@@ -101,17 +106,29 @@ async def run_saves(config: dict[str, Any], token: str, cycles: int, dir: str) -
                 settle_s = SETTLE_S + rng.random() * SETTLE_JITTER_S
                 for side in ("embedded", "service") if i % 2 == 0 else ("service", "embedded"):
                     await anyio.sleep(settle_s)
+                    # CPU: this process's (embedded: the coordinator; service: the client), plus the
+                    # service process's for a save through it
+                    before = time.process_time(), process_cpu_s(process.pid)
                     took[side].append(await _one_save(sides[side], payload))
+                    spent = time.process_time() - before[0]
+                    if side == "service":
+                        spent += process_cpu_s(process.pid) - before[1]
+                    cpu[side].append(spent)
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=120)
     medians = {side: statistics.median(values) for side, values in took.items()}
+    pairs = list(zip(took["embedded"], took["service"], strict=True))
     gaps = {side: await _caller_gap(configs[side].ledger) for side in configs}
     return {
         "embedded_s": medians["embedded"],
         "service_s": medians["service"],
-        "ratio": medians["service"] / medians["embedded"],
-        "added_s": medians["service"] - medians["embedded"],
+        # paired: the two saves of a round follow the same settle time, one right after the other
+        "ratio": statistics.median(s / e for e, s in pairs),
+        "added_s": statistics.median(s - e for e, s in pairs),
+        # means: the service process's CPU is read in clock ticks (10 ms), so only a sum is exact enough
+        "embedded_cpu_s": statistics.fmean(cpu["embedded"]),
+        "service_cpu_s": statistics.fmean(cpu["service"]),
         "embedded_gap_s": gaps["embedded"],
         "service_gap_s": gaps["service"],
     }
@@ -348,6 +365,13 @@ def measure(ctx: Context) -> Result:
         transport="the same to Gym; caller to coordinator: loopback HTTP (httpx), 2 requests per save",
         order="the same",
     )
+    cpu_e, cpu_s = stats_of(saves, "embedded_cpu_s"), stats_of(saves, "service_cpu_s")
+    result.metric("embedded_cpu_s", cpu_e, "s")
+    result.metric("service_cpu_s", cpu_s, "s")
+    result.notes.append(
+        f"CPU per save (a run's mean): embedded {cpu_e.fmt(1e3, 1, 'ms')} (the coordinator, in the measuring"
+        f" process); through the service {cpu_s.fmt(1e3, 1, 'ms')} (service process + client)"
+    )
     gap_e, gap_s = stats_of(saves, "embedded_gap_s"), stats_of(saves, "service_gap_s")
     result.metric("embedded_gap_s", gap_e, "s")
     result.metric("service_gap_s", gap_s, "s")
@@ -359,6 +383,7 @@ def measure(ctx: Context) -> Result:
     )
     result.notes.append(
         f"{cycles} measured saves per side per run, alternating (order flipped every round) after one warm-up"
+        " each; 'adds' and the ratio are the medians over a run's rounds of the paired difference and ratio"
         " each; each save writes a 4 KiB trainer file into the staging folder; the service is a real"
         " `quiesce serve` process on its own SQLite ledger, driven by `RemoteCoordinator.save()` (two"
         " requests); the embedded side is `Coordinator.save()` in the measuring process"

@@ -1,0 +1,78 @@
+"""The PostgreSQL append as one statement (ledger/postgres.py): committed when it returns, the
+write-behind setting confined to its own transaction, the projection written with the events or
+not at all, and a row slipped in by another session fences the writer."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from ledger import FencedError, Ledger
+from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, raw_sql, started
+from tools.pgtemp import TempPostgres
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def pg_url(postgres: TempPostgres) -> str:
+    return postgres.create_database(f"t_{uuid.uuid4().hex[:20]}")
+
+
+async def _writer_state(url: str) -> list[tuple[object, ...]]:
+    """The state of every other session on this database: the writer's, seen from outside."""
+    return await raw_sql(
+        url,
+        "SELECT state FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        " AND backend_type = 'client backend'",
+    )
+
+
+async def test_each_append_is_committed_and_leaves_no_transaction_open(pg_url: str) -> None:
+    async with Ledger.open(pg_url) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        await ledger.append("attempt.started", checkpoint_id="c1", data=started())
+        behind = await ledger.append(
+            "call.sent", checkpoint_id="c1", server="agent", call_id="k1", data=SENT, durable=False
+        )
+        # committed: another session sees it and the projection row it changed, at once
+        assert await raw_sql(pg_url, f"SELECT kind FROM events WHERE seq = {behind.seq}") == [("call.sent",)]
+        assert await raw_sql(pg_url, "SELECT calls, last_seq FROM attempts WHERE checkpoint_id = 'c1'") == [
+            (1, behind.seq)
+        ]
+        # no session of the writer is left inside a transaction
+        states = await _writer_state(pg_url)
+        assert states
+        assert all(state == ("idle",) for state in states), states
+        await ledger.append("call.replied", checkpoint_id="c1", server="agent", call_id="k1", data=REPLIED)
+        assert (await raw_sql(pg_url, "SELECT count(*) FROM events"))[0] == (4,)
+
+
+async def test_write_behind_turns_synchronous_commit_off_for_its_transaction_only(pg_url: str) -> None:
+    async with Ledger.open(pg_url) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        conn = await ledger._backend._asyncpg()  # type: ignore[attr-defined]  # the writer's own session
+        await conn.execute("SET synchronous_commit = on")  # the test cluster's default is off
+        await ledger.append(
+            "call.sent", checkpoint_id="c1", server="agent", call_id="k1", data=SENT, durable=False
+        )
+        assert await conn.fetchval("SHOW synchronous_commit") == "on"
+
+
+async def test_a_row_slipped_in_by_another_session_fences_and_writes_nothing(pg_url: str) -> None:
+    async with Ledger.open(pg_url) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        first = await ledger.append("attempt.started", checkpoint_id="c1", data=started())
+        # another session appends the next link of the chain behind the writer's back
+        await raw_sql(
+            pg_url,
+            "INSERT INTO events (seq, at, kind, checkpoint_id, server, call_id, epoch, data, prev_hash, hash)"
+            f" VALUES ({first.seq + 1}, '2025-01-01T00:00:00.000000Z', 'note', NULL, NULL, NULL, 1, '{{}}',"
+            f" '{first.hash}', '{'f' * 64}')",
+        )
+        with pytest.raises(FencedError, match=f"head is seq {first.seq + 1}"):
+            await ledger.append("call.sent", checkpoint_id="c1", server="agent", call_id="k1", data=SENT)
+    # the projection did not count the refused call
+    assert await raw_sql(pg_url, "SELECT calls FROM attempts WHERE checkpoint_id = 'c1'") == [(0,)]
+    assert (await raw_sql(pg_url, "SELECT count(*) FROM events"))[0] == (3,)
