@@ -9,8 +9,8 @@
   (``durable=False``) under "full" sets it for its own transaction only (``SET LOCAL``); the next
   synchronous commit flushes the WAL past it, and closing the ledger ends with one such commit.
 - An append runs on the writer session's own asyncpg connection (the driver connection under
-  SQLAlchemy's), not through SQLAlchemy, as ONE statement — its own transaction, one round trip,
-  against a plain insert's three (BEGIN, INSERT, COMMIT): the append lock (and, for a write-behind
+  SQLAlchemy's), not through SQLAlchemy, as ONE statement (``append_statement``) — its own
+  transaction, one round trip, as a plain autocommit insert: the append lock (and, for a write-behind
   one, ``synchronous_commit`` off for that transaction), the events insert conditional on the
   stored head (``apply_append``'s check), and the ``attempts`` upsert, which runs only if the
   events went in. The statement's snapshot is taken before the lock is granted; a row another
@@ -30,6 +30,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -67,30 +68,40 @@ _AT_TYPES = ("varchar", "varchar", "varchar", "varchar", "varchar", "varchar", "
              "bigint", "bigint", "bigint", "bigint")  # fmt: skip
 
 
-def _append_statement(behind: bool) -> str:
-    """One append as one statement (see the module docstring): ``$1`` the append lock's key,
-    ``$2`` the writer's last known seq, then the rows' columns as arrays (``events``, then the
-    ``attempts`` rows to upsert). Returns how many events went in: all of them, or none when the
-    stored head is not ``$2``. ``behind``: the transaction commits with ``synchronous_commit``
-    off (a write-behind append under "full")."""
+@functools.cache
+def append_statement(behind: bool, one_row: bool, puts: int) -> str:
+    """One append as one statement (see the module docstring). ``$1`` is the append lock's key,
+    ``$2`` the writer's last known seq, then the events' columns, then the ``attempts`` rows'.
+    ``one_row`` (one event, at most one projection row: a recorded call's usual append) passes
+    the columns as plain parameters; otherwise each column is an array of the rows' values (one
+    array per column, ``unnest``ed), as is every projection column when ``puts`` > 1.
+    Returns how many events went in: all of them, or none when the stored head is not ``$2``
+    (then no projection row is written either). ``behind``: the transaction commits with
+    ``synchronous_commit`` off (a write-behind append under "full")."""
     behind_sql = ", set_config('synchronous_commit', 'off', true)" if behind else ""
     n = len(_EV_TYPES)
-    ev = ", ".join(f"${i + 3}::{t}[]" for i, t in enumerate(_EV_TYPES))
-    at = ", ".join(f"${i + 3 + n}::{t}[]" for i, t in enumerate(_AT_TYPES))
-    return (
+
+    def source(types: Sequence[str], first: int, scalar: bool) -> str:
+        if scalar:
+            return "SELECT " + ", ".join(f"${i + first}::{t}" for i, t in enumerate(types))
+        return "SELECT * FROM unnest(" + ", ".join(f"${i + first}::{t}[]" for i, t in enumerate(types)) + ")"
+
+    statement = (
         f"WITH held AS (SELECT pg_advisory_xact_lock($1){behind_sql}), "
-        f"ins AS (INSERT INTO events ({', '.join(EVENT_COLUMNS)}) SELECT * FROM unnest({ev}) "
+        f"ins AS (INSERT INTO events ({', '.join(EVENT_COLUMNS)}) {source(_EV_TYPES, 3, one_row)} "
         "WHERE (SELECT count(*) FROM held) = 1 AND COALESCE((SELECT max(seq) FROM events), 0) = $2 "
-        "RETURNING 1), "
-        f"up AS (INSERT INTO attempts ({', '.join(COLUMNS)}) SELECT * FROM unnest({at}) "
-        "WHERE EXISTS (SELECT 1 FROM ins) ON CONFLICT (checkpoint_id) DO UPDATE SET "
-        + ", ".join(f"{c} = excluded.{c}" for c in COLUMNS if c != "checkpoint_id")
-        + ") SELECT count(*) FROM ins"
+        "RETURNING 1)"
     )
+    if puts:
+        statement += (
+            f", up AS (INSERT INTO attempts ({', '.join(COLUMNS)}) {source(_AT_TYPES, 3 + n, puts == 1)} "
+            "WHERE EXISTS (SELECT 1 FROM ins) ON CONFLICT (checkpoint_id) DO UPDATE SET "
+            + ", ".join(f"{c} = excluded.{c}" for c in COLUMNS if c != "checkpoint_id")
+            + ")"
+        )
+    return statement + " SELECT count(*) FROM ins"
 
 
-_A_APPEND = _append_statement(behind=False)
-_A_APPEND_BEHIND = _append_statement(behind=True)
 _A_HEAD = "SELECT seq, epoch FROM events ORDER BY seq DESC LIMIT 1"
 _A_GET = f"SELECT {', '.join(COLUMNS)} FROM attempts WHERE checkpoint_id = ANY($1::varchar[])"
 
@@ -246,18 +257,18 @@ class PostgresBackend(Backend):
                 found = {r[0]: from_columns(tuple(r)) for r in await conn.fetch(_A_GET, missing)}
             tx = _Prefetched(found)
             written = apply_append(tx, batch, self._cache)
-            events_columns = [list(column) for column in zip(*batch.rows, strict=True)]
             puts = [tuple(to_columns(r).values()) for r in tx.puts]
-            attempts_columns = (
-                [list(column) for column in zip(*puts, strict=True)] if puts else [[] for _ in COLUMNS]
-            )
-            inserted = await conn.fetchval(
-                _A_APPEND_BEHIND if behind else _A_APPEND,
-                APPEND_LOCK_KEY,
-                batch.expected_last,
-                *events_columns,
-                *attempts_columns,
-            )
+            one_row = len(batch.rows) == 1 and len(puts) <= 1
+            if one_row:
+                params: list[Any] = [*batch.rows[0], *(puts[0] if puts else ())]
+            else:
+                params = [list(column) for column in zip(*batch.rows, strict=True)]
+                if len(puts) == 1:
+                    params += puts[0]
+                elif puts:
+                    params += [list(column) for column in zip(*puts, strict=True)]
+            statement = append_statement(behind, one_row, min(len(puts), 2))
+            inserted = await conn.fetchval(statement, APPEND_LOCK_KEY, batch.expected_last, *params)
             if inserted != len(batch.rows):  # nothing was written: the head is not where this writer left it
                 head = await conn.fetchrow(_A_HEAD)
                 last, head_epoch = (int(head[0]), int(head[1])) if head is not None else (0, 0)
