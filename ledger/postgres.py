@@ -292,7 +292,7 @@ class PostgresBackend(Backend):
         try:
             with anyio.CancelScope(shield=True):
                 await self._append_fast(batch)
-        except (IntegrityError, asyncpg.UniqueViolationError):
+        except (IntegrityError, asyncpg.IntegrityConstraintViolationError):  # the seq key, the 0003 trigger
             raise FencedError(
                 f"ledger {self.where}: seq {batch.rows[0][0]} was taken by another writer; this "
                 "writer is fenced and must stop making calls"

@@ -7,9 +7,11 @@ from __future__ import annotations
 import random
 import uuid
 
+import anyio
 import pytest
 
 from ledger import FencedError, Ledger, replay_url
+from ledger.backend import APPEND_LOCK_KEY
 from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, random_items, raw_sql, started
 from tools.pgtemp import TempPostgres
 
@@ -19,6 +21,11 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def pg_url(postgres: TempPostgres) -> str:
     return postgres.create_database(f"t_{uuid.uuid4().hex[:20]}")
+
+
+_WAITING_FOR_ADVISORY_LOCK = (
+    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND wait_event = 'advisory'"
+)
 
 
 async def _writer_state(url: str) -> list[tuple[object, ...]]:
@@ -106,3 +113,54 @@ async def test_every_statement_shape_writes_the_projection_replay_rebuilds(pg_ur
     assert report.ok, report.problem
     assert report.events == len(items) + 1
     assert (await raw_sql(pg_url, "SELECT count(*) FROM attempts"))[0][0] > 0
+
+
+async def test_a_row_committed_while_the_append_waits_for_the_lock_fences(pg_url: str) -> None:
+    """The append statement's snapshot predates the append lock it waits for: a row another
+    session commits meanwhile passes the statement's own head check, and is refused by the
+    insert-at-head trigger (or the seq key) instead — still a fence, never a second row at a seq."""
+    import asyncpg
+
+    async with Ledger.open(pg_url) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        first = await ledger.append("attempt.started", checkpoint_id="c1", data=started())
+        rogue = await asyncpg.connect(pg_url.replace("postgresql+asyncpg://", "postgresql://"))
+        try:
+            transaction = rogue.transaction()
+            await transaction.start()
+            await rogue.execute("SELECT pg_advisory_xact_lock($1)", APPEND_LOCK_KEY)
+            await rogue.execute(
+                "INSERT INTO events (seq, at, kind, checkpoint_id, server, call_id, epoch, data, prev_hash,"
+                " hash) VALUES ($1, '2025-01-01T00:00:00.000000Z', 'note', NULL, NULL, NULL, 1, '{}',"
+                " $2, $3)",
+                first.seq + 1,
+                first.hash,
+                "f" * 64,
+            )
+            outcome: list[BaseException] = []
+
+            async def append() -> None:
+                try:
+                    await ledger.append(
+                        "call.sent", checkpoint_id="c1", server="agent", call_id="k1", data=SENT
+                    )
+                except BaseException as error:
+                    outcome.append(error)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(append)
+                # the writer's statement is waiting for the append lock the rogue session holds
+                for _ in range(3000):
+                    if await raw_sql(pg_url, _WAITING_FOR_ADVISORY_LOCK):
+                        break
+                    await anyio.sleep(0.02)
+                else:
+                    pytest.fail("the append never waited for the append lock")
+                await transaction.commit()
+        finally:
+            await rogue.close()
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], FencedError), outcome[0]
+    rows = await raw_sql(pg_url, "SELECT seq, kind FROM events ORDER BY seq")
+    assert rows[-1] == (first.seq + 1, "note")
+    assert await raw_sql(pg_url, "SELECT calls FROM attempts WHERE checkpoint_id = 'c1'") == [(0,)]
