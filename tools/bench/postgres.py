@@ -134,7 +134,7 @@ def measure(ctx: Context) -> Result:
     result = Result(
         7,
         "PostgreSQL: recorded call vs raw asyncpg; 4-server save, real vs null ledger; lease renewal",
-        "recorded call <= 1.5x raw insert + commit (x2); ledger adds <= 15% to a save",
+        "recorded call <= 1.5x raw autocommit insert (x2); ledger adds <= 15% to a save",
     )
     try:
         pg = TempPostgres().start()  # its own temp folder: the server runs as another OS user
