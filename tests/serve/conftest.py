@@ -14,15 +14,18 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
+import httpx
 import pytest
 
 from coordinator.protocol import TOKEN_ENV
 from tests.coordinator.conftest import cluster, configure, make_cluster, sqlite_url, token
-from tools.gymsim.cluster import REPO_ROOT
+from tools.gymsim.cluster import REPO_ROOT, RunningCluster
 from tools.serve.auth import API_TOKEN_ENV
 from tools.serve.spawn import ServiceDidNotStart, start_service
 
@@ -130,3 +133,31 @@ class Patience:
 
         assert time.monotonic() < self._until, f"gave up waiting for {what}"
         await anyio.sleep(0.05)
+
+
+#: A fault that makes the resources server's prepare hang: a save stays in progress until removed.
+HOLD = {"kind": "hang", "path": "/resources-checkpoint/prepare", "method": "POST"}
+
+
+@asynccontextmanager
+async def save_in_progress(http: httpx.AsyncClient, cluster: RunningCluster) -> AsyncIterator[dict[str, Any]]:
+    """`POST /v1/checkpoints` (through `http`, the service's client) held in its prepare phase by
+    `HOLD`: entered once the agent reports `prepared`; leaving removes the fault and waits for the
+    save's reply, then in the yielded dict's `"reply"`."""
+    from tests.coordinator.helpers import server_states, set_faults
+
+    await set_faults(http, cluster.urls["tools"], [HOLD])
+    result: dict[str, Any] = {}
+
+    async def save() -> None:
+        result["reply"] = await http.post("/v1/checkpoints", json={"deadline_s": 60})
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(save)
+        try:
+            patience = Patience()
+            while (await server_states(http, cluster))["simple_agent"][0] != "prepared":
+                await patience.wait("the agent prepared")
+            yield result
+        finally:
+            await http.delete(f"{cluster.urls['tools']}/gymsim/admin/faults")

@@ -22,13 +22,11 @@ import anyio
 import httpx
 import pytest
 
-from tests.coordinator.helpers import assert_all_accepting, read_events, server_states, set_faults
-from tests.serve.conftest import Patience, ServiceProcess, wait_ready
+from tests.coordinator.helpers import assert_all_accepting, read_events, server_states
+from tests.serve.conftest import ServiceProcess, save_in_progress, wait_ready
 from tools.gymsim.cluster import REPO_ROOT, RunningCluster
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
-
-HOLD = {"kind": "hang", "path": "/resources-checkpoint/prepare", "method": "POST"}
 
 
 def _config(cluster: RunningCluster, tmp_path: Path, ledger_url: str, **overrides: Any) -> Path:
@@ -170,17 +168,7 @@ async def test_409_names_the_save_in_progress(
     service: ServiceProcess = spawn_service(_config(cluster, tmp_path, ledger_url))
     await wait_ready(service.url)
     async with httpx.AsyncClient(base_url=service.url, trust_env=False, timeout=120) as http:
-        await set_faults(http, cluster.urls["tools"], [HOLD])
-        result: dict[str, Any] = {}
-
-        async def save() -> None:
-            result["reply"] = await http.post("/v1/checkpoints", json={"deadline_s": 60})
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(save)
-            patience = Patience()
-            while (await server_states(http, cluster))["simple_agent"][0] != "prepared":
-                await patience.wait('(await server_states(http, cluster))["simple_agent"][0] != "prepared"')
+        async with save_in_progress(http, cluster) as result:
             busy = await http.post("/v1/checkpoints")
             assert busy.status_code == 409
             error = busy.json()["error"]
@@ -189,7 +177,6 @@ async def test_409_names_the_save_in_progress(
             assert error["operation"] == "checkpoint"
             rows = (await http.get("/v1/attempts")).json()
             assert [r["checkpoint_id"] for r in rows if r["outcome"] is None] == [error["checkpoint_id"]]
-            await http.delete(f"{cluster.urls['tools']}/gymsim/admin/faults")
         assert result["reply"].status_code == 200, result["reply"].text
         assert result["reply"].json()["checkpoint_id"] == error["checkpoint_id"]
         await assert_all_accepting(http, cluster)

@@ -32,8 +32,8 @@ import pytest
 from coordinator import Attempt, ConfigError
 from coordinator.errors import AcknowledgementError, ServersHeld
 from coordinator.status import ClusterStatus
-from tests.coordinator.helpers import assert_all_accepting, control_log, server_states, set_faults
-from tests.serve.conftest import Patience, ServiceProcess, wait_ready
+from tests.coordinator.helpers import assert_all_accepting, control_log, server_states
+from tests.serve.conftest import Patience, ServiceProcess, save_in_progress, wait_ready
 from tools.cli.main import main as cli
 from tools.gymsim import client as gym
 from tools.gymsim.cluster import RunningCluster
@@ -44,7 +44,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
 API = "api-secret-for-tests"
 RIGHT = {"Authorization": f"Bearer {API}"}
-HOLD = {"kind": "hang", "path": "/resources-checkpoint/prepare", "method": "POST"}
 
 
 async def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
@@ -194,17 +193,7 @@ async def test_status_is_served_while_a_save_runs(
     service: ServiceProcess = spawn_service(config)
     await wait_ready(service.url)
     async with httpx.AsyncClient(base_url=service.url, trust_env=False, timeout=120) as http:
-        await set_faults(http, cluster.urls["tools"], [HOLD])
-        result: dict[str, Any] = {}
-
-        async def save() -> None:
-            result["reply"] = await http.post("/v1/checkpoints", json={"deadline_s": 60})
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(save)
-            patience = Patience()
-            while (await server_states(http, cluster))["simple_agent"][0] != "prepared":
-                await patience.wait("the agent prepared")
+        async with save_in_progress(http, cluster) as result:
             reply = await http.get("/v1/status")
             assert reply.status_code == 200, reply.text  # not 409: a status claims no operation
             status = reply.json()
@@ -215,7 +204,6 @@ async def test_status_is_served_while_a_save_runs(
             busy = await http.post("/v1/checkpoints")
             assert busy.status_code == 409
             assert busy.json()["error"]["checkpoint_id"] == holder["checkpoint_id"]
-            await http.delete(f"{cluster.urls['tools']}/gymsim/admin/faults")
         assert result["reply"].status_code == 200, result["reply"].text
         assert result["reply"].json()["checkpoint_id"] == holder["checkpoint_id"]
         assert (await http.get("/v1/status")).json()["idle"] is True

@@ -24,12 +24,10 @@ import pytest
 
 from ledger import Ledger
 from tests.coordinator.helpers import assert_all_accepting, clear_faults, server_states, set_faults
-from tests.serve.conftest import Patience, ServiceProcess, wait_ready
+from tests.serve.conftest import HOLD, Patience, ServiceProcess, wait_ready
 from tools.gymsim.cluster import RunningCluster
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
-
-HOLD = {"kind": "hang", "path": "/resources-checkpoint/prepare", "method": "POST"}
 
 
 def _config(cluster: RunningCluster, tmp_path: Path, ledger_url: str) -> Path:

@@ -33,7 +33,7 @@ from tests.coordinator.helpers import (
     server_states,
     set_faults,
 )
-from tests.serve.conftest import Patience, ServiceProcess, wait_ready
+from tests.serve.conftest import HOLD, Patience, ServiceProcess, wait_ready
 from tools.gymsim.cluster import RunningCluster
 from tools.pgtemp import TempPostgres
 from tools.serve.client import RemoteCoordinator
@@ -42,7 +42,6 @@ from tools.serve.errors import OutcomeUnknown
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres, pytest.mark.timeout(240)]
 
 LEASE_S = 2.0
-HOLD = {"kind": "hang", "path": "/resources-checkpoint/prepare", "method": "POST"}
 
 
 async def test_standby_takes_over_after_sigkill_mid_save(
