@@ -25,7 +25,6 @@ is checked by the definition.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Sequence
 from functools import partial
 from operator import is_not
@@ -42,8 +41,9 @@ UNLINKED = "prev_hash does not match the hash of the previous row"
 _not_none = partial(is_not, None)
 _sha256 = hashlib.sha256
 _Q = '"'
-#: The characters ``json.encoder.encode_basestring`` (the canonical encoding of text) escapes.
-_ESCAPED = re.compile(r'["\\\x00-\x1f]')
+#: The UTF-8 encodings of the characters ``json.encoder.encode_basestring`` (the canonical
+#: encoding of text) escapes: ``"``, ``\\`` and U+0000 to U+001F, one byte each.
+_ESCAPED_BYTES = b'"\\' + bytes(range(0x20))
 _INT = {int}
 _HEX_LENGTH = {64}
 
@@ -158,7 +158,7 @@ class _Quoted(dict[Any, str]):
             self[None] = "null"
 
     def __missing__(self, value: Any) -> str:
-        if type(value) is not str or _ESCAPED.search(value):
+        if type(value) is not str or _escapes(value):
             raise _Refused
         if len(self) >= _QUOTED_MAX:
             self.clear()
@@ -169,6 +169,16 @@ class _Quoted(dict[Any, str]):
 _QUOTED_MAX = 4096
 _quoted_kind = _Quoted(nullable=False)
 _quoted_opt = _Quoted(nullable=True)
+
+
+def _escapes(text: str) -> bool:
+    """Whether ``text`` holds a character the canonical encoding escapes.
+
+    Their UTF-8 encodings are the single bytes ``_ESCAPED_BYTES``, and no other character's
+    encoding holds any of these bytes, so deleting them shortens the encoding exactly when
+    ``text`` holds one. ``UnicodeEncodeError`` (a ``ValueError``) for text without a UTF-8 encoding."""
+    encoded = text.encode()
+    return len(encoded.translate(None, _ESCAPED_BYTES)) != len(encoded)
 
 
 def _fast(rows: Sequence[Sequence[Any]], after: tuple[int, str] | None) -> bool:
@@ -185,9 +195,8 @@ def _fast(rows: Sequence[Sequence[Any]], after: tuple[int, str] | None) -> bool:
         return False
     try:
         "".join(datas)  # TypeError unless every one is a str
-        for column in (ats, filter(_not_none, call_ids)):  # the others: _Quoted
-            if _ESCAPED.search("".join(column)):
-                return False
+        if _escapes("".join([*ats, *filter(_not_none, call_ids)])):  # the others: _Quoted
+            return False
         kq, oq, q = _quoted_kind, _quoted_opt, _Q
         digests = [
             _sha256(

@@ -2,7 +2,9 @@
 
 ``fold`` is the single definition of the projection. The writer applies it in the same
 transaction as each event it appends; ``ledger.replay`` applies it to the whole stream to rebuild
-the table. Both therefore agree by construction; ``replay --verify`` checks that they did.
+the table. Both therefore agree by construction; ``replay --verify`` checks that they did. Replay
+calls the same rules without building an ``Event``: ``fold_columns``/``touched_by`` take only the
+columns they read, and ``FoldFeed`` keeps only those (``FoldItem``).
 
 Rules (``fold(row, event)``, for each checkpoint id in ``touched(event)``):
 
@@ -35,11 +37,17 @@ from ledger.events import Event
 
 TERMINAL_OUTCOMES: Final = frozenset({"aborted", "published", "restored", "resumed", "abandoned"})
 
-#: The kinds whose payload ``fold`` reads. For any other kind ``fold`` ignores ``event.data``,
-#: which lets replay skip decoding those payloads.
-KINDS_READ_BY_FOLD: Final = frozenset(
-    {"attempt.started", "phase.started", "attempt.completed", "recovery.completed"}
-)
+#: The kinds whose payload ``fold`` (and ``touched``) reads, each with the only keys read, always
+#: as ``data.get(key)``. For any other kind ``fold`` ignores ``event.data``, which lets replay skip
+#: decoding those payloads, and keeping just these keys of the others changes no result
+#: (``payload_read_by_fold``).
+KEYS_READ_BY_FOLD: Final[dict[str, tuple[str, ...]]] = {
+    "attempt.started": ("kind", "deadline_ts", "participants"),
+    "phase.started": ("phase",),
+    "attempt.completed": ("outcome",),
+    "recovery.completed": ("outcomes",),
+}
+KINDS_READ_BY_FOLD: Final = frozenset(KEYS_READ_BY_FOLD)
 
 _STATE_OF: Final = {
     "attempt.publishing": "publishing",
@@ -85,13 +93,59 @@ class AttemptRow:
 
 
 _columns_of = attrgetter(*COLUMNS)
+_new = object.__new__
+(_set_cid, _set_kind, _set_state, _set_outcome, _set_started, _set_ended, _set_deadline, _set_participants,
+ _set_epoch, _set_calls, _set_failures, _set_recovered, _set_last) = (
+    AttemptRow.__dict__[name].__set__ for name in COLUMNS
+)  # fmt: skip
+
+
+def _row(
+    checkpoint_id: str,
+    kind: str,
+    state: str,
+    outcome: str | None,
+    started_at: str,
+    ended_at: str | None,
+    deadline_ts: float | None,
+    participants: tuple[str, ...],
+    epoch: int,
+    calls: int,
+    failures: int,
+    recovered_by: int | None,
+    last_seq: int,
+) -> AttemptRow:
+    """``AttemptRow(...)`` of the same values, built without the frozen ``__init__`` (which sets each
+    field through ``object.__setattr__``): it sets the same slots, so the row is equal in every
+    respect, at less than half the cost. ``fold`` builds every row through it."""
+    row = _new(AttemptRow)
+    _set_cid(row, checkpoint_id)
+    _set_kind(row, kind)
+    _set_state(row, state)
+    _set_outcome(row, outcome)
+    _set_started(row, started_at)
+    _set_ended(row, ended_at)
+    _set_deadline(row, deadline_ts)
+    _set_participants(row, participants)
+    _set_epoch(row, epoch)
+    _set_calls(row, calls)
+    _set_failures(row, failures)
+    _set_recovered(row, recovered_by)
+    _set_last(row, last_seq)
+    return row
+
+
+_COLUMN_SET: Final = frozenset(COLUMNS)
 
 
 def replace(row: AttemptRow, **changes: Any) -> AttemptRow:
-    """``row`` with ``changes`` applied (a faster ``dataclasses.replace``)."""
-    values = dict(zip(COLUMNS, _columns_of(row), strict=True))
-    values.update(changes)
-    return AttemptRow(**values)
+    """``row`` with ``changes`` applied (``dataclasses.replace``; ``TypeError`` for a name that is no
+    column). ``fold`` does not use it: it builds each row positionally (``_row``)."""
+    unknown = changes.keys() - _COLUMN_SET
+    if unknown:
+        raise TypeError(f"AttemptRow has no column {sorted(unknown)[0]!r}")
+    get = changes.get
+    return _row(*[get(name, value) for name, value in zip(COLUMNS, _columns_of(row), strict=True)])
 
 
 #: Kinds that never change a projection row (so appending them writes no projection row).
@@ -100,16 +154,20 @@ UNTOUCHING_KINDS: Final = frozenset({"call.replied"})
 
 def touched(event: Event) -> tuple[str, ...]:
     """The checkpoint ids whose projection row ``event`` may change, in a fixed order."""
-    kind = event.kind
+    return touched_by(event.kind, event.checkpoint_id, event.data)
+
+
+def touched_by(kind: str, checkpoint_id: str | None, data: dict[str, Any]) -> tuple[str, ...]:
+    """``touched`` of an event given by the columns it reads."""
     if kind in UNTOUCHING_KINDS:
         return ()
     if kind == "recovery.completed":
-        outcomes = event.data.get("outcomes")
+        outcomes = data.get("outcomes")
         ids = tuple(sorted(k for k in outcomes if isinstance(k, str))) if isinstance(outcomes, dict) else ()
-        if event.checkpoint_id is not None and event.checkpoint_id not in ids:
-            return (event.checkpoint_id, *ids)
+        if checkpoint_id is not None and checkpoint_id not in ids:
+            return (checkpoint_id, *ids)
         return ids
-    return () if event.checkpoint_id is None else (event.checkpoint_id,)
+    return () if checkpoint_id is None else (checkpoint_id,)
 
 
 #: The kind whose only effect is to count: ``fold`` of it is ``count_calls(row, 1, seq)``.
@@ -124,31 +182,10 @@ def count_calls(row: AttemptRow | None, n: int, last_seq: int) -> AttemptRow | N
     """
     if row is None:
         return None
-    return AttemptRow(
+    return _row(
         row.checkpoint_id, row.kind, row.state, row.outcome, row.started_at, row.ended_at,
         row.deadline_ts, row.participants, row.epoch, row.calls + n, row.failures, row.recovered_by, last_seq,
     )  # fmt: skip
-
-
-def _started(event: Event, checkpoint_id: str) -> AttemptRow:
-    data: dict[str, Any] = event.data
-    deadline = data.get("deadline_ts")
-    participants = data.get("participants")
-    return AttemptRow(
-        checkpoint_id=checkpoint_id,
-        kind=str(data.get("kind", "")),
-        state="started",
-        outcome=None,
-        started_at=event.at,
-        ended_at=None,
-        deadline_ts=float(deadline) if isinstance(deadline, int | float) else None,
-        participants=tuple(str(p) for p in participants) if isinstance(participants, list) else (),
-        epoch=event.epoch,
-        calls=0,
-        failures=0,
-        recovered_by=None,
-        last_seq=event.seq,
-    )
 
 
 def fold(row: AttemptRow | None, event: Event, checkpoint_id: str | None = None) -> AttemptRow | None:
@@ -158,56 +195,103 @@ def fold(row: AttemptRow | None, event: Event, checkpoint_id: str | None = None)
     (``recovery.completed`` touches several); it defaults to ``event.checkpoint_id``.
     """
     cid = checkpoint_id if checkpoint_id is not None else event.checkpoint_id
-    kind = event.kind
+    return fold_columns(row, cid, event.seq, event.at, event.kind, event.epoch, event.data)
+
+
+def fold_columns(
+    row: AttemptRow | None,
+    checkpoint_id: str | None,
+    seq: int,
+    at: str,
+    kind: str,
+    epoch: int,
+    data: dict[str, Any],
+) -> AttemptRow | None:
+    """``fold`` of an event given by the only columns it reads (the rules; see the module docstring).
+
+    ``data`` is read only for ``KINDS_READ_BY_FOLD``, and only at their ``KEYS_READ_BY_FOLD``.
+    """
     if row is None:
-        if kind == "attempt.started" and cid is not None:
-            return _started(event, cid)
+        if kind == "attempt.started" and checkpoint_id is not None:
+            deadline = data.get("deadline_ts")
+            participants = data.get("participants")
+            return _row(
+                checkpoint_id,
+                str(data.get("kind", "")),
+                "started",
+                None,
+                at,
+                None,
+                float(deadline) if isinstance(deadline, int | float) else None,
+                tuple(str(p) for p in participants) if isinstance(participants, list) else (),
+                epoch,
+                0,
+                0,
+                None,
+                seq,
+            )
         return None
-    seq = event.seq
     if kind == COUNTED_KIND:  # the most frequent event
         return count_calls(row, 1, seq)
+    # The columns an event can change; every other one is carried over.
+    state, outcome, ended_at, failures, recovered_by = (
+        row.state, row.outcome, row.ended_at, row.failures, row.recovered_by
+    )  # fmt: skip
     if kind == "call.failed":
-        return replace(row, failures=row.failures + 1, last_seq=seq)
-    if kind == "recovery.settled":
-        return replace(row, recovered_by=event.epoch, last_seq=seq)
-    if kind == "recovery.completed":
-        outcomes = event.data.get("outcomes")
-        outcome = outcomes.get(row.checkpoint_id) if isinstance(outcomes, dict) else None
-        if outcome == "abandoned" and row.outcome is None:
-            return replace(
-                row,
-                state="abandoned",
-                outcome="abandoned",
-                ended_at=event.at,
-                recovered_by=event.epoch,
-                last_seq=seq,
-            )
-        return replace(row, recovered_by=event.epoch, last_seq=seq)
-    if row.outcome is not None:  # terminal: only counters and recovery marks change
-        return replace(row, last_seq=seq)
-    if kind == "phase.started":
-        return replace(row, state=str(event.data.get("phase", "")), last_seq=seq)
-    state = _STATE_OF.get(kind)
-    if state is not None:
-        return replace(row, state=state, last_seq=seq)
-    if kind == "attempt.aborted":
-        return replace(row, state="aborted", outcome="aborted", ended_at=event.at, last_seq=seq)
-    if kind == "attempt.completed":
-        outcome = event.data.get("outcome")
-        return replace(
-            row,
-            state="completed",
-            outcome=str(outcome) if outcome is not None else "completed",
-            ended_at=event.at,
-            last_seq=seq,
-        )
-    return replace(row, last_seq=seq)
+        failures += 1
+    elif kind == "recovery.settled":
+        recovered_by = epoch
+    elif kind == "recovery.completed":
+        outcomes = data.get("outcomes")
+        named = outcomes.get(row.checkpoint_id) if isinstance(outcomes, dict) else None
+        if named == "abandoned" and outcome is None:
+            state = outcome = "abandoned"
+            ended_at = at
+        recovered_by = epoch
+    elif outcome is not None:  # terminal: only counters and recovery marks change
+        pass
+    elif kind == "phase.started":
+        state = str(data.get("phase", ""))
+    elif kind in _STATE_OF:
+        state = _STATE_OF[kind]
+    elif kind == "attempt.aborted":
+        state = outcome = "aborted"
+        ended_at = at
+    elif kind == "attempt.completed":
+        completed = data.get("outcome")
+        state = "completed"
+        outcome = str(completed) if completed is not None else "completed"
+        ended_at = at
+    return _row(
+        row.checkpoint_id, row.kind, state, outcome, row.started_at, ended_at, row.deadline_ts,
+        row.participants, row.epoch, row.calls, failures, recovered_by, seq,
+    )  # fmt: skip
 
 
-#: What ``fold_items`` folds: a stored ``events`` row (10 columns, ``ledger.layout.EVENT_COLUMNS``
-#: order), or ``(checkpoint_id, n, last_seq)`` standing for ``n`` consecutive ``call.sent`` events of
-#: that id (``count_calls``). Plain tuples: they cross process boundaries cheaply.
+#: What ``fold_items`` folds, as made by ``FoldFeed``: ``(seq, at, kind, checkpoint_id, epoch,
+#: payload)`` for one event (``payload``: ``payload_read_by_fold`` of its stored data text), or
+#: ``(checkpoint_id, n, last_seq)`` standing for ``n`` consecutive ``call.sent`` events of that id
+#: (``count_calls``). Plain tuples of the columns ``fold`` reads and no others: they cross process
+#: boundaries cheaply.
 FoldItem: TypeAlias = tuple[Any, ...]
+
+_NO_PAYLOAD: Final[dict[str, Any]] = {}  # read by nobody: fold reads no payload of those kinds
+
+
+def payload_read_by_fold(kind: str, data_text: Any) -> dict[str, Any] | None:
+    """What ``fold`` reads of a stored payload text: None for a kind whose payload it does not read;
+    for ``KINDS_READ_BY_FOLD``, the decoded object's entries at ``KEYS_READ_BY_FOLD`` (``{}`` when the
+    text is no JSON object). ``fold`` gives the same row for this as for the whole decoded payload."""
+    keys = KEYS_READ_BY_FOLD.get(kind)
+    if keys is None:
+        return None
+    try:
+        parsed = json.loads(data_text)
+    except (ValueError, TypeError):
+        return {}
+    if not isinstance(parsed, dict):
+        return {}
+    return {key: parsed[key] for key in keys if key in parsed}
 
 
 class FoldFeed:
@@ -217,7 +301,9 @@ class FoldFeed:
     checkpoint id the items keep the order of the events touching it, and a run of its
     ``call.sent`` events with no other event touching that id in between becomes one count: an
     event for an id first flushes that id's pending count, and ``recovery.completed`` (which may
-    touch any id) flushes all of them. Rows touching no id (``touched`` is empty) are dropped.
+    touch any id) flushes all of them. Rows touching no id (``touched`` is empty) are dropped. An
+    event's item keeps only what ``fold`` and ``touched`` read of it (``FoldItem``): its payload is
+    decoded here, once, so a replay worker (``ledger.replay_worker``) does it in parallel.
     """
 
     __slots__ = ("_counts", "items")
@@ -230,7 +316,7 @@ class FoldFeed:
         """Take stored rows (columns in ``ledger.layout.EVENT_COLUMNS`` order) following those added."""
         counts = self._counts
         items = self.items
-        counted, untouching = COUNTED_KIND, UNTOUCHING_KINDS
+        counted, untouching, read = COUNTED_KIND, UNTOUCHING_KINDS, KINDS_READ_BY_FOLD
         for row in rows:
             kind = row[2]
             if kind == counted:
@@ -252,7 +338,8 @@ class FoldFeed:
                     pending = counts.pop(cid, None)
                     if pending is not None:
                         items.append((cid, pending[0], pending[1]))
-                items.append(tuple(row))
+                payload = payload_read_by_fold(kind, row[7]) if kind in read else None
+                items.append((row[0], row[1], kind, cid, row[6], payload))
 
     def flush(self) -> None:
         """Turn every pending count into an item."""
@@ -266,33 +353,20 @@ class FoldFeed:
         return items
 
 
-def _event(row: Sequence[Any]) -> Event:
-    seq, at, kind, cid, server, call_id, epoch, data_text, prev_hash, digest = row
-    data: dict[str, Any] = {}
-    if kind in KINDS_READ_BY_FOLD:
-        try:
-            parsed = json.loads(data_text)
-        except (ValueError, TypeError):
-            parsed = {}
-        data = parsed if isinstance(parsed, dict) else {}
-    return Event(seq, at, kind, cid, server, call_id, epoch, data, prev_hash, digest)
-
-
 def fold_items(rows: dict[str, AttemptRow], items: Iterable[FoldItem]) -> None:
-    """Fold ``items`` (from ``FoldFeed``, in order) into ``rows`` (checkpoint id -> row), in place.
-
-    Only the payloads ``fold`` reads (``KINDS_READ_BY_FOLD``) are decoded.
-    """
+    """Fold ``items`` (from ``FoldFeed``, in order) into ``rows`` (checkpoint id -> row), in place."""
+    get = rows.get
     for item in items:
         if len(item) == 3:
             cid, n, last_seq = item
-            counted = count_calls(rows.get(cid), n, last_seq)
+            counted = count_calls(get(cid), n, last_seq)
             if counted is not None:
                 rows[cid] = counted
             continue
-        event = _event(item)
-        for touched_id in touched(event):
-            new = fold(rows.get(touched_id), event, touched_id)
+        seq, at, kind, cid, epoch, payload = item
+        data = _NO_PAYLOAD if payload is None else payload
+        for touched_id in touched_by(kind, cid, data):
+            new = fold_columns(get(touched_id), touched_id, seq, at, kind, epoch, data)
             if new is not None:
                 rows[touched_id] = new
 

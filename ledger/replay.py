@@ -20,8 +20,10 @@ process, ``PAGE_SIZE`` rows per query (memory: two pages plus one projection row
 id). A larger SQLite ledger is split into seq ranges of ``CHUNK_EVENTS`` checked by worker
 processes (``ledger.replay_worker``, one per CPU, each holding one page at a time); this process
 links the ranges to each other (``ledger.chain.link``) and folds their items in seq order, so the
-verdict, first bad seq included, is the one a single pass gives. The ranges end at the head seq
-read when the replay starts: events appended meanwhile are left for the next replay.
+verdict, first bad seq included, is the one a single pass gives. The items are the same either way
+(``FoldFeed`` makes them, here or in a worker) and fold to the rows ``fold`` over every whole
+event gives. The ranges end at the head seq read when the replay starts: events appended
+meanwhile are left for the next replay.
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ bytes, little-endian). End of input ends the process.
 Each range is read by one query on one read-only connection, so it is one consistent snapshot;
 the chain is checked by ``ledger.chain.check_rows`` with the range's first row left unlinked
 (``Chunk.first`` lets the parent link it), and ``ledger.projections.FoldFeed`` reduces the rows
-to fold items, which the parent folds in seq order. Memory: one page of rows at a time,
-plus the range's fold items.
+to fold items, which the parent folds in seq order. An item holds only what ``fold`` reads of its
+events (``ledger.projections.FoldItem``: no hashes, no payload text; the payloads fold reads are
+decoded here, in parallel), so the answers stay small and the parent's share of the work is the
+fold alone. Memory: one page of rows at a time, plus the range's fold items.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ _RANGE = f"SELECT {', '.join(EVENT_COLUMNS)} FROM events WHERE seq > ? AND seq <
 class Chunk:
     """What a range of seqs holds: ``first`` = (seq, prev_hash) and ``last`` = (seq, hash) of its
     first and last rows (None when empty), its first problem with the first row unlinked, and
-    its fold items."""
+    its fold items (``FoldFeed``: folded in order, they give the rows ``fold`` over every event of
+    the range gives)."""
 
     count: int
     first: tuple[int, str] | None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -13,7 +14,18 @@ from hypothesis import strategies as st
 
 from ledger import BODY_CAP_BYTES, GENESIS_HASH, REDACTED, Event, chain_hash, fold, row_bytes
 from ledger.canonical import canonical
-from ledger.projections import KINDS_READ_BY_FOLD, AttemptRow, touched
+from ledger.events import KINDS
+from ledger.payloads import PAYLOADS
+from ledger.projections import (
+    COLUMNS,
+    KEYS_READ_BY_FOLD,
+    KINDS_READ_BY_FOLD,
+    AttemptRow,
+    _row,
+    payload_read_by_fold,
+    replace,
+    touched,
+)
 from ledger.redact import Redactor, cap_bodies
 from tests.ledger.helpers import random_items
 
@@ -136,8 +148,8 @@ def test_body_over_the_cap_becomes_digest_and_prefix() -> None:
 
 
 def _strip(event: Event) -> Event:
-    if event.kind in KINDS_READ_BY_FOLD:
-        return event
+    """``event`` with only the payload replay keeps of it (``payload_read_by_fold``)."""
+    kept = payload_read_by_fold(event.kind, canonical(event.data).decode())
     return Event(
         event.seq,
         event.at,
@@ -146,7 +158,7 @@ def _strip(event: Event) -> Event:
         event.server,
         event.call_id,
         event.epoch,
-        {},
+        {} if kept is None else kept,
         event.prev_hash,
         event.hash,
     )
@@ -164,7 +176,8 @@ def _fold_all(events: list[Event]) -> dict[str, AttemptRow]:
 
 @pytest.mark.parametrize("seed", range(5))
 def test_fold_reads_payloads_only_of_the_declared_kinds(seed: int) -> None:
-    """Replay skips decoding other payloads; that must not change the result."""
+    """Replay decodes only the declared kinds' payloads and keeps only their declared keys; that
+    must not change the result."""
     items = random_items(random.Random(seed), 2000)
     events = [
         Event(
@@ -185,6 +198,71 @@ def test_fold_reads_payloads_only_of_the_declared_kinds(seed: int) -> None:
     assert full == _fold_all([_strip(e) for e in events])
     states = {row.state for row in full.values()}
     assert {"aborted", "completed"} <= states, "the generator reaches terminal states"
+
+
+#: Every key a payload model has (independent of what fold is declared to read), and two others.
+_PAYLOAD_KEYS = sorted({name for model in PAYLOADS.values() for name in model.model_fields} | {"x", ""})
+_ROWS = [
+    None,
+    AttemptRow("c1", "save", "prepare", None, "t0", None, 5.0, ("a",), 1, 3, 0, None, 7),
+    AttemptRow("c1", "restore", "completed", "restored", "t0", "t9", None, (), 2, 0, 1, 4, 9),
+]
+
+
+_VALUES = (
+    json_values
+    | st.lists(st.text(max_size=3) | st.integers(), max_size=3)
+    | st.dictionaries(st.sampled_from(["c1", "c2", "c3"]), st.sampled_from(["abandoned", "aborted", 1, None]))
+)
+
+
+@given(data=st.fixed_dictionaries({}, optional=dict.fromkeys(_PAYLOAD_KEYS, _VALUES)))
+@settings(max_examples=200, deadline=None)
+def test_fold_of_the_kept_payload_is_fold_of_the_whole(data: dict[str, Any]) -> None:
+    """What replay keeps of a payload (``payload_read_by_fold``) folds as the whole payload does:
+    for every kind, on no row, a live row and a terminal one."""
+    # as stored: replay decodes the canonical text, so the whole payload is that text decoded
+    decoded = json.loads(canonical(data))
+    for kind in sorted(KINDS):
+        for cid in (None, "c1", "c2"):
+            whole = Event(8, "t8", kind, cid, "s", None, 3, decoded, "", "")
+            kept = _strip(whole)
+            if kind in KINDS_READ_BY_FOLD:
+                assert set(kept.data) <= set(KEYS_READ_BY_FOLD[kind])
+            else:
+                assert kept.data == {}
+            assert touched(kept) == touched(whole)
+            for row in _ROWS:
+                for touched_id in {*touched(whole), "c1"}:
+                    assert fold(row, kept, touched_id) == fold(row, whole, touched_id)
+
+
+@pytest.mark.parametrize("text", ["[1]", "not json", "", "5", "null", '"x"', 5, None, b'{"phase": "p"}'])
+def test_a_stored_payload_that_is_no_object_is_read_as_empty(text: Any) -> None:
+    """Replay reads what ``json.loads`` makes of the stored text; anything but an object is ``{}``."""
+    for kind in KINDS_READ_BY_FOLD:
+        expected = {"phase": "p"} if isinstance(text, bytes) and kind == "phase.started" else {}
+        assert payload_read_by_fold(kind, text) == expected
+    assert payload_read_by_fold("phase.completed", text) is None
+
+
+def test_rows_built_positionally_equal_the_dataclass() -> None:
+    """``fold`` builds rows without ``AttemptRow.__init__``; they must be the same rows."""
+    assert tuple(f.name for f in dataclasses.fields(AttemptRow)) == COLUMNS
+    values = ("c1", "save", "prepare", None, "t1", None, 2.5, ("a", "b"), 3, 4, 5, None, 6)
+    built = _row(*values)
+    assert type(built) is AttemptRow
+    assert built == AttemptRow(*values)
+    assert hash(built) == hash(AttemptRow(*values))
+    assert repr(built) == repr(AttemptRow(*values))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.calls = 9  # type: ignore[misc]
+    assert replace(built, calls=9, outcome="aborted") == dataclasses.replace(
+        built, calls=9, outcome="aborted"
+    )
+    assert replace(built) == built
+    with pytest.raises(TypeError, match="no column 'nope'"):
+        replace(built, nope=1)
 
 
 def test_fold_lifecycle() -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import sqlite3
 import sys
 from functools import partial
+from json.encoder import encode_basestring
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +21,19 @@ from hypothesis import strategies as st
 from ledger import GENESIS_HASH, AppendItem, Event, Ledger, LedgerError, chain_hash, fold, row_bytes
 from ledger import replay_worker as worker_module
 from ledger.canonical import canonical
-from ledger.chain import _check_exact, check_rows
-from ledger.projections import KINDS_READ_BY_FOLD, AttemptRow, FoldFeed, fold_items, touched
+from ledger.chain import _check_exact, _escapes, check_rows
+from ledger.layout import EVENT_COLUMNS
+from ledger.projections import (
+    KEYS_READ_BY_FOLD,
+    KINDS_READ_BY_FOLD,
+    AttemptRow,
+    FoldFeed,
+    FoldItem,
+    fold_items,
+    touched,
+)
 from ledger.replay import ReplayReport, replay_url
-from tests.ledger.helpers import COORDINATOR, drop_triggers_sql, random_items, raw_sql
+from tests.ledger.helpers import COORDINATOR, drop_triggers_sql, random_items, raw_sql, sqlite_path
 
 Row = tuple[Any, ...]
 
@@ -87,7 +98,7 @@ def _relinked(rows: list[Row], start: int) -> list[Row]:
     a forger who rewrote the rest of the chain."""
     out = rows[:start]
     for seq, at, kind, cid, server, call_id, epoch, text, _, _ in rows[start:]:
-        prev = out[-1][9]
+        prev = out[-1][9] if out else GENESIS_HASH
         digest = chain_hash(
             prev,
             row_bytes(seq=seq, at=at, kind=kind, checkpoint_id=cid, server=server, call_id=call_id,
@@ -151,14 +162,48 @@ def test_page_check_names_the_same_problem_as_the_definition(cut: int, victim: i
     assert (first or second) == expected
 
 
+def test_escapes_names_exactly_the_characters_the_canonical_encoding_escapes() -> None:
+    """The fast path splices only text ``_escapes`` passes: every code point is checked against
+    the encoder itself, alone and inside other text."""
+    for code in range(0x110000):
+        char = chr(code)
+        if 0xD800 <= code <= 0xDFFF:  # no UTF-8 encoding: the page goes to the definition
+            with pytest.raises(UnicodeEncodeError, match="surrogates not allowed"):
+                _escapes(char)
+            continue
+        escaped = encode_basestring(char) != f'"{char}"'
+        assert _escapes(char) == escaped, hex(code)
+        assert _escapes(f"aé{char}\u2028z") == escaped, hex(code)
+
+
+def test_text_without_utf8_encoding_gets_the_verdict_of_the_definition() -> None:
+    rows = _rows(random_items(random.Random(4), 30))
+    rows[12] = (rows[12][0], rows[12][1] + "\ud800", *rows[12][2:])
+    expected = _check_exact(rows, (0, GENESIS_HASH))
+    assert expected is not None
+    assert expected[0] == 13
+    assert "cannot be hashed" in expected[1]
+    assert check_rows(rows, (0, GENESIS_HASH)) == expected
+    assert check_rows(rows[10:], None) == expected
+
+
 # -- the reduced fold --------------------------------------------------------------------------
 
 
+def _decoded(text: Any) -> dict[str, Any]:
+    """The payload replay reads from a stored text: the JSON object it holds, else ``{}``."""
+    try:
+        value = json.loads(text)
+    except (ValueError, TypeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def _naive(rows: list[Row]) -> dict[str, AttemptRow]:
+    """The definition: ``fold`` over every stored row as a whole ``Event``."""
     out: dict[str, AttemptRow] = {}
     for seq, at, kind, cid, server, call_id, epoch, text, prev, digest in rows:
-        data = json.loads(text) if kind in KINDS_READ_BY_FOLD else {}
-        event = Event(seq, at, kind, cid, server, call_id, epoch, data, prev, digest)
+        event = Event(seq, at, kind, cid, server, call_id, epoch, _decoded(text), prev, digest)
         for touched_id in touched(event):
             new = fold(out.get(touched_id), event, touched_id)
             if new is not None:
@@ -166,17 +211,84 @@ def _naive(rows: list[Row]) -> dict[str, AttemptRow]:
     return out
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_fold_feed_gives_the_rows_of_fold_over_every_event(seed: int) -> None:
+#: Stored payload texts a forger (or a bug) could leave, for the kinds whose payload fold reads.
+ODD_PAYLOADS: list[Any] = [
+    "[1]",
+    "not json",
+    "",
+    "5",
+    "null",
+    '{"phase":7,"kind":["x"],"participants":"ab","deadline_ts":"soon","outcome":null,"outcomes":["c"]}',
+    '{"participants":[1,null,"s"],"deadline_ts":true,"kind":3,"outcome":0,"phase":{"a":1}}',
+    '{"outcomes":{"ckpt-00001":"abandoned","ckpt-00002":7,"nobody":"abandoned"},"extra":[1,2]}',
+    '{"outcomes":{}}',
+    "{}",
+    17,
+]
+
+
+def _odd(rows: list[Row], rng: random.Random) -> list[Row]:
+    """``rows`` with odd payloads, odd columns and repeated starts spliced in, the chain rehashed
+    after them (a forger who rewrote the rest of the chain)."""
+    out = list(rows)
+    for index in rng.sample(range(len(out)), len(out) // 20):
+        seq, at, kind, cid, server, call_id, epoch, text, prev, digest = out[index]
+        roll = rng.random()
+        if roll < 0.6:
+            kind = rng.choice(sorted(KINDS_READ_BY_FOLD))
+            text = rng.choice(ODD_PAYLOADS)
+        elif roll < 0.75:
+            cid = None
+        elif roll < 0.9:
+            kind, text = "attempt.started", canonical({"kind": "save", "participants": ["again"]}).decode()
+        else:
+            kind = "kind.unknown"
+        out[index] = (seq, at, kind, cid, server, call_id, epoch, text, prev, digest)
+    return _relinked(out, 0)
+
+
+def _only_what_fold_reads(items: list[FoldItem]) -> None:
+    for item in items:
+        if len(item) == 3:
+            cid, n, last_seq = item
+            assert isinstance(cid, str)
+            assert n >= 1
+            assert isinstance(last_seq, int)
+            continue
+        seq, at, kind, cid, epoch, payload = item
+        assert isinstance(seq, int)
+        assert isinstance(at, str)
+        assert isinstance(epoch, int)
+        assert kind != "call.sent"
+        assert cid is not None or kind == "recovery.completed"
+        if kind in KINDS_READ_BY_FOLD:
+            assert isinstance(payload, dict)
+            assert set(payload) <= set(KEYS_READ_BY_FOLD[kind])
+        else:
+            assert payload is None
+
+
+@pytest.mark.parametrize(
+    ("seed", "odd"), [(1, False), (2, False), (3, False), (4, True), (5, True), (6, True)]
+)
+def test_fold_feed_gives_the_rows_of_fold_over_every_event(seed: int, odd: bool) -> None:
+    """The items (reduced to what fold reads, payloads decoded once) fold to the rows of ``fold``
+    over every whole event — on odd ledgers too: payloads that are no object or hold odd values,
+    events without their checkpoint id, repeated starts, unknown kinds."""
     rng = random.Random(seed)
     rows = _rows(random_items(rng, 4000))
+    if odd:
+        rows = _odd(rows, rng)
+        assert check_rows(rows, (0, GENESIS_HASH)) is None
     expected = _naive(rows)
     assert len(expected) > 50
     # in one go; page by page; and as chunks reduced separately then folded in order
     whole: dict[str, AttemptRow] = {}
     feed = FoldFeed()
     feed.add(rows)
-    fold_items(whole, feed.take())
+    items = feed.take()
+    _only_what_fold_reads(items)
+    fold_items(whole, items)
     assert whole == expected
     cuts = sorted(rng.sample(range(1, len(rows)), 40))
     paged: dict[str, AttemptRow] = {}
@@ -301,6 +413,53 @@ def test_workers_rebuild_the_live_projection(sqlite_url: str) -> None:
         rebuilt = await replay_url(sqlite_url, rebuild=True, workers=2, chunk_events=211)
         assert rebuilt.rebuilt
         assert (await replay_url(sqlite_url, workers=2, chunk_events=211)).ok
+
+    anyio.run(go)
+
+
+def _forge(url: str, rng: random.Random) -> list[Row]:
+    """Splice odd rows into the ledger at ``url`` (``_odd``: triggers dropped, chain rehashed, the
+    projection left as written); the stored rows after it."""
+    conn = sqlite3.connect(sqlite_path(url))
+    try:
+        for statement in drop_triggers_sql(url):
+            conn.execute(statement)
+        select = f"SELECT {', '.join(EVENT_COLUMNS)} FROM events ORDER BY seq"
+        forged = _odd(conn.execute(select).fetchall(), rng)
+        conn.executemany(
+            "UPDATE events SET kind = ?, checkpoint_id = ?, data = ?, prev_hash = ?, hash = ? WHERE seq = ?",
+            [
+                (kind, cid, text, prev, digest, seq)
+                for seq, _, kind, cid, _, _, _, text, prev, digest in forged
+            ],
+        )
+        conn.commit()
+        stored: list[Row] = conn.execute(select).fetchall()
+    finally:
+        conn.close()
+    return stored
+
+
+def test_workers_rebuild_what_fold_over_every_event_gives_on_an_odd_ledger(sqlite_url: str) -> None:
+    """A forger rewrote payloads (no objects, odd values), dropped checkpoint ids and repeated
+    starts, and rehashed the chain: the chain holds, and the rows the workers rebuild are those of
+    ``fold`` over every whole stored event, as one pass in this process finds them."""
+    _fill(sqlite_url, 3000, seed=12)
+    rows = _forge(sqlite_url, random.Random(12))
+    assert check_rows(rows, (0, GENESIS_HASH)) is None
+    expected = _naive(rows)
+
+    async def go() -> None:
+        single = await replay_url(sqlite_url, workers=0)
+        parallel = await replay_url(sqlite_url, workers=2, chunk_events=97)
+        assert single.chain_ok
+        assert not single.projections_ok, "the live projection holds the rows of the events as written"
+        assert parallel.to_json() == single.to_json()
+        assert (await replay_url(sqlite_url, rebuild=True, workers=2, chunk_events=97)).rebuilt
+        async with Ledger.open(sqlite_url, readonly=True) as ledger:
+            live = await ledger.attempts()
+        assert {row.checkpoint_id: row for row in live} == expected
+        assert (await replay_url(sqlite_url, workers=2, chunk_events=97)).ok
 
     anyio.run(go)
 
