@@ -9,7 +9,7 @@ import random
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ledger import BODY_CAP_BYTES, GENESIS_HASH, REDACTED, Event, chain_hash, fold, row_bytes
@@ -217,6 +217,18 @@ _VALUES = (
 
 
 @given(data=st.fixed_dictionaries({}, optional=dict.fromkeys(_PAYLOAD_KEYS, _VALUES)))
+@example(data=dict.fromkeys(_PAYLOAD_KEYS, 1))
+@example(
+    data={
+        **dict.fromkeys(_PAYLOAD_KEYS, "v"),
+        "kind": "save",
+        "deadline_ts": 12.5,
+        "participants": ["a", "b"],
+        "phase": "commit",
+        "outcome": "published",
+        "outcomes": {"c1": "abandoned", "c2": "aborted"},
+    }
+)
 @settings(max_examples=200, deadline=None)
 def test_fold_of_the_kept_payload_is_fold_of_the_whole(data: dict[str, Any]) -> None:
     """What replay keeps of a payload (``payload_read_by_fold``) folds as the whole payload does:

@@ -228,8 +228,8 @@ ODD_PAYLOADS: list[Any] = [
 
 
 def _odd(rows: list[Row], rng: random.Random) -> list[Row]:
-    """``rows`` with odd payloads, odd columns and repeated starts spliced in, the chain rehashed
-    after them (a forger who rewrote the rest of the chain)."""
+    """``rows`` with odd payloads, odd columns and repeated starts spliced in, and the whole chain
+    rehashed (a forger who rewrote it)."""
     out = list(rows)
     for index in rng.sample(range(len(out)), len(out) // 20):
         seq, at, kind, cid, server, call_id, epoch, text, prev, digest = out[index]
