@@ -92,6 +92,8 @@ __all__ = [
 MAX_REPLY_BYTES: Final = 1 << 20
 #: Every control request names its sender, so a server's log can tell the coordinator's calls apart.
 USER_AGENT: Final = f"quiesce/{VERSION}"
+#: A request body as compact JSON (one encoder, built once: ``json.dumps`` with options builds one per call).
+_encode_json: Final = json.JSONEncoder(separators=(",", ":")).encode
 #: A call with less than this left to its deadline is not sent (a request must leave before the deadline).
 SEND_MARGIN_S: Final = 0.01
 ErrorClass = Literal["timeout", "connect", "http", "protocol"]
@@ -192,6 +194,7 @@ class Caller:
         self._given = client  # a client given by the caller is used for every call, never closed here
         self._client: HttpClient | None = None
         self._counter = 0
+        self._own_id: tuple[str | None, bool] = (None, False)  # (checkpoint id, made in this epoch)
 
     def _http(self) -> HttpClient:
         """The HTTP client (`coordinator/http.py`): keep-alive connections per server origin,
@@ -221,7 +224,9 @@ class Caller:
         self._counter += 1
         if checkpoint_id is None:
             return f"e{self._epoch}-{phase}/{self._counter}"
-        if epoch_of(checkpoint_id) == self._epoch:
+        if checkpoint_id != self._own_id[0]:  # one regex match per attempt, not per call
+            self._own_id = (checkpoint_id, epoch_of(checkpoint_id) == self._epoch)
+        if self._own_id[1]:
             return f"{checkpoint_id}/{self._counter}"
         return f"{checkpoint_id}@e{self._epoch}/{self._counter}"
 
@@ -534,7 +539,7 @@ async def _request(
     data: bytes | None = None
     if method == "POST":
         headers["Content-Type"] = "application/json"
-        data = json.dumps(body, separators=(",", ":")).encode("utf-8")
+        data = _encode_json(body).encode("utf-8")
     if params:
         query = urlencode({k: _param(v) for k, v in params.items() if v is not None})
         if query:

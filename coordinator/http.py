@@ -106,7 +106,25 @@ class _Origin:
 _TARGET_SAFE: Final = "/?#[]@!$&'()*+,;=:%-._~"
 
 
+#: `_origin_and_target` per URL: a coordinator sends the same few URLs over and over (one per
+#: server and route), and parsing one costs more than the rest of building its request.
+_PARSED: dict[str, tuple[_Origin, str]] = {}
+_PARSED_MAX: Final = 8192
+
+
 def _origin_and_target(url: str) -> tuple[_Origin, str]:
+    """The origin to connect to and the request target of `url`; `ConnectFailed` if it is not a
+    usable http(s) URL (never cached)."""
+    known = _PARSED.get(url)
+    if known is None:
+        known = _parse_url(url)
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.clear()
+        _PARSED[url] = known
+    return known
+
+
+def _parse_url(url: str) -> tuple[_Origin, str]:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https") or not parts.hostname:

@@ -136,9 +136,11 @@ def tree_digests(
     if whole_fs:
         syncfs(root)
     elif sync:
+        # every folder of the tree: the parents of each file's relative path, under `root`
         folders = {root}
-        for _, path, _ in files:
-            folders.update(p for p in path.parents if root in p.parents)
+        for rel, _, _ in files:
+            parts = rel.split("/")[:-1]
+            folders.update(root.joinpath(*parts[:i]) for i in range(1, len(parts) + 1))
         _each(fsync_dir, sorted(folders))
     return {rel: sums[rel] for rel, _, _ in files}
 
@@ -226,37 +228,37 @@ def verify_artifact(
 
 
 def _walk(
-    root: Path, *, links: bool = False, odd: list[str] | None = None
+    root: Path, *, links: bool = False, odd: list[str] | None = None, paths: bool = True
 ) -> list[tuple[str, Path, os.stat_result]]:
     """(posix path relative to `root`, path, lstat) of every regular file under `root`, sorted by
     relative path. Symlinks are never followed, and listed only with `links`.
 
     With `odd`, a description of every entry that cannot be published is appended to it
     (`unpublishable`): a symlink, FIFO, socket or device file, or a regular file with a hard link
-    outside the tree."""
-    found: list[tuple[str, Path, os.stat_result]] = []
+    outside the tree. ``paths`` False: only `odd` is wanted, nothing is returned."""
+    found: list[tuple[str, str, os.stat_result]] = []  # paths as text: Path objects only at the end
     names: dict[tuple[int, int], list[str]] = {}  # (dev, ino) -> names in the tree, of files with links
 
-    def visit(folder: Path, prefix: str) -> None:
+    def visit(folder: str, prefix: str) -> None:
         with os.scandir(folder) as entries:
             for entry in entries:
                 rel = prefix + entry.name
                 if entry.is_dir(follow_symlinks=False):
-                    visit(Path(entry.path), f"{rel}/")
+                    visit(entry.path, f"{rel}/")
                 elif entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
-                    found.append((rel, Path(entry.path), st))
+                    found.append((rel, entry.path, st))
                     if odd is not None and st.st_nlink > 1:
                         names.setdefault((st.st_dev, st.st_ino), []).append(rel)
                 elif entry.is_symlink():
                     if links:
-                        found.append((rel, Path(entry.path), entry.stat(follow_symlinks=False)))
+                        found.append((rel, entry.path, entry.stat(follow_symlinks=False)))
                     if odd is not None:
                         odd.append(f"{rel}: a symlink (to {os.readlink(entry.path)})")
                 elif odd is not None:
                     odd.append(f"{rel}: {_special_kind(entry.stat(follow_symlinks=False).st_mode)}")
 
-    visit(root, "")
+    visit(os.fspath(root), "")
     found.sort(key=lambda item: item[0])
     if odd is not None:
         for rel, _, st in found:
@@ -267,7 +269,7 @@ def _walk(
                     f" {len(inside)} inside) — its bytes could change after publication"
                 )
         odd.sort()
-    return found
+    return [(rel, Path(path), st) for rel, path, st in found] if paths else []
 
 
 def _special_kind(mode: int) -> str:
@@ -288,7 +290,7 @@ def unpublishable(root: Path) -> list[str]:
     (a snapshot's bytes must be its own: a link could change them after publication, a FIFO
     blocks whoever reads it, and a symlink may point anywhere)."""
     odd: list[str] = []
-    _walk(root, odd=odd)
+    _walk(root, odd=odd, paths=False)
     return odd
 
 

@@ -25,10 +25,11 @@ the snapshot is published whatever happens next. Durability of each record: see 
 """
 
 import hashlib
+import os
 import re
 import time
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Final
 
 import anyio
@@ -436,10 +437,14 @@ def _verify_entry(staging: Path, entry: dict[str, Any], cache: DigestCache | Non
     problems: list[str] = []
     rel = entry["manifest"]
     # its own folder holds only what can be published (no symlink, FIFO, socket, device, outside link)
-    folder = staging / Path(rel).parent
-    linked = [p for p in (folder, *folder.parents) if staging in p.parents and p.is_symlink()]
+    parts = PurePosixPath(rel).parent.parts
+    folder = staging.joinpath(*parts)
+    # the first folder on the way down from `staging` that is a symlink (lstat of each, no Path
+    # arithmetic: this runs for every participant of every commit)
+    base = os.fspath(staging)
+    linked = next((i for i in range(1, len(parts) + 1) if os.path.islink(os.path.join(base, *parts[:i]))), 0)
     if linked:
-        problems.append(f"{name}: {linked[-1].relative_to(staging).as_posix()} is a symlink, not a folder")
+        problems.append(f"{name}: {'/'.join(parts[:linked])} is a symlink, not a folder")
     elif folder.is_dir():
         problems.extend(
             f"{name}: {folder.relative_to(staging).as_posix()}/{odd}" for odd in unpublishable(folder)

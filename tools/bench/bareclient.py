@@ -32,6 +32,8 @@ import anyio
 from coordinator.http import HttpClient
 from coordinator.protocol import AGENT, AGENT_PREPARE_INCOMPLETE, CAPABILITIES_PATH, MODEL, RESOURCES, route
 
+#: Request bodies as compact JSON, as the coordinator encodes them (one encoder, built once).
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 #: The reply cap the coordinator uses too.
 MAX_BODY = 1 << 20
 
@@ -64,7 +66,7 @@ class BareClient:
         await self.http.aclose()
 
     async def _request(self, method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
-        data = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
+        data = _ENCODE(body).encode() if body is not None else None
         headers = self._post_headers if method == "POST" else self._get_headers
         reply = await self.http.request(
             method, url, headers=headers, body=data, timeout_s=60, max_body=MAX_BODY
