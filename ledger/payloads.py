@@ -241,11 +241,17 @@ def _plain(value: Any) -> Any:
         return value
     if kind is float:
         return value if isfinite(value) else _DECLINE
+    # containers: their scalar items are checked in place (most of a reply body's values are
+    # scalars: a call per value would cost more than the copy)
     if kind is dict:
         out: dict[str, Any] = {}
         for key, item in value.items():
             if type(key) is not str:
                 return _DECLINE
+            inner = type(item)
+            if inner is str or inner is int or inner is bool or item is None:
+                out[key] = item
+                continue
             copied = _plain(item)
             if copied is _DECLINE:
                 return _DECLINE
@@ -254,6 +260,10 @@ def _plain(value: Any) -> Any:
     if kind is list:
         items: list[Any] = []
         for item in value:
+            inner = type(item)
+            if inner is str or inner is int or inner is bool or item is None:
+                items.append(item)
+                continue
             copied = _plain(item)
             if copied is _DECLINE:
                 return _DECLINE
