@@ -47,6 +47,7 @@ from coordinator.errors import (
 from ledger import AttemptRow
 from tools.serve.auth import BearerCheck
 from tools.serve.errors import Busy, NotFound, Unauthorized, Unavailable
+from tools.serve.fastpath import hot_route
 from tools.serve.metrics import CONTENT_TYPE
 from tools.serve.models import (
     AbortRequest,
@@ -202,7 +203,6 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         attempt: Attempt = await op("checkpoint", lambda coord: coord.checkpoint(deadline_s=deadline_s))
         return AttemptModel.of(attempt, outcome="published")
 
-    @app.post("/v1/attempts", status_code=201, dependencies=guarded, responses=_ERRORS, tags=["cluster"])
     async def start_attempt(request: SaveRequest | None = None) -> AttemptModel:
         """Step one of a save whose caller adds its own half: prepare + commit. Write into
         `staging_dir`, then `POST /v1/attempts/{id}/publish` (or `/abort`) before the deadline."""
@@ -216,6 +216,17 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
 
         return AttemptModel.of(await op("save", prepare_commit))
 
+    app.router.add_api_route(
+        "/v1/attempts",
+        start_attempt,
+        methods=["POST"],
+        status_code=201,
+        dependencies=guarded,
+        responses=_ERRORS,
+        tags=["cluster"],
+        route_class_override=hot_route(start_attempt, body=SaveRequest, check=check, status_code=201),
+    )
+
     def pending(checkpoint_id: str) -> Attempt:
         attempt = service.pending
         if attempt is None or attempt.checkpoint_id != checkpoint_id:
@@ -226,9 +237,6 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
             )
         return attempt
 
-    @app.post(
-        "/v1/attempts/{checkpoint_id}/publish", dependencies=guarded, responses=_ERRORS, tags=["cluster"]
-    )
     async def publish(checkpoint_id: str, request: PublishRequest | None = None) -> AttemptModel:
         """Publish a committed attempt (manifest, rename, `LATEST`); with `resume`, then resume
         every server (what leaving the embedded `save()` does)."""
@@ -249,6 +257,16 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
 
         attempt = await op("publish", publish_step, checkpoint_id)
         return AttemptModel.of(attempt, outcome="published" if attempt.state == "completed" else None)
+
+    app.router.add_api_route(
+        "/v1/attempts/{checkpoint_id}/publish",
+        publish,
+        methods=["POST"],
+        dependencies=guarded,
+        responses=_ERRORS,
+        tags=["cluster"],
+        route_class_override=hot_route(publish, body=PublishRequest, check=check),
+    )
 
     def waiting_for(checkpoint_id: str | None) -> Attempt | None:
         """The two-step save waiting here if `checkpoint_id` names it (None: whichever waits)."""

@@ -12,9 +12,10 @@ Invariants:
   with `Service.run`: a second one while one runs, or while a two-step save (`POST /v1/attempts`)
   awaits its caller's next step, is refused with `Busy` naming the attempt in progress (HTTP 409).
   Only the next step of that very attempt (publish, resume, abort) may claim the slot then.
-- **A client never cancels an operation.** Operations run in the service's own task group, not
-  in the request's task: a client that disconnects leaves its operation to run to its end (or
-  its rollback) and the result is in the ledger.
+- **A client never cancels an operation.** An operation runs shielded from cancellation in the
+  task that asked for it (the request's): a client that disconnects, or anything else that
+  befalls that task, leaves the operation to run to its end (or its rollback) within its own
+  deadline, and the result is in the ledger. Stopping waits for it (`_drain`).
 - **A two-step save is not left hanging.** Once its deadline has passed without the caller's
   next step, the service rolls it back (or, if it was published, resumes it).
 - **Stopping never leaves servers paused.** `stop()` (SIGTERM) takes no new operation, lets the
@@ -30,8 +31,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Final, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
 
 import anyio
 import anyio.abc
@@ -64,13 +65,6 @@ class Operation:
     def describe(self) -> str:
         what = f"attempt {self.checkpoint_id} ({self.name})" if self.checkpoint_id else f"a {self.name}"
         return what + (f", now in {self.phase}" if self.phase else "")
-
-
-@dataclass
-class _Box(Generic[T]):
-    done: anyio.Event = field(default_factory=anyio.Event)
-    value: T | None = None
-    error: BaseException | None = None
 
 
 class Service:
@@ -111,7 +105,6 @@ class Service:
         self._lease_lost = anyio.Event()
         self.finished = anyio.Event()
         self._open_scope: anyio.CancelScope | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
 
     @property
     def state(self) -> str:
@@ -191,35 +184,21 @@ class Service:
         """
         coord = self.require_coordinator()
         self._claim(name, attempt_id)
-        tg = self._tg
-        assert tg is not None
-        box: _Box[T] = _Box()
-
-        async def body() -> None:
+        # shielded: nothing that befalls the caller (a client that leaves, its request task
+        # cancelled) cancels the operation; it ends on its own deadline, its result in the ledger
+        with anyio.CancelScope(shield=True):
             try:
-                box.value = await fn(coord)
-            except Exception as error:
-                box.error = error
-                if isinstance(error, FencedError):
-                    self.metrics.fenced()
-                    self._lease_lost.set()
-            except BaseException:
-                box.error = Unavailable(
-                    "the service stopped during the operation; its ledger says how it ended"
-                )
+                result = await fn(coord)
+            except FencedError:
+                self.metrics.fenced()
+                self._lease_lost.set()
                 raise
             finally:
                 self._op = None
                 self._idle.set()
                 if self.metrics.unresolved:
                     await self._resolve()
-                box.done.set()
-
-        tg.start_soon(body, name=f"quiesce serve: {name}")
-        await box.done.wait()  # a disconnected client cancels this wait, never the operation
-        if box.error is not None:
-            raise box.error
-        return box.value  # type: ignore[return-value]  # set when no error was raised
+        return result
 
     def _claim(self, name: str, attempt_id: str | None) -> None:
         if self._op is not None:
@@ -282,13 +261,11 @@ class Service:
         """Run the lifecycle until `stop()`; `finished` is set when it returns. A failure (the
         ledger cannot be opened, another writer owns it) ends it too: it is kept in `failure`."""
         try:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                task_status.started()
-                while not self._stopping:
-                    await self._once()
-                    if not self.standby_mode:
-                        break  # SQLite: a lost ledger is not waited for
+            task_status.started()
+            while not self._stopping:
+                await self._once()
+                if not self.standby_mode:
+                    break  # SQLite: a lost ledger is not waited for
         except Exception as error:
             self.failure = (
                 error.exceptions[0]
