@@ -65,11 +65,14 @@ async def test_auth_missing_wrong_and_right_token(
     service: ServiceProcess = spawn_service(_config(cluster, tmp_path, ledger_url), api_token=api_token)
     assert service.announced["auth"] is True
     await wait_ready(service.url)
+    guarded = [("GET", "/v1/attempts"), ("POST", "/v1/checkpoints"), ("GET", "/metrics"),
+               ("POST", "/v1/attempts"), ("POST", "/v1/attempts/e1-0000001/publish")]  # fmt: skip
     async with httpx.AsyncClient(base_url=service.url, trust_env=False, timeout=60) as http:
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {api_token}"},
                         {"Authorization": f"Bearer {token}"}):  # fmt: skip
-            for method, path in (("GET", "/v1/attempts"), ("POST", "/v1/checkpoints"), ("GET", "/metrics")):
-                reply = await http.request(method, path, headers=headers)
+            # the last two: a save's two requests, served by their direct path (tools/serve/fastpath)
+            for method, path in guarded:
+                reply = await http.request(method, path, headers=headers, json={})
                 assert reply.status_code == 401, (headers, path, reply.text)
                 assert reply.headers["www-authenticate"] == "Bearer"
                 assert reply.json()["error"]["type"] == "Unauthorized"

@@ -151,8 +151,8 @@ class RemoteCoordinator:
         Normal exit publishes, then resumes (`attempt.snapshot` is then the published folder). An
         exception inside the block rolls back and is re-raised with a note on what was done.
         """
-        reply = await self._request("POST", "/v1/attempts", json=_deadline(deadline_s))
-        attempt = AttemptModel.model_validate(reply).attempt()
+        reply = await self._send("POST", "/v1/attempts", json=_deadline(deadline_s))
+        attempt = AttemptModel.model_validate_json(reply).attempt()
         try:
             yield attempt
         except BaseException as exc:
@@ -165,10 +165,10 @@ class RemoteCoordinator:
                 except QuiesceError as error:
                     exc.add_note(f"attempt {attempt.checkpoint_id}: the rollback failed: {error}")
             raise
-        reply = await self._request(
+        reply = await self._send(
             "POST", f"/v1/attempts/{attempt.checkpoint_id}/publish", json={"resume": True}
         )
-        _update(attempt, AttemptModel.model_validate(reply))
+        _update(attempt, AttemptModel.model_validate_json(reply))
 
     async def checkpoint(self, *, deadline_s: float | None = None) -> Attempt:
         """prepare → commit → publish → resume, with nothing added by the caller (one request)."""
@@ -275,6 +275,12 @@ class RemoteCoordinator:
     # -- transport ------------------------------------------------------------------------------
 
     async def _request(self, method: str, path: str, *, json: Mapping[str, Any] | None = None) -> Any:
+        """The decoded JSON reply of a request that succeeded (see `_send`)."""
+        return jsonlib.loads(await self._send(method, path, json=json))
+
+    async def _send(self, method: str, path: str, *, json: Mapping[str, Any] | None = None) -> bytes:
+        """The body of the reply to `method path`; an error reply raised as the error it stands for
+        (`_error`); failover as the module docstring says."""
         give_up = time.monotonic() + self._failover_s
         tried = 0
         headers = self._headers
@@ -307,7 +313,7 @@ class RemoteCoordinator:
                         f"{method} {path}: the reply of {url} exceeds {MAX_REPLY_BYTES} bytes; not read"
                     )
                 if reply.status < 400:
-                    return jsonlib.loads(reply.body)
+                    return reply.body
                 failure = _error(reply.status, reply.body)
                 if not isinstance(failure, Unavailable):
                     raise failure
