@@ -14,6 +14,9 @@ Rules kept here:
   `POST /v1/attempts/{id}/resume|abort`): the two-step save waiting here continues as that
   attempt; any other id — a restore a CLI left held, another ledger's id — is let go through the
   coordinator's id-targeted `resume(id)` / `abort(id)` as one operation.
+- A save's two requests (`POST /v1/attempts`, `POST /v1/attempts/{id}/publish`) are `hot_route`s:
+  the ordinary request skips FastAPI's per-request dependency solving and double validation
+  (`fastpath`); every other request, and the OpenAPI document, are FastAPI's as declared here.
 - Errors are `{"error": {...}}` (`models.ErrorReply`) with these statuses: 401 `Unauthorized`;
   404 `NotFound`; 409 `Busy` (another attempt is in progress; names it), `ServersHeld` (names each
   holder and what frees it; `held`), `AcknowledgementError` (the agent refused; its `status` and
