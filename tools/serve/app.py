@@ -176,6 +176,7 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
     @app.get("/metrics", dependencies=guarded, tags=["process"], response_class=Response)
     async def metrics() -> Response:
         """Prometheus metrics (text format)."""
+        await service.settle_metrics()
         metrics = service.metrics
         if metrics.stale:  # rendering takes milliseconds: off the event loop, so no save waits for it
             return Response(await anyio.to_thread.run_sync(metrics.scrape), media_type=CONTENT_TYPE)

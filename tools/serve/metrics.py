@@ -1,7 +1,11 @@
 """The service's Prometheus metrics (`/metrics`), folded from the events its coordinator commits.
 
 `Metrics.observe(events)` runs in the coordinator's `observe` hook (committed events, seq order),
-so every figure is what the ledger says happened, not what a request handler believed:
+so every figure is what the ledger says happened, not what a request handler believed. It only
+keeps the events; `fold` counts them, on the event loop but off the operations' path: the service
+folds every `service.WATCHDOG_S` and before each scrape (`unresolved` and `resolve` fold first),
+so a scrape shows every event committed before it. `scrape` itself only renders (it may run in a
+worker thread):
 
 - `quiesce_attempts_total{kind,outcome}` — an attempt's terminal event: `attempt.completed` (its
   outcome), `attempt.aborted` (aborted), `recovery.completed` (abandoned);
@@ -119,7 +123,8 @@ class Metrics:
         self._aborting: dict[str, float] = {}  # checkpoint id → attempt.aborting ts
         self._kinds: dict[str, str] = {}  # open attempts seen starting: checkpoint id → kind
         #: checkpoint ids that ended without this process seeing them start: kind from the projection
-        self.unresolved: dict[str, str] = {}
+        self._unresolved: dict[str, str] = {}
+        self._pending: list[Event] = []  # observed, not yet folded
         #: the last attempts that ended: a restore's later resume ends it again, counted once (as the
         #: projection keeps its first outcome)
         self._ended_ids: OrderedDict[str, None] = OrderedDict()
@@ -165,10 +170,23 @@ class Metrics:
         self.fenced_appends.inc()
 
     def observe(self, events: Sequence[Event]) -> None:
-        """Fold committed events (the coordinator's `observe` hook): never raises into the ledger."""
+        """Keep committed events for `fold` (the coordinator's `observe` hook): never raises into
+        the ledger, and costs a save nothing but the keeping."""
+        self._pending.extend(events)
         self._version += 1
-        for event in events:
+
+    def fold(self) -> None:
+        """Count the events observed since the last fold, in their order."""
+        pending, self._pending = self._pending, []
+        for event in pending:
             self._one(event)
+
+    @property
+    def unresolved(self) -> dict[str, str]:
+        """Checkpoint ids (→ outcome) that ended without this process seeing them start: their
+        kind is read from the `attempts` projection and handed to `resolve`."""
+        self.fold()
+        return self._unresolved
 
     def _one(self, event: Event) -> None:
         kind = event.kind
@@ -229,7 +247,7 @@ class Metrics:
         self._aborting.pop(cid, None)
         kind = self._kinds.pop(cid, None)
         if kind is None:
-            self.unresolved[cid] = outcome
+            self._unresolved[cid] = outcome
             return
         self.count(kind, outcome)
 
@@ -240,9 +258,10 @@ class Metrics:
 
     def resolve(self, rows: dict[str, AttemptRow | None]) -> None:
         """Count the `unresolved` attempts whose projection rows were read (kind from the row)."""
+        self.fold()
         self._version += 1
         for cid, row in rows.items():
-            outcome = self.unresolved.pop(cid, None)
+            outcome = self._unresolved.pop(cid, None)
             if outcome is not None:
                 self.count(row.kind if row is not None else "other", outcome)
 

@@ -196,8 +196,6 @@ class Service:
             finally:
                 self._op = None
                 self._idle.set()
-                if self.metrics.unresolved:
-                    await self._resolve()
         return result
 
     def _claim(self, name: str, attempt_id: str | None) -> None:
@@ -233,6 +231,13 @@ class Service:
                 self.state = "recovering"
         self.metrics.observe(events)
         self.hub.publish(events)
+
+    async def settle_metrics(self) -> None:
+        """Before a scrape: fold the events observed since the last fold, and count the attempts
+        that ended without this process seeing them start (their kind read from the ledger)."""
+        self.metrics.fold()
+        if self.metrics.unresolved:
+            await self._resolve()
 
     async def _resolve(self) -> None:
         reader = self.reader
@@ -370,9 +375,10 @@ class Service:
         scope.cancel()
 
     async def _watchdog(self, coord: Coordinator) -> None:
-        """Settle a two-step save whose deadline passed; notice a lost lease."""
+        """Settle a two-step save whose deadline passed; notice a lost lease; fold the metrics."""
         while True:
             await anyio.sleep(WATCHDOG_S)
+            self.metrics.fold()  # here, not in the commit hook: off the operations' path
             if not coord.ledger.writable:
                 self._lease_lost.set()
                 return
