@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeAlias
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeAlias
 
 from ledger.errors import FencedError, LedgerError
 from ledger.events import Event
@@ -28,8 +28,7 @@ WRITER_LOCK_KEY = 0x7175_6965_7363_0001
 APPEND_LOCK_KEY = 0x7175_6965_7363_0002
 
 
-@dataclass(frozen=True, slots=True)
-class Batch:
+class Batch(NamedTuple):
     """Events to append in one transaction; seq, chain hashes and projections precomputed.
 
     ``expected_last`` is the writer's cached head seq and ``epoch`` the writer's epoch: the
@@ -37,7 +36,8 @@ class Batch:
     ``durable`` False (a write-behind batch): committed, so it survives a process crash, but not
     forced to disk; it is on disk no later than the next durable batch's commit (SQLite: the same
     WAL file, fsynced in order; PostgreSQL: WAL flushed up to a later commit record covers every
-    earlier one), and when the ledger closes.
+    earlier one), and when the ledger closes. Immutable (a tuple: built once per transaction, on
+    the append path).
     """
 
     rows: list[RawEvent]

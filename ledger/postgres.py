@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
+import asyncpg
 from sqlalchemy import Connection, delete, func, insert, select, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, IntegrityError
@@ -247,27 +248,31 @@ class PostgresBackend(Backend):
 
     async def _append_fast(self, batch: Batch) -> None:
         """``apply_append`` as one statement in its own transaction (see the module docstring)."""
-        conn = await self._asyncpg()
+        conn = self._driver if self._driver is not None else await self._asyncpg()
+        rows = batch.rows
         cached = self._cache.rows
-        missing = sorted({cid for e in batch.events for cid in touched(e) if cid not in cached})
         behind = not batch.durable and self._durability == "full"
         try:
-            found = {}
+            found: dict[str, AttemptRow] = {}
+            missing = [cid for e in batch.events for cid in touched(e) if cid not in cached]
             if missing:  # the writer's cache lacks them: read before the statement (only this writer writes)
-                found = {r[0]: from_columns(tuple(r)) for r in await conn.fetch(_A_GET, missing)}
+                fetched = await conn.fetch(_A_GET, sorted(set(missing)))
+                found = {r[0]: from_columns(tuple(r)) for r in fetched}
             tx = _Prefetched(found)
             written = apply_append(tx, batch, self._cache)
-            puts = [tuple(to_columns(r).values()) for r in tx.puts]
-            one_row = len(batch.rows) == 1 and len(puts) <= 1
-            if one_row:
-                params: list[Any] = [*batch.rows[0], *(puts[0] if puts else ())]
+            puts = tx.puts
+            params: Sequence[Any]
+            if len(rows) == 1 and len(puts) <= 1:  # a recorded call's append: plain parameters
+                statement = append_statement(behind, True, len(puts))
+                params = (*rows[0], *to_columns(puts[0]).values()) if puts else rows[0]
             else:
-                params = [list(column) for column in zip(*batch.rows, strict=True)]
+                statement = append_statement(behind, False, min(len(puts), 2))
+                arrays: list[Any] = [list(column) for column in zip(*rows, strict=True)]
                 if len(puts) == 1:
-                    params += puts[0]
+                    arrays += to_columns(puts[0]).values()
                 elif puts:
-                    params += [list(column) for column in zip(*puts, strict=True)]
-            statement = append_statement(behind, one_row, min(len(puts), 2))
+                    arrays += [list(c) for c in zip(*(to_columns(r).values() for r in puts), strict=True)]
+                params = arrays
             inserted = await conn.fetchval(statement, APPEND_LOCK_KEY, batch.expected_last, *params)
             if inserted != len(batch.rows):  # nothing was written: the head is not where this writer left it
                 head = await conn.fetchrow(_A_HEAD)
@@ -287,8 +292,6 @@ class PostgresBackend(Backend):
     async def append(self, batch: Batch) -> None:
         if self._writer is None:
             raise LedgerError(f"ledger {self.where} is not open for writing")
-        import asyncpg
-
         try:
             with anyio.CancelScope(shield=True):
                 await self._append_fast(batch)

@@ -543,8 +543,9 @@ class Ledger:
     ) -> list[Event]:
         """Group commit: appends that are waiting at the same time share one transaction.
 
-        A lone append (nothing queued or committing, no other callback ready in the loop, a
-        backend that can commit without a thread hop) commits at once, without awaiting. Otherwise
+        A lone append (nothing queued or committing, no other callback ready in the loop) commits
+        at once: without awaiting when the backend can commit without a thread hop, else as the
+        lead of an empty queue without a waiter of its own (``_commit_alone``). Otherwise
         the first append to arrive leads: it yields once when other callbacks are ready to run
         in the loop (so appends that are ready join it; a lone append does not pay for a loop
         iteration), then commits everything queued in one transaction, and hands the lead to the oldest
@@ -558,9 +559,10 @@ class Ledger:
             return (await self._commit_groups([items], durable=True, new_epoch=True))[0]
         if not (self._leading or self._queue or self._stale or self._lock.locked() or _others_ready()):
             events = self._commit_now(items, durable)
-            if events is not None:
-                self._check_lease()  # committed, but a caller must not act on it once the lease ran out
-                return events
+            if events is None:
+                events = await self._commit_alone(items, durable)
+            self._check_lease()  # committed, but a caller must not act on it once the lease ran out
+            return events
         waiter = _Waiter(items, durable)
         self._queue.append(waiter)
         with anyio.CancelScope(shield=True):  # queued items are committed whatever happens
@@ -598,6 +600,40 @@ class Ledger:
             raise waiter.error
         self._check_lease()  # committed, but a caller must not act on it once the lease ran out
         return waiter.events
+
+    async def _commit_alone(self, items: list[_Encoded], durable: bool) -> list[Event]:
+        """Commit a lone append at once: the lead of an empty queue, without a waiter of its own.
+
+        The caller has just checked, without awaiting since, that nothing is queued, leading or
+        holding the lock and that this writer may write. It leads (appends that arrive meanwhile
+        queue behind it, and the oldest of them leads their group once this commit is done) and
+        holds the lock while the backend commits. The only await is ``Backend.append``, which is
+        not cancellable, so a cancellation of the caller reaches it after this returns, with its
+        events committed — as for an append in a group.
+        """
+        self._leading = True
+        self._lock.acquire_nowait()
+        try:
+            batch, carried = self._batch(items, durable=durable, new_epoch=False)
+            if not batch.rows:
+                return []
+            began = time.perf_counter()
+            try:
+                await self._backend.append(batch)  # shields itself while it awaits
+            except BaseException as error:
+                self._commit_failed(error, carried)
+                raise
+            took = time.perf_counter() - began
+            done = self._committed(batch, carried, [items], new_epoch=False)[0]
+            self._observe_commit(took, len(batch.rows))
+            return done
+        finally:
+            self._lock.release()
+            if self._queue:
+                self._queue[0].lead = True
+                self._queue[0].done.set()
+            else:
+                self._leading = False
 
     def _commit_now(self, items: list[_Encoded], durable: bool) -> list[Event] | None:
         """Commit ``items`` on this thread, without awaiting; None (nothing written) if the backend

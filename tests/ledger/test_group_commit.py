@@ -6,10 +6,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
-from ledger import Event, Ledger, replay_url
-from tests.ledger.helpers import COORDINATOR, REPLIED, SENT
+from ledger import Event, Ledger, LedgerError, replay_url
+from ledger.backend import InlineAppend
+from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, started
 
 pytestmark = pytest.mark.anyio
 
@@ -79,4 +81,173 @@ async def test_a_cancelled_append_still_commits_and_others_are_unaffected(ledger
         stored = [e async for e in ledger.read()]
     assert stored[-1] == after
     assert [e.seq for e in stored] == list(range(1, len(stored) + 1))
+    assert (await replay_url(ledger_url)).ok
+
+
+def _awaiting_commits(ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every commit of ``ledger`` await its backend (SQLite otherwise commits a lone append
+    inline, without awaiting): the path of a PostgreSQL writer, and of SQLite on a slow disk."""
+    if isinstance(ledger.backend, InlineAppend):
+        monkeypatch.setattr(ledger.backend, "can_append_now", lambda: False)
+
+
+class _Spy:
+    """Counts ``Ledger._commit_alone`` calls (the lone-append path) of one ledger."""
+
+    def __init__(self, ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        real = ledger._commit_alone
+
+        async def spy(*args: Any, **kwargs: Any) -> list[Event]:
+            self.calls += 1
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(ledger, "_commit_alone", spy)
+
+
+async def test_a_lone_append_cancelled_during_its_commit_lands_whole(
+    ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lone-append path (no waiter of its own): a cancellation that arrives while the database
+    commits it does not interrupt the commit; the event is stored and chained, ``after_append``
+    saw it, the caller is cancelled afterwards, and the next append chains on it."""
+    notified: list[int] = []
+    async with Ledger.open(ledger_url) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        await ledger.append("attempt.started", checkpoint_id="c1", data=started())
+        _awaiting_commits(ledger, monkeypatch)
+        spy = _Spy(ledger, monkeypatch)
+        ledger.after_append = lambda events: notified.extend(e.seq for e in events)
+        in_flight = anyio.Event()
+        backend = ledger.backend
+        real_append = backend.append
+
+        async def signalling_append(batch: Any) -> None:
+            in_flight.set()
+            await real_append(batch)  # not cancellable (Backend.append)
+
+        backend.append = signalling_append  # type: ignore[method-assign]
+        returned: list[Event] = []
+
+        async def lone() -> None:
+            returned.append(
+                await ledger.append("call.sent", checkpoint_id="c1", server="s", call_id="k1", data=SENT)
+            )
+            await anyio.lowlevel.checkpoint()  # where the cancellation reaches it
+
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lone)
+                await in_flight.wait()  # the commit has started and awaits the database
+                scope.cancel()
+        assert scope.cancelled_caught
+        assert spy.calls == 1
+        assert len(returned) == 1, "the append returned its event; the cancellation came after"
+        assert notified == [returned[0].seq]
+        backend.append = real_append  # type: ignore[method-assign]
+        after = await ledger.append(
+            "call.replied", checkpoint_id="c1", server="s", call_id="k1", data=REPLIED
+        )
+        stored = [e async for e in ledger.read()]
+        row = await ledger.attempt("c1")
+    assert stored[-2:] == [returned[0], after]
+    assert after.prev_hash == returned[0].hash
+    assert row is not None
+    assert (row.calls, row.last_seq) == (1, returned[0].seq)
+    assert (await replay_url(ledger_url)).ok
+
+
+async def test_appends_arriving_during_a_lone_commit_share_the_next_transaction(
+    ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a lone append commits, appends that arrive queue behind it and then commit together in
+    one transaction (group commit holds), in arrival order, each returning its own events."""
+    async with Ledger.open(ledger_url) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        _awaiting_commits(ledger, monkeypatch)
+        spy = _Spy(ledger, monkeypatch)
+        backend = ledger.backend
+        real_append = backend.append
+        transactions: list[list[str | None]] = []
+        release = anyio.Event()
+        in_flight = anyio.Event()
+
+        async def held_append(batch: Any) -> None:
+            transactions.append([row[5] for row in batch.rows])
+            if len(transactions) == 1:
+                in_flight.set()
+                await release.wait()  # the first commit takes long: the others arrive meanwhile
+            await real_append(batch)
+
+        backend.append = held_append  # type: ignore[method-assign]
+        results: dict[str, Event] = {}
+
+        async def one(call_id: str) -> None:
+            results[call_id] = await ledger.append(
+                "call.sent", checkpoint_id="c1", server="s", call_id=call_id, data=SENT
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, "lone")
+            await in_flight.wait()
+            for i in range(20):
+                tg.start_soon(one, f"k{i}")
+            await anyio.wait_all_tasks_blocked()
+            assert len(ledger._queue) == 20, "the later appends wait behind the lone commit"
+            release.set()
+        stored = [e async for e in ledger.read()]
+    assert spy.calls == 1
+    assert transactions == [["lone"], [f"k{i}" for i in range(20)]]
+    assert [e.call_id for e in stored[1:]] == ["lone", *(f"k{i}" for i in range(20))]
+    assert all(stored[e.seq - 1] == e for e in results.values())
+    assert (await replay_url(ledger_url)).ok
+
+
+async def test_a_failed_lone_commit_hands_the_lead_to_the_appends_queued_behind_it(
+    ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone commit that fails (outcome unknown: here, nothing was written) raises to its caller
+    only; the appends queued behind it re-read the head and commit, chained on what is stored."""
+    async with Ledger.open(ledger_url) as ledger:
+        first = await ledger.start_epoch(COORDINATOR)
+        _awaiting_commits(ledger, monkeypatch)
+        _Spy(ledger, monkeypatch)
+        backend = ledger.backend
+        real_append = backend.append
+        release = anyio.Event()
+        in_flight = anyio.Event()
+        calls = 0
+
+        async def failing_first(batch: Any) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                in_flight.set()
+                await release.wait()
+                raise LedgerError("the connection broke (simulated)")
+            await real_append(batch)
+
+        backend.append = failing_first  # type: ignore[method-assign]
+        outcomes: dict[str, object] = {}
+
+        async def one(call_id: str) -> None:
+            try:
+                outcomes[call_id] = await ledger.append(
+                    "call.sent", checkpoint_id="c1", server="s", call_id=call_id, data=SENT
+                )
+            except LedgerError as error:
+                outcomes[call_id] = error
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, "lone")
+            await in_flight.wait()
+            for i in range(5):
+                tg.start_soon(one, f"k{i}")
+            await anyio.wait_all_tasks_blocked()
+            release.set()
+        stored = [e async for e in ledger.read()]
+    assert isinstance(outcomes["lone"], LedgerError)
+    assert [e.call_id for e in stored] == [None, *(f"k{i}" for i in range(5))]
+    assert stored[1].prev_hash == first.hash
+    assert all(outcomes[f"k{i}"] == stored[i + 1] for i in range(5))
     assert (await replay_url(ledger_url)).ok
