@@ -11,13 +11,14 @@
 - An append runs on the writer session's own asyncpg connection (the driver connection under
   SQLAlchemy's), not through SQLAlchemy, as ONE statement (``append_statement``) — its own
   transaction, one round trip, as a plain autocommit insert: the append lock (and, for a write-behind
-  one, ``synchronous_commit`` off for that transaction), the events insert conditional on the
-  stored head (``apply_append``'s check), and the ``attempts`` upsert, which runs only if the
-  events went in. The statement's snapshot is taken before the lock is granted; a row another
-  session committed in between is still refused, by revision 0003's insert-at-head trigger
-  (its query sees the latest commit) and the seq primary key — both raise, which fences this
-  writer. The projection rows it folds from come from the writer's cache, or are read first in
-  one query (only this writer writes them).
+  one, ``synchronous_commit`` off for that transaction), the events insert, and the ``attempts``
+  upsert, which runs only if the events went in. ``apply_append``'s head check is revision
+  0003's insert-at-head trigger (each row must be the next seq and link to the stored head's
+  hash; its query sees the latest commit, even one made while this statement waited for the
+  lock) and the seq primary key: a refusal raises, writes nothing, and fences this writer with
+  the head as it is now (a newer epoch, or a row it did not write). The projection rows it folds
+  from come from the writer's cache, or are read first in one query (only this writer writes
+  them).
 - Losing the writer session (the server ended it — e.g. a standby's ``pg_terminate_backend`` —
   or the connection broke) loses the writer lock with it, so an append that fails that way
   raises ``FencedError``: this writer must stop.
@@ -72,12 +73,13 @@ _AT_TYPES = ("varchar", "varchar", "varchar", "varchar", "varchar", "varchar", "
 @functools.cache
 def append_statement(behind: bool, one_row: bool, puts: int) -> str:
     """One append as one statement (see the module docstring). ``$1`` is the append lock's key,
-    ``$2`` the writer's last known seq, then the events' columns, then the ``attempts`` rows'.
+    then the events' columns, then the ``attempts`` rows'.
     ``one_row`` (one event, at most one projection row: a recorded call's usual append) passes
     the columns as plain parameters; otherwise each column is an array of the rows' values (one
     array per column, ``unnest``ed), as is every projection column when ``puts`` > 1.
-    Returns how many events went in: all of them, or none when the stored head is not ``$2``
-    (then no projection row is written either). ``behind``: the transaction commits with
+    Returns how many events went in: all of them — a row that is not the next link of the stored
+    chain is refused by revision 0003's insert-at-head trigger (or the seq key), which raises and
+    writes nothing, projection rows included. ``behind``: the transaction commits with
     ``synchronous_commit`` off (a write-behind append under "full")."""
     behind_sql = ", set_config('synchronous_commit', 'off', true)" if behind else ""
     n = len(_EV_TYPES)
@@ -89,13 +91,12 @@ def append_statement(behind: bool, one_row: bool, puts: int) -> str:
 
     statement = (
         f"WITH held AS (SELECT pg_advisory_xact_lock($1){behind_sql}), "
-        f"ins AS (INSERT INTO events ({', '.join(EVENT_COLUMNS)}) {source(_EV_TYPES, 3, one_row)} "
-        "WHERE (SELECT count(*) FROM held) = 1 AND COALESCE((SELECT max(seq) FROM events), 0) = $2 "
-        "RETURNING 1)"
+        f"ins AS (INSERT INTO events ({', '.join(EVENT_COLUMNS)}) {source(_EV_TYPES, 2, one_row)} "
+        "WHERE (SELECT count(*) FROM held) = 1 RETURNING 1)"
     )
     if puts:
         statement += (
-            f", up AS (INSERT INTO attempts ({', '.join(COLUMNS)}) {source(_AT_TYPES, 3 + n, puts == 1)} "
+            f", up AS (INSERT INTO attempts ({', '.join(COLUMNS)}) {source(_AT_TYPES, 2 + n, puts == 1)} "
             "WHERE EXISTS (SELECT 1 FROM ins) ON CONFLICT (checkpoint_id) DO UPDATE SET "
             + ", ".join(f"{c} = excluded.{c}" for c in COLUMNS if c != "checkpoint_id")
             + ")"
@@ -273,21 +274,28 @@ class PostgresBackend(Backend):
                 elif puts:
                     arrays += [list(c) for c in zip(*(to_columns(r).values() for r in puts), strict=True)]
                 params = arrays
-            inserted = await conn.fetchval(statement, APPEND_LOCK_KEY, batch.expected_last, *params)
-            if inserted != len(batch.rows):  # nothing was written: the head is not where this writer left it
-                head = await conn.fetchrow(_A_HEAD)
-                last, head_epoch = (int(head[0]), int(head[1])) if head is not None else (0, 0)
-                if head_epoch > batch.epoch:
-                    detail = f"epoch {head_epoch} exists, newer than this writer's epoch {batch.epoch}"
-                else:
-                    known = batch.expected_last
-                    detail = f"its head is seq {last}, but this writer's last known seq is {known}"
-                raise FencedError(fenced_message(batch.where, detail))
+            try:
+                inserted = await conn.fetchval(statement, APPEND_LOCK_KEY, *params)
+            except asyncpg.IntegrityConstraintViolationError:  # the 0003 trigger or the seq key refused it
+                inserted = None
+            if inserted != len(rows):  # nothing was written: the head is not where this writer left it
+                raise FencedError(fenced_message(batch.where, await self._refusal(conn, batch)))
         except BaseException:
             self._cache.clear()
             raise
         self._cache.committed(written)
         self._unsynced = behind
+
+    async def _refusal(self, conn: Any, batch: Batch) -> str:
+        """Why the stored chain refused ``batch``: what its head is now, against the writer's view."""
+        head = await conn.fetchrow(_A_HEAD)
+        last, head_epoch = (int(head[0]), int(head[1])) if head is not None else (0, 0)
+        if head_epoch > batch.epoch:
+            return f"epoch {head_epoch} exists, newer than this writer's epoch {batch.epoch}"
+        known = batch.expected_last
+        if last != known:
+            return f"its head is seq {last}, but this writer's last known seq is {known}"
+        return f"its head (seq {last}) is not the row this writer chained seq {known + 1} on"
 
     async def append(self, batch: Batch) -> None:
         if self._writer is None:
