@@ -591,11 +591,7 @@ class Ledger:
                     for w in group:
                         if w is not waiter:
                             w.done.set()
-                    if self._queue:
-                        self._queue[0].lead = True
-                        self._queue[0].done.set()
-                    else:
-                        self._leading = False
+                    self._pass_lead()
         if waiter.error is not None:
             raise waiter.error
         self._check_lease()  # committed, but a caller must not act on it once the lease ran out
@@ -614,26 +610,18 @@ class Ledger:
         self._leading = True
         self._lock.acquire_nowait()
         try:
-            batch, carried = self._batch(items, durable=durable, new_epoch=False)
-            if not batch.rows:
-                return []
-            began = time.perf_counter()
-            try:
-                await self._backend.append(batch)  # shields itself while it awaits
-            except BaseException as error:
-                self._commit_failed(error, carried)
-                raise
-            took = time.perf_counter() - began
-            done = self._committed(batch, carried, [items], new_epoch=False)[0]
-            self._observe_commit(took, len(batch.rows))
-            return done
+            return (await self._write([items], durable=durable, new_epoch=False))[0]
         finally:
             self._lock.release()
-            if self._queue:
-                self._queue[0].lead = True
-                self._queue[0].done.set()
-            else:
-                self._leading = False
+            self._pass_lead()
+
+    def _pass_lead(self) -> None:
+        """After a lead's commit: the oldest queued append leads next, or nobody leads."""
+        if self._queue:
+            self._queue[0].lead = True
+            self._queue[0].done.set()
+        else:
+            self._leading = False
 
     def _commit_now(self, items: list[_Encoded], durable: bool) -> list[Event] | None:
         """Commit ``items`` on this thread, without awaiting; None (nothing written) if the backend
@@ -758,26 +746,34 @@ class Ledger:
         self, groups: list[list[_Encoded]], *, durable: bool, new_epoch: bool = False
     ) -> list[list[Event]]:
         """Chain and commit the items of ``groups`` in one transaction; their events, per group."""
-        items = [item for group in groups for item in group]
         self._check_writable()
         async with self._lock:
             self._check_writable()
             if self._stale:
                 with anyio.CancelScope(shield=True):
                     await self._load_head()
-            batch, carried = self._batch(items, durable=durable, new_epoch=new_epoch)
-            if not batch.rows:
-                return [[] for _ in groups]
-            began = time.perf_counter()
-            try:
-                await self._backend.append(batch)  # shields itself while it awaits
-            except BaseException as error:
-                self._commit_failed(error, carried)
-                raise
-            took = time.perf_counter() - began
-            done = self._committed(batch, carried, groups, new_epoch=new_epoch)
-            self._observe_commit(took, len(batch.rows))
-            return done
+            return await self._write(groups, durable=durable, new_epoch=new_epoch)
+
+    async def _write(
+        self, groups: list[list[_Encoded]], *, durable: bool, new_epoch: bool
+    ) -> list[list[Event]]:
+        """Chain the staged events and ``groups`` and commit them in one backend transaction; their
+        events, per group. The caller holds the lock (nothing else commits meanwhile)."""
+        batch, carried = self._batch(
+            [item for group in groups for item in group], durable=durable, new_epoch=new_epoch
+        )
+        if not batch.rows:
+            return [[] for _ in groups]
+        began = time.perf_counter()
+        try:
+            await self._backend.append(batch)  # shields itself while it awaits
+        except BaseException as error:
+            self._commit_failed(error, carried)
+            raise
+        took = time.perf_counter() - began
+        done = self._committed(batch, carried, groups, new_epoch=new_epoch)
+        self._observe_commit(took, len(batch.rows))
+        return done
 
     def _observe_commit(self, seconds: float, rows: int) -> None:
         """Tell ``on_commit`` (if set) about a committed transaction; its failure changes nothing here."""
