@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import anyio
@@ -157,6 +157,27 @@ async def test_a_lone_append_cancelled_during_its_commit_lands_whole(
     assert (await replay_url(ledger_url)).ok
 
 
+async def _lone_then_queued(
+    ledger: Ledger,
+    one: Callable[[str], Coroutine[Any, Any, None]],
+    n: int,
+    in_flight: anyio.Event,
+    release: anyio.Event,
+) -> int:
+    """Run ``one("lone")``; once its commit is in flight, ``one("k0")`` .. ``one("k<n-1>")``; when
+    they all wait, release the lone commit and let every append end. Returns how many appends were
+    queued just before the release."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one, "lone")
+        await in_flight.wait()
+        for i in range(n):
+            tg.start_soon(one, f"k{i}")
+        await anyio.wait_all_tasks_blocked()
+        queued = len(ledger._queue)
+        release.set()
+    return queued
+
+
 async def test_appends_arriving_during_a_lone_commit_share_the_next_transaction(
     ledger_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -187,14 +208,8 @@ async def test_appends_arriving_during_a_lone_commit_share_the_next_transaction(
                 "call.sent", checkpoint_id="c1", server="s", call_id=call_id, data=SENT
             )
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(one, "lone")
-            await in_flight.wait()
-            for i in range(20):
-                tg.start_soon(one, f"k{i}")
-            await anyio.wait_all_tasks_blocked()
-            assert len(ledger._queue) == 20, "the later appends wait behind the lone commit"
-            release.set()
+        queued = await _lone_then_queued(ledger, one, 20, in_flight, release)
+        assert queued == 20, "the later appends wait behind the lone commit"
         stored = [e async for e in ledger.read()]
     assert spy.calls == 1
     assert transactions == [["lone"], [f"k{i}" for i in range(20)]]
@@ -238,13 +253,7 @@ async def test_a_failed_lone_commit_hands_the_lead_to_the_appends_queued_behind_
             except LedgerError as error:
                 outcomes[call_id] = error
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(one, "lone")
-            await in_flight.wait()
-            for i in range(5):
-                tg.start_soon(one, f"k{i}")
-            await anyio.wait_all_tasks_blocked()
-            release.set()
+        await _lone_then_queued(ledger, one, 5, in_flight, release)
         stored = [e async for e in ledger.read()]
     assert isinstance(outcomes["lone"], LedgerError)
     assert [e.call_id for e in stored] == [None, *(f"k{i}" for i in range(5))]
