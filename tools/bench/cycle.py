@@ -141,7 +141,7 @@ async def run_cycles(
 ) -> dict[str, Any]:
     """One run of #3: ``cycles`` measured cycles per side (after one warm-up each), rotating order.
 
-    ``sides`` (default real, null, bare) may also hold ``process``: a real ledger with
+    ``sides`` (default real, null, bare) may also hold ``lazy``: a real ledger with
     ``durability: process`` (measure #9). The real ledger is a new SQLite file in ``dir``, or
     ``ledger_url`` (an empty database: #7 runs this on PostgreSQL)."""
     folder = Path(dir)
@@ -149,7 +149,7 @@ async def run_cycles(
     ledger_url = ledger_url or f"sqlite+aiosqlite:///{folder / 'ledger.db'}"
     extra: dict[str, dict[str, Any]] = {
         "real": {"ledger": ledger_url},
-        "process": {"ledger": f"sqlite+aiosqlite:///{folder / 'process.db'}", "durability": "process"},
+        "lazy": {"ledger": f"sqlite+aiosqlite:///{folder / 'process.db'}", "durability": "process"},
     }
     configs = {
         side: parse_config(
@@ -161,17 +161,17 @@ async def run_cycles(
     cpu: dict[str, list[float]] = {side: [] for side in chosen}
     orders = list(itertools.permutations(chosen))
     rng = random.Random()
-    if "process" in chosen:
+    if "lazy" in chosen:
         # two new ledgers would both give out e1-... ids, which the servers refuse the second time:
         # the second ledger starts one epoch later
-        async with Ledger.open(extra["process"]["ledger"]) as ledger:
+        async with Ledger.open(extra["lazy"]["ledger"]) as ledger:
             await ledger.start_epoch(
                 {"coordinator": {"host": "bench", "pid": 0, "uuid": "u"}, "version": "b"}
             )
     async with contextlib.AsyncExitStack() as stack:
         coords: dict[str, Coordinator] = {}
         for side in chosen:
-            if side in ("real", "process"):
+            if side in ("real", "lazy"):
                 coords[side] = await stack.enter_async_context(Coordinator.open(configs[side], token=token))
             elif side == "null":
                 coords[side] = await stack.enter_async_context(open_null(configs[side], token))
@@ -191,7 +191,7 @@ async def run_cycles(
                 cpu[side].append(time.process_time() - start)
         counts: dict[str, int] = {}
         for side, coord in coords.items():
-            if side in ("real", "process"):
+            if side in ("real", "lazy"):
                 head = await coord.ledger.head()
                 counts[side] = head.seq if head is not None else 0
             elif side == "bare":

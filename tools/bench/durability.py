@@ -38,18 +38,18 @@ def measure(ctx: Context) -> Result:
                 "token": token,
                 "cycles": cycles,
                 "dir": str(folder),
-                "sides": ["real", "process", "null"],
+                "sides": ["real", "lazy", "null"],  # "lazy": durability process (a side's keys must not clash with the child's process_cpu_s)
             }
             runs.append(run_child("cycle:run_cycles", params))
         last = runs[-1]
         ctx.log(
             f"  run {index + 1}/{ctx.runs}: full {last['real_s'] * 1e3:.1f} ms, process"
-            f" {last['process_s'] * 1e3:.1f} ms, null {last['null_s'] * 1e3:.1f} ms"
+            f" {last['lazy_s'] * 1e3:.1f} ms, null {last['null_s'] * 1e3:.1f} ms"
         )
     rows = []
     for side, label in (
         ("real", "durability: full"),
-        ("process", "durability: process"),
+        ("lazy", "durability: process"),
         ("null", "null ledger"),
     ):
         wall, cpu = stats_of(runs, f"{side}_s"), stats_of(runs, f"{side}_cpu_s")
@@ -62,8 +62,8 @@ def measure(ctx: Context) -> Result:
             result.metric(f"{side}_overhead", overhead, "fraction")
             row["adds over the null ledger"] = f"{overhead.fmt(100, 1, '%')} = {added.fmt(1e3, 1, 'ms')}"
         rows.append(row)
-    full, process = stats_of(runs, "real_s"), stats_of(runs, "process_s")
-    full_added, process_added = stats_of(runs, "real_added_s"), stats_of(runs, "process_added_s")
+    full, process = stats_of(runs, "real_s"), stats_of(runs, "lazy_s")
+    full_added, process_added = stats_of(runs, "real_added_s"), stats_of(runs, "lazy_added_s")
     result.metric("peak_rss_mb", stats_of(runs, "peak_rss_mb"), "MB")
     result.runs = len(runs)
     result.rows = rows
