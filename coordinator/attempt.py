@@ -271,6 +271,16 @@ class PhaseFailure(Exception):
         self.code = code
         self.deadline = deadline
 
+    def with_others(self, others: Sequence[PhaseFailure]) -> PhaseFailure:
+        """This failure (its server and code stay the ones reported), its reason naming the other
+        servers that failed the same step too — so a user fixes them all at once, not one per try."""
+        if not others:
+            return self
+        also = "; ".join(f"{o.server or 'the coordinator'}: {o.reason}" for o in others)
+        return PhaseFailure(
+            self.phase, self.server, f"{self.reason} (also: {also})", self.code, deadline=self.deadline
+        )
+
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
@@ -341,7 +351,8 @@ async def each_member(
     """Run `fn` over one role group: one at a time, or concurrently with `fanout: parallel`.
 
     Sequential: stops at the first failure. Parallel: every call runs to its own end, then the
-    first failure (in config order) is raised — siblings are never cancelled mid-call.
+    first failure (in config order) is raised, its reason naming every other failed server —
+    siblings are never cancelled mid-call.
     """
     results: dict[str, T] = {}
     if ctx.config.fanout == "sequential" or len(members) <= 1:
@@ -359,9 +370,9 @@ async def each_member(
     async with anyio.create_task_group() as tg:
         for member in members:
             tg.start_soon(one, member)
-    for member in members:
-        if member.name in failures:
-            raise failures[member.name]
+    failed = [failures[m.name] for m in members if m.name in failures]
+    if failed:
+        raise failed[0].with_others(failed[1:])
     return results
 
 
@@ -384,8 +395,9 @@ async def run_phase(
     """Run one phase inside the attempt's deadline scope, with phase.started / phase.completed.
 
     Raises `PhaseFailure` (deadline=True when the scope expired) — the caller rolls back. When
-    the deadline ends it while a participant was being asked again (`Attempt.waiting_on`), the
-    failure is that participant's last refusal (its code, and what it named), marked as a deadline.
+    the deadline ends it while participants were being asked again (`Attempt.waiting_on`), the
+    failure is the first one's last refusal (its code, and what it named), marked as a deadline,
+    naming the others' last refusals too.
     """
     await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": phase})
     servers = len(attempt.participants)
@@ -397,9 +409,16 @@ async def run_phase(
     with anyio.CancelScope(deadline=anyio_deadline(attempt.deadline_ts)) as scope:
         summary = await body()
     if scope.cancelled_caught or summary is None:
-        waiting = next((attempt.waiting_on[n] for n in attempt.names if n in attempt.waiting_on), None)
-        if waiting is not None and waiting.phase == phase:
-            raise PhaseFailure(phase, waiting.server, waiting.reason, waiting.code, deadline=True)
+        waiting = [
+            attempt.waiting_on[n]
+            for n in attempt.names
+            if n in attempt.waiting_on and attempt.waiting_on[n].phase == phase
+        ]
+        if waiting:  # every server still being asked again (a parallel fan-out waits on several)
+            first = waiting[0]
+            raise PhaseFailure(phase, first.server, first.reason, first.code, deadline=True).with_others(
+                waiting[1:]
+            )
         reason = "the attempt's deadline passed"
         if phase == "prepare" and attempt.inflight:
             reason += f" while draining: {attempt.inflight} requests still in flight"

@@ -22,21 +22,26 @@ from ledger import Ledger
 pytestmark = pytest.mark.anyio
 
 AGENT = Member("simple_agent", "responses_api_agents", "export_restore", None, "agent", "http://127.0.0.1:9")
+OTHER = Member("second_agent", "responses_api_agents", "export_restore", None, "agent", "http://127.0.0.1:8")
 
 
-async def _deadline_failure(tmp_path: Path, waiting: PhaseFailure | None) -> PhaseFailure:
+async def _deadline_failure(
+    tmp_path: Path, waiting: PhaseFailure | None, *more: PhaseFailure
+) -> PhaseFailure:
     url = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
+    members = (AGENT, OTHER) if more else (AGENT,)
     config = parse_config(
-        {"ledger": url, "servers": [{"name": AGENT.name, "url": AGENT.url}]}, base_dir=tmp_path
+        {"ledger": url, "servers": [{"name": m.name, "url": m.url} for m in members]}, base_dir=tmp_path
     )
     async with Ledger.open(url) as ledger:
         await ledger.start_epoch({"coordinator": {"host": "h", "pid": 1, "uuid": "u"}, "version": "t"})
         ctx = Context(config, ledger, cast(Any, None))
-        attempt = Attempt("q-test-1", "save", time.time() + 0.3, (AGENT,))
+        attempt = Attempt("q-test-1", "save", time.time() + 0.3, members)
 
         async def body() -> dict[str, Any]:
-            if waiting is not None:
-                attempt.waiting_on[AGENT.name] = waiting
+            for refusal in (waiting, *more):
+                if refusal is not None and refusal.server is not None:
+                    attempt.waiting_on[refusal.server] = refusal
             await anyio.sleep_forever()
             raise AssertionError("unreachable")
 
@@ -64,3 +69,15 @@ async def test_a_refusal_seen_in_another_phase_is_not_reported(tmp_path: Path) -
     failed = await _deadline_failure(tmp_path, PhaseFailure("restore", AGENT.name, "other", "some_code"))
     assert failed.code is None
     assert failed.reason == "the attempt's deadline passed"
+
+
+async def test_every_server_still_being_asked_is_named_the_first_in_config_order_reported(
+    tmp_path: Path,
+) -> None:
+    other = PhaseFailure("prepare", OTHER.name, "holds done:3 — acknowledge it", "agent_prepare_incomplete")
+    mine = PhaseFailure("prepare", AGENT.name, "holds done:0 — acknowledge it", "agent_prepare_incomplete")
+    failed = await _deadline_failure(tmp_path, other, mine)  # recorded in the other order
+    assert (failed.server, failed.code, failed.deadline) == (AGENT.name, "agent_prepare_incomplete", True)
+    assert (
+        failed.reason == "holds done:0 — acknowledge it (also: second_agent: holds done:3 — acknowledge it)"
+    )

@@ -167,6 +167,43 @@ async def test_an_unacknowledged_result_is_named_then_acknowledged_then_saved(
     await assert_protocol_ok(ledger_url)
 
 
+async def test_a_parallel_prepare_names_every_agent_that_holds_an_unacknowledged_result(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any
+) -> None:
+    # Two agents, fan-out parallel, each holding a finished result nobody acknowledged: the error
+    # names the first (its code) and the other one with what it holds, so one acknowledgement
+    # round fixes both instead of one failed checkpoint per agent.
+    second = {"kind": "agent", "name": "second_agent", "policy": "policy_model", "resources": "tools"}
+    with make_cluster(spec({"latency_s": 0.01}, second)) as running:
+        config = configure(running, ledger_url, fanout="parallel")
+        async with httpx.AsyncClient(timeout=60) as http:
+            for name in ("simple_agent", "second_agent"):
+                url = running.urls[name]
+                await client.start_rollouts(http, url, {"done": 1, "long": 100_000})
+                await client.wait_until(http, url, lambda rs: rs["done"]["status"] == "completed")
+            async with Coordinator.open(config) as coord:
+                await coord.discover()
+                with pytest.raises(PhaseError) as caught:
+                    await coord.checkpoint(deadline_s=3)
+            await assert_all_accepting(http, running)
+        failed = caught.value
+        assert (failed.phase, failed.server, failed.code) == (
+            "prepare",
+            "simple_agent",
+            "agent_prepare_incomplete",
+        )
+        text = str(failed)
+        assert "quiesce acknowledge --config CONFIG simple_agent done:0" in text
+        assert "also: second_agent:" in text
+        assert "quiesce acknowledge --config CONFIG second_agent done:0" in text
+        phase_failed = [
+            ev for ev in await read_events(ledger_url, failed.checkpoint_id) if ev.kind == "phase.failed"
+        ]
+        [recorded] = phase_failed
+        assert "second_agent" in recorded.data["reason"]
+    await assert_protocol_ok(ledger_url)
+
+
 async def test_a_retry_cut_short_by_the_deadline_still_names_the_unacknowledged_result(
     make_cluster: MakeCluster, ledger_url: str, configure: Any
 ) -> None:
