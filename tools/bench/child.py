@@ -34,7 +34,9 @@ def main(argv: list[str]) -> int:
         result = function(**params)
     clash = {"peak_rss_mb", "process_cpu_s"} & result.keys()
     if clash:  # a measure's own figure would be overwritten by the child's (measure #9 once was)
-        raise SystemExit(f"{module_name}:{function_name} returned {sorted(clash)}, which the child sets itself")
+        raise SystemExit(
+            f"{module_name}:{function_name} returned {sorted(clash)}, which the child sets itself"
+        )
     result["peak_rss_mb"] = peak_rss_mb()
     usage = resource.getrusage(resource.RUSAGE_SELF)
     result["process_cpu_s"] = usage.ru_utime + usage.ru_stime  # this process's whole life, start-up included

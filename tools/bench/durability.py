@@ -38,7 +38,9 @@ def measure(ctx: Context) -> Result:
                 "token": token,
                 "cycles": cycles,
                 "dir": str(folder),
-                "sides": ["real", "lazy", "null"],  # "lazy": durability process (a side's keys must not clash with the child's process_cpu_s)
+                # "lazy": durability process (a side named "process" would clash with the child's
+                # own process_cpu_s)
+                "sides": ["real", "lazy", "null"],
             }
             runs.append(run_child("cycle:run_cycles", params))
         last = runs[-1]
