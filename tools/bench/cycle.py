@@ -131,10 +131,10 @@ class LedgerClock:
     Every public coroutine method of one ``Ledger`` is replaced, on that instance only, by a
     wrapper; the clock runs from the first call's entry to the last one's exit whenever calls
     overlap, so nested or concurrent calls count once. In a save on the reference cluster the
-    calls are sequential (one server per role group), so this is the time the ledger sits on the
-    save's path; what the paired difference adds beyond it is the ledger's indirect cost (caches,
-    allocator, garbage collector). The wrapper itself (about a microsecond per call) counts on
-    the real side, against it.
+    calls are sequential (one server per role group), but the last ones overlap work the save
+    waits for anyway (a snapshot's deletion beside the resume): an upper bound on the ledger's
+    time on the save's path, without its indirect cost (caches, allocator, garbage collector).
+    The wrapper itself (about a microsecond per call) counts on the real side, against it.
     """
 
     def __init__(self, ledger: Ledger) -> None:
@@ -333,10 +333,12 @@ def measure(ctx: Context) -> Result:
     result.notes.append(
         f"inside the ledger, in the same real-ledger saves: {in_ledger.fmt(1e3, 2, 'ms')} per save is spent"
         " in calls to the ledger (wall time while a call to one of its public coroutines is in"
-        " progress: `LedgerClock`). The saves here are sequential, so this is the ledger's time on the"
-        " save's path; the paired difference also holds its indirect costs (cold caches after each"
-        " reply, allocator, garbage collector) and the noise of two saves at different points of the"
-        " rollouts' turns. The goal is judged on the paired difference"
+        " progress: `LedgerClock`). It bounds the ledger's time on the save's path from above: the calls"
+        " are sequential, but the last ones overlap work the save waits for anyway (the deletion of a"
+        " snapshot that retention removed runs beside the resume), and the clock's wrapper counts in"
+        " it. The paired difference holds what this misses (cold caches after each reply, allocator,"
+        " garbage collector) and the noise of two saves at different points of the rollouts' turns."
+        " The goal is judged on the paired difference"
     )
     result.notes.append(
         "'adds ... ms' is the median over a run's rounds of real minus null for the two cycles of one round"
