@@ -125,8 +125,10 @@ def apply_append(tx: Tx, batch: Batch, cache: ProjectionCache) -> dict[str, Atte
         last, head_epoch = head if head is not None else (0, 0)
         if head_epoch > batch.epoch:
             detail = f"epoch {head_epoch} exists, newer than this writer's epoch {batch.epoch}"
-        else:
+        elif last != batch.expected_last:
             detail = f"its head is seq {last}, but this writer's last known seq is {batch.expected_last}"
+        else:  # the seq is where this writer left it, the row there is not (the trigger checks the hash)
+            detail = f"its head (seq {last}) is not the row this writer chained seq {last + 1} on"
         raise FencedError(fenced_message(batch.where, detail))
     pending: dict[str, AttemptRow | None] = {}
     existed: set[str] = set()

@@ -186,6 +186,39 @@ async def test_a_writer_that_lost_its_claim_is_fenced_in_the_transaction(ledger_
     assert report.events == 3
 
 
+async def test_a_head_row_rewritten_under_a_running_sqlite_writer_fences_it(tmp_path: Path) -> None:
+    """The SQLite append reads no head before inserting: the 0003 trigger refuses a row that does
+    not link to the stored head's hash, even when the head's seq is the one the writer expects."""
+    import sqlite3
+
+    path = tmp_path / "q.db"
+    async with Ledger.open(f"sqlite+aiosqlite:///{path}") as writer:
+        await writer.start_epoch(COORDINATOR)
+        await writer.append("call.sent", call_id="k1", data=SENT)
+        head = await writer.head()
+        assert head is not None
+        # a hostile edit: the append-only triggers dropped, the head row's hash rewritten, the
+        # triggers back (their SQL as the migrations created them)
+        raw = sqlite3.connect(path, isolation_level=None)
+        triggers = raw.execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'").fetchall()
+        raw.execute("BEGIN IMMEDIATE")
+        for name, _ in triggers:
+            raw.execute(f"DROP TRIGGER {name}")
+        raw.execute("UPDATE events SET hash = ? WHERE seq = ?", ("f" * 64, head.seq))
+        for _, sql in triggers:
+            raw.execute(sql)
+        raw.execute("COMMIT")
+        raw.close()
+        with pytest.raises(
+            FencedError, match=f"its head \\(seq {head.seq}\\) is not the row this writer chained"
+        ):
+            await writer.append("call.sent", call_id="k2", data=SENT)
+        with pytest.raises(FencedError):  # and it stays fenced
+            await writer.append("call.sent", call_id="k3", data=SENT)
+    report = await replay_url(f"sqlite+aiosqlite:///{path}")
+    assert report.events == head.seq  # nothing went in after the rewritten head
+
+
 def _pg_url(ledger: Ledger) -> object:
     return ledger.backend._engine.url  # type: ignore[attr-defined]
 
