@@ -175,12 +175,15 @@ async def run_cycles(
     dir: str,
     ledger_url: str | None = None,
     sides: list[str] | None = None,
+    clock: bool = False,
 ) -> dict[str, Any]:
     """One run of #3: ``cycles`` measured cycles per side (after one warm-up each), rotating order.
 
     ``sides`` (default real, null, bare) may also hold ``lazy``: a real ledger with
     ``durability: process`` (measure #9). The real ledger is a new SQLite file in ``dir``, or
-    ``ledger_url`` (an empty database: #7 runs this on PostgreSQL)."""
+    ``ledger_url`` (an empty database: #7 runs this on PostgreSQL). ``clock`` (measure #3 only)
+    times the real side's ledger calls (``LedgerClock``); its wrapper then runs on that side
+    alone, so a measure comparing two real ledgers (#9) leaves it off."""
     folder = Path(dir)
     chosen = sides or ["real", "null", "bare"]
     ledger_url = ledger_url or f"sqlite+aiosqlite:///{folder / 'ledger.db'}"
@@ -219,18 +222,18 @@ async def run_cycles(
         for coord in coords.values():
             await coord.discover()
             await timed_cycle(coord)
-        clock = LedgerClock(coords["real"].ledger) if "real" in coords else None
+        timer = LedgerClock(coords["real"].ledger) if clock and "real" in coords else None
         in_ledger: list[float] = []
         for i in range(cycles):
             settle_s = SETTLE_S + rng.random() * SETTLE_JITTER_S
             for side in orders[i % len(orders)]:
                 await anyio.sleep(settle_s)
                 start = time.process_time()
-                before = clock.total if clock is not None and side == "real" else 0.0
+                before = timer.total if timer is not None and side == "real" else 0.0
                 took[side].append(await timed_cycle(coords[side]))
                 cpu[side].append(time.process_time() - start)
-                if clock is not None and side == "real":
-                    in_ledger.append(clock.total - before)
+                if timer is not None and side == "real":
+                    in_ledger.append(timer.total - before)
         counts: dict[str, int] = {}
         for side, coord in coords.items():
             if side in ("real", "lazy"):
@@ -277,7 +280,13 @@ def measure(ctx: Context) -> Result:
             anyio.run(start_rollouts, running.urls, ["simple_agent"], 4, 1_000_000)
             folder = ctx.work / f"cycle-{index}"
             folder.mkdir()
-            params = {"config": running.config(), "token": token, "cycles": cycles, "dir": str(folder)}
+            params = {
+                "config": running.config(),
+                "token": token,
+                "cycles": cycles,
+                "dir": str(folder),
+                "clock": True,
+            }
             runs.append(run_child("cycle:run_cycles", params))
         last = runs[-1]
         ctx.log(f"  run {index + 1}/{ctx.runs}: real {last['real_s'] * 1e3:.1f} ms,"
