@@ -13,7 +13,7 @@ from typing import Final
 VERSION_TABLE: Final = "quiesce_alembic_version"
 #: The head revision of `migrations/versions` (checked against alembic by the tests). Opening a
 #: ledger whose stored revision equals it skips alembic entirely — the common case, kept cheap.
-HEAD_REVISION: Final = "0003"
+HEAD_REVISION: Final = "0004"
 
 #: The columns of ``events``, in table order (``ledger.backend.RawEvent`` follows it).
 EVENT_COLUMNS: Final = (
@@ -28,3 +28,19 @@ EVENT_COLUMNS: Final = (
     "prev_hash",
     "hash",
 )
+
+#: Kind prefixes of the per-call and per-phase events — about nine events in ten. Revision 0004
+#: keeps them out of the kind index (``ix_events_marker``), so a transaction of the save's hot path
+#: writes no kind-index page; every other kind (attempt, discovery, coordinator, recovery and
+#: lease events: the rare markers a lookup by kind looks for) stays indexed.
+UNINDEXED_KIND_PREFIXES: Final = ("call.", "phase.")
+#: The kind index's predicate, per dialect (GLOB on SQLite: its LIKE follows a connection pragma,
+#: which an index must not). A query by kind uses the index only when its WHERE carries this text
+#: verbatim (neither database proves ``kind = ?`` implies it): see ``indexed_kind``.
+MARKER_WHERE_SQLITE: Final = "kind NOT GLOB 'call.*' AND kind NOT GLOB 'phase.*'"
+MARKER_WHERE_POSTGRESQL: Final = "kind NOT LIKE 'call.%' AND kind NOT LIKE 'phase.%'"
+
+
+def indexed_kind(kind: str) -> bool:
+    """Whether events of ``kind`` are in the kind index (``ix_events_marker``)."""
+    return not kind.startswith(UNINDEXED_KIND_PREFIXES)

@@ -12,9 +12,15 @@ The names that need no SQLAlchemy (``VERSION_TABLE``, ``HEAD_REVISION``, ``EVENT
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, Float, Index, Integer, MetaData, String, Table, Text
+from sqlalchemy import BigInteger, Column, Float, Index, Integer, MetaData, String, Table, Text, text
 
-from ledger.layout import EVENT_COLUMNS, HEAD_REVISION, VERSION_TABLE
+from ledger.layout import (
+    EVENT_COLUMNS,
+    HEAD_REVISION,
+    MARKER_WHERE_POSTGRESQL,
+    MARKER_WHERE_SQLITE,
+    VERSION_TABLE,
+)
 
 __all__ = [
     "EVENT_COLUMNS",
@@ -46,7 +52,14 @@ events = Table(
     Column("hash", String(64), nullable=False),
 )
 Index("ix_events_checkpoint_id", events.c.checkpoint_id, events.c.seq)
-Index("ix_events_kind", events.c.kind, events.c.seq)
+#: Markers only (revision 0004): no ``call.*`` or ``phase.*`` row (``ledger.layout.indexed_kind``).
+Index(
+    "ix_events_marker",
+    events.c.kind,
+    events.c.seq,
+    sqlite_where=text(MARKER_WHERE_SQLITE),
+    postgresql_where=text(MARKER_WHERE_POSTGRESQL),
+)
 
 attempts = Table(
     "attempts",

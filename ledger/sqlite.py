@@ -40,7 +40,7 @@ import anyio.to_thread
 from ledger import sqlitefile
 from ledger.backend import Backend, Batch, InlineAppend, ProjectionCache, RawEvent, apply_append
 from ledger.errors import FencedError, LedgerError
-from ledger.layout import EVENT_COLUMNS, VERSION_TABLE
+from ledger.layout import EVENT_COLUMNS, MARKER_WHERE_SQLITE, VERSION_TABLE, indexed_kind
 from ledger.projections import COLUMNS, AttemptRow, from_columns, to_columns
 from ledger.urls import parse, plain_sqlite_path
 
@@ -62,6 +62,14 @@ _TAIL_ROWS = f"SELECT {_EV_COLS} FROM events ORDER BY seq DESC LIMIT ?"
 _PROJECTION_LAST_SEQ = "SELECT max(last_seq) FROM attempts"
 #: Appends whose commits take less than this on average run on the event loop's thread.
 INLINE_COMMIT_MAX_S = 0.002
+
+
+def read_last_sql(kind: str) -> str:
+    """The query of ``read_last`` for ``kind``: one lookup in the marker index for an indexed kind
+    (whatever the history's length); a backward scan of the seq order for a ``call.*`` or
+    ``phase.*`` kind, which are nine events in ten."""
+    marker = f" AND {MARKER_WHERE_SQLITE}" if indexed_kind(kind) else ""
+    return f"SELECT {_EV_COLS} FROM events WHERE kind = ? AND seq < ?{marker} ORDER BY seq DESC LIMIT 1"
 
 
 class _SqliteTx:
@@ -368,13 +376,14 @@ class SqliteBackend(Backend, InlineAppend):
         if kinds is not None:
             where.append(f"kind IN ({', '.join('?' * len(kinds))})")
             params.extend(kinds)
+            if kinds and all(indexed_kind(k) for k in kinds):
+                where.append(MARKER_WHERE_SQLITE)  # lets the planner use the marker index
         params.append(limit)
         sql = f"SELECT {_EV_COLS} FROM events WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?"
         return await self._query(sql, params)  # type: ignore[return-value]
 
     async def read_last(self, kind: str, before: int) -> RawEvent | None:
-        sql = f"SELECT {_EV_COLS} FROM events WHERE kind = ? AND seq < ? ORDER BY seq DESC LIMIT 1"
-        rows = await self._query(sql, (kind, before))
+        rows = await self._query(read_last_sql(kind), (kind, before))
         return rows[0] if rows else None  # type: ignore[return-value]
 
     async def attempts(self, since: str | None, outcome: str | None) -> list[AttemptRow]:

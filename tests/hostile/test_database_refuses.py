@@ -141,8 +141,8 @@ async def test_an_old_schema_is_refused_and_db_upgrade_brings_it_forward(
         assert "behind" in str(info.value)
     code = await anyio.to_thread.run_sync(cli, ["db", "upgrade", "--ledger", ledger_url])
     assert code == 0, capsys.readouterr().err
-    assert "0002 -> 0003" in capsys.readouterr().out
-    assert await raw_sql(ledger_url, f"SELECT version_num FROM {VERSION_TABLE}") == [("0003",)]
+    assert "0002 -> 0004" in capsys.readouterr().out
+    assert await raw_sql(ledger_url, f"SELECT version_num FROM {VERSION_TABLE}") == [("0004",)]
     with pytest.raises(DBAPIError, match="append-only"):
         await raw_sql(ledger_url, replace)
     assert await raw_sql(ledger_url, f"SELECT {_COLUMNS} FROM events ORDER BY seq") == rows

@@ -202,7 +202,7 @@ async def test_schema_behind_is_refused_and_db_upgrade_fixes_it(
 
     code, doc = await _run_cli(capsys, "db", "upgrade", "--ledger", ledger_url, "--json")
     assert code == 0
-    assert doc == {"ledger": ledger_url, "before": None, "after": "0003", "changed": True}
+    assert doc == {"ledger": ledger_url, "before": None, "after": "0004", "changed": True}
     code, doc = await _run_cli(capsys, "db", "upgrade", "--ledger", ledger_url, "--json")
     assert (code, doc["changed"]) == (0, False)
     async with Ledger.open(ledger_url) as ledger:
@@ -228,7 +228,7 @@ async def test_empty_database_is_created_at_head_by_a_writer_only(ledger_url: st
     async with Ledger.open(ledger_url) as ledger:
         assert await ledger.head() is None
     rows = await raw_sql(ledger_url, f"SELECT version_num FROM {VERSION_TABLE}")
-    assert rows == [("0003",)]
+    assert rows == [("0004",)]
 
 
 async def test_messages_never_show_a_password(ledger_url: str) -> None:

@@ -27,6 +27,7 @@ from pydantic import BaseModel
 
 from ledger import AppendItem, Event, utc_now
 from ledger.canonical import GENESIS_HASH, canonical_text, chain_hash, row_bytes
+from ledger.layout import MARKER_WHERE_SQLITE
 from tools.bench.nullledger import NullLedger
 
 _DDL = (
@@ -34,7 +35,7 @@ _DDL = (
     " checkpoint_id TEXT, server TEXT, call_id TEXT, epoch INTEGER NOT NULL, data TEXT NOT NULL,"
     " prev_hash TEXT NOT NULL, hash TEXT NOT NULL)",
     "CREATE INDEX ix_events_checkpoint_id ON events (checkpoint_id, seq)",
-    "CREATE INDEX ix_events_kind ON events (kind, seq)",
+    f"CREATE INDEX ix_events_marker ON events (kind, seq) WHERE {MARKER_WHERE_SQLITE}",
 )
 _INSERT = "INSERT INTO events VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 _Row = tuple[int, str, str, str | None, str | None, str | None, int, str, str, str]

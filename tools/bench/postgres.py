@@ -33,6 +33,7 @@ from typing import Any
 import anyio
 
 from ledger import LeaseTerms, Ledger
+from ledger.layout import MARKER_WHERE_POSTGRESQL
 from tools.bench.cycle import SPEC, cluster, start_rollouts
 from tools.bench.harness import Context, Result, run_child, stats_of
 from tools.bench.ledger import REPLIED, SENT
@@ -43,7 +44,7 @@ _RAW_DDL = (
     " checkpoint_id VARCHAR(128), server VARCHAR(256), call_id VARCHAR(128), epoch BIGINT NOT NULL,"
     " data TEXT NOT NULL, prev_hash VARCHAR(64) NOT NULL, hash VARCHAR(64) NOT NULL)",
     "CREATE INDEX ix_raw_checkpoint_id ON raw_events (checkpoint_id, seq)",
-    "CREATE INDEX ix_raw_kind ON raw_events (kind, seq)",
+    f"CREATE INDEX ix_raw_marker ON raw_events (kind, seq) WHERE {MARKER_WHERE_POSTGRESQL}",
 )
 _RAW_INSERT = "INSERT INTO raw_events VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
 CYCLES = 60
