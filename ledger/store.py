@@ -957,8 +957,10 @@ class Ledger:
     async def last_before(self, kind: str, seq: int) -> Event | None:
         """The last event of ``kind`` stored before ``seq`` (None if there is none).
 
-        One indexed lookup (events are indexed by kind and seq), whatever the length of the
-        history: what recovery reads about an old attempt must not grow with the ledger.
+        For a marker kind (anything but ``call.*`` and ``phase.*``: ``ledger.layout.indexed_kind``)
+        one lookup in the kind index, whatever the length of the history: what recovery reads about
+        an old attempt must not grow with the ledger. A ``call.*`` or ``phase.*`` kind is not in
+        that index (nine events in ten): it is found by scanning back from ``seq``.
         """
         await self._flush_staged()
         raw = await self._backend.read_last(kind, seq)
