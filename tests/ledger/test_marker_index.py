@@ -55,10 +55,9 @@ async def _history(url: str) -> dict[str, list[int]]:
 async def _plan(url: str, kind: str, before: int) -> str:
     """The database's plan for ``read_last(kind, before)``, as text."""
     if is_sqlite(url):
-        sql = (
-            read_last_sql(kind).replace("kind = ?", f"kind = '{kind}'").replace("seq < ?", f"seq < {before}")
-        )
-        rows = await raw_sql(url, f"EXPLAIN QUERY PLAN {sql}")
+        # the backend's own text with its two parameters bound, as it runs it
+        sql = read_last_sql(kind).replace("kind = ?", "kind = :kind").replace("seq < ?", "seq < :before")
+        rows = await raw_sql(url, f"EXPLAIN QUERY PLAN {sql}", params={"kind": kind, "before": before})
     else:
         compiled = read_last_statement(kind, before).compile(
             dialect=asyncpg_dialect(),  # type: ignore[no-untyped-call]  # the ledger's driver: % stays as is
