@@ -216,6 +216,11 @@ class Attempt:
     #: fails otherwise. When the deadline ends the phase meanwhile, this is what `run_phase`
     #: reports — not a bare "deadline passed" — whichever request was in flight at that moment.
     waiting_on: dict[str, PhaseFailure] = field(default_factory=dict)
+    #: failures of a parallel role group's members that have already ended while their siblings
+    #: still run (`each_member`): server → failure. Should the deadline end the group's wait, this
+    #: is what `run_phase` reports, so a failure already known is never lost to a bare "deadline
+    #: passed". Cleared when a phase starts.
+    settled: dict[str, PhaseFailure] = field(default_factory=dict)
     #: what its resume did, once a resume of it finished in this process (`restore(resume=True)`)
     resume_outcome: Outcome | None = None
     #: facts of the staging files read so far: publish does not read again what commit verified
@@ -346,13 +351,15 @@ def expect_reply(result: CallResult, model: type[T], phase: str, what: str) -> T
 
 
 async def each_member(
-    ctx: Context, members: Sequence[Member], fn: Callable[[Member], Awaitable[T]]
+    ctx: Context, attempt: Attempt, members: Sequence[Member], fn: Callable[[Member], Awaitable[T]]
 ) -> dict[str, T]:
-    """Run `fn` over one role group: one at a time, or concurrently with `fanout: parallel`.
+    """Run `fn` over one role group of `attempt`: one at a time, or concurrently with
+    `fanout: parallel`.
 
     Sequential: stops at the first failure. Parallel: every call runs to its own end, then the
     first failure (in config order) is raised, its reason naming every other failed server —
-    siblings are never cancelled mid-call.
+    siblings are never cancelled mid-call. Each failure is kept in `Attempt.settled` as soon as
+    its member ends, so a deadline that cancels the wait for the others still reports it.
     """
     results: dict[str, T] = {}
     if ctx.config.fanout == "sequential" or len(members) <= 1:
@@ -366,6 +373,7 @@ async def each_member(
             results[member.name] = await fn(member)
         except PhaseFailure as failure:
             failures[member.name] = failure
+            attempt.settled[member.name] = failure
 
     async with anyio.create_task_group() as tg:
         for member in members:
@@ -395,9 +403,9 @@ async def run_phase(
     """Run one phase inside the attempt's deadline scope, with phase.started / phase.completed.
 
     Raises `PhaseFailure` (deadline=True when the scope expired) — the caller rolls back. When
-    the deadline ends it while participants were being asked again (`Attempt.waiting_on`), the
-    failure is the first one's last refusal (its code, and what it named), marked as a deadline,
-    naming the others' last refusals too.
+    the deadline ends it while participants were being asked again (`Attempt.waiting_on`) or
+    after some had already failed (`Attempt.settled`), the failure is the first one's (in config
+    order) — its code, and what it named — marked as a deadline, naming the others' too.
     """
     await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": phase})
     servers = len(attempt.participants)
@@ -405,19 +413,18 @@ async def run_phase(
         Progress(attempt.checkpoint_id, phase, step="phase", servers=servers, deadline_ts=attempt.deadline_ts)
     )
     attempt.last_server = None
+    attempt.settled.clear()
     summary: dict[str, Any] | None = None
     with anyio.CancelScope(deadline=anyio_deadline(attempt.deadline_ts)) as scope:
         summary = await body()
     if scope.cancelled_caught or summary is None:
-        waiting = [
-            attempt.waiting_on[n]
-            for n in attempt.names
-            if n in attempt.waiting_on and attempt.waiting_on[n].phase == phase
-        ]
-        if waiting:  # every server still being asked again (a parallel fan-out waits on several)
-            first = waiting[0]
+        known = {n: f for n, f in attempt.waiting_on.items() if f.phase == phase}
+        known.update((n, f) for n, f in attempt.settled.items() if f.phase == phase)
+        reported = [known[n] for n in attempt.names if n in known]
+        if reported:  # servers still being asked again, or already failed, when the deadline hit
+            first = reported[0]
             raise PhaseFailure(phase, first.server, first.reason, first.code, deadline=True).with_others(
-                waiting[1:]
+                reported[1:]
             )
         reason = "the attempt's deadline passed"
         if phase == "prepare" and attempt.inflight:

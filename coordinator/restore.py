@@ -243,9 +243,9 @@ async def restore_body(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> di
         return {"sessions": reply.sessions}
 
     return {
-        "policy": await each_member(ctx, attempt.group("policy"), policy),
-        "agents": await each_member(ctx, attempt.group("agent"), agent),
-        "resources": await each_member(ctx, attempt.group("resources"), resources),
+        "policy": await each_member(ctx, attempt, attempt.group("policy"), policy),
+        "agents": await each_member(ctx, attempt, attempt.group("agent"), agent),
+        "resources": await each_member(ctx, attempt, attempt.group("resources"), resources),
     }
 
 

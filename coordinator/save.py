@@ -205,11 +205,11 @@ async def _prepare_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
         result = await send_call(ctx, attempt, m, "prepare", phase, body=common_body(attempt))
         return expect_reply(result, ResourcesPrepareReply, phase, "resources prepare")
 
-    pauses = await each_member(ctx, attempt.group("policy"), pause)
-    agents = await each_member(ctx, attempt.group("agent"), agent)
-    res = await each_member(ctx, attempt.group("resources"), resources)
+    pauses = await each_member(ctx, attempt, attempt.group("policy"), pause)
+    agents = await each_member(ctx, attempt, attempt.group("agent"), agent)
+    res = await each_member(ctx, attempt, attempt.group("resources"), resources)
     drained = await each_member(
-        ctx, attempt.group("policy"), lambda m: _drain(ctx, attempt, m, pauses[m.name].workers)
+        ctx, attempt, attempt.group("policy"), lambda m: _drain(ctx, attempt, m, pauses[m.name].workers)
     )
     return {
         "policy": {name: {"inflight_at_pause": p.inflight_total} for name, p in pauses.items()},
@@ -384,7 +384,7 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
         record(m, reply, reply.manifest_digest, {"continuation_index": reply.continuation_index})
         return reply
 
-    agents = await each_member(ctx, attempt.group("agent"), agent)
+    agents = await each_member(ctx, attempt, attempt.group("agent"), agent)
     await verify(attempt.group("agent"))
     indexes = [agents[m.name].continuation_index for m in attempt.group("agent")]
 
@@ -410,9 +410,9 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
         record(m, reply, reply.manifest_digest, {})
         return reply
 
-    models = await each_member(ctx, exporters, policy)
+    models = await each_member(ctx, attempt, exporters, policy)
     await verify(exporters)
-    res = await each_member(ctx, attempt.group("resources"), resources)
+    res = await each_member(ctx, attempt, attempt.group("resources"), resources)
     await verify(attempt.group("resources"))
     return {
         "agents": {n: {"records": a.records} for n, a in agents.items()},

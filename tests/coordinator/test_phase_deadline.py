@@ -14,7 +14,7 @@ from typing import Any, cast
 import anyio
 import pytest
 
-from coordinator.attempt import Attempt, Context, PhaseFailure, run_phase
+from coordinator.attempt import Attempt, Context, PhaseFailure, each_member, run_phase
 from coordinator.config import parse_config
 from coordinator.discovery import Member
 from ledger import Ledger
@@ -81,3 +81,42 @@ async def test_every_server_still_being_asked_is_named_the_first_in_config_order
     assert (
         failed.reason == "holds done:0 — acknowledge it (also: second_agent: holds done:3 — acknowledge it)"
     )
+
+
+async def test_a_parallel_failure_already_settled_is_reported_when_the_deadline_ends_the_wait(
+    tmp_path: Path,
+) -> None:
+    # fan-out parallel: the first agent has failed (its last refusal, raised), the other fails
+    # only once the deadline has passed — so the deadline cancels the wait at the group's end.
+    # What is reported is the first agent's failure, the other named too; not a bare deadline.
+    url = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
+    config = parse_config(
+        {
+            "ledger": url,
+            "fanout": "parallel",
+            "servers": [{"name": m.name, "url": m.url} for m in (AGENT, OTHER)],
+        },
+        base_dir=tmp_path,
+    )
+    async with Ledger.open(url) as ledger:
+        await ledger.start_epoch({"coordinator": {"host": "h", "pid": 1, "uuid": "u"}, "version": "t"})
+        ctx = Context(config, ledger, cast(Any, None))
+        attempt = Attempt("q-test-1", "save", time.time() + 0.3, (AGENT, OTHER))
+
+        async def fail(m: Member) -> None:
+            if m is OTHER:
+                with anyio.CancelScope(shield=True):  # ends after the deadline, uncancelled
+                    await anyio.sleep(max(0.0, attempt.deadline_ts - time.time()) + 0.1)
+            raise PhaseFailure(
+                "prepare", m.name, f"{m.name} refused", "agent_prepare_incomplete", deadline=True
+            )
+
+        async def body() -> dict[str, Any]:
+            await each_member(ctx, attempt, (AGENT, OTHER), fail)
+            return {}
+
+        with pytest.raises(PhaseFailure) as caught:
+            await run_phase(ctx, attempt, "prepare", body)
+    failed = caught.value
+    assert (failed.server, failed.code, failed.deadline) == (AGENT.name, "agent_prepare_incomplete", True)
+    assert failed.reason == "simple_agent refused (also: second_agent: second_agent refused)"

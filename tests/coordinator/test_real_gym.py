@@ -191,7 +191,7 @@ async def test_a_parallel_prepare_names_every_agent_that_holds_an_unacknowledged
             "prepare",
             "simple_agent",
             "agent_prepare_incomplete",
-        )
+        ), str(failed)
         text = str(failed)
         assert "quiesce acknowledge --config CONFIG simple_agent done:0" in text
         assert "also: second_agent:" in text
