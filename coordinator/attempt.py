@@ -366,19 +366,17 @@ async def each_member(
         for member in members:
             results[member.name] = await fn(member)
         return results
-    failures: dict[str, PhaseFailure] = {}
 
     async def one(member: Member) -> None:
         try:
             results[member.name] = await fn(member)
         except PhaseFailure as failure:
-            failures[member.name] = failure
             attempt.settled[member.name] = failure
 
     async with anyio.create_task_group() as tg:
         for member in members:
             tg.start_soon(one, member)
-    failed = [failures[m.name] for m in members if m.name in failures]
+    failed = [attempt.settled[m.name] for m in members if m.name in attempt.settled]
     if failed:
         raise failed[0].with_others(failed[1:])
     return results
