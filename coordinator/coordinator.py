@@ -70,6 +70,10 @@ from coordinator.protocol import (
     AcknowledgeBody,
     AcknowledgeReply,
     Capabilities,
+    CompletionReceipt,
+    CompletionReceiptReply,
+    ReceiptAcknowledgeBody,
+    ReceiptQuery,
     route,
 )
 from coordinator.provenance import check_provenance
@@ -110,6 +114,8 @@ class Coordinator:
         # own last step left every participant idle (a save resumed, a rollback complete).
         self._fresh: Mapping[str, Capabilities | str] | None = None
         self._clean = False
+        #: agents found to acknowledge completion receipts, not pairs (later Gym)
+        self._receipt_agents: set[str] = set()
 
     @classmethod
     @asynccontextmanager
@@ -582,10 +588,15 @@ class Coordinator:
         agent's prepare is incomplete. Call this once the trainer holds a result, as RL does.
         Refused before anything is sent (`ConfigError`): no control token, a server not in the
         config, one whose capabilities do not list `completed_result_acknowledgement`, no
-        execution, a duplicate or an id Gym would refuse. One recorded control call (`call.sent`
-        before it leaves, its outcome after) with the control token; a refusal, or a reply that
-        does not cover exactly the requested set, raises `AcknowledgementError` and nothing is
-        assumed released. It may run while an attempt is in progress.
+        execution, a duplicate or an id Gym would refuse. Every request is a recorded control
+        call (`call.sent` before it leaves, its outcome after) with the control token; a refusal,
+        or a reply that does not cover exactly the requested set, raises `AcknowledgementError`
+        and nothing is assumed released. It may run while an attempt is in progress.
+
+        The anchor's agent takes the pairs themselves. Later Gym's takes each result's completion
+        receipt instead (and answers the pairs with 422, releasing nothing): the receipts are then
+        read from the agent (`GET /agent-checkpoint/completion-receipt`, one recorded call per
+        result) and sent, and this coordinator sends receipts to that agent from then on.
         """
         self._ctx.caller.require_token()
         configured = self._ctx.config.server(server)
@@ -593,18 +604,63 @@ class Coordinator:
             names = ", ".join(s.name for s in self._ctx.config.servers)
             raise ConfigError(f"no server {server!r} in the config (its servers: {names})")
         try:
-            body = AcknowledgeBody.model_validate(
+            pairs = AcknowledgeBody.model_validate(
                 {"executions": [{"rollout_id": r, "attempt_index": a} for r, a in executions]}
             )
         except ValidationError as error:
             raise ConfigError(f"cannot acknowledge on {server}: {_first_problem(error)}") from None
-        wanted = [(e.rollout_id, e.attempt_index) for e in body.executions]
+        wanted = [(e.rollout_id, e.attempt_index) for e in pairs.executions]
         features = await self._features(server, configured.url)
         if COMPLETED_RESULT_ACKNOWLEDGEMENT not in features:
             raise ConfigError(
                 f"{server} does not declare the {COMPLETED_RESULT_ACKNOWLEDGEMENT} feature in its"
                 " capabilities: it holds no completed results to acknowledge"
             )
+        target = Target(server, AGENT, configured.url)
+        if server not in self._receipt_agents:
+            result = await self._acknowledge(target, pairs, wanted)
+            if result.ok:
+                return wanted
+            if not (result.error == "http" and result.status == 422):
+                raise self._not_acknowledged(server, wanted, result)
+            refused = result  # the pairs did not validate: a later Gym may want the receipts
+        else:
+            refused = None
+        receipts: list[CompletionReceipt] = []
+        for rollout_id, attempt_index in wanted:
+            read = await self._ctx.caller.call(
+                target,
+                route(AGENT, "receipt"),
+                phase="acknowledge",
+                checkpoint_id=None,
+                deadline_ts=time.time() + self._ctx.config.control_timeout_s,
+                params=ReceiptQuery(rollout_id=rollout_id, attempt_index=attempt_index).model_dump(),
+            )
+            if not (read.ok and isinstance(read.reply, CompletionReceiptReply)):
+                if refused is not None and read.status in (404, 405):
+                    raise self._not_acknowledged(server, wanted, refused)  # an agent without receipts
+                released = (
+                    " (a result already acknowledged has no receipt any more)" if read.status == 409 else ""
+                )
+                raise AcknowledgementError(
+                    f"{server} did not acknowledge {_pairs(wanted)}: cannot read the completion receipt"
+                    f" of {rollout_id}:{attempt_index}: {read.describe()}{released}",
+                    server=server,
+                    status=read.status,
+                    code=read.code,
+                )
+            receipts.append(read.reply.receipt())
+        body = ReceiptAcknowledgeBody(executions=receipts)
+        result = await self._acknowledge(target, body, wanted)
+        if not result.ok:
+            raise self._not_acknowledged(server, wanted, result)
+        self._receipt_agents.add(server)
+        return wanted
+
+    async def _acknowledge(
+        self, target: Target, body: AcknowledgeBody | ReceiptAcknowledgeBody, wanted: list[tuple[str, int]]
+    ) -> CallResult:
+        """One recorded `acknowledge-completed`; a reply that does not cover exactly `wanted` fails it."""
 
         def covers_exactly(reply: BaseModel) -> str | None:
             assert isinstance(reply, AcknowledgeReply)
@@ -613,8 +669,8 @@ class Coordinator:
                 return None
             return f"the reply acknowledges {_pairs(got)}, not exactly the requested {_pairs(wanted)}"
 
-        result = await self._ctx.caller.call(
-            Target(server, AGENT, configured.url),
+        return await self._ctx.caller.call(
+            target,
             route(AGENT, "acknowledge"),
             phase="acknowledge",
             checkpoint_id=None,
@@ -622,14 +678,17 @@ class Coordinator:
             body=body,
             check=covers_exactly,
         )
-        if not result.ok:
-            raise AcknowledgementError(
-                f"{server} did not acknowledge {_pairs(wanted)}: {result.describe()}",
-                server=server,
-                status=result.status,
-                code=result.code,
-            )
-        return wanted
+
+    @staticmethod
+    def _not_acknowledged(
+        server: str, wanted: list[tuple[str, int]], result: CallResult
+    ) -> AcknowledgementError:
+        return AcknowledgementError(
+            f"{server} did not acknowledge {_pairs(wanted)}: {result.describe()}",
+            server=server,
+            status=result.status,
+            code=result.code,
+        )
 
     async def _features(self, server: str, url: str) -> tuple[str, ...]:
         """The capability features of `server`: from discovery, else read now (a recorded GET)."""

@@ -17,6 +17,10 @@ Rules kept here:
   `x-nemo-gym-plane` header); a policy model behind Gym's multi-worker coordinator answers
   status with `workers`/`missing_workers`/`per_worker {acked_seq, inflight, connected}` and no
   `checkpoint_id`; `checkpoint_mode` may be `restart_only`.
+- Later Gym's agent acknowledges a finished result only against its completion receipt
+  (`CompletionReceipt`, read from `GET /agent-checkpoint/completion-receipt`); the anchor's takes
+  `{rollout_id, attempt_index}` and forbids anything more (`AcknowledgeBody` vs
+  `ReceiptAcknowledgeBody`).
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 SCHEMA_VERSION: Final = 1
 PREFIX: Final = "/ng-control/v1"
@@ -68,7 +72,7 @@ PHASES: Final[tuple[Phase, ...]] = (
     "restored_paused",
 )
 
-Operation = Literal["pause", "prepare", "status", "commit", "restore", "resume", "acknowledge"]
+Operation = Literal["pause", "prepare", "status", "commit", "restore", "resume", "acknowledge", "receipt"]
 
 #: 401 body for a missing or wrong bearer token.
 UNAUTHORIZED_DETAIL: Final = "missing or invalid control-plane bearer token"
@@ -275,20 +279,60 @@ class ExecutionId(_Request):
     attempt_index: Annotated[int, Field(strict=True, ge=0)]
 
 
+class CompletionReceipt(ExecutionId):
+    """Later Gym: one retained finished result exactly as the agent reports it — what its
+    acknowledgement must name (a stale or altered receipt releases nothing). The model-lineage
+    pair (`manifest_capture_key`, `terminal_model_call_id`) is both set or both null."""
+
+    execution_generation: Annotated[int, Field(strict=True, ge=1)]
+    result_identity: Annotated[str, StringConstraints(min_length=1, max_length=512)]
+    result_digest: Sha256Hex
+    manifest_capture_key: RolloutId | None = None
+    terminal_model_call_id: Annotated[str, StringConstraints(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _lineage_pair(self) -> CompletionReceipt:
+        if (self.manifest_capture_key is None) != (self.terminal_model_call_id is None):
+            raise ValueError("manifest_capture_key and terminal_model_call_id go together")
+        return self
+
+
+_E = TypeVar("_E", bound=ExecutionId)
+
+
+def _unique_executions(value: list[_E]) -> list[_E]:
+    keys = [(e.rollout_id, e.attempt_index) for e in value]
+    if len(keys) != len(set(keys)):
+        raise ValueError("executions must be unique")
+    return value
+
+
 class AcknowledgeBody(_Request):
-    """`POST /agent-checkpoint/acknowledge-completed`: results the caller now holds (at least one,
-    no duplicates). Not fenced: it names no checkpoint id."""
+    """`POST /agent-checkpoint/acknowledge-completed` (the anchor): results the caller now holds, as
+    `{rollout_id, attempt_index}` pairs (at least one, no duplicates). Not fenced: it names no
+    checkpoint id."""
 
     schema_version: Literal[1] = 1
     executions: Annotated[list[ExecutionId], Field(min_length=1)]
 
-    @field_validator("executions")
-    @classmethod
-    def _unique(cls, value: list[ExecutionId]) -> list[ExecutionId]:
-        keys = [(e.rollout_id, e.attempt_index) for e in value]
-        if len(keys) != len(set(keys)):
-            raise ValueError("executions must be unique")
-        return value
+    _unique = field_validator("executions")(_unique_executions)
+
+
+class ReceiptAcknowledgeBody(_Request):
+    """The same request to later Gym's agent: each result named by its completion receipt."""
+
+    schema_version: Literal[1] = 1
+    executions: Annotated[list[CompletionReceipt], Field(min_length=1)]
+
+    _unique = field_validator("executions")(_unique_executions)
+
+
+class ReceiptQuery(BaseModel):
+    """Query of later Gym's `GET /agent-checkpoint/completion-receipt`: one execution."""
+
+    model_config = ConfigDict(extra="forbid")
+    rollout_id: RolloutId
+    attempt_index: Annotated[int, Field(ge=0)]
 
 
 class StatusQuery(BaseModel):
@@ -331,10 +375,31 @@ class Capabilities(_Reply):
 # Model server -------------------------------------------------------------------------------
 
 
-class ModelPauseReply(_Reply):
+class _GenerationCut(_Reply):
+    """Later Gym's admission counters beside `inflight_total` (pause and status replies). With a
+    generation-cut backend a pause cuts the calls in flight at once: `paused` with
+    `generation_pending_total` 0 and a `generation_cut_proof`, while their responses stay held
+    until resume — so `inflight_total` does not fall to 0 before then. Without one (and at the
+    anchor, which sends none of these) `paused` means drained."""
+
+    inflight_total: NonNegInt
+    response_inflight_total: NonNegInt | None = None
+    generation_pending_total: NonNegInt | None = None
+    generation_cut_proof: dict[str, Any] | None = None
+
+    def held_by_cut(self) -> bool:
+        """Whether calls are in flight only because a generation cut holds their responses until
+        resume: they will not drain while the model is paused."""
+        return (
+            self.generation_cut_proof is not None
+            and self.generation_pending_total == 0
+            and self.inflight_total > 0
+        )
+
+
+class ModelPauseReply(_GenerationCut):
     state: Literal["draining", "paused"]
     workers: Workers
-    inflight_total: NonNegInt
     waiters_total: NonNegInt = 0
 
 
@@ -366,14 +431,13 @@ class CoordinatorWorkers(_Reply):
     live: NonNegInt
 
 
-class ModelStatusReply(_Reply):
+class ModelStatusReply(_GenerationCut):
     """The status long-poll. Single worker: names its `checkpoint_id`, per-worker `state`.
     Coordinator mode: no `checkpoint_id`; `workers`, `missing_workers`, per-worker `acked_seq`."""
 
     checkpoint_id: str | None = None
     state: AdmissionState
     per_worker: dict[str, WorkerStatus] = Field(default_factory=dict)
-    inflight_total: NonNegInt
     waiters_total: NonNegInt = 0
     inflight: list[InflightEntry] = Field(default_factory=list)
     tombstones: list[Any] = Field(default_factory=list)
@@ -487,9 +551,26 @@ class AcknowledgedExecution(_Reply):
 
 
 class AcknowledgeReply(_Reply):
-    """Every requested execution the agent now considers acknowledged (exactly the requested set)."""
+    """Every requested execution the agent now considers acknowledged (exactly the requested set;
+    later Gym answers each with its receipt)."""
 
     acknowledged: list[AcknowledgedExecution]
+
+
+class CompletionReceiptReply(_Reply):
+    """Later Gym's completion receipt of one held result (`GET /agent-checkpoint/completion-receipt`)."""
+
+    rollout_id: RolloutId
+    attempt_index: NonNegInt
+    execution_generation: Annotated[int, Field(strict=True, ge=1)]
+    result_identity: Annotated[str, StringConstraints(min_length=1, max_length=512)]
+    result_digest: Sha256Hex
+    manifest_capture_key: RolloutId | None = None
+    terminal_model_call_id: Annotated[str, StringConstraints(min_length=1)] | None = None
+
+    def receipt(self) -> CompletionReceipt:
+        """The receipt to acknowledge with: exactly its known fields, as the agent gave them."""
+        return CompletionReceipt.model_validate(self.model_dump(include=set(CompletionReceipt.model_fields)))
 
 
 class AgentResumeReply(_Reply):
@@ -601,6 +682,14 @@ _ROUTE_LIST: Final[tuple[Route, ...]] = (
         "/agent-checkpoint/acknowledge-completed",
         AcknowledgeBody,
         AcknowledgeReply,
+    ),
+    Route(
+        AGENT,
+        "receipt",
+        "GET",
+        "/agent-checkpoint/completion-receipt",
+        None,
+        CompletionReceiptReply,
     ),
     Route(RESOURCES, "prepare", "POST", "/resources-checkpoint/prepare", CommonBody, ResourcesPrepareReply),
     Route(RESOURCES, "status", "GET", "/resources-checkpoint/status", None, ResourcesStatusReply),

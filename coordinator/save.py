@@ -5,8 +5,10 @@
   Drained is read from the status reply itself (`ModelStatusReply.not_drained`): `paused`,
   nothing in flight, every worker there and acknowledged — the single-worker and the
   multi-worker coordinator shapes alike. A status reply naming another checkpoint id is a failed
-  call. An agent that stays incomplete because it holds finished results nobody acknowledged
-  fails the prepare at the deadline naming those executions (read from its status) and the
+  call. A model that paused by a generation cut (later Gym with a generation-cut backend: calls
+  cut, their responses held until resume) never drains: the prepare fails at once, saying why.
+  An agent that stays incomplete because it holds finished results nobody acknowledged fails the
+  prepare at the deadline naming those executions (read from its status) and the
   command and API call that acknowledge them — also when the deadline cuts a retry, a status
   read or the pause between them short (`Attempt.waiting_on`: the last refusal is what is
   reported); an acknowledgement sent meanwhile (by the trainer,
@@ -166,7 +168,10 @@ async def _prepare_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
                 " restart or reconnect its workers, then checkpoint again",
                 result.code,
             )
-        return expect_reply(result, ModelPauseReply, phase, "policy pause")
+        reply = expect_reply(result, ModelPauseReply, phase, "policy pause")
+        if reply.held_by_cut():
+            raise _held_by_cut(m, reply.inflight_total)
+        return reply
 
     async def agent(m: Member) -> AgentPrepareReply:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
@@ -270,6 +275,20 @@ def _incomplete_reason(m: Member, detail: str | None, held: list[tuple[str, int]
     )
 
 
+def _held_by_cut(m: Member, inflight: int) -> PhaseFailure:
+    """A policy model paused by Gym's generation cut: its calls in flight never drain before resume."""
+    return PhaseFailure(
+        "prepare",
+        m.name,
+        f"the policy model paused by a generation cut: {inflight} model call(s) in flight were cut"
+        " and their responses are held until resume, so the model never drains. A cut's partial"
+        " generations are kept by the trainer that runs Gym's generation-cut backend (NeMo RL), not"
+        " in the model's checkpoint files, so quiesce cannot save them — run the policy model"
+        " without a generation-cut backend (Gym then drains the calls in flight), then checkpoint"
+        " again",
+    )
+
+
 async def _drain(ctx: Context, attempt: Attempt, m: Member, workers: Workers) -> dict[str, Any]:
     """Repeat the status long-poll (each ≤ the time left) until the reply shows the model drained:
     paused, nothing in flight, every worker there and acknowledged (`not_drained`). A reply
@@ -301,6 +320,8 @@ async def _drain(ctx: Context, attempt: Attempt, m: Member, workers: Workers) ->
         ctx.progress(
             Progress(attempt.checkpoint_id, phase, m.name, inflight=reply.inflight_total, state=reply.state)
         )
+        if reply.held_by_cut():
+            raise _held_by_cut(m, reply.inflight_total)
         problem = reply.not_drained(workers)
         if problem is None:
             return {"polls": polls, "state": reply.state}

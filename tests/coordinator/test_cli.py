@@ -240,6 +240,39 @@ def test_quiesce_demo_exits_0(tmp_path: Path) -> None:
     assert (tmp_path / ".quiesce-demo" / "ledger.db").is_file()
 
 
+def test_acknowledge_on_a_later_gym_agent_sends_the_receipts(
+    capsys: pytest.CaptureFixture[str], make_cluster: Any, tmp_path: Path
+) -> None:
+    spec: dict[str, Any] = {
+        "servers": [
+            {"kind": "model", "name": "policy_model"},
+            {"kind": "agent", "name": "simple_agent", "policy": "policy_model", "acknowledgement": "receipt"},
+        ]
+    }
+    with make_cluster(spec) as running:
+        agent = running.urls["simple_agent"]
+
+        async def finish() -> None:
+            async with httpx.AsyncClient() as http:
+                await client.start_rollouts(http, agent, {"d0": 1})
+                await client.wait_finished(http, agent, expect=1)
+
+        anyio.run(finish)
+        config = str(
+            running.write_config(tmp_path / "c.yaml", f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", "s")
+        )
+        code, doc = _run(capsys, "acknowledge", "--config", config, "simple_agent", "d0:0", "--json")
+        assert (code, doc["outcome"], doc["acknowledged"]) == (
+            0,
+            "acknowledged",
+            [{"rollout_id": "d0", "attempt_index": 0}],
+        )
+        # released: later Gym keeps no receipt of it, so a repeat cannot name it, and says why
+        code, doc = _run(capsys, "acknowledge", "--config", config, "simple_agent", "d0:0", "--json")
+        assert (code, doc["outcome"]) == (1, "failed")
+        assert "already acknowledged" in doc["error"]["message"]
+
+
 def test_acknowledge_releases_held_results_and_maps_its_exit_codes(
     capsys: pytest.CaptureFixture[str], config_file: Path, cluster: Any
 ) -> None:

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from coordinator import Coordinator, PhaseError, load_snapshot
-from coordinator.errors import AcknowledgementError, ConfigError, SnapshotError
+from coordinator.errors import AcknowledgementError, ConfigError, DeadlineExceeded, SnapshotError
 from coordinator.protocol import sha256_hex
 from tests.coordinator.helpers import (
     assert_all_accepting,
@@ -348,6 +348,97 @@ async def test_a_reply_that_acknowledges_another_set_is_a_failed_call(
     assert [ev.data["error"] for ev in failed] == ["protocol"]  # recorded as a failed call
 
 
+def _receipt_agent() -> dict[str, Any]:
+    """The seed's example whose agent is later Gym's: it acknowledges by completion receipt."""
+    document = spec({"latency_s": 0.01})
+    for server in document["servers"]:
+        if server["name"] == "simple_agent":
+            server["acknowledgement"] = "receipt"
+    return document
+
+
+async def test_a_later_gym_agent_is_acknowledged_by_the_receipts_of_its_results(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any
+) -> None:
+    # later Gym answers the bare pairs with 422 (nothing released): the coordinator reads each
+    # result's completion receipt (recorded GETs), acknowledges with them, and from then on sends
+    # that agent receipts directly
+    with make_cluster(_receipt_agent()) as running:
+        agent = running.urls["simple_agent"]
+        async with httpx.AsyncClient(timeout=60) as http:
+            await client.start_rollouts(http, agent, {"done": 1, "long": 100_000})
+            await client.wait_until(http, agent, lambda rs: rs["done"]["status"] == "completed")
+            async with Coordinator.open(configure(running, ledger_url)) as coord:
+                await coord.discover()
+                with pytest.raises(PhaseError) as caught:
+                    await coord.checkpoint(deadline_s=2)
+                assert "quiesce acknowledge --config CONFIG simple_agent done:0" in str(caught.value)
+                assert await coord.acknowledge_completed("simple_agent", [("done", 0)]) == [("done", 0)]
+                await client.start_rollouts(http, agent, {"next": 1})
+                await client.wait_until(http, agent, lambda rs: rs["next"]["status"] == "completed")
+                assert await coord.acknowledge_completed("simple_agent", [("next", 0)]) == [("next", 0)]
+                attempt = await coord.checkpoint(deadline_s=30)
+            views = await client.get_rollouts(http, agent)
+            assert (views["done"]["acknowledged"], views["next"]["acknowledged"]) == (True, True)
+            await assert_all_accepting(http, running)
+        assert await outcome(ledger_url, attempt.checkpoint_id) == "published"
+    events = [ev for ev in await read_events(ledger_url) if ev.call_id and "-acknowledge/" in ev.call_id]
+    sent = [ev for ev in events if ev.kind == "call.sent"]
+    outcomes = {ev.call_id: ev for ev in events if ev.kind != "call.sent"}
+    steps = [
+        (ev.data["method"], ev.data["path"].rsplit("/", 1)[-1], outcomes[ev.call_id].kind) for ev in sent
+    ]
+    assert steps == [
+        ("POST", "acknowledge-completed", "call.failed"),  # the pair: 422
+        ("GET", "completion-receipt", "call.replied"),
+        ("POST", "acknowledge-completed", "call.replied"),  # the receipt
+        ("GET", "completion-receipt", "call.replied"),  # the next one: receipts at once
+        ("POST", "acknowledge-completed", "call.replied"),
+    ]
+    assert outcomes[sent[0].call_id].data["status"] == 422
+    assert sent[0].data["body"]["executions"] == [{"rollout_id": "done", "attempt_index": 0}]
+    served = outcomes[sent[1].call_id].data["body"]
+    assert sent[2].data["body"]["executions"] == [served]  # exactly the receipt the agent gave
+    assert (served["rollout_id"], served["attempt_index"]) == ("done", 0)
+    await assert_protocol_ok(ledger_url)
+
+
+async def test_a_refused_pair_without_a_receipt_route_reports_the_refusal(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any
+) -> None:
+    # the anchor's agent has no receipt route: a 422 to the pairs stays the error (nothing released)
+    with make_cluster(spec({"latency_s": 0.001})) as running:
+        agent = running.urls["simple_agent"]
+        async with httpx.AsyncClient(timeout=60) as http:
+            await client.start_rollouts(http, agent, {"done": 1})
+            await client.wait_until(http, agent, lambda rs: rs["done"]["status"] == "completed")
+            await set_faults(
+                http,
+                agent,
+                [{"kind": "fail", "path": "/agent-checkpoint/acknowledge-completed", "status": 422}],
+            )
+            async with Coordinator.open(configure(running, ledger_url)) as coord:
+                with pytest.raises(
+                    AcknowledgementError, match="did not acknowledge done:0: http 422"
+                ) as caught:
+                    await coord.acknowledge_completed("simple_agent", [("done", 0)])
+            assert caught.value.status == 422
+            views = await client.get_rollouts(http, agent)
+            assert views["done"]["acknowledged"] is False
+    paths = [
+        (ev.data["method"], ev.data["path"].rsplit("/", 1)[-1])
+        for ev in await read_events(ledger_url)
+        if ev.kind == "call.sent" and ev.call_id and "-acknowledge/" in ev.call_id
+    ]
+    # no discovery ran: the agent's features are read first (a recorded GET too)
+    assert paths == [
+        ("GET", "capabilities"),
+        ("POST", "acknowledge-completed"),
+        ("GET", "completion-receipt"),
+    ]
+    await assert_protocol_ok(ledger_url)
+
+
 # -- restore ------------------------------------------------------------------------------------
 
 
@@ -468,6 +559,45 @@ async def test_a_later_gym_that_refuses_the_opt_in_is_restored_without_it(
         assert model_calls[3].data["body"]["storage_reference_index"] == committed["storage_reference_index"]
         async with httpx.AsyncClient() as http:
             await assert_all_accepting(http, fresh)
+    await assert_protocol_ok(ledger_url)
+
+
+async def test_a_policy_model_paused_by_a_generation_cut_fails_the_prepare_at_once(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any
+) -> None:
+    # later Gym with a generation-cut backend: the pause cuts the call in flight and holds its
+    # response until resume — the model never drains, so the prepare fails at once (not at the
+    # deadline), saying why, and the rollback's resume releases the held response
+    with make_cluster(spec({"generation_cut": True, "latency_s": 0.01})) as running:
+        agent, model = running.urls["simple_agent"], running.urls["policy_model"]
+        async with httpx.AsyncClient(timeout=60) as http:
+            await set_faults(http, model, [{"kind": "hang", "path": "/v1/responses", "rollout_id": "cut"}])
+            await client.start_rollouts(http, agent, {"cut": 3, "free": 100_000})
+            while (await http.get(f"{model}/gymsim/admin/state")).json()["inflight_total"] == 0:  # noqa: ASYNC110
+                await anyio.sleep(0.01)  # the hung call of "cut" is in flight
+            async with Coordinator.open(configure(running, ledger_url)) as coord:
+                await coord.discover()
+                with pytest.raises(PhaseError) as caught:
+                    await coord.checkpoint(deadline_s=60)
+            failed = caught.value
+            assert (failed.phase, failed.server) == ("prepare", "policy_model")
+            assert not isinstance(failed, DeadlineExceeded)  # at once, not at the deadline
+            assert "paused by a generation cut" in str(failed)
+            assert "without a generation-cut backend" in str(failed)
+            await assert_all_accepting(http, running)
+            before = (await client.get_rollouts(http, agent))["free"]["turns_done"]
+            await http.delete(f"{model}/gymsim/admin/faults")
+            await client.wait_until(http, agent, lambda rs: rs["cut"]["status"] == "completed")
+            await client.wait_until(http, agent, lambda rs: rs["free"]["turns_done"] > before)
+    events = await read_events(ledger_url, failed.checkpoint_id)
+    [pause] = [ev for ev in events if ev.kind == "call.replied" and ev.data.get("status") == 200][:1]
+    assert pause.server == "policy_model"
+    assert pause.data["body"]["generation_pending_total"] == 0
+    assert pause.data["body"]["generation_cut_proof"] is not None
+    assert [ev.server for ev in events if ev.kind == "call.sent" and ev.data["phase"] == "prepare"] == [
+        "policy_model"
+    ]  # nothing after the pause
+    assert await outcome(ledger_url, failed.checkpoint_id or "") == "aborted"
     await assert_protocol_ok(ledger_url)
 
 

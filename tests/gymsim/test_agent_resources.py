@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from coordinator.protocol import (
+    AGENT,
     AgentCommitReply,
     AgentPrepareReply,
     AgentStatusReply,
@@ -19,9 +20,10 @@ from coordinator.protocol import (
     ResourcesStatusReply,
     agent_instance_dir,
     manifest_path,
+    route,
     sha256_hex,
 )
-from tests.gymsim.conftest import SPEC, TOKEN, Gym, code, eventually
+from tests.gymsim.conftest import SPEC, TOKEN, Gym, auth, code, eventually
 from tools.gymsim import client as gc
 from tools.gymsim.cluster import start_cluster
 
@@ -232,6 +234,56 @@ async def test_a_finished_rollout_blocks_prepare_until_acknowledged(gym: Gym, tm
     assert views["done"]["acknowledged"] is True
     assert views["done"]["result"] is not None  # its view stays readable
     ok(await gym.op("simple_agent", "resume"))
+
+
+RECEIPT_SPEC: dict[str, Any] = {
+    "servers": [
+        {**server, "acknowledgement": "receipt"} if server["name"] == "simple_agent" else server
+        for server in SPEC["servers"]
+    ]
+}
+
+
+async def test_a_later_gym_agent_acknowledges_only_by_the_completion_receipt(tmp_path: Path) -> None:
+    # later Gym: a held result is released only against its exact receipt, read from the status
+    # entry or its own route; the anchor's bare pair is a 422, an altered receipt a 409
+    with start_cluster(RECEIPT_SPEC, token=TOKEN) as running:
+        async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
+            gym = Gym(running.urls, http)
+            agent = gym.urls["simple_agent"]
+            await gc.start_rollouts(http, agent, {"done": 2, "long": 500})
+            await gc.wait_until(http, agent, lambda rs: rs["done"]["status"] == "completed")
+            status = AgentStatusReply.model_validate(ok(await gym.status("simple_agent")))
+            [held] = status.completed_unacknowledged_attempts
+            receipt = held["completion_receipt"]
+            path = gym.urls["simple_agent"] + route(AGENT, "receipt").full_path
+            served = await http.get(path, params={"rollout_id": "done", "attempt_index": 0}, headers=auth())
+            assert ok(served) == receipt
+            views = await gc.get_rollouts(http, agent)
+            assert receipt["result_digest"] == sha256_hex(
+                json.dumps(views["done"]["result"], sort_keys=True, separators=(",", ":")).encode()
+            )
+            assert receipt["terminal_model_call_id"] == views["done"]["last_committed_model_call_id"]
+            unheld = await http.get(path, params={"rollout_id": "long", "attempt_index": 0}, headers=auth())
+            assert (unheld.status_code, code(unheld)) == (409, "completed_execution_acknowledgement_error")
+            assert (
+                await http.get(path, params={"rollout_id": "done", "attempt_index": 0})
+            ).status_code == 401
+            assert (await acknowledge(gym, [{"rollout_id": "done", "attempt_index": 0}])).status_code == 422
+            altered = await acknowledge(gym, [{**receipt, "result_digest": "0" * 64}])
+            assert (altered.status_code, code(altered)) == (409, "completed_execution_acknowledgement_error")
+            assert (
+                AgentStatusReply.model_validate(ok(await gym.status("simple_agent"))).completed_unacknowledged
+                == 1
+            )
+            good = await acknowledge(gym, [receipt])
+            assert ok(good) == {"acknowledged": [receipt]}
+            assert ok(await acknowledge(gym, [receipt])) == ok(good)  # repeatable
+            gone = await http.get(path, params={"rollout_id": "done", "attempt_index": 0}, headers=auth())
+            assert code(gone) == "completed_execution_acknowledgement_error"  # released: no receipt kept
+            prepared = await prepare_agent(gym)
+            assert (prepared["ready_to_commit"], prepared["completed_unacknowledged"]) == (True, 0)
+            ok(await gym.op("simple_agent", "resume"))
 
 
 async def test_agent_phase_table(gym: Gym, tmp_path: Path) -> None:

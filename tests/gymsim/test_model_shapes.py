@@ -235,3 +235,37 @@ async def test_a_model_that_exports_nothing_pauses_but_refuses_commit_and_restor
             restore = await gym.op("policy_model", "restore", "c2", checkpoint_dir=str(tmp_path))
             assert code(restore) == "ledger_not_checkpointable"
             assert json.loads((await gym.op("policy_model", "resume", "c2")).text)["state"] == "accepting"
+
+
+async def test_a_generation_cut_pauses_at_once_and_holds_the_response_until_resume(gym: Gym) -> None:
+    # the anchor's shapes carry none of later Gym's counters
+    anchor = (await gym.op("policy_model", "pause", "c0")).json()
+    assert set(anchor) == {"state", "workers", "inflight_total", "waiters_total"}
+    assert (await gym.op("policy_model", "resume", "c0")).status_code == 200
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
+        with start_cluster(spec(generation_cut=True, latency_s=0.2), token=TOKEN) as running:
+            cut = Gym(running.urls, http)
+            pending = asyncio.create_task(call(cut, "r1", 1))
+
+            async def in_flight() -> bool:
+                return bool((await cut.admin("policy_model", "GET", "state"))["inflight_total"])
+
+            await eventually(in_flight, what="the call is in flight")
+            paused = (await cut.op("policy_model", "pause")).json()
+            assert (paused["state"], paused["inflight_total"], paused["generation_pending_total"]) == (
+                "paused",
+                1,
+                0,
+            )
+            assert paused["generation_cut_proof"]["prefixes"]
+            assert await cut.fence("policy_model") == ("prepared", "c1")  # prepare-safe at once
+            status = ModelStatusReply.model_validate(
+                (await cut.status("policy_model", timeout_s=0, wait_state="paused")).json()
+            )
+            assert status.held_by_cut()
+            await asyncio.sleep(1.0)  # five times the call's latency: generated, but held
+            assert not pending.done()
+            assert (await cut.op("policy_model", "resume")).status_code == 200
+            assert (await pending).status_code == 200  # released by the resume
+            after = await cut.admin("policy_model", "GET", "state")
+            assert (after["admission_state"], after["inflight_total"]) == ("accepting", 0)

@@ -7,7 +7,9 @@ Where real Gym and the anchor disagree the spec's **real Gym:** line wins, and t
 noted on the model: `checkpoint_mode` may be `restart_only` (Gym's own `control.py`); an in-flight
 entry's `plane` may be null; a model restore returns `storage_reference_index` only when asked
 (`include_storage_reference_index: true`, checked by the hook against the request) or, in later
-Gym, always.
+Gym, always. Later Gym's agent also acknowledges a finished result only by its completion receipt
+(`Receipt`): it shows it in each status entry of a held result and serves it on its own route;
+RL's later coordinator sends the receipts, the anchor the bare pairs.
 
 Deliberately independent of `coordinator.protocol`: these are the test's own reading of the spec,
 so a wrong field there cannot make itself right here.
@@ -49,6 +51,22 @@ class Strict(BaseModel):
 class Execution(Strict):
     rollout_id: Identity
     attempt_index: Count
+
+
+class Receipt(Execution):
+    """Later Gym's completion receipt of one held result."""
+
+    execution_generation: Positive
+    result_identity: Annotated[str, StringConstraints(min_length=1, max_length=512)]
+    result_digest: Sha256
+    manifest_capture_key: Identity | None = None
+    terminal_model_call_id: Annotated[str, StringConstraints(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _lineage(self) -> Receipt:
+        if (self.manifest_capture_key is None) != (self.terminal_model_call_id is None):
+            raise ValueError("manifest_capture_key and terminal_model_call_id go together")
+        return self
 
 
 class ArtifactReference(Strict):
@@ -101,7 +119,7 @@ class ModelRestoreRequest(DirectoryRequest):
 
 class AcknowledgeRequest(Strict):
     schema_version: Literal[1] = 1
-    executions: Annotated[list[Execution], Field(min_length=1)]
+    executions: Annotated[list[Execution] | list[Receipt], Field(min_length=1)]
 
     @model_validator(mode="after")
     def _unique(self) -> AcknowledgeRequest:
@@ -109,6 +127,13 @@ class AcknowledgeRequest(Strict):
         if len(keys) != len(set(keys)):
             raise ValueError("executions must be unique")
         return self
+
+
+class ReceiptQuery(Strict):
+    """Later Gym's `GET /agent-checkpoint/completion-receipt` (query values arrive as text)."""
+
+    rollout_id: Identity
+    attempt_index: Annotated[int, Field(ge=0)]
 
 
 class ModelStatusQuery(Strict):
@@ -155,7 +180,16 @@ class WorkerAcknowledgements(Strict):
     expected: Count
 
 
-class ModelPauseReply(Strict):
+class GenerationCounters(Strict):
+    """Later Gym's counters beside `inflight_total`, all absent at the anchor; with a
+    generation-cut backend `generation_cut_proof` is Gym's own opaque object."""
+
+    response_inflight_total: Count | None = None
+    generation_pending_total: Count | None = None
+    generation_cut_proof: dict[str, object] | None = None
+
+
+class ModelPauseReply(GenerationCounters):
     state: Admission
     workers: WorkerAcknowledgements
     inflight_total: Count
@@ -174,7 +208,7 @@ class SingleWorker(Strict):
     inflight: Count
 
 
-class SingleWorkerStatus(Strict):
+class SingleWorkerStatus(GenerationCounters):
     checkpoint_id: CheckpointId
     state: Admission
     per_worker: dict[str, SingleWorker]
@@ -240,6 +274,7 @@ class AgentExecution(Strict):
     state: Literal["running", "park_requested", "parked", "completed", "retired"]
     parked_boundary_state: Literal["parked_with_boundary", "parked_without_boundary"] | None
     boundary_index: Count | None = None
+    completion_receipt: Receipt | None = None  # later Gym, on a held result
     age_seconds: Seconds
 
 
@@ -281,7 +316,7 @@ class AgentResumeReply(Strict):
 
 
 class AcknowledgeReply(Strict):
-    acknowledged: list[Execution]
+    acknowledged: list[Execution] | list[Receipt]
 
     @model_validator(mode="after")
     def _unique(self) -> AcknowledgeReply:

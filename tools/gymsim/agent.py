@@ -18,7 +18,11 @@ Checkpoint rules (export_restore agents):
   the whole batch is checked first — every execution must be held or already acknowledged,
   else 409 `completed_execution_acknowledgement_error` and nothing is released — then each is
   released (a repeated acknowledgement answers the same). Its view stays in `/rollouts`
-  (`acknowledged: true`); it is never part of a checkpoint.
+  (`acknowledged: true`); it is never part of a checkpoint. With `acknowledgement: receipt`
+  (later Gym) an acknowledgement must name each result by its completion receipt (generation,
+  result identity and digest, model lineage): a bare `{rollout_id, attempt_index}` is a 422, a
+  receipt that is not the held result's a 409 and nothing is released; the receipt is served by
+  `GET /agent-checkpoint/completion-receipt` and shown in every status entry of a held result.
 - prepare closes admission (`/run` answers 409 `checkpoint_parked`) and asks every
   rollout to park at its next boundary; it waits within the budget until none is
   running. It is ready (`ready_to_commit`) only with nothing running, no parked rollout
@@ -73,7 +77,11 @@ from coordinator.protocol import (
     ArtifactRef,
     CheckpointDirBody,
     CommonBody,
+    CompletionReceipt,
+    CompletionReceiptReply,
     ContinuationRow,
+    ReceiptAcknowledgeBody,
+    ReceiptQuery,
     StatusQuery,
     agent_instance_dir,
     capture_key,
@@ -176,6 +184,22 @@ class Rollout:
             "restored_from": self.restored_from,
         }
 
+    def receipt(self) -> CompletionReceipt:
+        """Later Gym's completion receipt of the held result: generation 1, the result's identity
+        and the sha256 of its canonical JSON, the last committed model call as its lineage."""
+        assert self.result is not None
+        payload = json.dumps(self.result, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        lineage = self.last_model_call_id is not None
+        return CompletionReceipt(
+            rollout_id=self.rollout_id,
+            attempt_index=self.attempt_index,
+            execution_generation=1,
+            result_identity=f"{self.capture_key}-result",
+            result_digest=sha256_hex(payload.encode()),
+            manifest_capture_key=self.capture_key if lineage else None,
+            terminal_model_call_id=self.last_model_call_id,
+        )
+
     def continuation_row(self) -> dict[str, Any]:
         row = ContinuationRow(
             rollout_id=self.rollout_id,
@@ -203,6 +227,11 @@ class AgentServer(GymServer):
     @property
     def stateful(self) -> bool:
         return self.spec.checkpoint_mode == "export_restore"
+
+    @property
+    def receipts(self) -> bool:
+        """Later Gym: acknowledgements name completion receipts (see the module docstring)."""
+        return self.spec.acknowledgement == "receipt"
 
     def feature_list(self) -> list[str]:
         return [*self.features, COMPLETED_RESULT_ACKNOWLEDGEMENT] if self.stateful else list(self.features)
@@ -283,11 +312,21 @@ class AgentServer(GymServer):
         async def resume(body: CommonBody) -> JSONResponse:
             return await self.control("resume", body, self._resume)
 
-        if self.stateful:
+        if self.stateful and not self.receipts:
 
             @self.control_route("POST", route(AGENT, "acknowledge").full_path)
             async def acknowledge(body: AcknowledgeBody) -> JSONResponse:
                 return await self.query(lambda: self._acknowledge(body))
+
+        if self.stateful and self.receipts:
+
+            @self.control_route("POST", route(AGENT, "acknowledge").full_path)
+            async def acknowledge_receipts(body: ReceiptAcknowledgeBody) -> JSONResponse:
+                return await self.query(lambda: self._acknowledge(body))
+
+            @self.control_route("GET", route(AGENT, "receipt").full_path)
+            async def receipt(q: Annotated[ReceiptQuery, Query()]) -> JSONResponse:
+                return await self.query(lambda: self._receipt(q))
 
     # -- rollouts ----------------------------------------------------------------------------
 
@@ -453,6 +492,11 @@ class AgentServer(GymServer):
             "state": state,
             "parked_boundary_state": "parked_with_boundary" if parked else None,
             "boundary_index": rollout.turns_done,
+            **(
+                {"completion_receipt": rollout.receipt().model_dump(mode="json")}
+                if self.receipts and rollout.status == "completed"
+                else {}
+            ),
             "age_seconds": round(max(0.0, time.time() - rollout.started), 3),
         }
 
@@ -497,22 +541,16 @@ class AgentServer(GymServer):
             )
         return AgentPrepareReply.model_validate(counters).model_dump(mode="json")
 
-    async def _acknowledge(self, body: AcknowledgeBody) -> dict[str, Any]:
+    async def _acknowledge(self, body: AcknowledgeBody | ReceiptAcknowledgeBody) -> dict[str, Any]:
         """Release held results: the whole batch is checked before any is released."""
         chosen: list[Rollout] = []
         for execution in body.executions:
-            rollout = self.rollouts.get(execution.rollout_id)
-            if rollout is None or rollout.attempt_index != execution.attempt_index:
+            rollout = self._held(execution.rollout_id, execution.attempt_index)
+            if isinstance(execution, CompletionReceipt) and execution != rollout.receipt():
                 raise ControlRejection(
                     COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR,
-                    f"rollout {execution.rollout_id!r} attempt {execution.attempt_index} has no completed"
-                    " result to acknowledge",
-                )
-            if rollout.status != "completed":
-                raise ControlRejection(
-                    COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR,
-                    f"rollout {execution.rollout_id!r} attempt {execution.attempt_index} is {rollout.status},"
-                    " not completed with a held result",
+                    f"acknowledgement receipt mismatch for rollout {execution.rollout_id!r} attempt"
+                    f" {execution.attempt_index}",
                 )
             chosen.append(rollout)
         for rollout in chosen:
@@ -522,6 +560,33 @@ class AgentServer(GymServer):
             {"acknowledged": [e.model_dump(mode="json") for e in body.executions]}
         )
         return reply.model_dump(mode="json")
+
+    def _held(self, rollout_id: str, attempt_index: int) -> Rollout:
+        """The rollout holding (or that held, until acknowledged) this execution's finished result,
+        else a 409 naming why not."""
+        rollout = self.rollouts.get(rollout_id)
+        if rollout is None or rollout.attempt_index != attempt_index:
+            raise ControlRejection(
+                COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR,
+                f"rollout {rollout_id!r} attempt {attempt_index} has no completed result to acknowledge",
+            )
+        if rollout.status != "completed":
+            raise ControlRejection(
+                COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR,
+                f"rollout {rollout_id!r} attempt {attempt_index} is {rollout.status},"
+                " not completed with a held result",
+            )
+        return rollout
+
+    async def _receipt(self, q: ReceiptQuery) -> dict[str, Any]:
+        rollout = self._held(q.rollout_id, q.attempt_index)
+        if rollout.acknowledged:  # released: Gym keeps no receipt of it
+            raise ControlRejection(
+                COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR,
+                f"rollout {q.rollout_id!r} attempt {q.attempt_index} has no completed result receipt",
+            )
+        receipt = rollout.receipt()
+        return CompletionReceiptReply.model_validate(receipt.model_dump()).model_dump(mode="json")
 
     async def _status(self, q: StatusQuery) -> dict[str, Any]:
         document = {"checkpoint_id": q.checkpoint_id, **self._counters()}

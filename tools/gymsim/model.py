@@ -31,6 +31,12 @@ before installing anything, installs capture key `k` of attempt n as the key of 
 `storage_reference_index` when asked (`include_storage_reference_index: true`, the anchor) or
 always (`restore_index: always`, later Gym, which refuses that field with 422).
 
+Generation cut (`generation_cut: true`, later Gym with a generation-cut backend, single worker):
+a pause cuts every call in flight at once — admission is `paused` at once, each reply reports
+`generation_pending_total: 0`, `response_inflight_total` and a `generation_cut_proof` naming the
+cut calls — and their responses are held until resume, so `inflight_total` stays > 0 while
+paused. Without the option those three fields are absent (the anchor's shapes).
+
 A policy model whose `checkpoint_mode` is not `export_restore` (drain-only `stateless`,
 `restart_only`) pauses and resumes but refuses commit and restore (409
 `ledger_not_checkpointable`).
@@ -132,6 +138,8 @@ class ModelServer(GymServer):
         self.ledger: dict[str, list[dict[str, Any]]] = {}
         self.changed = Notifier()
         self._next_request = 0
+        #: generation cut: the calls cut at the pause (their responses held until resume)
+        self.cut: set[int] = set()
         super().__init__(*args, **kwargs)
         #: coordinator mode: the connected workers, the state sequence, each worker's acknowledged seq
         self.connected: set[int] = set(range(self.spec.workers))
@@ -187,10 +195,18 @@ class ModelServer(GymServer):
 
     # -- admission ---------------------------------------------------------------------------
 
+    @property
+    def cuts(self) -> bool:
+        """Later Gym with a generation-cut backend (see the module docstring)."""
+        return self.spec.generation_cut and self.is_policy and not self.coordinated
+
     def _close_admission(self) -> None:
         if self.admission == "accepting":
             self.admission = "draining"
             self._broadcast()
+            if self.cuts:  # every call in flight is cut at once: prepare-safe, response held
+                self.cut = set(self.inflight)
+                self.admission = "paused"
         if self.admission == "draining" and not self.inflight:
             self.admission = "paused"
         self.changed.notify()
@@ -199,7 +215,20 @@ class ModelServer(GymServer):
         if self.admission != "accepting":
             self._broadcast()
         self.admission = "accepting"
+        self.cut = set()  # held responses go out
         self.changed.notify()
+
+    def _cut_counters(self) -> dict[str, Any]:
+        """Later Gym's counters of a cut-capable model (none at the anchor)."""
+        if not self.cuts:
+            return {}
+        held = sorted(self.cut & set(self.inflight))
+        proof = {"prefixes": [{"ticket_id": f"call-{i}", "disposition": "durable_prefix"} for i in held]}
+        return {
+            "response_inflight_total": len(self.inflight),
+            "generation_pending_total": 0,
+            "generation_cut_proof": proof if held else None,
+        }
 
     def _broadcast(self) -> None:
         """A new admission state: every connected worker acknowledges it at once (as Gym's workers
@@ -274,6 +303,9 @@ class ModelServer(GymServer):
             )
 
             async def tracked_send(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    while request_id in server.cut:  # a cut call's response waits for resume
+                        await server.changed.wait(None)
                 await send(message)
                 if message["type"] == "http.response.body" and not message.get("more_body", False):
                     server._leave(request_id)
@@ -417,9 +449,12 @@ class ModelServer(GymServer):
                 "workers": self._workers(),
                 "inflight_total": len(self.inflight),
                 "waiters_total": 0,
+                **self._cut_counters(),
             }
         )
-        return Done(reply.model_dump(mode="json"), after="prepared" if state == "paused" else None)
+        return Done(
+            reply.model_dump(mode="json", exclude_unset=True), after="prepared" if state == "paused" else None
+        )
 
     async def _status(self, q: StatusQuery) -> dict[str, Any]:
         """Long-poll: answer once drained, or after min(timeout_s, budget)."""
@@ -454,6 +489,7 @@ class ModelServer(GymServer):
                 for i in range(self.spec.workers)
             },
             "inflight_total": len(self.inflight),
+            **self._cut_counters(),
             "waiters_total": 0,
             "inflight": [
                 {

@@ -30,6 +30,10 @@ the cluster config for this server), `checkpoint_mode` (`export_restore`, `state
 policy model then is drain-only —, or `restart_only`; an auxiliary model is always
 `stateless`), `restore_index` (policy models: `opt_in`, the anchor's restore that returns
 `storage_reference_index` only when asked, or `always`, later Gym's, which refuses the flag),
+`acknowledgement` (agents: `pair`, the anchor's `{rollout_id, attempt_index}`, or `receipt`, later
+Gym's, which acknowledges a finished result only by its completion receipt), `generation_cut`
+(single-worker policy models: later Gym with a generation-cut backend — a pause cuts the calls in
+flight and holds their responses until resume),
 `policy` / `resources` (agent: server name or URL), `judge` (resources: the model `/verify`
 calls), `faults` (see `faults.py`).
 """
@@ -65,6 +69,8 @@ class ServerSpec(BaseModel):
     config_instance_role: InstanceRole | None = None
     checkpoint_mode: CheckpointMode = "export_restore"
     restore_index: Literal["opt_in", "always"] = "opt_in"
+    acknowledgement: Literal["pair", "receipt"] = "pair"
+    generation_cut: bool = False
     policy: str | None = None
     resources: str | None = None
     judge: str | None = None
