@@ -588,7 +588,8 @@ class ContinuationRow(BaseModel):
     attempt_index: NonNegInt
     capture_key: str
     last_committed_model_call_id: str | None
-    resource_state_revisions: dict[str, int] = Field(default_factory=dict)
+    #: null in indexes Gym wrote before its dependency-aware recovery
+    resource_state_revisions: dict[str, int] | None = Field(default_factory=dict)
 
 
 class StorageReference(BaseModel):
