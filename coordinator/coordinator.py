@@ -628,6 +628,16 @@ class Coordinator:
             refused = None
         receipts: list[CompletionReceipt] = []
         for rollout_id, attempt_index in wanted:
+
+            def names_it(
+                reply: BaseModel, asked: tuple[str, int] = (rollout_id, attempt_index)
+            ) -> str | None:
+                assert isinstance(reply, CompletionReceiptReply)
+                named = (reply.rollout_id, reply.attempt_index)
+                return (
+                    None if named == asked else f"the receipt of {_pairs([named])}, not of {_pairs([asked])}"
+                )
+
             read = await self._ctx.caller.call(
                 target,
                 route(AGENT, "receipt"),
@@ -635,6 +645,7 @@ class Coordinator:
                 checkpoint_id=None,
                 deadline_ts=time.time() + self._ctx.config.control_timeout_s,
                 params=ReceiptQuery(rollout_id=rollout_id, attempt_index=attempt_index).model_dump(),
+                check=names_it,
             )
             if not (read.ok and isinstance(read.reply, CompletionReceiptReply)):
                 if refused is not None and read.status in (404, 405):

@@ -403,6 +403,37 @@ async def test_a_later_gym_agent_is_acknowledged_by_the_receipts_of_its_results(
     await assert_protocol_ok(ledger_url)
 
 
+async def test_a_receipt_that_names_another_result_is_never_sent(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a hostile agent answers the receipt of another held result: acknowledging with it would
+    # release what the trainer never received, so the coordinator refuses it and sends nothing
+    original = AgentServer._receipt
+
+    async def swapped(self: AgentServer, q: Any) -> dict[str, Any]:
+        return await original(self, q.model_copy(update={"rollout_id": "other"}))
+
+    monkeypatch.setattr(AgentServer, "_receipt", swapped)
+    with make_cluster(_receipt_agent()) as running:
+        agent = running.urls["simple_agent"]
+        async with httpx.AsyncClient(timeout=60) as http:
+            await client.start_rollouts(http, agent, {"done": 1, "other": 1})
+            await client.wait_finished(http, agent, expect=2)
+            async with Coordinator.open(configure(running, ledger_url)) as coord:
+                await coord.discover()
+                with pytest.raises(AcknowledgementError, match="the receipt of other:0, not of done:0"):
+                    await coord.acknowledge_completed("simple_agent", [("done", 0)])
+            views = await client.get_rollouts(http, agent)
+            assert (views["done"]["acknowledged"], views["other"]["acknowledged"]) == (False, False)
+    acks = [
+        ev
+        for ev in await read_events(ledger_url)
+        if ev.kind == "call.sent" and ev.call_id and ev.data["path"].endswith("/acknowledge-completed")
+    ]
+    assert [ev.data["body"]["executions"] for ev in acks] == [[{"rollout_id": "done", "attempt_index": 0}]]
+    await assert_protocol_ok(ledger_url)
+
+
 async def test_a_refused_pair_without_a_receipt_route_reports_the_refusal(
     make_cluster: MakeCluster, ledger_url: str, configure: Any
 ) -> None:
