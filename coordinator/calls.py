@@ -72,9 +72,11 @@ from coordinator.http import (
 from coordinator.ids import epoch_of
 from coordinator.protocol import (
     CAPABILITIES_PATH,
+    V2_STATUS_PATH,
     Capabilities,
     ControlError,
     Route,
+    V2Status,
 )
 from coordinator.version import VERSION
 from ledger import Ledger, LedgerError
@@ -251,6 +253,24 @@ class Caller:
             params=None,
             deadline_ts=deadline_ts,
             reply_model=Capabilities,
+        )
+
+    async def v2_status(
+        self, name: str, url: str, *, deadline_ts: float, phase: str = "discovery"
+    ) -> CallResult:
+        """`GET /checkpoint/status` of Gym's control plane v2 (with the token), validated as
+        `V2Status`: asked only of a server without a capabilities route, to name what it speaks."""
+        return await self._send(
+            server=name,
+            base_url=url,
+            method="GET",
+            path=V2_STATUS_PATH,
+            phase=phase,
+            checkpoint_id=None,
+            body=None,
+            params=None,
+            deadline_ts=deadline_ts,
+            reply_model=V2Status,
         )
 
     async def call(

@@ -9,7 +9,8 @@ Rules (gym-control-v1 §6 and DESIGN.md), applied by the pure function `classify
 - a policy model whose `checkpoint_mode` is `stateless` is *drain-only*: a participant that is
   paused, drained and resumed, but takes no part in commit or restore (`Member.exports`);
 - refused — the whole setup fails with a `DiscoveryError` listing every offender: a server that
-  cannot be reached or whose capabilities do not validate, `schema_version` ≠ 1, `unmanaged`
+  cannot be reached or whose capabilities do not validate (one without a capabilities route that
+  answers Gym's control plane v2 status instead is named as such), `schema_version` ≠ 1, `unmanaged`
   multiple workers, a name differing from the configured one, a model with no instance role
   (unless the config gives one), a config `instance_role` contradicting the server's own or set on
   a non-model, no policy model at all, a policy model that cannot reach `paused`;
@@ -33,7 +34,7 @@ from coordinator.calls import Caller, CallResult, Target
 from coordinator.config import ClusterConfig
 from coordinator.errors import DiscoveryError
 from coordinator.phases import Role, role_of
-from coordinator.protocol import MODEL, SCHEMA_VERSION, Capabilities
+from coordinator.protocol import MODEL, SCHEMA_VERSION, Capabilities, V2Status
 from ledger import Ledger
 
 __all__ = ["CLUSTER", "Discovery", "Member", "classify", "discover"]
@@ -127,6 +128,27 @@ class Discovery:
             "refused": [{"name": n, "reason": r} for n, r in self.refused],
             "warnings": list(self.warnings),
         }
+
+
+async def _speaking_v2(
+    caller: Caller, config: ClusterConfig, results: Mapping[str, CallResult], deadline_ts: float
+) -> dict[str, V2Status]:
+    """The servers without a capabilities route (404) that answer Gym's control plane v2 status
+    instead (asked with the token, concurrently; recorded like every call)."""
+    missing = [s for s in config.servers if results[s.name].error == "http" and results[s.name].status == 404]
+    if not missing or not caller.has_token:
+        return {}
+    found: dict[str, V2Status] = {}
+
+    async def probe(name: str, url: str) -> None:
+        result = await caller.v2_status(name, url, deadline_ts=deadline_ts)
+        if result.ok and isinstance(result.reply, V2Status):
+            found[name] = result.reply
+
+    async with anyio.create_task_group() as tg:
+        for server in missing:
+            tg.start_soon(probe, server.name, server.url)
+    return found
 
 
 def classify(config: ClusterConfig, found: Mapping[str, Capabilities | str]) -> Discovery:
@@ -258,12 +280,20 @@ async def discover(
     async with anyio.create_task_group() as tg:
         for server in config.servers:
             tg.start_soon(fetch, server.name, server.url)
+    v2 = await _speaking_v2(caller, config, results, deadline_ts)
 
     found: dict[str, Capabilities | str] = {}
     for server in config.servers:
         result = results[server.name]
         if result.ok and isinstance(result.reply, Capabilities):
             found[server.name] = result.reply
+        elif server.name in v2:
+            found[server.name] = (
+                f"speaks NeMo Gym's checkpoint control plane v2 (`/ng-control/v1/checkpoint/*`, kind"
+                f" {v2[server.name].kind}), not control plane v1 — it has no capabilities route."
+                " quiesce speaks v1 only: run a Gym version with control plane v1 on this server, or"
+                " leave it out of the config"
+            )
         elif result.error == "protocol":
             found[server.name] = f"capabilities reply is invalid: {result.detail}"
         else:

@@ -7,11 +7,14 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI, Header
+from starlette.responses import JSONResponse
 
 from coordinator import Coordinator, DiscoveryError, parse_config
 from coordinator.discovery import CLUSTER, classify
-from coordinator.protocol import CAPABILITIES_PATH, Capabilities
-from tests.coordinator.helpers import control_logs, read_events
+from coordinator.protocol import CAPABILITIES_PATH, V2_STATUS_PATH, Capabilities
+from tests.conformance.fakegym import serve
+from tests.coordinator.helpers import assert_protocol_ok, control_logs, read_events
 
 pytestmark = pytest.mark.anyio
 
@@ -202,3 +205,48 @@ async def test_two_policy_models_warn(make_cluster: Any, sqlite_url: str, config
     assert attempt.snapshot is not None
     recorded = [ev for ev in await read_events(sqlite_url) if ev.kind == "discovery.completed"]
     assert recorded[0].data["warnings"] == list(found.warnings)
+
+
+def _v2_server(token: str) -> FastAPI:
+    """A server speaking Gym's checkpoint control plane v2: a bearer-guarded
+    `/ng-control/v1/checkpoint/status`, no capabilities route."""
+    app = FastAPI()
+
+    @app.get(V2_STATUS_PATH)
+    async def status(authorization: str | None = Header(default=None)) -> JSONResponse:
+        if authorization != f"Bearer {token}":
+            return JSONResponse({"error": {"code": "unauthorized", "detail": "bad token"}}, status_code=401)
+        return JSONResponse(
+            {"kind": "resources", "instance": "sandbox", "phase": "idle", "checkpoint_id": None, "report": {}}
+        )
+
+    return app
+
+
+async def test_a_server_speaking_gyms_control_plane_v2_is_named_as_such(
+    make_cluster: Any, sqlite_url: str, tmp_path: Path, token: str
+) -> None:
+    # no capabilities route (404) but Gym's v2 status answers: the refusal says what it speaks and
+    # what to do, instead of a bare 404; a server that answers neither stays "cannot be reached"
+    with make_cluster(None) as running, serve(_v2_server(token)) as v2, serve(FastAPI()) as plain:
+        document = running.config(sqlite_url, tmp_path / "snapshots")
+        document["servers"] += [{"name": "sandbox", "url": v2}, {"name": "blank", "url": plain}]
+        async with Coordinator.open(parse_config(document, base_dir=tmp_path)) as coord:
+            with pytest.raises(DiscoveryError) as caught:
+                await coord.discover()
+    reasons = dict(caught.value.reasons)
+    assert set(reasons) == {"sandbox", "blank"}
+    assert "speaks NeMo Gym's checkpoint control plane v2" in reasons["sandbox"]
+    assert "kind resources" in reasons["sandbox"]
+    assert "quiesce speaks v1 only" in reasons["sandbox"]
+    assert reasons["blank"].startswith("cannot be reached")
+    probes = [
+        ev
+        for ev in await read_events(sqlite_url)
+        if ev.kind == "call.sent" and "checkpoint/status" in ev.data["path"]
+    ]
+    assert sorted(str(ev.server) for ev in probes) == [
+        "blank",
+        "sandbox",
+    ]  # asked, and recorded, as every call
+    await assert_protocol_ok(sqlite_url)  # the audit reads a ledger holding such probes
