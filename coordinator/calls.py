@@ -242,35 +242,37 @@ class Caller:
         checkpoint_id: str | None = None,
     ) -> CallResult:
         """`GET /capabilities` (with the token when there is one), validated as `Capabilities`."""
-        return await self._send(
-            server=name,
-            base_url=url,
-            method="GET",
-            path=CAPABILITIES_PATH,
-            phase=phase,
-            checkpoint_id=checkpoint_id,
-            body=None,
-            params=None,
-            deadline_ts=deadline_ts,
-            reply_model=Capabilities,
-        )
+        return await self._get(name, url, CAPABILITIES_PATH, Capabilities, deadline_ts, phase, checkpoint_id)
 
     async def v2_status(
         self, name: str, url: str, *, deadline_ts: float, phase: str = "discovery"
     ) -> CallResult:
         """`GET /checkpoint/status` of Gym's control plane v2 (with the token), validated as
         `V2Status`: asked only of a server without a capabilities route, to name what it speaks."""
+        return await self._get(name, url, V2_STATUS_PATH, V2Status, deadline_ts, phase, None)
+
+    async def _get(
+        self,
+        name: str,
+        url: str,
+        path: str,
+        reply_model: type[BaseModel],
+        deadline_ts: float,
+        phase: str,
+        checkpoint_id: str | None,
+    ) -> CallResult:
+        """A recorded GET outside the route table, without query parameters."""
         return await self._send(
             server=name,
             base_url=url,
             method="GET",
-            path=V2_STATUS_PATH,
+            path=path,
             phase=phase,
-            checkpoint_id=None,
+            checkpoint_id=checkpoint_id,
             body=None,
             params=None,
             deadline_ts=deadline_ts,
-            reply_model=V2Status,
+            reply_model=reply_model,
         )
 
     async def call(
