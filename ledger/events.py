@@ -81,6 +81,22 @@ class Event:
     prev_hash: str
     hash: str
 
+    def columns(self) -> dict[str, Any]:
+        """The stored columns by name, in table order (``ledger.layout.EVENT_COLUMNS``): what the
+        service's streams and the audit bundle's lines show of an event."""
+        return {
+            "seq": self.seq,
+            "at": self.at,
+            "kind": self.kind,
+            "checkpoint_id": self.checkpoint_id,
+            "server": self.server,
+            "call_id": self.call_id,
+            "epoch": self.epoch,
+            "data": self.data,
+            "prev_hash": self.prev_hash,
+            "hash": self.hash,
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class AppendItem:

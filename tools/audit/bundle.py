@@ -49,40 +49,17 @@ from typing import IO, Any, Final
 
 from ledger.canonical import GENESIS_HASH, canonical, chain_hash
 from ledger.events import Event
+from ledger.layout import EVENT_COLUMNS
 
 FORMAT: Final = "quiesce-audit-bundle"
 VERSION: Final = 1
 #: Coordinator-level kinds a one-checkpoint bundle carries for context.
 CONTEXT_KINDS: Final = ("coordinator.started", "recovery.completed")
-_EVENT_FIELDS: Final = (
-    "seq",
-    "at",
-    "kind",
-    "checkpoint_id",
-    "server",
-    "call_id",
-    "epoch",
-    "data",
-    "prev_hash",
-    "hash",
-)
 
 
 def event_line(event: Event) -> dict[str, Any]:
     """The bundle line of one event: its stored columns, plus `"type": "event"`."""
-    return {
-        "type": "event",
-        "seq": event.seq,
-        "at": event.at,
-        "kind": event.kind,
-        "checkpoint_id": event.checkpoint_id,
-        "server": event.server,
-        "call_id": event.call_id,
-        "epoch": event.epoch,
-        "data": event.data,
-        "prev_hash": event.prev_hash,
-        "hash": event.hash,
-    }
+    return {"type": "event", **event.columns()}
 
 
 def _dump(line: dict[str, Any]) -> str:
@@ -197,7 +174,7 @@ class Verification:
 
 def event_hash(line: dict[str, Any]) -> str:
     """The chain hash of an event line: `sha256(prev_hash + canonical(row without hash))`."""
-    row = {name: line[name] for name in _EVENT_FIELDS if name != "hash"}
+    row = {name: line[name] for name in EVENT_COLUMNS if name != "hash"}
     return chain_hash(str(row["prev_hash"]), canonical(row))
 
 
@@ -215,10 +192,10 @@ def _as_int(value: Any) -> int | None:
 
 def _event_shape(line: dict[str, Any]) -> str | None:
     """Why an event line is malformed, or None."""
-    missing = [name for name in _EVENT_FIELDS if name not in line]
+    missing = [name for name in EVENT_COLUMNS if name not in line]
     if missing:
         return f"event line lacks {', '.join(missing)}"
-    extra = sorted(set(line) - {*_EVENT_FIELDS, "type"})
+    extra = sorted(set(line) - {*EVENT_COLUMNS, "type"})
     if extra:
         return f"event line has unknown fields {', '.join(extra)}"
     if not _is_int(line["seq"]) or line["seq"] < 1 or not _is_int(line["epoch"]):

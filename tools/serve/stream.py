@@ -34,18 +34,7 @@ TERMINAL_KINDS: Final = frozenset({"attempt.completed", "attempt.aborted"})
 
 def event_json(event: Event) -> dict[str, Any]:
     """An event as the streams and `GET /v1/attempts/{id}` show it (every stored column)."""
-    return {
-        "seq": event.seq,
-        "at": event.at,
-        "kind": event.kind,
-        "checkpoint_id": event.checkpoint_id,
-        "server": event.server,
-        "call_id": event.call_id,
-        "epoch": event.epoch,
-        "data": event.data,
-        "prev_hash": event.prev_hash,
-        "hash": event.hash,
-    }
+    return event.columns()
 
 
 def sse(event: Event) -> str:
