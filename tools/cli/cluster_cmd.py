@@ -42,6 +42,19 @@ def print_warnings(warnings: tuple[str, ...] | list[str]) -> None:
         output.err_console.print(f"[bold yellow]warning:[/] {escape(warning)}", soft_wrap=True)
 
 
+def register_outcome(subparsers: Any, what: str, *, help: str, description: str) -> None:
+    """The parser of `quiesce resume [ID]` / `quiesce abort [ID]` (`what`), handled by `run_outcome`."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(what, help=help, description=description)
+    parser.add_argument(
+        "checkpoint_id",
+        metavar="ID",
+        nargs="?",
+        help="the checkpoint id to act on (default: whatever holds the servers, asked now)",
+    )
+    add_common(parser)
+    parser.set_defaults(handler=lambda args: run_outcome(args, what))
+
+
 def run_outcome(args: argparse.Namespace, what: str) -> int:
     """`quiesce resume [ID]` / `quiesce abort [ID]`: act on the given checkpoint id, or on whatever
     holds the servers (the coordinator asks them); print the outcome."""

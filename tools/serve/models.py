@@ -9,6 +9,7 @@ forbid unknown fields (a typo is a 422, not a silently ignored option). Every er
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
@@ -382,38 +383,11 @@ class HistoryRow(BaseModel):
 
     @classmethod
     def of(cls, row: AttemptRow) -> HistoryRow:
-        return cls(
-            checkpoint_id=row.checkpoint_id,
-            kind=row.kind,
-            state=row.state,
-            outcome=row.outcome,
-            started_at=row.started_at,
-            ended_at=row.ended_at,
-            deadline_ts=row.deadline_ts,
-            participants=list(row.participants),
-            epoch=row.epoch,
-            calls=row.calls,
-            failures=row.failures,
-            recovered_by=row.recovered_by,
-            last_seq=row.last_seq,
-        )
+        fields = {f.name: getattr(row, f.name) for f in dataclasses.fields(row)}
+        return cls(**{**fields, "participants": list(row.participants)})
 
     def row(self) -> AttemptRow:
-        return AttemptRow(
-            checkpoint_id=self.checkpoint_id,
-            kind=self.kind,
-            state=self.state,
-            outcome=self.outcome,
-            started_at=self.started_at,
-            ended_at=self.ended_at,
-            deadline_ts=self.deadline_ts,
-            participants=tuple(self.participants),
-            epoch=self.epoch,
-            calls=self.calls,
-            failures=self.failures,
-            recovered_by=self.recovered_by,
-            last_seq=self.last_seq,
-        )
+        return AttemptRow(**{**self.model_dump(), "participants": tuple(self.participants)})
 
 
 class Readiness(BaseModel):

@@ -10,23 +10,15 @@ cannot be rolled back is let go as `quiesce resume` would: a published save is r
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
-from tools.cli.cluster_cmd import add_common, run_outcome
+from tools.cli.cluster_cmd import register_outcome
 
 
 def register(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
+    register_outcome(
+        subparsers,
         "abort",
         help="roll back the attempt that holds the servers, or checkpoint ID",
         description="Roll back the attempt that holds the servers (asked now), or the checkpoint ID given.",
     )
-    parser.add_argument(
-        "checkpoint_id",
-        metavar="ID",
-        nargs="?",
-        help="the checkpoint id to act on (default: whatever holds the servers, asked now)",
-    )
-    add_common(parser)
-    parser.set_defaults(handler=lambda args: run_outcome(args, "abort"))

@@ -12,23 +12,15 @@ process. `--json`: `{"checkpoint_id", "outcome", "servers", "also"?}` (`none` wh
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
-from tools.cli.cluster_cmd import add_common, run_outcome
+from tools.cli.cluster_cmd import register_outcome
 
 
 def register(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
+    register_outcome(
+        subparsers,
         "resume",
         help="resume what holds the servers (a restore, an attempt left paused), or checkpoint ID",
         description="Let go of what holds the servers (asked now), or of the checkpoint ID given.",
     )
-    parser.add_argument(
-        "checkpoint_id",
-        metavar="ID",
-        nargs="?",
-        help="the checkpoint id to act on (default: whatever holds the servers, asked now)",
-    )
-    add_common(parser)
-    parser.set_defaults(handler=lambda args: run_outcome(args, "resume"))
