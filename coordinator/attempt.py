@@ -210,6 +210,11 @@ class Attempt:
     #: warnings given before the first request (recorded in `attempt.started`): preflight, provenance
     warnings: list[str] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
+    #: servers whose last state-changing request (a resume aside) got no reply — a timeout, a
+    #: broken connection, a call the deadline cancelled on its way: its operation may still be
+    #: running there, so a rollback reads their fence before it resumes them
+    #: (`resume.resume_members`, `check_first`)
+    unanswered: set[str] = field(default_factory=set)
     #: the last refusal that explains why a server is not ready yet, while the phase keeps asking
     #: it again (an agent's 409 `agent_prepare_incomplete`, with the unacknowledged executions it
     #: was found to hold): server → that failure, dropped once the server's request succeeds or
@@ -316,8 +321,11 @@ async def send_call(
     """Send one control call for `attempt` (marks the server touched first). With
     `expect_checkpoint`, a reply naming another checkpoint id is a failed call (`calls.py`)."""
     spec = route(member.component, operation)
+    settles = spec.method == "POST" and operation != "resume"
     if spec.method == "POST":
         attempt.touch(member.name)
+    if settles:  # unanswered until a reply arrives: a call cancelled on the way stays so
+        attempt.unanswered.add(member.name)
     attempt.last_server = member.name
     result = await ctx.caller.call(
         member.target,
@@ -329,8 +337,10 @@ async def send_call(
         params=params,
         expect_checkpoint=expect_checkpoint,
     )
-    if spec.method == "POST" and operation != "resume":
+    if settles:
         attempt.note_outcome(member.name, result.status if result.error == "http" else None, result.code)
+        if result.status is not None or not result.sent:
+            attempt.unanswered.discard(member.name)
     if ctx.on_progress is not None:
         error = None if result.ok else result.describe()
         ctx.progress(Progress(attempt.checkpoint_id, phase, member.name, step="reply", error=error))

@@ -13,10 +13,14 @@ restore whose resume began after it was left paused), in the order of their last
    an agent or resources participant at `idle` counts as touched too (a prepare it refused
    leaves no trace in its capabilities; see `_settle_touched`). Any other participant that shows
    no trace of the attempt (or cannot be read) is left alone and not reported. A server
-   still inside an operation of this attempt that a resume may not interrupt (`committing`,
-   `restoring`, a resources server's `preparing`: the dead coordinator's request is still
-   running there) is read again until it leaves that phase (at most the budget), so a resume
-   does not race the operation it undoes.
+   still inside an operation of this attempt (`committing`, `restoring`, an agent's or a resources
+   server's `preparing`, with this id active: the dead coordinator's request is still running
+   there) is read again until it leaves that phase, at most until `max(deadline_ts, now +
+   control_timeout_s)`: a resume then is refused, or — an agent's `preparing` — retires the id
+   under the operation, which then leaves the fence wedged in its after-phase with no id. (A
+   policy model stays `preparing` while it drains, with no operation running: it is resumed.)
+   One still inside it at the end is not resumed: it is reported `left_paused`, saying its
+   operation is still running.
 2. **Act**, by what the ledger and the filesystem say:
    - *save*: the filesystem decides first, whatever the ledger kept of the publish step
      (`attempt.publishing` is staged: the rename does not wait for it, so a crash may take it
@@ -30,8 +34,9 @@ restore whose resume began after it was left paused), in the order of their last
      replays its recorded result; a 409 `invalid_phase` means it never paused (`not_paused`); a
      server paused by *another* checkpoint id is reported and not touched; one whose every
      request the server refused before it ran (a wrong token, another id active) is `not_paused`
-     without a call — then the staging folder is removed and `attempt.aborted` records who was
-     resumed and who is left paused.
+     without a call; a resume refused while an operation of this attempt ran there waits for it
+     and is sent again (`resume.resume_members`) — then the staging folder is removed and
+     `attempt.aborted` records who was resumed and who is left paused.
    - *restore*: its restore phase is finished first if it had not completed: the snapshot is
      verified again and the restore re-driven under the same restore id (servers that already
      restored replay their result; one still restoring is waited for). Gone or damaged (or the
@@ -72,7 +77,7 @@ import anyio.to_thread
 from coordinator.attempt import Attempt, Context, free_command, resume_sorted
 from coordinator.discovery import Member
 from coordinator.errors import PhaseError
-from coordinator.protocol import MODEL, RESOURCES, Capabilities
+from coordinator.protocol import MODEL, Capabilities
 from coordinator.publish import (
     apply_retention,
     empty_trash,
@@ -83,20 +88,22 @@ from coordinator.publish import (
 )
 from coordinator.readback import Recorded, settle_publication, unfinished
 from coordinator.restore import redrive, reverify
-from coordinator.resume import finish_resume, next_step, resume_members
+from coordinator.resume import (
+    finish_resume,
+    next_step,
+    operation_ended,
+    operation_running,
+    recovery_budget,
+    resume_members,
+    still_running,
+)
 
 __all__ = ["AttemptReport", "RecoveryReport", "ServerReport", "recover"]
 
 Action = Literal["resumed", "published", "restored", "abandoned", "none"]
 
-#: Fence phases in which the dead coordinator's request may still be running on the server and a
-#: resume is not allowed (gym-control-v1 §1.1): wait for them to end. (A resources server's
-#: `preparing` too; a model or an agent may be resumed while preparing.)
-_BUSY_PHASES: Final = frozenset({"committing", "restoring"})
 #: The detail of an idle agent or resources participant resumed without a recorded request.
 _UNRECORDED: Final = "no request of this attempt is recorded for it; resumed in case one was lost"
-#: How often a busy server's capabilities are read again.
-_SETTLE_POLL_S: Final = 0.05
 
 
 @dataclass(frozen=True)
@@ -248,35 +255,21 @@ def _budget(ctx: Context) -> float:
 
 
 async def _settle(ctx: Context, attempt: Attempt, names: list[str]) -> list[_Settled]:
-    """Read the capabilities of `names` (resume order), waiting out this attempt's busy phases.
+    """Read the capabilities of `names` (resume order), waiting — until `resume.recovery_budget` —
+    while an operation of this attempt still runs on one (`resume.operation_running`).
 
     With `fanout: parallel` the servers are read concurrently (reads change nothing; the result
     keeps resume order), so settling costs one round trip rather than one per server.
     """
-    budget = _budget(ctx)
+    budget = recovery_budget(ctx, attempt)
     out: list[_Settled] = []
 
     async def settle(settled: _Settled, member: Member) -> None:
-        while True:
-            result = await ctx.caller.capabilities(
-                member.name,
-                member.url,
-                deadline_ts=budget,
-                phase="recovery",
-                checkpoint_id=attempt.checkpoint_id,
-            )
-            if not result.ok or not isinstance(result.reply, Capabilities):
-                settled.error = f"capabilities: {result.describe()}"
-                return
-            settled.caps = result.reply
-            busy = settled.caps.phase in _BUSY_PHASES or (
-                settled.caps.phase == "preparing" and member.component == RESOURCES
-            )
-            if not busy or settled.caps.active_checkpoint_id != attempt.checkpoint_id:
-                return
-            if time.time() + _SETTLE_POLL_S >= budget:
-                return  # still busy at the end of the budget: act anyway, the fence decides
-            await anyio.sleep(_SETTLE_POLL_S)
+        result = await operation_ended(ctx, attempt, member, phase="recovery", deadline_ts=budget)
+        if not result.ok or not isinstance(result.reply, Capabilities):
+            settled.error = f"capabilities: {result.describe()}"
+            return
+        settled.caps = result.reply
 
     todo: list[tuple[_Settled, Member]] = []
     for name in resume_sorted(attempt, names):
@@ -361,17 +354,20 @@ async def _abort(ctx: Context, recorded: Recorded, found: str) -> AttemptReport:
         elif s.name in attempt.refused and s.active is None:
             s.result = "not_paused"
             s.detail = f"it refused this attempt's request before running it ({attempt.refused[s.name]})"
+        elif s.caps is not None and operation_running(s.caps, cid, s.member):
+            s.result, s.detail = "left_paused", still_running(s.caps)  # a resume now would wedge or fail
         else:
             s.action = "resume"
             to_resume.append(s.name)
-    _, resumed, not_paused, left, failures = await resume_members(
+    _, resumed, not_paused, _, failures = await resume_members(
         ctx, attempt, to_resume, phase="recovery", deadline_ts=_budget(ctx)
     )
     _apply_resume_results(settled, resumed, not_paused, failures)
     if attempt.staging_dir is not None:
         await anyio.to_thread.run_sync(remove_tree, attempt.staging_dir)
     servers = await _record_settled(ctx, attempt, settled)
-    left_all = left + [s.name for s in settled if s.result == "unknown_server"]
+    # resume failures and servers still running an operation of this attempt are left paused
+    left_all = [s.name for s in settled if s.result in ("unknown_server", "left_paused")]
     await ctx.ledger.append(
         "attempt.aborted",
         checkpoint_id=cid,
@@ -381,8 +377,9 @@ async def _abort(ctx: Context, recorded: Recorded, found: str) -> AttemptReport:
     message = f"rolled back; latest snapshot: {latest if latest else 'none'}."
     if left_all:
         message += (
-            f" Could not resume {', '.join(left_all)}: run `quiesce resume` (or `quiesce recover`) once"
-            " they are reachable."
+            f" Could not resume {', '.join(left_all)}: run"
+            f" `{free_command(ctx, 'resume', cid)}` once they are reachable (or their operation has"
+            " ended); the rollback is recorded, so `quiesce recover` does not retry it."
         )
     return AttemptReport(cid, attempt.kind, found, "resumed", servers, message)
 

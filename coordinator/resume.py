@@ -1,7 +1,13 @@
 """Resume and rollback: the only ways a paused server is let go.
 
 - `resume_members` resumes the given servers in resume order (resources → policy → agents, fan-out
-  within a role group) and never stops early; 409 `invalid_phase` means the server never paused.
+  within a role group) and never stops early. A resume is never sent while an operation of this
+  attempt still runs on the server (`operation_running`: its fence in an operation's phase with
+  this checkpoint id active, read from its capabilities — for the servers named in
+  `check_first`, and after every 409 `invalid_phase`): it waits for that operation to end
+  (within the budget), then resumes; one still running when the budget ends is left paused,
+  saying so. 409 `invalid_phase` from a server whose fence shows
+  no operation of this attempt means it never paused.
 - `roll_back` (a save before publication) resumes every *touched* server — its request was sent,
   answered or not — removes the staging folder, and records `attempt.aborting` … `attempt.aborted
   {resumed, left_paused, not_paused}`. Its budget is `max(deadline_ts, now + control_timeout_s)`.
@@ -15,8 +21,9 @@
   `quiesce recover`; so does `finish_resume`.
 """
 
+import dataclasses
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from typing import Final, Literal
 
 import anyio
@@ -39,6 +46,8 @@ from coordinator.errors import DeadlineExceeded, FencedError, LedgerError, Phase
 from coordinator.phases import resume_order
 from coordinator.protocol import (
     INVALID_PHASE,
+    MODEL,
+    Capabilities,
     CommonBody,
 )
 from coordinator.publish import (
@@ -90,10 +99,80 @@ async def rolled_back_on_failure(
 # ---------------------------------------------------------------------------------------------
 
 
+#: Fence phases in which an operation may still run on the server (gym-control-v1 §1.1; Gym's
+#: `ControlFence`): a resume there is refused (409 `invalid_phase`) or — where the fence allows it
+#: (an agent's `preparing`) — retires the checkpoint id under the running operation, which on
+#: success then leaves the fence in its after-phase with no id: wedged, refusing every later
+#: checkpoint. A policy model's `preparing` is not one: its pause answers at once and the model
+#: stays `preparing` while it drains (until a status read sees it paused); a resume is what ends it.
+IN_FLIGHT_PHASES: Final = frozenset({"committing", "restoring"})
+IN_FLIGHT_UNLESS_MODEL: Final = frozenset({"preparing"})
+#: First and longest pause between two reads of a server whose operation is still running.
+_POLL_FIRST_S: Final = 0.05
+_POLL_MAX_S: Final = 1.0
+#: How many times one server's resume is sent when each was refused while an operation of this
+#: attempt ran there, and that operation ended before the next.
+_RESUME_TRIES: Final = 3
+
+
+def operation_running(caps: Capabilities, checkpoint_id: str, member: Member) -> bool:
+    """Whether `caps` (of `member`) shows an operation of `checkpoint_id` still running there."""
+    if caps.active_checkpoint_id != checkpoint_id:
+        return False
+    if caps.phase in IN_FLIGHT_UNLESS_MODEL:
+        return member.component != MODEL
+    return caps.phase in IN_FLIGHT_PHASES
+
+
+async def operation_ended(
+    ctx: Context, attempt: Attempt, member: Member, *, phase: str, deadline_ts: float
+) -> CallResult:
+    """Read `member`'s capabilities (recorded, phase `phase`) until no operation of this attempt
+    runs there or `deadline_ts` is near; the last read (a failed one ends the wait)."""
+    pause = _POLL_FIRST_S
+    while True:
+        result = await ctx.caller.capabilities(
+            member.name, member.url, deadline_ts=deadline_ts, phase=phase, checkpoint_id=attempt.checkpoint_id
+        )
+        caps = result.reply
+        if (
+            not result.ok
+            or not isinstance(caps, Capabilities)
+            or not operation_running(caps, attempt.checkpoint_id, member)
+            or time.time() + pause >= deadline_ts
+        ):
+            return result
+        await anyio.sleep(pause)
+        pause = min(pause * 2, _POLL_MAX_S)
+
+
+def still_running(caps: Capabilities) -> str:
+    """Why a server whose operation of this attempt outlasted the budget was not resumed."""
+    return (
+        f"its {caps.phase} of this checkpoint was still running when the budget ended (a resume must"
+        " wait for it to end); it stays paused — resume it once that operation has finished"
+    )
+
+
+def _still_running(result: CallResult, caps: Capabilities) -> CallResult:
+    """`result` (a refused resume) described as what it is: the server's operation outlasted the budget."""
+    return dataclasses.replace(result, detail=still_running(caps))
+
+
 async def resume_members(
-    ctx: Context, attempt: Attempt, names: Sequence[str], *, phase: str, deadline_ts: float
+    ctx: Context,
+    attempt: Attempt,
+    names: Sequence[str],
+    *,
+    phase: str,
+    deadline_ts: float,
+    check_first: Collection[str] = (),
 ) -> tuple[list[str], list[str], list[str], list[str], list[tuple[str, CallResult]]]:
     """Resume `names` in resume order (fan-out within a group). Never stops early.
+
+    The servers in `check_first` (an operation of this attempt may still run there: its request
+    got no reply) are read first and waited for; so is any server that refuses the resume with
+    409 `invalid_phase` (see the module docstring).
 
     Returns (called in order, resumed, not_paused, left_paused, failures).
     """
@@ -109,14 +188,27 @@ async def resume_members(
     async def one(m: Member) -> None:
         called.append(m.name)
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        if m.name in check_first:
+            await operation_ended(ctx, attempt, m, phase=phase, deadline_ts=deadline_ts)
         body = CommonBody(checkpoint_id=attempt.checkpoint_id, deadline_ts=deadline_ts)
-        result = await send_call(ctx, attempt, m, "resume", phase, body=body, deadline_ts=deadline_ts)
-        if result.ok:
-            resumed.append(m.name)
-        elif result.error == "http" and result.status == 409 and result.code == INVALID_PHASE:
-            not_paused.append(m.name)
-        else:
-            failures.append((m.name, result))
+        for _ in range(_RESUME_TRIES):
+            result = await send_call(ctx, attempt, m, "resume", phase, body=body, deadline_ts=deadline_ts)
+            if result.ok:
+                resumed.append(m.name)
+                return
+            if not (result.error == "http" and result.status == 409 and result.code == INVALID_PHASE):
+                failures.append((m.name, result))
+                return
+            read = await operation_ended(ctx, attempt, m, phase=phase, deadline_ts=deadline_ts)
+            caps = read.reply if read.ok else None
+            if not isinstance(caps, Capabilities) or caps.active_checkpoint_id != attempt.checkpoint_id:
+                not_paused.append(m.name)  # its fence holds nothing of this attempt: it never paused
+                return
+            if operation_running(caps, attempt.checkpoint_id, m):
+                failures.append((m.name, _still_running(result, caps)))
+                return
+            # the operation ended meanwhile and left this checkpoint paused there: resume again
+        failures.append((m.name, result))
 
     with anyio.CancelScope(deadline=anyio_deadline(deadline_ts)):
         for role in resume_order():
@@ -170,7 +262,8 @@ async def roll_back(
     return the error to raise.
 
     Save attempts only (a failed restore is recorded by `restore` and left paused). Every touched
-    server is resumed but those whose every request was refused before it ran
+    server is resumed — once no operation of this attempt runs there (`resume_members`) — but
+    those whose every request was refused before it ran
     (`Attempt.refused`: a wrong token, another checkpoint id holding it): this attempt paused
     nothing there, so they are recorded as `not_paused` without a call. The budget is
     `max(deadline_ts, now + control_timeout_s)`; 409 `invalid_phase` means the server never paused.
@@ -186,8 +279,14 @@ async def roll_back(
         )
     await ctx.ledger.stage("attempt.aborting", checkpoint_id=attempt.checkpoint_id, data={"reason": text})
     budget = recovery_budget(ctx, attempt)
+    may_hold = attempt.may_hold
     _, resumed, not_paused, left, failures = await resume_members(
-        ctx, attempt, attempt.may_hold, phase="rollback", deadline_ts=budget
+        ctx,
+        attempt,
+        may_hold,
+        phase="rollback",
+        deadline_ts=budget,
+        check_first=[name for name in may_hold if name in attempt.unanswered],
     )
     refused = dict(attempt.refused)
     never = [name for name in attempt.touched if name in refused]
@@ -206,7 +305,9 @@ async def roll_back(
         f"checkpoint {attempt.checkpoint_id} rolled back: {text}."
         f" Resumed (their resume answered accepting): {', '.join(resumed) or 'none'}."
         + (f" Never paused: {refusals}." if never else "")
-        + _unconfirmed(not_paused, left, next_step(ctx, attempt.checkpoint_id, [r for _, r in failures]))
+        + _unconfirmed(
+            not_paused, left, failures, next_step(ctx, attempt.checkpoint_id, [r for _, r in failures])
+        )
         + (f" {TOKEN_HINT.format(env=ctx.config.token_env)}" if _token_refused(refused.values()) else "")
         + f" Latest snapshot: {latest if latest else 'none'}."
     )
@@ -224,7 +325,9 @@ async def roll_back(
     )
 
 
-def _unconfirmed(not_paused: Sequence[str], left: Sequence[str], advice: str) -> str:
+def _unconfirmed(
+    not_paused: Sequence[str], left: Sequence[str], failures: Sequence[tuple[str, CallResult]], advice: str
+) -> str:
     """What a rollback message says beyond the servers whose resume replied `accepting`: only when
     every touched server did does it say every server is accepting again (untouched ones were
     never sent anything); otherwise it names each server whose state the replies did not show."""
@@ -236,7 +339,9 @@ def _unconfirmed(not_paused: Sequence[str], left: Sequence[str], advice: str) ->
             " it with `quiesce status`."
         )
     if left:
-        text += f" Could not resume: {', '.join(left)} — {advice}"
+        why = dict((name, result.describe()) for name, result in failures)
+        named = ", ".join(f"{name} ({why[name]})" if name in why else name for name in left)
+        text += f" Could not resume: {named} — {advice}"
     if not text:
         text = " Every server is accepting again."
     return text

@@ -290,3 +290,77 @@ async def test_protocol_failures_are_recorded(cluster: Any, sqlite_url: str, con
     ]
     assert "does not match" in failed[0].data["detail"]
     assert "not valid JSON" in failed[1].data["detail"]
+
+
+async def test_a_commit_still_running_when_its_call_timed_out_is_waited_for_then_resumed(
+    cluster: Any, sqlite_url: str, configure: Any
+) -> None:
+    """The agent's commit outlasts the attempt's deadline: the coordinator's call times out while
+    the server still commits. A resume sent then is refused (409 invalid_phase) and the commit,
+    once done, would leave the agent paused for good; the rollback reads its fence first, waits
+    for the commit to end, then resumes it."""
+    config = configure(cluster, sqlite_url)
+    agent = cluster.urls["simple_agent"]
+    async with httpx.AsyncClient() as http, Coordinator.open(config) as coord:
+        previous = (await coord.checkpoint(deadline_s=20)).snapshot
+        assert previous is not None
+        await _start_rollouts(http, cluster)
+        fault = {"kind": "delay", "when": "during", "path": "/agent-checkpoint/commit", "seconds": 4.0}
+        await set_faults(http, agent, [{**fault, "times": 1}])
+        with pytest.raises(DeadlineExceeded) as caught:
+            await coord.checkpoint(deadline_s=2.5)
+        error = caught.value
+        assert (error.phase, error.server) == ("commit", "simple_agent")
+        assert "simple_agent" in error.resumed
+        await _check_rolled_back(http, cluster, config, error, previous)
+    events = await read_events(config.ledger, error.checkpoint_id)
+    agent_rollback = [
+        (ev.kind, ev.data.get("path"))
+        for ev in events
+        if ev.server == "simple_agent" and ev.kind == "call.sent" and ev.data["phase"] == "rollback"
+    ]
+    # its fence was read (until the commit ended) before the one resume it needed
+    assert agent_rollback[-1] == ("call.sent", "/ng-control/v1/agent-checkpoint/resume")
+    assert len(agent_rollback) >= 2
+    assert all(path == "/ng-control/v1/capabilities" for _, path in agent_rollback[:-1])
+
+
+async def test_a_commit_that_outlasts_the_rollback_budget_is_left_paused_saying_so(
+    cluster: Any, sqlite_url: str, configure: Any
+) -> None:
+    """The commit still runs when the rollback's budget ends: the agent is not counted as never
+    paused — it is named left paused, with why; once its commit ended, `resume ID` frees it."""
+    config = configure(cluster, sqlite_url, control_timeout_s=1.0)
+    agent = cluster.urls["simple_agent"]
+    async with httpx.AsyncClient() as http, Coordinator.open(config) as coord:
+        await coord.checkpoint(deadline_s=20)
+        await _start_rollouts(http, cluster)
+        fault = {"kind": "delay", "when": "during", "path": "/agent-checkpoint/commit", "seconds": 6.0}
+        await set_faults(http, agent, [{**fault, "times": 1}])
+        with pytest.raises(DeadlineExceeded) as caught:
+            await coord.checkpoint(deadline_s=2.0)
+        error = caught.value
+        assert error.not_resumed == ["simple_agent"]
+        assert "simple_agent" not in error.resumed
+        assert "committing of this checkpoint was still running" in str(error)
+        events = await read_events(config.ledger, error.checkpoint_id)
+        aborted = next(ev for ev in events if ev.kind == "attempt.aborted")
+        assert (aborted.data["left_paused"], "simple_agent" in aborted.data["not_paused"]) == (
+            ["simple_agent"],
+            False,
+        )
+        caps = (await http.get(f"{agent}/ng-control/v1/capabilities")).json()
+        assert (caps["phase"], caps["active_checkpoint_id"]) == ("committing", error.checkpoint_id)
+        with anyio.fail_after(20):
+            while await _agent_phase(http, agent) != "committed_paused":  # noqa: ASYNC110 (another process)
+                await anyio.sleep(0.1)
+        outcome = await coord.resume(error.checkpoint_id)
+        assert "simple_agent" in outcome.resumed
+        await assert_all_accepting(http, cluster)
+        rollouts = await client.wait_finished(http, cluster.urls["simple_agent"], timeout_s=60)
+    assert client.turn_log_problems(rollouts) == []
+    await assert_protocol_ok(config.ledger)
+
+
+async def _agent_phase(http: httpx.AsyncClient, agent: str) -> str:
+    return str((await http.get(f"{agent}/ng-control/v1/capabilities")).json()["phase"])

@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,15 @@ import anyio
 import httpx
 import pytest
 
-from coordinator import ClusterConfig, ConfigError, Coordinator, load_snapshot, read_latest, verify_snapshot
+from coordinator import (
+    ClusterConfig,
+    ConfigError,
+    Coordinator,
+    load_config,
+    load_snapshot,
+    read_latest,
+    verify_snapshot,
+)
 from coordinator.protocol import RESOURCES, route
 from coordinator.publish import rename_into_place
 from coordinator.recovery import RecoveryReport
@@ -31,6 +41,7 @@ from tests.coordinator.helpers import (
     control_logs,
     read_events,
     server_states,
+    set_faults,
 )
 from tests.recovery.helpers import Died, kind_is
 from tools.cli.main import main as cli
@@ -645,3 +656,48 @@ async def test_restore_whose_snapshot_was_consistently_redigested_is_not_redrive
     assert started.data["manifest_sha256"] in found.message
     assert states["policy_model"][0] == "restored_paused"  # half-restored state must not run
     await assert_protocol_ok(sqlite_url)
+
+
+async def test_a_commit_the_killed_coordinator_left_running_is_waited_for_then_resumed(
+    cluster: Any, sqlite_url: str, tmp_path: Path
+) -> None:
+    """A real `quiesce checkpoint` process is SIGKILLed while the agent still commits (a commit
+    slower than `control_timeout_s`). Recovery waits for the commit to end — to the attempt's
+    deadline, not only its own short budget — and then resumes the agent: a resume sent while it
+    commits is refused, and counting that refusal as "never paused" would leave the agent paused
+    for good once the commit ends."""
+    path = cluster.write_config(
+        tmp_path / "cluster.yaml", sqlite_url, tmp_path / "snapshots", control_timeout_s=1.0
+    )
+    config = load_config(path)
+    agent = cluster.urls["simple_agent"]
+    await _first_snapshot(config)
+    async with httpx.AsyncClient() as http:
+        await _start(http, cluster)
+        slow = {"kind": "delay", "when": "during", "path": "/agent-checkpoint/commit", "seconds": 4.0}
+        await set_faults(http, agent, [{**slow, "times": 1}])
+        command = [sys.executable, "-m", "tools", "checkpoint", "--config", str(path), "--deadline-s", "30"]
+        child = await anyio.open_process(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            with anyio.fail_after(30):
+                while await _phase(http, agent) != "committing":  # noqa: ASYNC110 (another process)
+                    await anyio.sleep(0.05)
+        finally:
+            child.kill()  # SIGKILL: no rollback, no cleanup
+            await child.wait()
+        cid = await _unfinished_checkpoint_id(config)
+        report = await _recover(config)
+        await assert_all_accepting(http, cluster)
+        await _finish_rollouts(http, cluster)
+    found = report.attempts[0]
+    assert (found.checkpoint_id, found.action) == (cid, "resumed")
+    servers = {s.name: (s.reported_phase, s.result) for s in found.servers}
+    assert servers["simple_agent"] == ("committed_paused", "resumed")
+    events = await read_events(sqlite_url, cid)
+    assert events[-1].kind == "attempt.aborted"
+    assert (events[-1].data["left_paused"], "simple_agent" in events[-1].data["resumed"]) == ([], True)
+    await assert_protocol_ok(sqlite_url)
+
+
+async def _phase(http: httpx.AsyncClient, url: str) -> str:
+    return str((await http.get(f"{url}/ng-control/v1/capabilities")).json()["phase"])

@@ -9,7 +9,9 @@ Rules (each `Violation` names the seq of the offending event):
 
 - `order` — within one run of a phase (from its `phase.started`; calls made by another epoch are
   another run), calls follow the step order of `coordinator.phases.ORDER` (rollback and recovery
-  follow the resume order and may only resume; recovery may also read capabilities; a prepare may
+  follow the resume order and may only resume; a phase that resumes (rollback, recovery, resume)
+  may also read capabilities — recovery settles each server by them, and a resume waits on them
+  while an operation of the attempt still runs on the server; a prepare may
   read an agent's status — which executions it holds unacknowledged — as part of that agent's
   prepare step): a call of an earlier step after a later one, a call of an operation the phase
   does not have, and a call sent while a call of an earlier step of the same run has no outcome
@@ -35,7 +37,7 @@ Rules (each `Violation` names the seq of the offending event):
   every server it touched must have been resumed. An attempt is judged as of its last terminal
   event; attempts with none are reported as open, not judged.
 - `deadline` — no call is sent (by its `call.sent` `at`) after the attempt's `deadline_ts`, except
-  resumes, recovery's calls, and any call a later epoch (a recovering coordinator, which works to
+  resumes, the capabilities reads of a phase that resumes, recovery's calls, and any call a later epoch (a recovering coordinator, which works to
   its own budget, e.g. re-driving an interrupted restore) sends for the attempt. Resumes are exempt
   in every phase, not only in rollback and recovery: a resume only releases a server, and the
   coordinator gives each one the budget `max(deadline_ts, now + control_timeout_s)`
@@ -65,6 +67,9 @@ _RANKS: Final[dict[str, dict[tuple[str, str], int]]] = {
     phase: {(step.role, step.operation): i for i, step in enumerate(order)} for phase, order in ORDER.items()
 }
 _RESUME_RANK: Final[dict[str, int]] = {role: i for i, role in enumerate(resume_order())}
+#: Phases that resume servers: they may read capabilities, and a read there — like the resume it
+#: waits for — is not bound by the attempt's deadline (a resume only releases a server).
+_LETTING_GO: Final = frozenset({"rollback", "recovery", "resume"})
 #: Reads that belong to another step of their phase: the agent status read while an agent prepares.
 _READ_AS: Final[dict[tuple[str, str, str], tuple[str, str]]] = {
     ("prepare", "agent", "status"): ("agent", "prepare"),
@@ -340,7 +345,7 @@ class ProtocolChecker:
 
         # order
         if rank is None:
-            allowed = phase == "recovery" and operation == "capabilities"
+            allowed = phase in _LETTING_GO and operation == "capabilities"
             if not allowed:
                 what = f"{operation or data.get('path')} on {component or 'an unknown component'}"
                 self._violation(event.seq, "order", cid, server, f"{what} is not a step of phase {phase!r}")
@@ -367,7 +372,12 @@ class ProtocolChecker:
         # deadline
         # A later coordinator acting on this attempt (recovery) works to its own budget.
         by_recovery = attempt.epoch is not None and event.epoch > attempt.epoch
-        exempt = operation == "resume" or phase == "recovery" or by_recovery
+        exempt = (
+            operation == "resume"
+            or (operation == "capabilities" and phase in _LETTING_GO)
+            or phase == "recovery"
+            or by_recovery
+        )
         if attempt.deadline_ts is not None and not exempt:
             sent_ts = parse_at(event.at)
             if sent_ts > attempt.deadline_ts:

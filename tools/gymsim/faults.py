@@ -6,8 +6,10 @@ path (exact route path, or a suffix such as `/model-admission/pause` or
 `/v1/responses`), optionally by method and by the `x-nemo-gym-rollout-id` header,
 and fires `times` times (None: every match). Kinds:
 
-- `delay`: sleep `seconds` before running the route (`when: before`) or after running
-  it and before replying (`when: after` — the operation is applied, the reply is late);
+- `delay`: sleep `seconds` before running the route (`when: before`), after running
+  it and before replying (`when: after` — the operation is applied, the reply is late), or
+  inside the fenced control operation it matched (`when: during` — the fence shows the
+  operation's own phase, e.g. `committing`, the whole time: a slow commit or restore);
 - `fail`: reply `status` with `{"error": {"code", "detail"}}` without running the route;
 - `drop`: run the route (the operation is applied), then drop the connection
   before the body is sent (a lost reply);
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from contextvars import ContextVar
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -44,6 +47,10 @@ ADMIN_PREFIX = "/gymsim/admin"
 UNDELIVERED = "gymsim.undelivered"
 #: Scope key set to the fault's kind when a fault fired for the request (its reply is not the server's own).
 FAULTED = "gymsim.faulted"
+
+#: Seconds a `delay` fault with `when: during` adds inside the fenced operation of the request it
+#: matched (`Fence.run` sleeps them in the operation's phase, before the operation itself).
+OPERATION_DELAY: ContextVar[float] = ContextVar("gymsim_operation_delay", default=0.0)
 
 MALFORMED_BODY = b'{"state": "accepting", "workers": {"acknowledged": '
 WRONG_SCHEMA_BODY = {"gymsim_fault": "wrong_schema", "schema_version": 1}
@@ -62,7 +69,7 @@ class Fault(BaseModel):
     path: str = Field(min_length=1)
     method: Literal["GET", "POST"] | None = None
     seconds: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-    when: Literal["before", "after"] = "before"
+    when: Literal["before", "after", "during"] = "before"
     status: int = Field(default=500, ge=400, le=599)
     code: str = "injected_fault"
     times: int | None = Field(default=None, ge=1)
@@ -178,6 +185,13 @@ class FaultMiddleware:
             await self.faults.wait_released()
             scope[UNDELIVERED] = False
             await self.app(scope, receive, send)
+            return
+        if fault.kind == "delay" and fault.when == "during":
+            token = OPERATION_DELAY.set(fault.seconds)
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                OPERATION_DELAY.reset(token)
             return
         if fault.kind == "delay" and fault.when == "before":
             await asyncio.sleep(fault.seconds)

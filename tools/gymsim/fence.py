@@ -9,7 +9,8 @@ Every POST control operation is keyed `(checkpoint_id, operation)` and goes thro
 3. the same key in flight: wait for it and return its outcome, success or failure (coalescing);
 4. another id is active → 409 `checkpoint_conflict`; the phase is not in the
    operation's allowed set → 409 `invalid_phase`;
-5. run: phase := the operation's `during` phase; on failure the phase returns to
+5. run: phase := the operation's `during` phase (for as long as the operation runs, which a
+   `delay` fault `when: during` lengthens); on failure the phase returns to
    where it was (or to the operation's `failure` phase) and nothing is recorded; on
    success the phase becomes `after` (or what the action asks for) and the result is
    recorded. Only resume retires: the fence returns to `idle` with no active id and
@@ -28,6 +29,7 @@ from typing import Any
 
 from coordinator.protocol import CHECKPOINT_CONFLICT, INVALID_PHASE, STALE_CHECKPOINT, CommonBody, Phase
 from tools.gymsim.common import INTERNAL_ERROR, ControlRejection
+from tools.gymsim.faults import OPERATION_DELAY
 
 Result = dict[str, Any]
 
@@ -135,6 +137,9 @@ class Fence:
         if op_rule.during is not None:
             self.phase = op_rule.during
         try:
+            delay = OPERATION_DELAY.get()
+            if delay:  # a `delay` fault `when: during`: the operation is slow, its phase shows it
+                await asyncio.sleep(delay)
             outcome = await action()
         except BaseException as exc:
             back = op_rule.failure or previous_phase
