@@ -10,7 +10,8 @@
   no operation of this attempt means it never paused.
 - `roll_back` (a save before publication) resumes every *touched* server — its request was sent,
   answered or not — removes the staging folder, and records `attempt.aborting` … `attempt.aborted
-  {resumed, left_paused, not_paused}`. Its budget is `max(deadline_ts, now + control_timeout_s)`.
+  {resumed, left_paused, not_paused}`. Each role group's budget is `max(deadline_ts, now +
+  control_timeout_s)` from when it starts.
 - `finish_resume` resumes every participant of a published save or of a restore; a server that
   cannot be resumed leaves the attempt without a terminal event, so the same id's resume can be
   retried (by the caller or by recovery).
@@ -170,6 +171,7 @@ async def resume_members(
 ) -> tuple[list[str], list[str], list[str], list[str], list[tuple[str, CallResult]]]:
     """Resume `names` in resume order (fan-out within a group). Never stops early.
 
+    Each role group has the budget `max(deadline_ts, now + control_timeout_s)` from when it starts.
     The servers in `check_first` (an operation of this attempt may still run there: its request
     got no reply) are read first and waited for; so is any server that refuses the resume with
     409 `invalid_phase` (see the module docstring).
@@ -185,7 +187,7 @@ async def resume_members(
     not_paused: list[str] = []
     failures: list[tuple[str, CallResult]] = []
 
-    async def one(m: Member) -> None:
+    async def one(m: Member, deadline_ts: float) -> None:
         called.append(m.name)
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
         if m.name in check_first:
@@ -210,16 +212,21 @@ async def resume_members(
             # the operation ended meanwhile and left this checkpoint paused there: resume again
         failures.append((m.name, result))
 
-    with anyio.CancelScope(deadline=anyio_deadline(deadline_ts)):
-        for role in resume_order():
-            members = [m for m in attempt.group(role) if m.name in wanted]
+    for role in resume_order():
+        members = [m for m in attempt.group(role) if m.name in wanted]
+        if not members:
+            continue
+        # each group its own budget: a slow group (a multi-worker model acknowledging its workers)
+        # does not use up the time of the groups after it
+        group_deadline = max(deadline_ts, time.time() + ctx.config.control_timeout_s)
+        with anyio.CancelScope(deadline=anyio_deadline(group_deadline)):
             if ctx.config.fanout == "parallel" and len(members) > 1:
                 async with anyio.create_task_group() as tg:
                     for m in members:
-                        tg.start_soon(one, m)
+                        tg.start_soon(one, m, group_deadline)
             else:
                 for m in members:
-                    await one(m)
+                    await one(m, group_deadline)
     # whoever is neither resumed nor known never-paused is left paused: a failed call, the budget
     # running out before (or during) its call, or a server the config no longer names
     settled = set(resumed) | set(not_paused)

@@ -701,3 +701,33 @@ async def test_a_commit_the_killed_coordinator_left_running_is_waited_for_then_r
 
 async def _phase(http: httpx.AsyncClient, url: str) -> str:
     return str((await http.get(f"{url}/ng-control/v1/capabilities")).json()["phase"])
+
+
+async def test_each_resume_group_has_its_own_budget(
+    cluster: Any, sqlite_url: str, configure: Any, die_after: Any
+) -> None:
+    """Recovery's resumes get `control_timeout_s` per role group: a slow policy model resume (a
+    multi-worker model waits for its workers) does not use up the agents' time after it."""
+    config = configure(cluster, sqlite_url, control_timeout_s=1.0)
+    await _first_snapshot(config)
+    die_after(kind_is("phase.completed", phase="prepare"))
+    async with httpx.AsyncClient() as http:
+        await _start(http, cluster)
+        cid = await _die_during_checkpoint(config)
+        slow = {"kind": "delay", "when": "before", "times": 1}
+        await set_faults(
+            http, cluster.urls["policy_model"], [{**slow, "path": "/model-admission/resume", "seconds": 0.9}]
+        )
+        await set_faults(
+            http, cluster.urls["simple_agent"], [{**slow, "path": "/agent-checkpoint/resume", "seconds": 0.3}]
+        )
+        report = await _recover(config)
+        await assert_all_accepting(http, cluster)
+        await _finish_rollouts(http, cluster)
+    found = report.attempts[0]
+    assert found.checkpoint_id == cid
+    assert [(s.name, s.result) for s in found.servers] == [
+        ("tools", "resumed"),
+        ("policy_model", "resumed"),
+        ("simple_agent", "resumed"),
+    ]
