@@ -506,9 +506,13 @@ async def _abandon(
     ctx: Context, attempt: Attempt, settled: list[_Settled], found: str, why: str
 ) -> AttemptReport:
     for s in settled:
-        if s.phase == "idle" and s.active is None:  # its restore request never reached it
+        if s.phase == "idle" and s.active is None:  # its restore never reached it, or it refused it
             s.action, s.result = "none", "not_paused"
-            s.detail = "it never received the restore; it runs its own state as before"
+            s.detail = (
+                "its fence shows no trace of the restore (never received, or refused before it ran):"
+                " nothing of the snapshot was installed there; a resources server that refused it may"
+                " still have closed its admission — `quiesce status` shows it, `quiesce resume` reopens it"
+            )
         else:
             s.action, s.result = "none", "left_paused"
             s.detail = "half-restored state must not run"
