@@ -26,8 +26,10 @@ Durable when: nothing is durable until commit; commit writes Gym's layout under
 to the root's `last_committed_model_call_id`), `storage-references.jsonl` (the staging rows
 those calls need), then `manifest.json` (schema 2) — and only then answers, naming the index
 as `storage_reference_index`. Restore verifies every digest (lineage files and the index)
-before installing anything, installs capture key `k` of attempt n as the key of attempt n+1
-(call ids continue), leaves admission closed until resume, and returns the restored
+before installing anything — and, as Gym, refuses with 409 `ledger_mismatch` a model that already
+holds lineage the snapshot does not (a restore needs a freshly started process; the fence then stays
+`restore_failed_paused`, admission closed) — installs capture key `k` of attempt n as the key of
+attempt n+1 (call ids continue), leaves admission closed until resume, and returns the restored
 `storage_reference_index` when asked (`include_storage_reference_index: true`, the anchor) or
 always (`restore_index: always`, later Gym, which refuses that field with 422).
 
@@ -647,6 +649,14 @@ class ModelServer(GymServer):
             source_id = str(manifest["checkpoint_id"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ControlRejection(RESTORE_FAILED, f"bad model ledger in {folder}: {exc!r}") from exc
+        foreign = sorted(key for key in self.ledger if key not in installs)
+        if foreign:  # as Gym: a restore needs a fresh capture-ledger namespace (a fresh process)
+            raise ControlRejection(
+                LEDGER_MISMATCH,
+                f"restore requires a fresh capture ledger: {self.name} already holds lineage the"
+                f" snapshot does not ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''});"
+                " restore into a freshly started model server",
+            )
         self.ledger.update(installs)
         document: dict[str, Any] = {
             "rollouts": len(installs),
