@@ -6,8 +6,8 @@
   this checkpoint id active, read from its capabilities — for the servers named in
   `check_first`, and after every 409 `invalid_phase`): it waits for that operation to end
   (within the budget), then resumes; one still running when the budget ends is left paused,
-  saying so. 409 `invalid_phase` from a server whose fence shows
-  no operation of this attempt means it never paused.
+  saying so. 409 `invalid_phase` from a server whose fence shows no operation of this attempt
+  means it never paused.
 - `roll_back` (a save before publication) resumes every *touched* server — its request was sent,
   answered or not — removes the staging folder, and records `attempt.aborting` … `attempt.aborted
   {resumed, left_paused, not_paused}`. Each role group's budget is `max(deadline_ts, now +

@@ -13,13 +13,14 @@ Checkpoint rules:
 - prepare closes mutation admission (mutations then get 409
   `resources_admission_closed` with `{"error": {"code", "message"}}`), then takes
   every session's lock within the budget — each admitted mutation finishes first;
-  a lock timeout releases what it took, reopens admission and answers 409
-  `resources_checkpoint_error` (the fence returns to idle).
+  a lock timeout releases what it took and answers 409 `resources_checkpoint_error` (the
+  fence returns to idle) — admission stays closed, as in Gym, until a resume reopens it.
 - commit writes `resources/<name>/<rollout_id>.a<attempt>.json` per session, then
   `manifest.json`; durable before it answers.
-- restore refuses (409 `unsafe_resources_restore`) once this process applied any
-  mutation; otherwise it verifies every digest, installs attempt n's sessions as
-  attempt n+1 and keeps admission closed until resume.
+- restore closes admission, then refuses (409 `unsafe_resources_restore`) once this process
+  applied any mutation — admission stays closed, as in Gym, until a resume; otherwise it
+  verifies every digest, installs attempt n's sessions as attempt n+1 and keeps admission
+  closed until resume.
 - resume releases the locks and reopens admission.
 
 `POST /verify` (read-only, never gated) scores a finished rollout with the judge
@@ -267,15 +268,13 @@ class ResourcesServer(GymServer):
                 async with asyncio.timeout(max(0.0, until - time.monotonic())):
                     await session.lock.acquire()
                 self._held.append(session)
-        except TimeoutError as exc:
+        except TimeoutError as exc:  # as Gym: admission stays closed until a resume reopens it
             self._release()
-            self.accepting = True
             raise ControlRejection(
                 RESOURCES_CHECKPOINT_ERROR, "could not lock every session within the budget"
             ) from exc
         except BaseException:
             self._release()
-            self.accepting = True
             raise
         return ResourcesPrepareReply(sessions=len(self.sessions), state="prepared").model_dump(mode="json")
 
@@ -325,6 +324,7 @@ class ResourcesServer(GymServer):
         return ResourcesCommitReply(sessions=len(documents), manifest_digest=digest).model_dump(mode="json")
 
     async def _restore(self, body: CheckpointDirBody) -> dict[str, Any]:
+        self.accepting = False  # as Gym: closed first, also when the restore is then refused
         if self.served_stateful:
             raise ControlRejection(
                 UNSAFE_RESOURCES_RESTORE,
