@@ -362,7 +362,9 @@ async def test_prepare_closes_mutations_and_status_reports_locked_sessions(gym: 
     assert code(await gym.status("tools")) == "stale_checkpoint"
 
 
-async def test_lock_timeout_is_resources_checkpoint_error_and_reopens(gym: Gym) -> None:
+async def test_lock_timeout_is_resources_checkpoint_error_and_admission_stays_closed(gym: Gym) -> None:
+    """As Gym's participant: a failed prepare returns the fence to idle but leaves mutation
+    admission closed; only a resume (allowed from idle) reopens it."""
     await step(gym, "r1")
     await gym.admin("tools", "POST", "options", json={"latency_s": 30})
     slow = asyncio.create_task(step(gym, "r1"))
@@ -376,7 +378,9 @@ async def test_lock_timeout_is_resources_checkpoint_error_and_reopens(gym: Gym) 
     assert code(reply) == "resources_checkpoint_error"
     assert await gym.fence("tools") == ("idle", None)
     await gym.admin("tools", "POST", "options", json={"latency_s": 0})
-    assert (await step(gym, "r2")).status_code == 200  # admission reopened
+    assert code(await step(gym, "r2")) == "resources_admission_closed"
+    ok(await gym.op("tools", "resume"))
+    assert (await step(gym, "r2")).status_code == 200  # the resume reopened admission
     slow.cancel()
 
 
