@@ -79,6 +79,7 @@ from coordinator.protocol import (
 from coordinator.provenance import check_provenance
 from coordinator.publish import empty_trash, read_latest, resolve_snapshot, verify_snapshot
 from coordinator.readback import read_attempt, release
+from coordinator.restore import read_resubmissions
 from coordinator.restore import restore as restore_snapshot
 from coordinator.resume import finish_resume, release_unrecorded, roll_back
 from coordinator.status import ClusterStatus, read_status, refuse_if_held, status_from
@@ -559,6 +560,8 @@ class Coordinator:
         discovery = await self._discovered()
         expected = {m.name: m.component for m in discovery.exporters}  # not a drain-only model
         verified = await anyio.to_thread.run_sync(lambda: verify_snapshot(path, participants=expected))
+        agents = [m for m in discovery.exporters if m.role == "agent"]
+        resubmit = await anyio.to_thread.run_sync(read_resubmissions, verified, agents)
         warnings = [origin.warning] if origin.warning else []
         await self._refuse_if_held(discovery, "restore")
         self._changing()
@@ -570,6 +573,7 @@ class Coordinator:
             warnings=warnings,
             resume=resume,
             manifest_sha256=origin.manifest_sha256,
+            resubmit=resubmit,
         )
         self._current = attempt
         if resume:
