@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from coordinator.attempt import Attempt, Outcome
+from coordinator.attempt import Attempt, Outcome, Resubmission
 from coordinator.discovery import Discovery, Member
 from coordinator.protocol import AcknowledgeBody
 from coordinator.status import ClusterStatus, Holder, ServerStatus
@@ -129,6 +129,26 @@ class SaveRequest(Request):
     )
 
 
+class ResubmissionModel(BaseModel):
+    """One execution a restore continues but does not run (`coordinator.Resubmission`): send agent
+    `server`'s `/run` for `rollout_id` as `attempt_index` (the saved attempt + 1) once resumed."""
+
+    server: str
+    rollout_id: str
+    attempt_index: int
+
+    @classmethod
+    def of(cls, resubmission: Resubmission) -> ResubmissionModel:
+        return cls(
+            server=resubmission.server,
+            rollout_id=resubmission.rollout_id,
+            attempt_index=resubmission.attempt_index,
+        )
+
+    def resubmission(self) -> Resubmission:
+        return Resubmission(self.server, self.rollout_id, self.attempt_index)
+
+
 class AttemptModel(BaseModel):
     """One attempt as `coordinator.Attempt` holds it; `outcome` once it ended."""
 
@@ -142,6 +162,11 @@ class AttemptModel(BaseModel):
     source_checkpoint_id: str | None = None
     touched: list[str] = []
     outcome: str | None = None
+    resubmit: list[ResubmissionModel] = Field(
+        default=[],
+        description="a successful restore: every execution to send `/run` for again once the servers"
+        " resume (Gym's restore runs none of them by itself), in order; empty otherwise",
+    )
 
     @classmethod
     def of(cls, attempt: Attempt, outcome: str | None = None) -> AttemptModel:
@@ -156,6 +181,7 @@ class AttemptModel(BaseModel):
             source_checkpoint_id=attempt.source_checkpoint_id,
             touched=list(attempt.touched),
             outcome=outcome,
+            resubmit=[ResubmissionModel.of(r) for r in attempt.resubmit],
         )
 
     def attempt(self) -> Attempt:
@@ -169,6 +195,7 @@ class AttemptModel(BaseModel):
             source_checkpoint_id=self.source_checkpoint_id,
             state=self.state,  # type: ignore[arg-type]  # an AttemptState the service sent
             touched=list(self.touched),
+            resubmit=tuple(r.resubmission() for r in self.resubmit),
         )
 
 
