@@ -167,9 +167,12 @@ class Outcome:
     left_paused: tuple[str, ...] = ()
     #: when several checkpoint ids held the servers: what was done for the others, in order
     also: tuple[Outcome, ...] = ()
+    #: the resume of a restore: what the caller must send `/run` for again (`Attempt.resubmit`)
+    resubmit: tuple[Resubmission, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
-        """The `--json` document of `quiesce restore | resume | abort` (`also` only when not empty)."""
+        """The `--json` document of `quiesce restore | resume | abort` (`also` and `resubmit` only
+        when not empty)."""
         out: dict[str, Any] = {
             "checkpoint_id": self.checkpoint_id,
             "outcome": self.outcome,
@@ -177,6 +180,8 @@ class Outcome:
         }
         if self.also:
             out["also"] = [o.as_json() for o in self.also]
+        if self.resubmit:
+            out["resubmit"] = [r.as_json() for r in self.resubmit]
         return out
 
 

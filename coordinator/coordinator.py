@@ -388,7 +388,7 @@ class Coordinator:
             return await self._let_go(target if isinstance(target, str) else None, reason=reason)
         self._changing()
         if chosen.state in ("published", "restored"):
-            return self._note(await finish_resume(self._ctx, chosen))
+            return self._note(await self._finish_resume(chosen))
         if chosen.state in ("completed", "aborted"):
             return Outcome(chosen.checkpoint_id, "none")
         error = await roll_back(self._ctx, chosen, None, reason=reason)
@@ -419,7 +419,7 @@ class Coordinator:
             chosen = self._current
         if chosen is not None and chosen.state in ("published", "restored"):
             self._changing()
-            return self._note(await finish_resume(self._ctx, chosen))
+            return self._note(await self._finish_resume(chosen))
         if chosen is not None and chosen.state not in ("completed", "aborted"):
             raise QuiesceError(
                 f"cannot resume attempt {chosen.checkpoint_id}: it is {chosen.state}; publish it first,"
@@ -428,6 +428,11 @@ class Coordinator:
         if isinstance(target, Attempt):
             return Outcome(target.checkpoint_id, "none")
         return await self._let_go(target, reason="resumed by request before publication")
+
+    async def _finish_resume(self, attempt: Attempt) -> Outcome:
+        """Resume a published save or a restore; a restore's outcome carries its `resubmit`."""
+        outcome = await finish_resume(self._ctx, attempt)
+        return replace(outcome, resubmit=attempt.resubmit) if attempt.kind == "restore" else outcome
 
     async def _let_go(self, checkpoint_id: str | None, *, reason: str) -> Outcome:
         """Let go of `checkpoint_id`, or (None) of every id that holds a server now, oldest first."""
@@ -577,7 +582,7 @@ class Coordinator:
         )
         self._current = attempt
         if resume:
-            attempt.resume_outcome = self._note(await finish_resume(self._ctx, attempt))
+            attempt.resume_outcome = self._note(await self._finish_resume(attempt))
         return attempt
 
     # -- completed results ---------------------------------------------------------------------

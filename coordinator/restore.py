@@ -272,6 +272,23 @@ def read_resubmissions(snapshot: Snapshot, agents: Sequence[Member]) -> tuple[Re
     return tuple(found)
 
 
+async def resubmissions_of(ctx: Context, attempt: Attempt) -> tuple[Resubmission, ...]:
+    """What a restore that finished (here or in an earlier process) continues: `attempt.resubmit`
+    when this process ran its restore phase, else read again from its snapshot once `reverify`
+    accepts it; () when the snapshot is gone or damaged (nothing can be said) or for a save."""
+    if attempt.kind != "restore" or attempt.resubmit:
+        return attempt.resubmit
+    snapshot = await reverify(ctx, attempt)
+    if isinstance(snapshot, str):
+        return ()
+    try:
+        agents = attempt.group("agent")
+        attempt.resubmit = await anyio.to_thread.run_sync(read_resubmissions, snapshot, agents)
+    except SnapshotError:
+        return ()
+    return attempt.resubmit
+
+
 def _first(error: ValueError) -> str:
     """The first line of a parse error (pydantic's are long)."""
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

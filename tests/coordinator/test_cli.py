@@ -152,6 +152,10 @@ def test_restore_says_what_to_send_again(
             "rollout r1 as attempt 1 on simple_agent",
         ]
         assert "2 restored rollouts run only when sent again (once resumed)" in words
+        # a separate `resume` (another process) says it again: read from the restore's snapshot
+        code, doc = _run(capsys, "resume", "--config", config, "--json")
+        assert (code, doc["outcome"]) == (0, "resumed")
+        assert [(r["rollout_id"], r["attempt_index"]) for r in doc["resubmit"]] == [("r0", 1), ("r1", 1)]
     with make_cluster(None) as fresh:
         config = str(fresh.write_config(tmp_path / "fresh.yaml", ledger, "snaps"))
         code, doc = _run(capsys, "restore", "--config", config, "--json", "--resume")

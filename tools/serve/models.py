@@ -241,6 +241,9 @@ class OutcomeModel(BaseModel):
     not_paused: list[str] = []
     left_paused: list[str] = []
     also: list[OutcomeModel] = []
+    resubmit: list[ResubmissionModel] = Field(
+        default=[], description="the resume of a restore: every execution to send `/run` for again"
+    )
 
     @classmethod
     def of(cls, outcome: Outcome) -> OutcomeModel:
@@ -252,6 +255,7 @@ class OutcomeModel(BaseModel):
             not_paused=list(outcome.not_paused),
             left_paused=list(outcome.left_paused),
             also=[cls.of(o) for o in outcome.also],
+            resubmit=[ResubmissionModel.of(r) for r in outcome.resubmit],
         )
 
     def outcome_(self) -> Outcome:
@@ -263,6 +267,7 @@ class OutcomeModel(BaseModel):
             tuple(self.not_paused),
             tuple(self.left_paused),
             tuple(o.outcome_() for o in self.also),
+            tuple(r.resubmission() for r in self.resubmit),
         )
 
 

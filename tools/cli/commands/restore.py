@@ -27,7 +27,7 @@ from rich.markup import escape
 
 from coordinator import Attempt, Coordinator, PhaseError, ServersHeld, SnapshotError, load_config
 from coordinator.publish import resolve_snapshot
-from tools.cli.cluster_cmd import add_common, phase_error_json, print_warnings, progress_line
+from tools.cli.cluster_cmd import add_common, phase_error_json, print_resubmit, print_warnings, progress_line
 from tools.cli.output import console, emit_json, print_error
 
 
@@ -116,9 +116,5 @@ def handle(args: argparse.Namespace) -> int:
                 f"{len(attempt.resubmit)} restored rollouts run only when sent again ({when}), as:",
                 soft_wrap=True,
             )
-        for r in attempt.resubmit:
-            console.print(
-                escape(f"send again: rollout {r.rollout_id} as attempt {r.attempt_index} on {r.server}"),
-                soft_wrap=True,
-            )
+        print_resubmit(attempt.resubmit)
     return 0
