@@ -40,10 +40,11 @@ Checkpoint rules (export_restore agents):
   (`schema_version`, `checkpoint_id`, `instance_name`, `files`: record file name → sha256,
   `continuation_index`); durable before it answers.
 - restore verifies every digest (each record against `files`, the index against its reference
-  and against the records), then, for each record of execution (rollout, n): retires (rollout, n)
-  — a later `/run` of it answers 409 `stale_attempt` — and installs the record as the
-  continuation of (rollout, n+1) without starting it (its view: status `restored`, waiting for its
-  `/run`). The agent stays closed until resume.
+  and against the records) and that `instance_name` is this agent's, then, for each record of
+  execution (rollout, n): retires (rollout, n) — a later `/run` of it answers 409
+  `stale_attempt` — and installs the record as the continuation of (rollout, n+1) without
+  starting it (its view: status `restored`, waiting for its `/run`). The agent stays closed
+  until resume.
 - resume reopens admission and releases every rollout parked in this process (`released`
   counts those); a restored continuation is not one: nothing runs it until the trainer sends
   `/run` for (rollout, n+1), which continues from the saved boundary (turns, digest, turn log,
@@ -678,6 +679,11 @@ class AgentServer(GymServer):
     async def _restore(self, body: CheckpointDirBody) -> dict[str, Any]:
         folder = agent_instance_dir(self.name)
         manifest, records = await asyncio.to_thread(read_agent_checkpoint, body.checkpoint_dir, folder)
+        if manifest.instance_name != self.name:
+            raise ControlRejection(
+                RESTORE_FAILED,
+                f"agent checkpoint belongs to instance {manifest.instance_name!r}, not {self.name!r}",
+            )
         index = manifest.continuation_index
         source_id = manifest.checkpoint_id
         try:
