@@ -5,12 +5,14 @@
         async with coord.save(deadline_s=60) as attempt:   # prepare + commit on entry
             write_trainer_state(attempt.staging_dir)       # the caller's own half
         # leaving the block publishes, then resumes; an exception inside rolls back and re-raises
-        await coord.restore(attempt.snapshot)              # servers stay paused
+        restored = await coord.restore(attempt.snapshot)   # servers stay paused
         await coord.resume()
+        send_again(restored.resubmit)                      # the trainer's /run of each, attempt n+1
 
 Step-wise, for an actor that calls one method per RPC: `prepare()` → `commit()` → `publish()` →
 `resume()` (or `publish_and_resume()`, what leaving `save()` does), or `abort()` at any point
-before publication; `restore(snapshot)` then `resume()`.
+before publication; `restore(snapshot)` then `resume()`, then the caller sends `/run` again for
+each execution of `resubmit` (Gym's restore runs none of them by itself).
 
 Invariants:
 - `open` appends `coordinator.started` with a new epoch (fencing any older coordinator) before
@@ -555,6 +557,12 @@ class Coordinator:
         participant held by another checkpoint id refuses it (`ServersHeld`). The servers stay
         paused until `resume()` — or, with `resume=True`, are resumed at once: the attempt ends
         only once resumed (a death before that is finished by recovery), `attempt.state` completed.
+
+        Nothing runs a restored rollout until the caller sends its `/run` again:
+        `attempt.resubmit` lists those executions (each saved agent record's rollout as attempt
+        n+1, `restore.read_resubmissions`), read before any server is contacted; agent records
+        that do not say it (unparsable, or an identity not their file name) refuse the restore
+        (`SnapshotError`). Resuming the restore returns them again (`Outcome.resubmit`).
         """
         self._ctx.caller.require_token()  # before anything is read or recorded
         self._idle("restore")
