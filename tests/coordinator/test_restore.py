@@ -71,7 +71,7 @@ def _forge_record(snapshot: Path, content: bytes) -> str:
     the snapshot's file list, the agent's manifest digest — a forgery only its identity shows."""
     folder = snapshot / agent_instance_dir("simple_agent")
     agent_manifest = json.loads((folder / "manifest.json").read_bytes())
-    name = sorted(agent_manifest["files"])[0]
+    name: str = sorted(agent_manifest["files"])[0]
     (folder / name).write_bytes(content)
     agent_manifest["files"][name] = sha256_hex(content)
     (folder / "manifest.json").write_text(json.dumps(agent_manifest, sort_keys=True))
