@@ -33,6 +33,7 @@ identity is not its file name (`<rollout_id>.a<attempt_index>.json`) refuses the
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -75,6 +76,7 @@ from coordinator.provenance import check_provenance
 from coordinator.publish import (
     MANIFEST,
     Snapshot,
+    load_snapshot,
     read_latest,
     verify_snapshot,
 )
@@ -274,19 +276,51 @@ def read_resubmissions(snapshot: Snapshot, agents: Sequence[Member]) -> tuple[Re
 
 async def resubmissions_of(ctx: Context, attempt: Attempt) -> tuple[Resubmission, ...]:
     """What a restore that finished (here or in an earlier process) continues: `attempt.resubmit`
-    when this process ran its restore phase, else read again from its snapshot once `reverify`
-    accepts it; () when the snapshot is gone or damaged (nothing can be said) or for a save."""
+    when this process ran its restore phase, else read again from its snapshot; () for a save, or
+    when the snapshot is gone or not the one restored (nothing can be said then).
+
+    Read again without digesting the whole snapshot (a resume must not wait on it): its manifest's
+    sha256 must be the one the restore recorded when it began, each agent's manifest the digest
+    that manifest names, each record its agent manifest's (`read_resubmissions`). A restore
+    recorded before that digest was (`snapshot_sha256` None) is checked whole (`reverify`).
+    """
     if attempt.kind != "restore" or attempt.resubmit:
         return attempt.resubmit
-    snapshot = await reverify(ctx, attempt)
-    if isinstance(snapshot, str):
+    agents = attempt.group("agent")
+    path = attempt.snapshot
+    if path is None:
+        return ()
+    snapshot: Snapshot | None = None
+    if attempt.snapshot_sha256 is None:
+        whole = await reverify(ctx, attempt)
+        snapshot = None if isinstance(whole, str) else whole
+    else:
+        recorded = attempt.snapshot_sha256
+        try:
+            snapshot = await anyio.to_thread.run_sync(_same_agents, path, recorded, agents)
+        except (SnapshotError, OSError):
+            snapshot = None
+    if snapshot is None:
         return ()
     try:
-        agents = attempt.group("agent")
         attempt.resubmit = await anyio.to_thread.run_sync(read_resubmissions, snapshot, agents)
     except SnapshotError:
         return ()
     return attempt.resubmit
+
+
+def _same_agents(path: Path, manifest_sha256: str, agents: Sequence[Member]) -> Snapshot | None:
+    """The snapshot at `path` when its manifest has `manifest_sha256` and each agent's manifest the
+    digest it names (`manifest_digest`), else None."""
+    snapshot = load_snapshot(path)
+    if file_digest(path / MANIFEST)[1] != manifest_sha256:
+        return None
+    for member in agents:
+        entry = snapshot.participant(member.name) or {}
+        own = entry.get("manifest")
+        if not isinstance(own, str) or file_digest(path / own)[1] != entry.get("manifest_digest"):
+            return None
+    return snapshot
 
 
 def _first(error: ValueError) -> str:
