@@ -17,7 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from coordinator.attempt import Attempt, Outcome, Progress, ProgressCallback
+    from coordinator.attempt import Attempt, Outcome, Progress, ProgressCallback, Resubmission
     from coordinator.config import ClusterConfig, ServerConfig, load_config, parse_config, resolve_token
     from coordinator.coordinator import Coordinator, read_history
     from coordinator.discovery import Discovery, Member
@@ -55,6 +55,7 @@ _EXPORTS: dict[str, str] = {
     "Progress": "coordinator.attempt",
     "ProgressCallback": "coordinator.attempt",
     "QuiesceError": "coordinator.errors",
+    "Resubmission": "coordinator.attempt",
     "ServerConfig": "coordinator.config",
     "ServersHeld": "coordinator.errors",
     "ClusterStatus": "coordinator.status",
@@ -95,6 +96,7 @@ __all__ = [
     "Progress",
     "ProgressCallback",
     "QuiesceError",
+    "Resubmission",
     "ServerConfig",
     "ServersHeld",
     "Snapshot",

@@ -137,6 +137,25 @@ ProgressCallback = Callable[[Progress], None]
 
 
 @dataclass(frozen=True)
+class Resubmission:
+    """One execution a restore continues but does not run: the caller must send agent `server`'s
+    `/run` for `rollout_id` as `attempt_index` (the saved attempt + 1) once the servers resume.
+
+    Gym's agent restore retires each saved execution (rollout, n) — a `/run` of it answers 409
+    `stale_attempt` — and keeps its saved boundary as the continuation of (rollout, n+1), which
+    runs only when that `/run` arrives; a resume releases nothing of it. Nothing else tells the
+    trainer which executions to send again, so a restore lists them (`Attempt.resubmit`).
+    """
+
+    server: str
+    rollout_id: str
+    attempt_index: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {"server": self.server, "rollout_id": self.rollout_id, "attempt_index": self.attempt_index}
+
+
+@dataclass(frozen=True)
 class Outcome:
     """What a resume, abort or restore did: the servers in call order and where each one ended."""
 
@@ -148,9 +167,12 @@ class Outcome:
     left_paused: tuple[str, ...] = ()
     #: when several checkpoint ids held the servers: what was done for the others, in order
     also: tuple[Outcome, ...] = ()
+    #: the resume of a restore: what the caller must send `/run` for again (`Attempt.resubmit`)
+    resubmit: tuple[Resubmission, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
-        """The `--json` document of `quiesce restore | resume | abort` (`also` only when not empty)."""
+        """The `--json` document of `quiesce restore | resume | abort` (`also` and `resubmit` only
+        when not empty)."""
         out: dict[str, Any] = {
             "checkpoint_id": self.checkpoint_id,
             "outcome": self.outcome,
@@ -158,6 +180,8 @@ class Outcome:
         }
         if self.also:
             out["also"] = [o.as_json() for o in self.also]
+        if self.resubmit:
+            out["resubmit"] = [r.as_json() for r in self.resubmit]
         return out
 
 
@@ -228,6 +252,11 @@ class Attempt:
     settled: dict[str, PhaseFailure] = field(default_factory=dict)
     #: what its resume did, once a resume of it finished in this process (`restore(resume=True)`)
     resume_outcome: Outcome | None = None
+    #: restore, once its restore phase succeeded: every execution the caller must send `/run` for
+    #: again (`Resubmission`), read from the snapshot's agent folders — for each agent participant
+    #: in participant order, each saved record's (rollout_id, attempt_index + 1), sorted by rollout
+    #: id then attempt. Empty before then, for a save, and when no agent saved a rollout.
+    resubmit: tuple[Resubmission, ...] = ()
     #: facts of the staging files read so far: publish does not read again what commit verified
     digests: DigestCache = field(default_factory=DigestCache, repr=False, compare=False)
     _touched: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
@@ -239,6 +268,10 @@ class Attempt:
     @property
     def names(self) -> list[str]:
         return [m.name for m in self.participants]
+
+    def resubmit_on(self, server: str) -> tuple[Resubmission, ...]:
+        """The executions of `resubmit` to send to agent `server`."""
+        return tuple(r for r in self.resubmit if r.server == server)
 
     def group(self, role: Role) -> tuple[Member, ...]:
         return tuple(m for m in self.participants if m.role == role)

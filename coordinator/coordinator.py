@@ -5,12 +5,14 @@
         async with coord.save(deadline_s=60) as attempt:   # prepare + commit on entry
             write_trainer_state(attempt.staging_dir)       # the caller's own half
         # leaving the block publishes, then resumes; an exception inside rolls back and re-raises
-        await coord.restore(attempt.snapshot)              # servers stay paused
+        restored = await coord.restore(attempt.snapshot)   # servers stay paused
         await coord.resume()
+        send_again(restored.resubmit)                      # the trainer's /run of each, attempt n+1
 
 Step-wise, for an actor that calls one method per RPC: `prepare()` → `commit()` → `publish()` →
 `resume()` (or `publish_and_resume()`, what leaving `save()` does), or `abort()` at any point
-before publication; `restore(snapshot)` then `resume()`.
+before publication; `restore(snapshot)` then `resume()`, then the caller sends `/run` again for
+each execution of `resubmit` (Gym's restore runs none of them by itself).
 
 Invariants:
 - `open` appends `coordinator.started` with a new epoch (fencing any older coordinator) before
@@ -79,6 +81,7 @@ from coordinator.protocol import (
 from coordinator.provenance import check_provenance
 from coordinator.publish import empty_trash, read_latest, resolve_snapshot, verify_snapshot
 from coordinator.readback import read_attempt, release
+from coordinator.restore import read_resubmissions
 from coordinator.restore import restore as restore_snapshot
 from coordinator.resume import finish_resume, release_unrecorded, roll_back
 from coordinator.status import ClusterStatus, read_status, refuse_if_held, status_from
@@ -387,7 +390,7 @@ class Coordinator:
             return await self._let_go(target if isinstance(target, str) else None, reason=reason)
         self._changing()
         if chosen.state in ("published", "restored"):
-            return self._note(await finish_resume(self._ctx, chosen))
+            return self._note(await self._finish_resume(chosen))
         if chosen.state in ("completed", "aborted"):
             return Outcome(chosen.checkpoint_id, "none")
         error = await roll_back(self._ctx, chosen, None, reason=reason)
@@ -418,7 +421,7 @@ class Coordinator:
             chosen = self._current
         if chosen is not None and chosen.state in ("published", "restored"):
             self._changing()
-            return self._note(await finish_resume(self._ctx, chosen))
+            return self._note(await self._finish_resume(chosen))
         if chosen is not None and chosen.state not in ("completed", "aborted"):
             raise QuiesceError(
                 f"cannot resume attempt {chosen.checkpoint_id}: it is {chosen.state}; publish it first,"
@@ -427,6 +430,11 @@ class Coordinator:
         if isinstance(target, Attempt):
             return Outcome(target.checkpoint_id, "none")
         return await self._let_go(target, reason="resumed by request before publication")
+
+    async def _finish_resume(self, attempt: Attempt) -> Outcome:
+        """Resume a published save or a restore; a restore's outcome carries its `resubmit`."""
+        outcome = await finish_resume(self._ctx, attempt)
+        return replace(outcome, resubmit=attempt.resubmit) if attempt.kind == "restore" else outcome
 
     async def _let_go(self, checkpoint_id: str | None, *, reason: str) -> Outcome:
         """Let go of `checkpoint_id`, or (None) of every id that holds a server now, oldest first."""
@@ -549,6 +557,12 @@ class Coordinator:
         participant held by another checkpoint id refuses it (`ServersHeld`). The servers stay
         paused until `resume()` — or, with `resume=True`, are resumed at once: the attempt ends
         only once resumed (a death before that is finished by recovery), `attempt.state` completed.
+
+        Nothing runs a restored rollout until the caller sends its `/run` again:
+        `attempt.resubmit` lists those executions (each saved agent record's rollout as attempt
+        n+1, `restore.read_resubmissions`), read before any server is contacted; agent records
+        that do not say it (unparsable, or an identity not their file name) refuse the restore
+        (`SnapshotError`). Resuming the restore returns them again (`Outcome.resubmit`).
         """
         self._ctx.caller.require_token()  # before anything is read or recorded
         self._idle("restore")
@@ -559,6 +573,8 @@ class Coordinator:
         discovery = await self._discovered()
         expected = {m.name: m.component for m in discovery.exporters}  # not a drain-only model
         verified = await anyio.to_thread.run_sync(lambda: verify_snapshot(path, participants=expected))
+        agents = [m for m in discovery.exporters if m.role == "agent"]
+        resubmit = await anyio.to_thread.run_sync(read_resubmissions, verified, agents)
         warnings = [origin.warning] if origin.warning else []
         await self._refuse_if_held(discovery, "restore")
         self._changing()
@@ -570,10 +586,11 @@ class Coordinator:
             warnings=warnings,
             resume=resume,
             manifest_sha256=origin.manifest_sha256,
+            resubmit=resubmit,
         )
         self._current = attempt
         if resume:
-            attempt.resume_outcome = self._note(await finish_resume(self._ctx, attempt))
+            attempt.resume_outcome = self._note(await self._finish_resume(attempt))
         return attempt
 
     # -- completed results ---------------------------------------------------------------------

@@ -91,6 +91,8 @@ RESOURCES_CHECKPOINT_ERROR: Final = "resources_checkpoint_error"
 UNSAFE_RESOURCES_RESTORE: Final = "unsafe_resources_restore"
 MISSING_WORKERS: Final = "missing_workers"
 COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR: Final = "completed_execution_acknowledgement_error"
+#: An agent's `/run` for an execution a restore retired (or whose result was acknowledged).
+STALE_ATTEMPT: Final = "stale_attempt"
 
 # Capability features.
 #: An agent that holds each finished rollout until `acknowledge-completed` releases it.
@@ -146,6 +148,15 @@ STORAGE_REFERENCES: Final = "storage-references.jsonl"
 def agent_instance_dir(name: str) -> str:
     """`agent/instance-<sha256hex(name)>` — the agent's folder inside a checkpoint dir."""
     return f"agent/instance-{sha256_hex(name.encode('utf-8'))}"
+
+
+#: In `agent/instance-<sha256hex(name)>/`, beside `continuations.jsonl` and `manifest.json`.
+AGENT_CONTINUATIONS: Final = "continuations.jsonl"
+
+
+def agent_record_file(rollout_id: str, attempt_index: int) -> str:
+    """`<rollout_id>.a<attempt_index>.json` — one saved boundary record in an agent's folder."""
+    return f"{rollout_id}.a{attempt_index}.json"
 
 
 def resources_dir(name: str) -> str:
@@ -590,6 +601,33 @@ class ContinuationRow(BaseModel):
     last_committed_model_call_id: str | None
     #: null in indexes Gym wrote before its dependency-aware recovery
     resource_state_revisions: dict[str, int] | None = Field(default_factory=dict)
+
+
+class AgentManifest(BaseModel):
+    """An agent's `manifest.json` as Gym writes it, last, in `agent/instance-<sha256hex(name)>/`.
+
+    `files` maps each boundary record's file name (`agent_record_file`, in the same folder) to its
+    sha256; `continuation_index` names `continuations.jsonl`, whose rows are only the records
+    that have a `last_committed_model_call_id`.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    schema_version: Literal[1] = 1
+    checkpoint_id: str
+    instance_name: str | None = None
+    files: dict[str, Sha256Hex]
+    continuation_index: ArtifactRef
+
+
+class AgentRecordIdentity(BaseModel):
+    """The identity every saved agent boundary record carries (the rest of it is the agent's):
+    a restore retires `(rollout_id, attempt_index)` and continues it as `attempt_index + 1`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    rollout_id: RolloutId
+    attempt_index: Annotated[int, Field(strict=True, ge=0)]
 
 
 class StorageReference(BaseModel):

@@ -16,7 +16,7 @@ other, finished by recovery if its coordinator dies).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from coordinator.discovery import Member
 from coordinator.errors import PhaseError, QuiesceError, SnapshotError
 from coordinator.protocol import AGENT, MODEL, RESOURCES
 from coordinator.publish import MANIFEST, load_snapshot, write_latest
-from coordinator.restore import redrive, reverify
+from coordinator.restore import redrive, resubmissions_of, reverify
 from coordinator.resume import finish_resume, next_step, recovery_budget, resume_members, roll_back
 from coordinator.save import final_dir_of
 from ledger import AttemptRow, Event, Ledger
@@ -282,6 +282,8 @@ async def release(ctx: Context, recorded: Recorded, *, reason: str, held: Sequen
       damaged are the servers it may have touched resumed as they are: this is an explicit
       request, and the only way out but restarting them;
     - restore left paused (`restored`), or whose resume did not finish: resume every participant;
+    - a restore's outcome lists what the caller must send again (`Outcome.resubmit`,
+      `restore.resubmissions_of`);
     - otherwise the servers it left paused by its last record, and those in `held`, are resumed
       under its id (`resumed`); nothing paused → `none`.
     Raises `PhaseError` when a server cannot be resumed (the record allows a retry).
@@ -319,9 +321,11 @@ async def release(ctx: Context, recorded: Recorded, *, reason: str, held: Sequen
                     checkpoint_id=attempt.checkpoint_id,
                     not_resumed=recorded.paused,
                 )
-        return await finish_resume(ctx, attempt)
+        resumed = await finish_resume(ctx, attempt)
+        return replace(resumed, resubmit=await resubmissions_of(ctx, attempt))
     if outcome == "restored":
-        return await finish_resume(ctx, attempt)
+        resumed = await finish_resume(ctx, attempt)
+        return replace(resumed, resubmit=await resubmissions_of(ctx, attempt))
     return await _resume_named(ctx, recorded, _union(recorded.paused, ours))
 
 

@@ -67,14 +67,14 @@ restore phase completed, and only when its caller asked for that resume.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Literal
 
 import anyio
 import anyio.to_thread
 
-from coordinator.attempt import Attempt, Context, free_command, resume_sorted
+from coordinator.attempt import Attempt, Context, Resubmission, free_command, resume_sorted
 from coordinator.discovery import Member
 from coordinator.errors import PhaseError
 from coordinator.protocol import MODEL, Capabilities
@@ -87,7 +87,7 @@ from coordinator.publish import (
     write_latest,
 )
 from coordinator.readback import Recorded, settle_publication, unfinished
-from coordinator.restore import redrive, reverify
+from coordinator.restore import redrive, resubmissions_of, reverify
 from coordinator.resume import (
     finish_resume,
     next_step,
@@ -145,6 +145,8 @@ class AttemptReport:
     action: Action
     servers: tuple[ServerReport, ...] = ()
     message: str = ""
+    #: a restore finished (restored or resumed): what the caller must send `/run` for again
+    resubmit: tuple[Resubmission, ...] = ()
 
     @property
     def left_paused(self) -> list[str]:
@@ -158,6 +160,7 @@ class AttemptReport:
             "action": self.action,
             "servers": [s.as_json() for s in self.servers],
             "message": self.message,
+            **({"resubmit": [r.as_json() for r in self.resubmit]} if self.resubmit else {}),
         }
 
 
@@ -244,7 +247,10 @@ async def _recover_one(ctx: Context, recorded: Recorded) -> AttemptReport:
         "resume" if recorded.last_outcome == "restored" else recorded.row.state if recorded.row else "started"
     )
     if attempt.kind == "restore":
-        return await _recover_restore(ctx, recorded, found)
+        report = await _recover_restore(ctx, recorded, found)
+        if report.action not in ("restored", "resumed"):
+            return report
+        return replace(report, resubmit=await resubmissions_of(ctx, attempt))
     if await settle_publication(ctx, recorded):
         return await _finish_published(ctx, recorded, found)
     return await _abort(ctx, recorded, found)

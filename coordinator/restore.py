@@ -19,10 +19,21 @@ written when the servers are explicitly left paused for the caller; a restore as
 once and its one terminal record is `attempt.completed {resumed}`, so a death anywhere before
 that leaves it unfinished for recovery, which re-drives the restore if needed and resumes.
 `redrive` runs the restore phase once more under the same id (recovery, `quiesce resume ID`).
+
+What to send again: Gym's agent restore runs no restored rollout by itself. It retires each saved
+execution (rollout, n) and keeps the saved boundary for (rollout, n+1), which continues only when
+the trainer sends that `/run`. A successful restore therefore lists those executions
+(`Attempt.resubmit`, `read_resubmissions`), read from the snapshot's agent folders as Gym writes
+them — `manifest.json`'s `files` (record file name → sha256), each record naming its `rollout_id`
+and `attempt_index` — after the snapshot's digests were verified and before any server is
+contacted. A record whose digest is not the agent manifest's, that does not parse, or whose
+identity is not its file name (`<rollout_id>.a<attempt_index>.json`) refuses the restore
+(`SnapshotError`): nothing is restored, nothing resumed.
 """
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -33,6 +44,7 @@ from coordinator.attempt import (
     Context,
     PhaseFailure,
     Progress,
+    Resubmission,
     each_member,
     expect_reply,
     free_command,
@@ -46,18 +58,25 @@ from coordinator.digests import file_digest
 from coordinator.discovery import Discovery, Member
 from coordinator.errors import DeadlineExceeded, FencedError, LedgerError, PhaseError, SnapshotError
 from coordinator.protocol import (
+    AGENT,
     INCLUDE_STORAGE_REFERENCE_INDEX,
+    AgentManifest,
+    AgentRecordIdentity,
     AgentRestoreReply,
     ArtifactRef,
     CheckpointDirBody,
     ModelRestoreBody,
     ModelRestoreReply,
     ResourcesRestoreReply,
+    agent_instance_dir,
+    agent_record_file,
+    sha256_hex,
 )
 from coordinator.provenance import check_provenance
 from coordinator.publish import (
     MANIFEST,
     Snapshot,
+    load_snapshot,
     read_latest,
     verify_snapshot,
 )
@@ -77,6 +96,7 @@ async def restore(
     warnings: Sequence[str] = (),
     resume: bool = False,
     manifest_sha256: str | None = None,
+    resubmit: Sequence[Resubmission] = (),
 ) -> Attempt:
     """Restore a verified snapshot: policy → agents → resources under a new id; servers stay paused.
 
@@ -84,6 +104,8 @@ async def restore(
     checked against the snapshot: source checkpoint id, and each agent's continuation index.
     With `resume` the attempt is left in state `restored` without a terminal record: the caller
     resumes it next (`resume.finish_resume`), and `attempt.started` says so for recovery.
+    `resubmit` (`read_resubmissions` of the same snapshot) becomes `attempt.resubmit` once the
+    restore phase succeeded.
     """
     checkpoint_id = await next_checkpoint_id(ctx.ledger)
     deadline_ts = time.time() + (deadline_s if deadline_s is not None else ctx.config.deadline_s)
@@ -182,7 +204,128 @@ async def restore(
             data={"servers": attempt.touched, "outcome": "restored"},
         )
     attempt.state = "restored"
+    attempt.resubmit = tuple(resubmit)
     return attempt
+
+
+def read_resubmissions(snapshot: Snapshot, agents: Sequence[Member]) -> tuple[Resubmission, ...]:
+    """The executions a restore of `snapshot` continues, to send again (module docstring): for each
+    agent of `agents` (in order), each saved record's (rollout_id, attempt_index + 1), sorted.
+
+    Call it on a verified snapshot (its files match its manifest). Raises `SnapshotError` listing
+    every problem: an agent folder without a readable Gym manifest, a record file that is missing,
+    not the agent manifest's sha256, not JSON with a `rollout_id` and an integer `attempt_index`,
+    or whose identity is not its file name.
+    """
+    found: list[Resubmission] = []
+    problems: list[str] = []
+    for member in agents:
+        if member.component != AGENT:
+            continue
+        folder = agent_instance_dir(member.name)
+        rel = f"{folder}/manifest.json"
+        try:
+            manifest = AgentManifest.model_validate_json((snapshot.path / rel).read_bytes())
+        except OSError as error:
+            problems.append(f"{member.name}: {rel} cannot be read: {error.strerror or error}")
+            continue
+        except ValueError as error:
+            problems.append(f"{member.name}: {rel} is not a Gym agent manifest: {_first(error)}")
+            continue
+        mine: list[Resubmission] = []
+        for name, digest in sorted(manifest.files.items()):
+            record = f"{folder}/{name}"
+            if "/" in name or name in ("", ".", ".."):
+                problems.append(f"{member.name}: {rel} names a record file outside its folder: {name!r}")
+                continue
+            try:
+                data = (snapshot.path / record).read_bytes()
+            except OSError as error:
+                problems.append(f"{member.name}: {record} cannot be read: {error.strerror or error}")
+                continue
+            if sha256_hex(data) != digest:
+                problems.append(f"{member.name}: {record}: sha256 differs from the agent's manifest")
+                continue
+            try:
+                identity = AgentRecordIdentity.model_validate_json(data)
+            except ValueError as error:
+                problems.append(
+                    f"{member.name}: {record} is not a boundary record (rollout_id, attempt_index):"
+                    f" {_first(error)}"
+                )
+                continue
+            named = agent_record_file(identity.rollout_id, identity.attempt_index)
+            if named != name:
+                problems.append(
+                    f"{member.name}: {record} holds rollout {identity.rollout_id!r} attempt"
+                    f" {identity.attempt_index}, whose file would be {named!r}: its identity disagrees"
+                    " with its name"
+                )
+                continue
+            mine.append(Resubmission(member.name, identity.rollout_id, identity.attempt_index + 1))
+        found.extend(sorted(mine, key=lambda r: (r.rollout_id, r.attempt_index)))
+    if problems:
+        raise SnapshotError(
+            f"snapshot {snapshot.path} cannot be restored: its agent records do not say which executions"
+            " to send again:\n  " + "\n  ".join(problems) + "\nNothing was restored and no server was"
+            " contacted; restore a snapshot you trust",
+            problems,
+        )
+    return tuple(found)
+
+
+async def resubmissions_of(ctx: Context, attempt: Attempt) -> tuple[Resubmission, ...]:
+    """What a restore that finished (here or in an earlier process) continues: `attempt.resubmit`
+    when this process ran its restore phase, else read again from its snapshot; () for a save, or
+    when the snapshot is gone or not the one restored (nothing can be said then).
+
+    Read again without digesting the whole snapshot (a resume must not wait on it): its manifest's
+    sha256 must be the one the restore recorded when it began, each agent's manifest the digest
+    that manifest names, each record its agent manifest's (`read_resubmissions`). A restore
+    recorded before that digest was (`snapshot_sha256` None) is checked whole (`reverify`).
+    """
+    if attempt.kind != "restore" or attempt.resubmit:
+        return attempt.resubmit
+    agents = attempt.group("agent")
+    path = attempt.snapshot
+    if path is None:
+        return ()
+    snapshot: Snapshot | None = None
+    if attempt.snapshot_sha256 is None:
+        whole = await reverify(ctx, attempt)
+        snapshot = None if isinstance(whole, str) else whole
+    else:
+        recorded = attempt.snapshot_sha256
+        try:
+            snapshot = await anyio.to_thread.run_sync(_same_agents, path, recorded, agents)
+        except (SnapshotError, OSError):
+            snapshot = None
+    if snapshot is None:
+        return ()
+    try:
+        attempt.resubmit = await anyio.to_thread.run_sync(read_resubmissions, snapshot, agents)
+    except SnapshotError:
+        return ()
+    return attempt.resubmit
+
+
+def _same_agents(path: Path, manifest_sha256: str, agents: Sequence[Member]) -> Snapshot | None:
+    """The snapshot at `path` when its manifest has `manifest_sha256` and each agent's manifest the
+    digest it names (`manifest_digest`), else None."""
+    snapshot = load_snapshot(path)
+    if file_digest(path / MANIFEST)[1] != manifest_sha256:
+        return None
+    for member in agents:
+        entry = snapshot.participant(member.name) or {}
+        own = entry.get("manifest")
+        if not isinstance(own, str) or file_digest(path / own)[1] != entry.get("manifest_digest"):
+            return None
+    return snapshot
+
+
+def _first(error: ValueError) -> str:
+    """The first line of a parse error (pydantic's are long)."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 async def restore_body(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> dict[str, Any]:
@@ -271,6 +414,7 @@ async def reverify(ctx: Context, attempt: Attempt) -> Snapshot | str:
     expected = {m.name: m.component for m in attempt.participants}
     try:
         snapshot = await anyio.to_thread.run_sync(lambda: verify_snapshot(path, participants=expected))
+        await anyio.to_thread.run_sync(read_resubmissions, snapshot, attempt.group("agent"))
         if attempt.snapshot_sha256 is None:
             await check_provenance(ctx.ledger, path)
             return snapshot
@@ -293,6 +437,7 @@ async def redrive(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> str | N
 
     Servers that already restored under this id replay their recorded result (the fence's
     idempotent replay); a server still restoring is waited for. The budget is a fresh `deadline_s`.
+    Once done, `attempt.resubmit` lists what to send again (`read_resubmissions`).
     """
     attempt.deadline_ts = time.time() + ctx.config.deadline_s
     try:
@@ -303,4 +448,9 @@ async def redrive(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> str | N
         )
         return f"re-driving the restore failed at {failure.server}: {failure.reason}"
     attempt.state = "restored"
+    try:
+        agents = attempt.group("agent")
+        attempt.resubmit = await anyio.to_thread.run_sync(read_resubmissions, snapshot, agents)
+    except SnapshotError:  # `reverify` read them; a snapshot changed since lists none
+        attempt.resubmit = ()
     return None

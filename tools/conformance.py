@@ -1034,8 +1034,10 @@ class _Checker:
                 expected = f"{agent_instance_dir(caps.name)}/continuations.jsonl"
                 if ref.relative_path != expected:
                     raise _Fail(f"continuation_index path {ref.relative_path!r}, expected {expected!r}")
-                if ref.records != reply.records:
-                    raise _Fail(f"continuation_index records {ref.records}, reply records {reply.records}")
+                if ref.records > reply.records:  # one row per record with a model call id (Gym)
+                    raise _Fail(
+                        f"continuation_index records {ref.records}, more than the reply's {reply.records}"
+                    )
                 data = _check_artifact(folder, ref, "continuation_index")
                 _check_continuation_rows(data)
                 return f"continuation_index matches the file ({ref.records} records, {ref.bytes} bytes)"

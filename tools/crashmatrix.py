@@ -248,9 +248,14 @@ def rollouts(http: httpx.Client, agent: str) -> dict[str, dict[str, Any]]:
 def wait_rollouts(
     http: httpx.Client, agent: str, ids: list[str], *, min_turns: int | None = None, timeout_s: float = 60
 ) -> dict[str, dict[str, Any]]:
+    """Wait until every rollout of `ids` finished (or ran `min_turns` turns). Waiting for them to
+    finish, it does the trainer's part after a restore: a restored continuation runs only once its
+    `/run` is sent again, as the attempt the restore lists (`send_again`)."""
     give_up = time.monotonic() + timeout_s
     while True:
         seen = {k: v for k, v in rollouts(http, agent).items() if k in ids}
+        if min_turns is None:
+            send_again(http, agent, [v for v in seen.values() if v["status"] == "restored"])
         if len(seen) == len(ids):
             if min_turns is None and all(r["status"] in ("completed", "failed") for r in seen.values()):
                 return seen
@@ -259,6 +264,20 @@ def wait_rollouts(
         if time.monotonic() > give_up:
             raise TimeoutError(f"rollouts did not get there: {[(k, v['status']) for k, v in seen.items()]}")
         time.sleep(0.02)
+
+
+def send_again(http: httpx.Client, agent: str, waiting: list[dict[str, Any]]) -> None:
+    """`/run` for each restored continuation waiting on `agent` (its view: status `restored`), as
+    its own attempt and turns; one whose agent is still paused (409) is sent on the next poll."""
+    for view in waiting:
+        body = {
+            "rollout_id": view["rollout_id"],
+            "turns": view["turns"],
+            "attempt_index": view["attempt_index"],
+        }
+        reply = http.post(f"{agent}/run", json=body)
+        if reply.status_code != 409:
+            reply.raise_for_status()
 
 
 def turn_problems(seen: dict[str, dict[str, Any]]) -> list[str]:

@@ -3,7 +3,10 @@
 1. run the rollouts once on a cluster that is never interrupted (the reference results);
 2. start a fresh cluster (a real subprocess), run the same rollouts, checkpoint it mid-rollout
    (the trainer's half goes into the staging folder), let it run on a little, then SIGKILL it;
-3. start another fresh cluster, restore the snapshot into it, resume, let the rollouts finish;
+3. start another fresh cluster, restore the snapshot into it, resume, then do what a trainer on
+   real Gym must: send `/run` again for exactly the executions the restore lists
+   (`Attempt.resubmit`: each saved rollout as its next attempt) — nothing runs them otherwise —
+   and let the rollouts finish;
 4. compare: every rollout must end exactly as in the uninterrupted run, no turn lost or run twice;
 5. print the attempts and their calls from the ledger.
 
@@ -214,6 +217,14 @@ async def _run(folder: Path, console: Console, result: dict[str, Any]) -> int:
                 say(f"restored {restored.source_checkpoint_id} as {restored.checkpoint_id}; servers paused")
                 await coord.resume()
                 say("resumed every server")
+                servers = sorted({r.server for r in restored.resubmit})
+                for server in servers:
+                    await client.resubmit(http, second.urls[server], restored.resubmit_on(server))
+                result["resubmitted"] = [r.as_json() for r in restored.resubmit]
+                say(
+                    f"sent /run again for the {len(restored.resubmit)} executions the restore listed"
+                    f" (each saved rollout as its next attempt) on {', '.join(servers) or 'no agent'}"
+                )
                 rollouts = await client.wait_finished(http, second.urls[AGENT], timeout_s=120)
                 consumed = await _consume(coord, rollouts)
                 say(

@@ -48,6 +48,10 @@ def test_a_marked_folder_loses_only_what_the_demo_made(tmp_path: Path) -> None:
     assert document["dir"] == str(work)
     assert document["checkpoint_id"]
     assert document["restored_as"]
+    # the demo sent /run again for exactly what the restore listed: each saved rollout, attempt 1
+    assert document["resubmitted"]
+    assert {(r["server"], r["attempt_index"]) for r in document["resubmitted"]} == {("simple_agent", 1)}
+    assert "sent /run again for the" in done.stderr
     assert "finished exactly as the uninterrupted run" in done.stderr  # the story, off stdout
     assert (work / "notes.txt").read_text() == "mine"
     assert not (work / "snapshots" / "stale").exists()

@@ -94,9 +94,10 @@ def test_checkpoint_restore_resume_history(
 
     code, doc = _run(capsys, "restore", "--config", str(config_file), "--json")
     assert code == 0
-    assert set(doc) == {"checkpoint_id", "outcome", "servers"}
+    assert set(doc) == {"checkpoint_id", "outcome", "servers", "resubmit"}
     assert doc["outcome"] == "restored"
     assert doc["servers"] == ["policy_model", "simple_agent", "tools"]
+    assert doc["resubmit"] == []  # no rollout was saved
     restored = doc["checkpoint_id"]
     assert _states(cluster)["simple_agent"][0] == "restored_paused"
 
@@ -125,6 +126,45 @@ def test_checkpoint_restore_resume_history(
     assert len(lines) == 3  # header + one line per attempt
     assert saved in lines[1]
     assert restored in lines[2]
+
+
+def test_restore_says_what_to_send_again(
+    capsys: pytest.CaptureFixture[str], config_file: Path, cluster: Any, make_cluster: Any, tmp_path: Path
+) -> None:
+    agent = cluster.urls["simple_agent"]
+
+    async def start() -> None:
+        async with httpx.AsyncClient() as http:
+            await client.start_rollouts(http, agent, {"r1": 100_000, "r0": 100_000})
+            await client.wait_turns(http, agent, 1)
+
+    anyio.run(start)
+    code, doc = _run(capsys, "checkpoint", "--config", str(config_file), "--json", "--deadline-s", "20")
+    assert code == 0, doc
+    ledger = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
+    with make_cluster(None) as fresh:  # a restore goes into fresh servers
+        config = str(fresh.write_config(tmp_path / "fresh.yaml", ledger, "snaps"))
+        code, text = _run(capsys, "restore", "--config", config)
+        assert code == 0, text
+        words = " ".join(text.split())  # rich may wrap
+        assert [line.strip() for line in words.split("send again: ")[1:]] == [
+            "rollout r0 as attempt 1 on simple_agent",
+            "rollout r1 as attempt 1 on simple_agent",
+        ]
+        assert "2 restored rollouts run only when sent again (once resumed)" in words
+        # a separate `resume` (another process) says it again: read from the restore's snapshot
+        code, doc = _run(capsys, "resume", "--config", config, "--json")
+        assert (code, doc["outcome"]) == (0, "resumed")
+        assert [(r["rollout_id"], r["attempt_index"]) for r in doc["resubmit"]] == [("r0", 1), ("r1", 1)]
+    with make_cluster(None) as fresh:
+        config = str(fresh.write_config(tmp_path / "fresh.yaml", ledger, "snaps"))
+        code, doc = _run(capsys, "restore", "--config", config, "--json", "--resume")
+        assert code == 0, doc
+        assert doc["outcome"] == "resumed"
+        assert doc["resubmit"] == [
+            {"server": "simple_agent", "rollout_id": "r0", "attempt_index": 1},
+            {"server": "simple_agent", "rollout_id": "r1", "attempt_index": 1},
+        ]
 
 
 def test_checkpoint_failure_json(capsys: pytest.CaptureFixture[str], config_file: Path, cluster: Any) -> None:

@@ -1,19 +1,25 @@
-"""Restore: a snapshot taken mid-rollout, restored into a fresh cluster, finishes like an uninterrupted run.
+"""Restore: a snapshot taken mid-rollout, restored into a fresh cluster, finishes like an uninterrupted run
+— once the caller sends `/run` again for exactly the executions the restore lists (`resubmit`:
+each saved record's rollout as attempt n+1), as a trainer on real Gym must; nothing runs them before.
 
 Also: the snapshot is verified before any server is contacted (participant mismatch, altered
-file → `SnapshotError` listing every difference, only capabilities requests sent).
+file → `SnapshotError` listing every difference, only capabilities requests sent), and so are its
+agent records: one whose identity is not its file name, or that does not parse, refuses the
+restore with nothing restored or resumed.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
-from coordinator import Coordinator, SnapshotError, load_snapshot
-from coordinator.protocol import CAPABILITIES_PATH
+from coordinator import Coordinator, Resubmission, SnapshotError, load_snapshot
+from coordinator.protocol import CAPABILITIES_PATH, agent_instance_dir, sha256_hex
 from ledger import Ledger
 from tests.coordinator.helpers import (
     assert_all_accepting,
@@ -52,6 +58,35 @@ async def _checkpoint_mid_rollout(running: Any, config: Any) -> Path:
     return attempt.snapshot
 
 
+def _saved_records(snapshot: Path) -> dict[tuple[str, int], int]:
+    """The agent's saved records as real Gym lays them out: (rollout_id, attempt) -> turns done."""
+    folder = snapshot / agent_instance_dir("simple_agent")
+    files = json.loads((folder / "manifest.json").read_bytes())["files"]
+    records = [json.loads((folder / name).read_bytes()) for name in files]
+    return {(r["rollout_id"], r["attempt_index"]): r["turns_done"] for r in records}
+
+
+def _forge_record(snapshot: Path, content: bytes) -> str:
+    """Replace one agent record with `content` and make every digest agree — the agent's manifest,
+    the snapshot's file list, the agent's manifest digest — a forgery only its identity shows."""
+    folder = snapshot / agent_instance_dir("simple_agent")
+    agent_manifest = json.loads((folder / "manifest.json").read_bytes())
+    name: str = sorted(agent_manifest["files"])[0]
+    (folder / name).write_bytes(content)
+    agent_manifest["files"][name] = sha256_hex(content)
+    (folder / "manifest.json").write_text(json.dumps(agent_manifest, sort_keys=True))
+    manifest_file = snapshot / "manifest.json"
+    manifest = json.loads(manifest_file.read_bytes())
+    for entry in manifest["files"]:
+        if entry["path"].startswith(agent_instance_dir("simple_agent")):
+            data = (snapshot / entry["path"]).read_bytes()
+            entry.update(bytes=len(data), sha256=sha256_hex(data))
+    agent = next(p for p in manifest["participants"] if p["name"] == "simple_agent")
+    agent["manifest_digest"] = sha256_hex((folder / "manifest.json").read_bytes())
+    manifest_file.write_text(json.dumps(manifest, sort_keys=True, indent=1))
+    return name
+
+
 async def test_restore_into_fresh_cluster(make_cluster: Any, ledger_url: str, configure: Any) -> None:
     expected = await _uninterrupted(make_cluster)
     with make_cluster(None) as first:
@@ -64,6 +99,13 @@ async def test_restore_into_fresh_cluster(make_cluster: Any, ledger_url: str, co
                 attempt = await coord.restore(snapshot)
                 assert attempt.kind == "restore"
                 assert attempt.source_checkpoint_id == snapshot.name
+                saved = _saved_records(snapshot)  # (rollout_id, attempt) -> turns done
+                assert {rid for rid, _ in saved} == set(ROLLOUTS)
+                assert attempt.resubmit == tuple(
+                    Resubmission("simple_agent", rid, n + 1) for rid, n in sorted(saved)
+                )
+                assert attempt.resubmit_on("simple_agent") == attempt.resubmit
+                assert attempt.resubmit_on("tools") == ()
                 assert attempt.touched == ["policy_model", "simple_agent", "tools"]
                 states = await server_states(http, second)
                 assert states["policy_model"][0] == "restored_paused"
@@ -74,7 +116,15 @@ async def test_restore_into_fresh_cluster(make_cluster: Any, ledger_url: str, co
                 assert outcome.outcome == "resumed"
                 assert outcome.servers == ("tools", "policy_model", "simple_agent")
             await assert_all_accepting(http, second)
-            rollouts = await client.wait_finished(http, second.urls["simple_agent"], timeout_s=60)
+            agent = second.urls["simple_agent"]
+            await anyio.sleep(0.3)
+            waiting = await client.get_rollouts(http, agent)
+            assert {rid: v["status"] for rid, v in waiting.items()} == {rid: "restored" for rid, _ in saved}
+            assert {rid: v["turns_done"] for rid, v in waiting.items()} == {
+                rid: turns for (rid, _), turns in saved.items()
+            }  # resumed, yet nothing ran: only the caller's /run continues them
+            await client.resubmit(http, agent, attempt.resubmit)
+            rollouts = await client.wait_finished(http, agent, timeout_s=60)
     assert client.final_results(rollouts) == expected
     assert client.turn_log_problems(rollouts) == []
     async with Ledger.open(ledger_url, readonly=True) as ledger:
@@ -138,3 +188,42 @@ async def test_altered_snapshot_refused(make_cluster: Any, sqlite_url: str, conf
         async with httpx.AsyncClient() as http:
             logs = await control_logs(http, second)
         assert all(entry["path"] == CAPABILITIES_PATH for log in logs.values() for entry in log)
+
+
+@pytest.mark.parametrize("forgery", ["renamed", "unparsable"])
+async def test_an_agent_record_that_disagrees_with_its_name_refuses_the_restore(
+    make_cluster: Any, sqlite_url: str, configure: Any, tmp_path: Path, forgery: str
+) -> None:
+    with make_cluster(None) as first:
+        snapshot = await _checkpoint_mid_rollout(first, configure(first, sqlite_url))
+    folder = snapshot / agent_instance_dir("simple_agent")
+    victim = sorted(json.loads((folder / "manifest.json").read_bytes())["files"])[0]
+    record = json.loads((folder / victim).read_bytes())
+    if forgery == "renamed":  # the file of one rollout holds another rollout's identity
+        record["rollout_id"] = "elsewhere"
+        content = json.dumps(record).encode()
+    else:
+        content = b'{"rollout_id": "r0", "attempt_index": "zero"'
+    name = _forge_record(snapshot, content)
+    # a ledger that never saw the snapshot cannot tell its manifest was rewritten: only the records can
+    other = f"sqlite+aiosqlite:///{tmp_path / 'other.db'}"
+    with make_cluster(None) as second:
+        async with Coordinator.open(configure(second, other)) as coord:
+            await coord.discover()
+            with pytest.raises(SnapshotError) as caught:
+                await coord.restore(snapshot)
+        message = str(caught.value)
+        assert f"{agent_instance_dir('simple_agent')}/{name}" in message
+        assert "Nothing was restored and no server was contacted" in message
+        if forgery == "renamed":
+            assert "holds rollout 'elsewhere' attempt 0, whose file would be 'elsewhere.a0.json'" in message
+            assert "its identity disagrees with its name" in message
+        else:
+            assert "is not a boundary record" in message
+        assert len(caught.value.differences) == 1
+        async with httpx.AsyncClient() as http:
+            logs = await control_logs(http, second)
+            assert all(entry["path"] == CAPABILITIES_PATH for log in logs.values() for entry in log)
+            await assert_all_accepting(http, second)  # nothing restored, nothing held
+        async with Ledger.open(other, readonly=True) as ledger:
+            assert await ledger.attempts() == []  # refused before any attempt began

@@ -181,11 +181,25 @@ async def test_agent_commit_files_and_continuation_rows(gym: Gym, tmp_path: Path
         assert done >= 2
         assert row["last_committed_model_call_id"] == f"call-{done}"
         assert row["resource_state_revisions"] == {"tools": done}
-    assert sorted(p.name for p in folder.iterdir()) == [
-        "boundaries.jsonl",
+    assert sorted(p.name for p in folder.iterdir()) == [  # real Gym's layout: one file per record
+        "a.a0.json",
+        "b.a0.json",
+        "c.a0.json",
         "continuations.jsonl",
         "manifest.json",
     ]
+    manifest = json.loads((folder / "manifest.json").read_bytes())
+    assert manifest == {
+        "schema_version": 1,
+        "checkpoint_id": "c1",
+        "instance_name": "simple_agent",
+        "files": {f"{r}.a0.json": sha256_hex((folder / f"{r}.a0.json").read_bytes()) for r in "abc"},
+        "continuation_index": index.model_dump(mode="json"),
+    }
+    for rid in "abc":
+        record = json.loads((folder / f"{rid}.a0.json").read_bytes())
+        assert (record["rollout_id"], record["attempt_index"]) == (rid, 0)
+        assert record["turns_done"] == views[rid]["turns_done"]
     assert await gym.fence("simple_agent") == ("committed_paused", "c1")
 
 
@@ -306,8 +320,8 @@ async def test_agent_restore_of_a_damaged_snapshot_fails_and_installs_nothing(
     await gc.wait_turns(gym.http, gym.urls["simple_agent"], 1)
     await prepare_agent(gym)
     assert ok(await gym.op("simple_agent", "commit", checkpoint_dir=str(tmp_path)))["records"] == 1
-    boundaries = tmp_path / agent_instance_dir("simple_agent") / "boundaries.jsonl"
-    boundaries.write_bytes(boundaries.read_bytes() + b"\n")
+    record = tmp_path / agent_instance_dir("simple_agent") / "r1.a0.json"
+    record.write_bytes(record.read_bytes() + b"\n")
     with start_cluster(SPEC, token=TOKEN) as fresh:
         target = Gym(fresh.urls, gym.http)
         reply = await target.op("simple_agent", "restore", "c2", checkpoint_dir=str(tmp_path))

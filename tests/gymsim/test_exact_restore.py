@@ -2,7 +2,9 @@
 
 R1: rollouts run uninterrupted. R2: the same rollouts in a fresh cluster process,
 checkpointed mid-way by driving the control routes in the spec's order, the process
-killed with SIGKILL, a new cluster process restored from the folder and resumed.
+killed with SIGKILL, a new cluster process restored from the folder and resumed — which, as
+on real Gym, runs nothing by itself (`released: 0`) — and the trainer's part done: `/run` sent
+again for each saved execution as attempt n+1 (attempt n is refused, `stale_attempt`).
 R2 must equal R1, and every turn log must show each turn exactly once (no turn
 lost, none run twice), with model call ids and resource revisions continuing.
 """
@@ -136,12 +138,23 @@ async def restore_and_resume(
     assert ok(await gym.op("tools", "resume", restore_id))["state"] == "accepting"
     assert ok(await gym.op("policy_model", "resume", restore_id))["state"] == "accepting"
     released = ok(await gym.op("simple_agent", "resume", restore_id))
-    assert released["state"] == "accepting"
+    assert released == {"state": "accepting", "released": 0}  # nothing parked in this process
 
 
 def boundary_records(folder: Path) -> dict[str, dict[str, Any]]:
-    lines = (folder / agent_instance_dir("simple_agent") / "boundaries.jsonl").read_text().splitlines()
-    return {record["rollout_id"]: record for record in map(json.loads, lines)}
+    """The saved records, read as real Gym's layout names them: the agent manifest's `files`."""
+    agent = folder / agent_instance_dir("simple_agent")
+    files = json.loads((agent / "manifest.json").read_bytes())["files"]
+    records = {name: json.loads((agent / name).read_bytes()) for name in files}
+    for name, record in records.items():
+        assert name == f"{record['rollout_id']}.a{record['attempt_index']}.json"
+    return {record["rollout_id"]: record for record in records.values()}
+
+
+class Execution:
+    def __init__(self, rollout_id: str, attempt_index: int) -> None:
+        self.rollout_id = rollout_id
+        self.attempt_index = attempt_index
 
 
 async def test_checkpoint_sigkill_restore_resume_finishes_exactly_like_an_uninterrupted_run(
@@ -167,7 +180,29 @@ async def test_checkpoint_sigkill_restore_resume_finishes_exactly_like_an_uninte
         with spawn_cluster(SPEC, env=ENV, workdir=tmp_path / "second") as second:
             gym = Gym(second.urls, http)
             await restore_and_resume(gym, "restore-1", "ckpt-1", folder, done["agent"])
-            rollouts = await gc.wait_finished(http, second.urls["simple_agent"], expect=len(ROLLOUTS))
+            agent = second.urls["simple_agent"]
+            waiting = await gc.get_rollouts(http, agent)
+            assert {rid: (r["status"], r["attempt_index"]) for rid, r in waiting.items()} == {
+                rid: ("restored", 1) for rid in ROLLOUTS
+            }
+            await asyncio.sleep(0.3)  # resumed, yet nothing runs: no turn without the trainer's /run
+            assert {rid: r["turns_done"] for rid, r in (await gc.get_rollouts(http, agent)).items()} == (
+                at_checkpoint
+            )
+            some = sorted(ROLLOUTS)[0]
+            stale = await http.post(f"{agent}/run", json={"rollout_id": some, "turns": TURNS})
+            assert (stale.status_code, code(stale)) == (409, "stale_attempt")  # attempt 0: retired
+            assert "retired by restore" in stale.text
+            later = await http.post(
+                f"{agent}/run", json={"rollout_id": some, "turns": TURNS, "attempt_index": 2}
+            )
+            assert (later.status_code, code(later)) == (409, "rollout_exists")  # no continuation of it
+            await gc.resubmit(http, agent, [Execution(rid, 1) for rid in sorted(ROLLOUTS)])
+            rollouts = await gc.wait_finished(http, agent, expect=len(ROLLOUTS))
+            again = await http.post(
+                f"{agent}/run", json={"rollout_id": some, "turns": TURNS, "attempt_index": 1}
+            )
+            assert (again.status_code, code(again)) == (409, "rollout_exists")  # ran once, not twice
 
     assert gc.final_results(rollouts) == r1
     assert gc.turn_log_problems(rollouts) == []

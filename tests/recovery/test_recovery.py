@@ -26,6 +26,7 @@ from coordinator import (
     ClusterConfig,
     ConfigError,
     Coordinator,
+    Resubmission,
     load_config,
     load_snapshot,
     read_latest,
@@ -562,6 +563,11 @@ async def test_interrupted_restore_is_redriven_then_left_paused(
             assert (outcome.checkpoint_id, outcome.outcome) == (cid, "resumed")
             await assert_all_accepting(http, fresh)
             logs = await control_logs(http, fresh)
+            # the recovered restore says what to send again, and so does its resume's outcome
+            sent_again = tuple(Resubmission("simple_agent", rid, 1) for rid in sorted(ROLLOUTS))
+            assert report.attempts[0].resubmit == outcome.resubmit == sent_again
+            assert report.as_json()["attempts"][0]["resubmit"][0] == sent_again[0].as_json()
+            await client.resubmit(http, fresh.urls["simple_agent"], outcome.resubmit)
             rollouts = await client.wait_finished(http, fresh.urls["simple_agent"], timeout_s=60)
     found = report.attempts[0]
     assert (found.kind, found.found, found.action) == ("restore", "restore", "restored")

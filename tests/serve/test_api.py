@@ -8,7 +8,9 @@
 - 409 while a save runs (held in prepare by a hung resources prepare), naming its checkpoint id;
 - the event stream of an attempt equals the ledger's events of that attempt, in seq order, and ends
   after its terminal event; a stream opened after the end replays it and ends too;
-- OpenAPI is served and names the v1 routes.
+- OpenAPI is served and names the v1 routes;
+- a restore's reply lists what to send again (`attempt.resubmit`: each saved rollout as its next
+  attempt, on its agent): sent, the rollouts finish; the client rebuilds them as `Resubmission`s.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ import anyio
 import httpx
 import pytest
 
+from coordinator import Resubmission
 from tests.coordinator.helpers import assert_all_accepting, read_events, server_states
 from tests.serve.conftest import ServiceProcess, save_in_progress, wait_ready
+from tools.gymsim import client as gc
 from tools.gymsim.cluster import REPO_ROOT, RunningCluster
+from tools.serve.models import RestoreReply
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 
@@ -163,6 +168,49 @@ async def test_two_step_save_and_409_while_it_waits(
                   "/v1/resume", "/v1/discovery", "/v1/attempts/{checkpoint_id}/events", "/v1/status",
                   "/v1/acknowledge", "/v1/abort", "/v1/attempts/{checkpoint_id}/resume"}  # fmt: skip
         assert routes <= set(schema["paths"])
+
+
+async def test_restore_reply_lists_what_to_send_again(
+    cluster: RunningCluster, make_cluster: Any, tmp_path: Path, ledger_url: str, spawn_service: Any
+) -> None:
+    agent = cluster.urls["simple_agent"]
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
+        await gc.start_rollouts(http, agent, {"s1": 100_000, "s0": 100_000})
+        await gc.wait_turns(http, agent, 1)
+    first: ServiceProcess = spawn_service(_config(cluster, tmp_path, ledger_url))
+    await wait_ready(first.url)
+    async with httpx.AsyncClient(base_url=first.url, trust_env=False, timeout=60) as http:
+        saved = await http.post("/v1/checkpoints", json={"deadline_s": 30})
+        assert saved.status_code == 200, saved.text
+        assert saved.json()["resubmit"] == []  # a save lists nothing
+    first.stop()
+    with make_cluster(None) as fresh:
+        service: ServiceProcess = spawn_service(_config(fresh, tmp_path, ledger_url))
+        await wait_ready(service.url)
+        async with httpx.AsyncClient(base_url=service.url, trust_env=False, timeout=60) as http:
+            reply = await http.post("/v1/restore", json={"resume": True})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["attempt"]["resubmit"] == [
+                {"server": "simple_agent", "rollout_id": "s0", "attempt_index": 1},
+                {"server": "simple_agent", "rollout_id": "s1", "attempt_index": 1},
+            ]
+            attempt = RestoreReply.model_validate(reply.json()).attempt.attempt()
+            assert attempt.resubmit == (
+                Resubmission("simple_agent", "s0", 1),
+                Resubmission("simple_agent", "s1", 1),
+            )
+            schema = (await http.get("/openapi.json")).json()
+            assert "resubmit" in schema["components"]["schemas"]["AttemptModel"]["properties"]
+            restored = await gc.get_rollouts(http, fresh.urls["simple_agent"])
+            assert {rid: r["status"] for rid, r in restored.items()} == {"s0": "restored", "s1": "restored"}
+            await gc.resubmit(http, fresh.urls["simple_agent"], attempt.resubmit)
+            rollouts = await gc.wait_until(  # sent again, each continues from its saved boundary
+                http,
+                fresh.urls["simple_agent"],
+                lambda rs: all(r["turns_done"] > restored[rid]["turns_done"] for rid, r in rs.items()),
+            )
+    assert {rid: r["attempt_index"] for rid, r in rollouts.items()} == {"s0": 1, "s1": 1}
+    assert gc.turn_log_problems(rollouts) == []
 
 
 async def test_409_names_the_save_in_progress(

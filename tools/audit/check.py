@@ -37,10 +37,11 @@ Rules (each `Violation` names the seq of the offending event):
   every server it touched must have been resumed. An attempt is judged as of its last terminal
   event; attempts with none are reported as open, not judged.
 - `deadline` — no call is sent (by its `call.sent` `at`) after the attempt's `deadline_ts`, except
-  resumes, the capabilities reads of a phase that resumes, recovery's calls, and any call a later epoch (a recovering coordinator, which works to
-  its own budget, e.g. re-driving an interrupted restore) sends for the attempt. Resumes are exempt
-  in every phase, not only in rollback and recovery: a resume only releases a server, and the
-  coordinator gives each one the budget `max(deadline_ts, now + control_timeout_s)`
+  resumes, the capabilities reads of a phase that resumes, recovery's calls, and any call a later
+  epoch (a recovering coordinator, which works to its own budget, e.g. re-driving an interrupted
+  restore) sends for the attempt. Resumes are exempt in every phase, not only in rollback and
+  recovery: a resume only releases a server, and the coordinator gives each role group the budget
+  `max(deadline_ts, now + control_timeout_s)`
   (gym-control-v1 §6) — the resume of a restore comes whenever the caller asks for it, and a
   published save's resume may be retried later.
 - `epoch` — no event carries an epoch lower than one already seen at a smaller seq.

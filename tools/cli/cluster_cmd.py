@@ -4,22 +4,34 @@
   every command, `tools/cli/flags.py`).
 - `progress_line()`: the coordinator's progress shown on stderr (`tools/cli/progress.py`).
 - `phase_error_json(error)`: the `error` object of the `--json` documents.
+- `print_resubmit(resubmit)`: after a restore, or the resume of one, one `send again: rollout X as
+  attempt N on AGENT` line per execution the caller must send `/run` for again (Gym's restore runs
+  none of them by itself).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 
-from coordinator import Coordinator, Outcome, PhaseError, load_config
+from coordinator import Coordinator, Outcome, PhaseError, Resubmission, load_config
 from tools.cli import output
 from tools.cli.flags import add_config
 from tools.cli.output import emit_json, print_error
 from tools.cli.progress import progress_line
 
-__all__ = ["add_common", "escape", "phase_error_json", "print_warnings", "progress_line", "run_outcome"]
+__all__ = [
+    "add_common",
+    "escape",
+    "phase_error_json",
+    "print_resubmit",
+    "print_warnings",
+    "progress_line",
+    "run_outcome",
+]
 
 
 def escape(text: str) -> str:
@@ -35,6 +47,15 @@ def add_common(parser: argparse.ArgumentParser) -> None:
 
 def phase_error_json(error: PhaseError) -> dict[str, Any]:
     return {"phase": error.phase, "server": error.server, "code": error.code, "message": str(error)}
+
+
+def print_resubmit(resubmit: Sequence[Resubmission], indent: str = "") -> None:
+    """One line per execution a restore continues but does not run: the caller sends it again."""
+    for r in resubmit:
+        output.console.print(
+            escape(f"{indent}send again: rollout {r.rollout_id} as attempt {r.attempt_index} on {r.server}"),
+            soft_wrap=True,
+        )
 
 
 def print_warnings(warnings: tuple[str, ...] | list[str]) -> None:
@@ -103,6 +124,7 @@ def run_outcome(args: argparse.Namespace, what: str) -> int:
                 f"{escape(one.checkpoint_id or '')}: {one.outcome} —"
                 f" {escape(', '.join(one.servers) or 'no server')}"
             )
+            print_resubmit(one.resubmit)
     if result.left_paused:
         print_error(
             f"could not resume {', '.join(result.left_paused)};"

@@ -1,6 +1,7 @@
 """Reference agent server, spec §4, and the rollouts it runs.
 
-`POST /run {rollout_id, turns}` starts a rollout that loops turn by turn:
+`POST /run {rollout_id, turns, attempt_index?}` (attempt 0 unless given) starts a rollout that
+loops turn by turn:
 
     boundary → model call (policy model, rollout headers) → tool call (resources,
     one mutation) → the turn is applied: digest, turn log, model call id, revision
@@ -32,12 +33,25 @@ Checkpoint rules (export_restore agents):
   `checkpoint_parked` has changed nothing of its turn: it is parked at its last boundary
   (`parked_with_boundary`) and re-runs the turn from there. The prepare reply has exactly the
   anchor's fields, `state` `preparing` once a checkpoint asked the rollouts to park.
-- commit writes, under `agent/instance-<sha256hex(name)>/`, `boundaries.jsonl` (one
-  boundary record per parked rollout), `continuations.jsonl` (the
-  spec's rows, sorted by capture key) and `manifest.json` last; durable before it answers.
-- restore verifies every digest, then installs each record of attempt n as attempt
-  n+1, parked; the agent stays closed until resume.
-- resume reopens admission and releases every parked rollout.
+- commit writes, under `agent/instance-<sha256hex(name)>/`, as real Gym does: one
+  `<rollout_id>.a<attempt_index>.json` per parked rollout (its boundary record, which names
+  `rollout_id` and `attempt_index`), `continuations.jsonl` (the spec's rows, sorted by capture
+  key, only for records with a `last_committed_model_call_id`) and `manifest.json` last
+  (`schema_version`, `checkpoint_id`, `instance_name`, `files`: record file name → sha256,
+  `continuation_index`); durable before it answers.
+- restore verifies every digest (each record against `files`, the index against its reference
+  and against the records) and that `instance_name` is this agent's, then, for each record of
+  execution (rollout, n): retires (rollout, n) — a later `/run` of it answers 409
+  `stale_attempt` — and installs the record as the continuation of (rollout, n+1) without
+  starting it (its view: status `restored`, waiting for its `/run`). The agent stays closed
+  until resume.
+- resume reopens admission and releases every rollout parked in this process (`released`
+  counts those); a restored continuation is not one: nothing runs it until the trainer sends
+  `/run` for (rollout, n+1), which continues from the saved boundary (turns, digest, turn log,
+  model call id, revisions: the record's; the record's `turns`, whatever the body says) and ends
+  with the result the uninterrupted rollout gets. `/run` of any other attempt of a rollout id this
+  agent holds answers 409 `rollout_exists`. A restored continuation is not an execution: prepare
+  and status do not count it and a checkpoint taken before its `/run` does not save it (as Gym).
 
 A `stateless` (or `restart_only`) agent serves `/run` the same way but never parks, holds no
 result and commits nothing (empty index): the coordinator skips it.
@@ -49,6 +63,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any
 
 import httpx
@@ -58,6 +73,7 @@ from starlette.responses import JSONResponse
 
 from coordinator.protocol import (
     AGENT,
+    AGENT_CONTINUATIONS,
     AGENT_PREPARE_INCOMPLETE,
     ATTEMPT_INDEX_HEADER,
     CHECKPOINT_ID_PATTERN,
@@ -67,9 +83,11 @@ from coordinator.protocol import (
     RESOURCE_REVISION_HEADER,
     RESOURCES_ADMISSION_CLOSED,
     ROLLOUT_ID_HEADER,
+    STALE_ATTEMPT,
     AcknowledgeBody,
     AcknowledgeReply,
     AgentCommitReply,
+    AgentManifest,
     AgentPrepareReply,
     AgentRestoreReply,
     AgentResumeReply,
@@ -84,6 +102,7 @@ from coordinator.protocol import (
     ReceiptQuery,
     StatusQuery,
     agent_instance_dir,
+    agent_record_file,
     capture_key,
     route,
     sha256_hex,
@@ -94,9 +113,9 @@ from tools.gymsim.common import (
     ArtifactWriter,
     ControlRejection,
     Notifier,
+    count_records,
     error_response,
     jsonl_bytes,
-    read_manifest,
 )
 from tools.gymsim.fence import OpRule, rule
 
@@ -109,11 +128,12 @@ RolloutId = Annotated[str, StringConstraints(min_length=1, max_length=128, patte
 
 
 class RunBody(BaseModel):
-    """`POST /run`: start a rollout of `turns` turns."""
+    """`POST /run`: start execution (`rollout_id`, `attempt_index`) of a rollout of `turns` turns."""
 
     model_config = ConfigDict(extra="forbid")
     rollout_id: RolloutId
     turns: int = Field(ge=1, le=1_000_000)
+    attempt_index: int = Field(default=0, ge=0)
 
 
 class RolloutFailed(Exception):
@@ -134,7 +154,7 @@ class Rollout:
     turns_done: int = 0
     digest: str = ""
     turn_log: list[dict[str, Any]] = field(default_factory=list)
-    status: str = "running"  # running | parked | blocked | completed | failed
+    status: str = "running"  # running | parked | blocked | completed | failed | restored
     result: dict[str, Any] | None = None
     error: str | None = None
     last_model_call_id: str | None = None
@@ -220,6 +240,8 @@ class AgentServer(GymServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.rollouts: dict[str, Rollout] = {}
+        #: executions a restore retired: their `/run` answers 409 `stale_attempt`, for this process's life
+        self.tombstones: set[tuple[str, int]] = set()
         self.park_requested = False
         self.changed = Notifier()
         super().__init__(*args, **kwargs)
@@ -268,17 +290,44 @@ class AgentServer(GymServer):
 
         @app.post("/run")
         async def run(body: RunBody) -> JSONResponse:
+            key = (body.rollout_id, body.attempt_index)
+            if key in self.tombstones:
+                return error_response(
+                    409,
+                    STALE_ATTEMPT,
+                    f"rollout {body.rollout_id!r} attempt {body.attempt_index} was retired by restore",
+                )
+            existing = self.rollouts.get(body.rollout_id)
+            continues = (
+                existing is not None
+                and existing.status == "restored"
+                and existing.attempt_index == body.attempt_index
+            )
+            if existing is not None and not continues:
+                return error_response(409, "rollout_exists", f"rollout {body.rollout_id} already exists")
             if self.park_requested:
                 return error_response(
                     409, CHECKPOINT_PARKED, "agent admission is closed", headers={"retry-after": "1"}
                 )
-            if body.rollout_id in self.rollouts:
-                return error_response(409, "rollout_exists", f"rollout {body.rollout_id} already exists")
-            rollout = Rollout(body.rollout_id, body.turns, digest=initial_digest(body.rollout_id))
-            self.rollouts[rollout.rollout_id] = rollout
+            if existing is not None:  # the restored continuation: from its saved boundary
+                rollout = existing
+                rollout.status = "running"
+                rollout.started = time.time()
+            else:
+                rollout = Rollout(
+                    body.rollout_id,
+                    body.turns,
+                    attempt_index=body.attempt_index,
+                    digest=initial_digest(body.rollout_id),
+                )
+                self.rollouts[rollout.rollout_id] = rollout
             self._start(rollout)
             return JSONResponse(
-                {"rollout_id": rollout.rollout_id, "attempt_index": 0, "status": rollout.status}
+                {
+                    "rollout_id": rollout.rollout_id,
+                    "attempt_index": rollout.attempt_index,
+                    "status": rollout.status,
+                }
             )
 
         @app.get("/rollouts")
@@ -474,7 +523,9 @@ class AgentServer(GymServer):
         rollout is retired, an acknowledged one released)."""
         if not self.stateful:
             return []
-        return [r for r in self.rollouts.values() if r.status != "failed" and not r.acknowledged]
+        return [
+            r for r in self.rollouts.values() if r.status not in ("failed", "restored") and not r.acknowledged
+        ]
 
     def _execution(self, rollout: Rollout) -> dict[str, Any]:
         """A rollout as Gym's execution status: a blocked model call leaves it parked at its boundary."""
@@ -600,25 +651,25 @@ class AgentServer(GymServer):
         if any(r.status == "running" for r in self._participants()):
             raise ControlRejection(AGENT_PREPARE_INCOMPLETE, "a rollout is running; prepare again")
         records = [r.boundary_record() for r in rollouts]
-        rows = [r.continuation_row() for r in rollouts]
+        rows = [r.continuation_row() for r in rollouts if r.last_model_call_id is not None]
         folder = agent_instance_dir(self.name)
 
         def write() -> tuple[str, ArtifactRef]:
             writer = ArtifactWriter(body.checkpoint_dir, folder)
-            data, count = jsonl_bytes(records)
-            writer.write("boundaries.jsonl", data, count)
+            files: dict[str, str] = {}
+            for record in records:
+                name = agent_record_file(record["rollout_id"], record["attempt_index"])
+                data = (json.dumps(record, sort_keys=True, indent=2) + "\n").encode("utf-8")
+                files[name] = writer.write(name, data, 1).sha256
             data, count = jsonl_bytes(rows)
-            index = writer.write("continuations.jsonl", data, count)
-            digest = writer.write_manifest(
-                {
-                    "schema_version": 1,
-                    "component": AGENT,
-                    "name": self.name,
-                    "checkpoint_id": body.checkpoint_id,
-                    "records": len(records),
-                    "continuation_index": index.model_dump(mode="json"),
-                }
+            index = writer.write(AGENT_CONTINUATIONS, data, count)
+            manifest = AgentManifest(
+                checkpoint_id=body.checkpoint_id,
+                instance_name=self.name,
+                files=files,
+                continuation_index=index,
             )
+            digest = writer.write_manifest(manifest.model_dump(mode="json"), list_files=False)
             return digest, index
 
         digest, index = await asyncio.to_thread(write)
@@ -627,29 +678,26 @@ class AgentServer(GymServer):
 
     async def _restore(self, body: CheckpointDirBody) -> dict[str, Any]:
         folder = agent_instance_dir(self.name)
-        manifest, contents = await asyncio.to_thread(read_manifest, body.checkpoint_dir, folder)
+        manifest, records = await asyncio.to_thread(read_agent_checkpoint, body.checkpoint_dir, folder)
+        if manifest.instance_name != self.name:
+            raise ControlRejection(
+                RESTORE_FAILED,
+                f"agent checkpoint belongs to instance {manifest.instance_name!r}, not {self.name!r}",
+            )
+        index = manifest.continuation_index
+        source_id = manifest.checkpoint_id
         try:
-            index = ArtifactRef.model_validate(manifest["continuation_index"])
-            if index.relative_path not in contents:
-                raise ValueError("the continuation index is not among the manifest's files")
-            records = [
-                json.loads(line)
-                for line in contents.get(f"{folder}/boundaries.jsonl", b"").splitlines()
-                if line.strip()
-            ]
-            source_id = str(manifest["checkpoint_id"])
             restored = [self._from_record(record, source_id) for record in records]
         except (KeyError, TypeError, ValueError) as exc:
             raise ControlRejection(RESTORE_FAILED, f"bad agent checkpoint in {folder}: {exc!r}") from exc
         if self.stateful:
             self.park_requested = True
-        for rollout in restored:
+        for rollout in restored:  # installed, not started: the trainer's `/run` of attempt n+1 runs it
             old = self.rollouts.get(rollout.rollout_id)
             if old is not None and old.task is not None:
                 old.task.cancel()
             self.rollouts[rollout.rollout_id] = rollout
-            if rollout.status != "completed":
-                self._start(rollout)
+            self.tombstones.add((rollout.rollout_id, rollout.attempt_index - 1))
         self.changed.notify()
         reply = AgentRestoreReply(
             records=len(restored), source_checkpoint_id=source_id, continuation_index=index
@@ -666,8 +714,8 @@ class AgentServer(GymServer):
             turns_done=int(record["turns_done"]),
             digest=str(record["digest"]),
             turn_log=list(record["turn_log"]),
-            status="completed" if completed else "parked",
-            result=record.get("result"),
+            status="restored",
+            result=record.get("result") if completed else None,
             last_model_call_id=record.get("last_committed_model_call_id"),
             revisions={str(k): int(v) for k, v in dict(record.get("resource_state_revisions") or {}).items()},
             restored_from=[
@@ -685,6 +733,63 @@ class AgentServer(GymServer):
         self.park_requested = False
         self.changed.notify()
         return AgentResumeReply(state="accepting", released=released).model_dump(mode="json")
+
+
+def read_agent_checkpoint(checkpoint_dir: str, folder: str) -> tuple[AgentManifest, list[dict[str, Any]]]:
+    """Read an agent's folder as Gym writes it (module docstring): the manifest, then every record
+    file it names, each against its sha256, then the continuation index against its reference and
+    against the records (exactly one row per record with a model call id). Raises
+    `ControlRejection(restore_failed)` naming the first problem; records in manifest order."""
+    root = Path(checkpoint_dir)
+    try:
+        manifest = AgentManifest.model_validate_json((root / folder / "manifest.json").read_bytes())
+    except FileNotFoundError as exc:
+        raise ControlRejection(RESTORE_FAILED, f"no manifest at {folder}/manifest.json") from exc
+    except (OSError, ValueError) as exc:
+        raise ControlRejection(RESTORE_FAILED, f"unreadable manifest {folder}/manifest.json: {exc}") from exc
+    records: list[dict[str, Any]] = []
+    for name, digest in manifest.files.items():
+        if "/" in name or name.startswith("."):
+            raise ControlRejection(RESTORE_FAILED, f"{folder}/manifest.json names a bad record file {name!r}")
+        try:
+            data = (root / folder / name).read_bytes()
+        except OSError as exc:
+            raise ControlRejection(RESTORE_FAILED, f"missing file {folder}/{name}") from exc
+        if sha256_hex(data) != digest:
+            raise ControlRejection(RESTORE_FAILED, f"digest mismatch for {folder}/{name}")
+        try:
+            record = json.loads(data)
+        except ValueError as exc:
+            raise ControlRejection(RESTORE_FAILED, f"{folder}/{name} is not JSON") from exc
+        if not isinstance(record, dict):
+            raise ControlRejection(RESTORE_FAILED, f"{folder}/{name} is not a record")
+        records.append(record)
+    index = manifest.continuation_index
+    try:
+        data = (root / index.relative_path).read_bytes()
+    except OSError as exc:
+        raise ControlRejection(RESTORE_FAILED, f"missing file {index.relative_path}") from exc
+    if len(data) != index.bytes or sha256_hex(data) != index.sha256 or count_records(data) != index.records:
+        raise ControlRejection(RESTORE_FAILED, f"digest mismatch for {index.relative_path}")
+    try:
+        rows = {
+            (row.rollout_id, row.attempt_index, row.last_committed_model_call_id)
+            for row in (
+                ContinuationRow.model_validate_json(line) for line in data.splitlines() if line.strip()
+            )
+        }
+        expected = {
+            (str(r["rollout_id"]), int(r["attempt_index"]), r["last_committed_model_call_id"])
+            for r in records
+            if r.get("last_committed_model_call_id") is not None
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ControlRejection(RESTORE_FAILED, f"bad agent checkpoint in {folder}: {exc!r}") from exc
+    if rows != expected or len(rows) != index.records:
+        raise ControlRejection(
+            RESTORE_FAILED, f"{index.relative_path} does not match the committed boundary records"
+        )
+    return manifest, records
 
 
 def _resources_key(name_or_url: str) -> str:

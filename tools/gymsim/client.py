@@ -7,14 +7,18 @@ async with httpx.AsyncClient() as http:
     results = final_results(rollouts)           # rollout id -> final result
     assert not turn_log_problems(rollouts)      # no turn lost, none run twice
 ```
+
+After a restore nothing runs a restored rollout until the trainer sends `/run` again for the
+execution the restore continues, (rollout_id, saved attempt + 1) — exactly what the coordinator's
+restore lists (`Attempt.resubmit`): `await resubmit(http, agent_url, attempt.resubmit_on(name))`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 import httpx
 
@@ -25,12 +29,24 @@ class RolloutError(RuntimeError):
     pass
 
 
+class Execution(Protocol):
+    """One agent execution to send: a rollout id and its attempt index (the coordinator's
+    `Resubmission` is one)."""
+
+    @property
+    def rollout_id(self) -> str: ...
+
+    @property
+    def attempt_index(self) -> int: ...
+
+
 async def start_rollout(
-    http: httpx.AsyncClient, agent_url: str, rollout_id: str, turns: int
+    http: httpx.AsyncClient, agent_url: str, rollout_id: str, turns: int, *, attempt_index: int = 0
 ) -> dict[str, Any]:
     """`POST /run`, retrying while the agent's admission is closed (409 `checkpoint_parked`)."""
+    body = {"rollout_id": rollout_id, "turns": turns, "attempt_index": attempt_index}
     while True:
-        reply = await http.post(f"{agent_url}/run", json={"rollout_id": rollout_id, "turns": turns})
+        reply = await http.post(f"{agent_url}/run", json=body)
         if reply.status_code == 409 and reply.json().get("error", {}).get("code") == "checkpoint_parked":
             await asyncio.sleep(min(1.0, float(reply.headers.get("retry-after", "1"))))
             continue
@@ -43,6 +59,35 @@ async def start_rollout(
 async def start_rollouts(http: httpx.AsyncClient, agent_url: str, rollouts: Mapping[str, int]) -> None:
     """Start every `rollout_id: turns` of `rollouts` on one agent."""
     await asyncio.gather(*(start_rollout(http, agent_url, rid, turns) for rid, turns in rollouts.items()))
+
+
+async def resubmit(http: httpx.AsyncClient, agent_url: str, executions: Iterable[Execution]) -> None:
+    """Send `/run` again for each execution a restore continues, as a trainer on real Gym must.
+
+    Each must be a restored continuation waiting on this agent (`/rollouts` status `restored`,
+    that attempt index): its task (`turns`) is read from there — this helper's stand-in for the
+    trainer's own copy of the request. Anything else raises `RolloutError`; so does a refused
+    `/run` (409 `stale_attempt` for an execution the restore retired).
+    """
+    chosen = list(executions)
+    if not chosen:
+        return
+    views = await get_rollouts(http, agent_url)
+    turns: dict[str, int] = {}
+    for execution in chosen:
+        view = views.get(execution.rollout_id)
+        if view is None or view["status"] != "restored" or view["attempt_index"] != execution.attempt_index:
+            raise RolloutError(
+                f"{agent_url} holds no restored continuation of rollout {execution.rollout_id!r}"
+                f" attempt {execution.attempt_index}"
+            )
+        turns[execution.rollout_id] = int(view["turns"])
+    await asyncio.gather(
+        *(
+            start_rollout(http, agent_url, e.rollout_id, turns[e.rollout_id], attempt_index=e.attempt_index)
+            for e in chosen
+        )
+    )
 
 
 async def get_rollouts(http: httpx.AsyncClient, agent_url: str) -> dict[str, dict[str, Any]]:

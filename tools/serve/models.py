@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from coordinator.attempt import Attempt, Outcome
+from coordinator.attempt import Attempt, Outcome, Resubmission
 from coordinator.discovery import Discovery, Member
 from coordinator.protocol import AcknowledgeBody
 from coordinator.status import ClusterStatus, Holder, ServerStatus
@@ -130,6 +130,26 @@ class SaveRequest(Request):
     )
 
 
+class ResubmissionModel(BaseModel):
+    """One execution a restore continues but does not run (`coordinator.Resubmission`): send agent
+    `server`'s `/run` for `rollout_id` as `attempt_index` (the saved attempt + 1) once resumed."""
+
+    server: str
+    rollout_id: str
+    attempt_index: int
+
+    @classmethod
+    def of(cls, resubmission: Resubmission) -> ResubmissionModel:
+        return cls(
+            server=resubmission.server,
+            rollout_id=resubmission.rollout_id,
+            attempt_index=resubmission.attempt_index,
+        )
+
+    def resubmission(self) -> Resubmission:
+        return Resubmission(self.server, self.rollout_id, self.attempt_index)
+
+
 class AttemptModel(BaseModel):
     """One attempt as `coordinator.Attempt` holds it; `outcome` once it ended."""
 
@@ -143,6 +163,11 @@ class AttemptModel(BaseModel):
     source_checkpoint_id: str | None = None
     touched: list[str] = []
     outcome: str | None = None
+    resubmit: list[ResubmissionModel] = Field(
+        default=[],
+        description="a successful restore: every execution to send `/run` for again once the servers"
+        " resume (Gym's restore runs none of them by itself), in order; empty otherwise",
+    )
 
     @classmethod
     def of(cls, attempt: Attempt, outcome: str | None = None) -> AttemptModel:
@@ -157,6 +182,7 @@ class AttemptModel(BaseModel):
             source_checkpoint_id=attempt.source_checkpoint_id,
             touched=list(attempt.touched),
             outcome=outcome,
+            resubmit=[ResubmissionModel.of(r) for r in attempt.resubmit],
         )
 
     def attempt(self) -> Attempt:
@@ -170,6 +196,7 @@ class AttemptModel(BaseModel):
             source_checkpoint_id=self.source_checkpoint_id,
             state=self.state,  # type: ignore[arg-type]  # an AttemptState the service sent
             touched=list(self.touched),
+            resubmit=tuple(r.resubmission() for r in self.resubmit),
         )
 
 
@@ -215,6 +242,9 @@ class OutcomeModel(BaseModel):
     not_paused: list[str] = []
     left_paused: list[str] = []
     also: list[OutcomeModel] = []
+    resubmit: list[ResubmissionModel] = Field(
+        default=[], description="the resume of a restore: every execution to send `/run` for again"
+    )
 
     @classmethod
     def of(cls, outcome: Outcome) -> OutcomeModel:
@@ -226,6 +256,7 @@ class OutcomeModel(BaseModel):
             not_paused=list(outcome.not_paused),
             left_paused=list(outcome.left_paused),
             also=[cls.of(o) for o in outcome.also],
+            resubmit=[ResubmissionModel.of(r) for r in outcome.resubmit],
         )
 
     def outcome_(self) -> Outcome:
@@ -237,6 +268,7 @@ class OutcomeModel(BaseModel):
             tuple(self.not_paused),
             tuple(self.left_paused),
             tuple(o.outcome_() for o in self.also),
+            tuple(r.resubmission() for r in self.resubmit),
         )
 
 

@@ -10,9 +10,10 @@ paused; the output says how to proceed). Orphaned staging folders are removed. A
 no call.
 
 `--json`: `{"epoch", "attempts": [{"checkpoint_id", "found", "action", "servers": [{"name",
-"reported_phase", "result", "detail"?}], "message"}], "swept_staging"}` with action
-`resumed | published | restored | abandoned | none`. Exit 1 when a server could not be resumed or
-a restore was abandoned, else 0.
+"reported_phase", "result", "detail"?}], "message", "resubmit"?}], "swept_staging"}` with action
+`resumed | published | restored | abandoned | none`; a restore it finished lists what to send
+`/run` for again (`resubmit`, and a `send again: ...` line each in the human output). Exit 1
+when a server could not be resumed or a restore was abandoned, else 0.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import anyio
 from coordinator import Coordinator, load_config
 from coordinator.recovery import RecoveryReport
 from tools.cli import output
-from tools.cli.cluster_cmd import add_common, progress_line
+from tools.cli.cluster_cmd import add_common, print_resubmit, progress_line
 from tools.cli.output import emit_json, print_error
 
 
@@ -75,5 +76,6 @@ def _print_report(report: RecoveryReport) -> None:
         )
         if attempt.message:
             console.print(f"  {escape(attempt.message)}")
+        print_resubmit(attempt.resubmit, indent="  ")
     if report.swept:
         console.print(f"removed orphaned staging folders: {escape(', '.join(report.swept))}")

@@ -8,8 +8,13 @@ contacting any server, then restores policy → agents → resources. The server
 `quiesce resume` — or, with `--resume`, are resumed at once: the restore is not finished until
 that resume is (killed on the way, `quiesce recover` finishes it). Refused before any request
 while a participant is held by another checkpoint id (the message names it and what frees it).
-`--json`: `{"checkpoint_id", "outcome", "servers"}` with outcome `restored` (or `resumed` with
-`--resume`, `failed` on a failed phase, `refused` when held).
+`--json`: `{"checkpoint_id", "outcome", "servers", "resubmit"}` with outcome `restored` (or
+`resumed` with `--resume`, `failed` on a failed phase, `refused` when held).
+
+What to send again: the restore runs no restored rollout — Gym retired each saved execution and
+continues it only when the trainer sends `/run` for it as its next attempt. A successful restore
+prints one line per such execution (`send again: rollout X as attempt N on AGENT`) and lists them
+under `resubmit` (`[{"server", "rollout_id", "attempt_index"}]`, empty when none; `Attempt.resubmit`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from rich.markup import escape
 
 from coordinator import Attempt, Coordinator, PhaseError, ServersHeld, SnapshotError, load_config
 from coordinator.publish import resolve_snapshot
-from tools.cli.cluster_cmd import add_common, phase_error_json, print_warnings, progress_line
+from tools.cli.cluster_cmd import add_common, phase_error_json, print_resubmit, print_warnings, progress_line
 from tools.cli.output import console, emit_json, print_error
 
 
@@ -92,7 +97,12 @@ def handle(args: argparse.Namespace) -> int:
     outcome = "resumed" if args.resume else "restored"
     if args.json:
         emit_json(
-            {"checkpoint_id": attempt.checkpoint_id, "outcome": outcome, "servers": list(attempt.touched)}
+            {
+                "checkpoint_id": attempt.checkpoint_id,
+                "outcome": outcome,
+                "servers": list(attempt.touched),
+                "resubmit": [r.as_json() for r in attempt.resubmit],
+            }
         )
     else:
         console.print(
@@ -100,4 +110,11 @@ def handle(args: argparse.Namespace) -> int:
             f" {escape(', '.join(attempt.touched))}"
             + ("" if args.resume else escape(f" (paused until `quiesce resume --config {args.config}`)"))
         )
+        if attempt.resubmit:
+            when = "now" if args.resume else "once resumed"
+            console.print(
+                f"{len(attempt.resubmit)} restored rollouts run only when sent again ({when}), as:",
+                soft_wrap=True,
+            )
+        print_resubmit(attempt.resubmit)
     return 0

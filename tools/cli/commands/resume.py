@@ -6,8 +6,9 @@ its own id) and resumed; a published save's unfinished resume is finished (`publ
 still before publication is rolled back (`aborted`); what a rollback or a failed restore left
 paused is resumed; an id this ledger has no attempt of (another ledger's) is resumed as it is.
 With ID, acts on that checkpoint id only (as `dbos workflow resume <id>` does). Works from any
-process. `--json`: `{"checkpoint_id", "outcome", "servers", "also"?}` (`none` when nothing is held;
-`also` when several ids held servers). Exit 1 when a server could not be resumed.
+process. `--json`: `{"checkpoint_id", "outcome", "servers", "also"?, "resubmit"?}` (`none` when
+nothing is held; `also` when several ids held servers; `resubmit` for a restore: what to send
+`/run` for again, also printed as `send again: ...` lines). Exit 1 when a server could not be resumed.
 """
 
 from __future__ import annotations
