@@ -116,6 +116,7 @@ from tools.gymsim.common import (
     count_records,
     error_response,
     jsonl_bytes,
+    manifest_bytes,
 )
 from tools.gymsim.fence import OpRule, rule
 
@@ -742,10 +743,8 @@ def read_agent_checkpoint(checkpoint_dir: str, folder: str) -> tuple[AgentManife
     `ControlRejection(restore_failed)` naming the first problem; records in manifest order."""
     root = Path(checkpoint_dir)
     try:
-        manifest = AgentManifest.model_validate_json((root / folder / "manifest.json").read_bytes())
-    except FileNotFoundError as exc:
-        raise ControlRejection(RESTORE_FAILED, f"no manifest at {folder}/manifest.json") from exc
-    except (OSError, ValueError) as exc:
+        manifest = AgentManifest.model_validate_json(manifest_bytes(checkpoint_dir, folder))
+    except ValueError as exc:
         raise ControlRejection(RESTORE_FAILED, f"unreadable manifest {folder}/manifest.json: {exc}") from exc
     records: list[dict[str, Any]] = []
     for name, digest in manifest.files.items():

@@ -234,6 +234,17 @@ class ArtifactWriter:
         return sha256_hex(data)
 
 
+def manifest_bytes(checkpoint_dir: str, folder: str) -> bytes:
+    """The bytes of `<checkpoint_dir>/<folder>/manifest.json`; `ControlRejection(restore_failed)`
+    when it is missing or cannot be read."""
+    try:
+        return (Path(checkpoint_dir) / folder / "manifest.json").read_bytes()
+    except FileNotFoundError as exc:
+        raise ControlRejection(RESTORE_FAILED, f"no manifest at {folder}/manifest.json") from exc
+    except OSError as exc:
+        raise ControlRejection(RESTORE_FAILED, f"unreadable manifest {folder}/manifest.json: {exc}") from exc
+
+
 def read_manifest(checkpoint_dir: str, folder: str) -> tuple[dict[str, Any], dict[str, bytes]]:
     """Read `<folder>/manifest.json` and every file it names, verifying sizes and sha256 first.
 
@@ -241,12 +252,9 @@ def read_manifest(checkpoint_dir: str, folder: str) -> tuple[dict[str, Any], dic
     installed by the caller unless every digest matched.
     """
     root = Path(checkpoint_dir)
-    manifest_file = root / folder / "manifest.json"
     try:
-        manifest = json.loads(manifest_file.read_bytes())
-    except FileNotFoundError as exc:
-        raise ControlRejection(RESTORE_FAILED, f"no manifest at {folder}/manifest.json") from exc
-    except (OSError, ValueError) as exc:
+        manifest = json.loads(manifest_bytes(checkpoint_dir, folder))
+    except ValueError as exc:
         raise ControlRejection(RESTORE_FAILED, f"unreadable manifest {folder}/manifest.json: {exc}") from exc
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
         raise ControlRejection(RESTORE_FAILED, f"{folder}/manifest.json has no file list")

@@ -101,6 +101,7 @@ from tools.gymsim.common import (
     count_records,
     error_response,
     jsonl_bytes,
+    manifest_bytes,
     parse_call_number,
 )
 from tools.gymsim.fence import Done, OpRule, rule
@@ -686,10 +687,8 @@ def _read_lineage(
     anything is returned. Raises `ControlRejection(restore_failed)` naming the first problem."""
     root = Path(checkpoint_dir)
     try:
-        manifest = json.loads((root / folder / "manifest.json").read_bytes())
-    except FileNotFoundError as exc:
-        raise ControlRejection(RESTORE_FAILED, f"no manifest at {folder}/manifest.json") from exc
-    except (OSError, ValueError) as exc:
+        manifest = json.loads(manifest_bytes(checkpoint_dir, folder))
+    except ValueError as exc:
         raise ControlRejection(RESTORE_FAILED, f"unreadable manifest {folder}/manifest.json: {exc}") from exc
     try:
         if manifest.get("schema_version") != LEDGER_SCHEMA_VERSION:

@@ -140,11 +140,7 @@ class ResubmissionModel(BaseModel):
 
     @classmethod
     def of(cls, resubmission: Resubmission) -> ResubmissionModel:
-        return cls(
-            server=resubmission.server,
-            rollout_id=resubmission.rollout_id,
-            attempt_index=resubmission.attempt_index,
-        )
+        return cls(**dataclasses.asdict(resubmission))
 
     def resubmission(self) -> Resubmission:
         return Resubmission(self.server, self.rollout_id, self.attempt_index)
