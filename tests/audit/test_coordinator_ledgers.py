@@ -2,7 +2,9 @@
 
 One ledger collects a published checkpoint, a lost reply in prepare, a 500 in commit, a drain
 that outlives the deadline (its rollback resumes come after the deadline, which is allowed), and
-a restore then resume. The protocol check finds no violation and no warning; `show`, `export` /
+a restore then resume (into a freshly started cluster, as Gym requires: the first one's policy
+model served a rollout the snapshot does not hold). The protocol check finds no violation and no
+warning; `show`, `export` /
 `verify-bundle` and `report` work on it.
 """
 
@@ -72,17 +74,21 @@ async def _run_scenarios(cluster: Any, config: Any) -> dict[str, str]:
             await clear_faults(http, cluster)
         assert late.value.checkpoint_id is not None
         ids["deadline"] = late.value.checkpoint_id
-
-        restored = await coord.restore(None, deadline_s=20)
-        await coord.resume(restored)
-        ids["restore"] = restored.checkpoint_id
     return ids
 
 
+async def _restore_and_resume(config: Any) -> str:
+    async with Coordinator.open(config) as coord:
+        restored = await coord.restore(None, deadline_s=20)
+        await coord.resume(restored)
+    return restored.checkpoint_id
+
+
 @pytest.fixture
-def written(cluster: Any, ledger_url: str, configure: Any) -> tuple[str, dict[str, str]]:
-    config = configure(cluster, ledger_url)
-    ids = anyio.run(_run_scenarios, cluster, config)
+def written(cluster: Any, make_cluster: Any, ledger_url: str, configure: Any) -> tuple[str, dict[str, str]]:
+    ids = anyio.run(_run_scenarios, cluster, configure(cluster, ledger_url))
+    with make_cluster(None) as fresh:
+        ids["restore"] = anyio.run(_restore_and_resume, configure(fresh, ledger_url))
     return ledger_url, ids
 
 
