@@ -13,14 +13,13 @@ restore whose resume began after it was left paused), in the order of their last
    an agent or resources participant at `idle` counts as touched too (a prepare it refused
    leaves no trace in its capabilities; see `_settle_touched`). Any other participant that shows
    no trace of the attempt (or cannot be read) is left alone and not reported. A server
-   still inside an operation of this attempt (`committing`, `restoring`, an agent's or a resources
-   server's `preparing`, with this id active: the dead coordinator's request is still running
-   there) is read again until it leaves that phase, at most until `max(deadline_ts, now +
-   control_timeout_s)`: a resume then is refused, or — an agent's `preparing` — retires the id
-   under the operation, which then leaves the fence wedged in its after-phase with no id. (A
-   policy model stays `preparing` while it drains, with no operation running: it is resumed.)
-   One still inside it at the end is not resumed: it is reported `left_paused`, saying its
-   operation is still running.
+   still inside an operation of this attempt (`committing`, `restoring`, a resources server's
+   `preparing`, with this id active: the dead coordinator's request is still running there) is
+   read again until it leaves that phase, at most until `max(deadline_ts, now) +
+   control_timeout_s` — past the deadline the server's own operation honours — since a resume
+   there is refused, and taking that refusal for "never paused" left the server paused for good
+   once its operation ended. One still inside it at the end is not resumed: it is reported
+   `left_paused`, saying its operation is still running (`resume.operation_running`).
 2. **Act**, by what the ledger and the filesystem say:
    - *save*: the filesystem decides first, whatever the ledger kept of the publish step
      (`attempt.publishing` is staged: the rename does not wait for it, so a crash may take it
@@ -93,7 +92,6 @@ from coordinator.resume import (
     next_step,
     operation_ended,
     operation_running,
-    recovery_budget,
     resume_members,
     still_running,
 )
@@ -261,13 +259,15 @@ def _budget(ctx: Context) -> float:
 
 
 async def _settle(ctx: Context, attempt: Attempt, names: list[str]) -> list[_Settled]:
-    """Read the capabilities of `names` (resume order), waiting — until `resume.recovery_budget` —
-    while an operation of this attempt still runs on one (`resume.operation_running`).
+    """Read the capabilities of `names` (resume order), waiting — until `max(deadline_ts, now) +
+    control_timeout_s` — while an operation of this attempt still runs on one
+    (`resume.operation_running`).
 
     With `fanout: parallel` the servers are read concurrently (reads change nothing; the result
     keeps resume order), so settling costs one round trip rather than one per server.
     """
-    budget = recovery_budget(ctx, attempt)
+    # past the attempt's deadline: an operation bound by it ends there, and is then seen ended
+    budget = max(attempt.deadline_ts, time.time()) + ctx.config.control_timeout_s
     out: list[_Settled] = []
 
     async def settle(settled: _Settled, member: Member) -> None:

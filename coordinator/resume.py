@@ -47,7 +47,7 @@ from coordinator.errors import DeadlineExceeded, FencedError, LedgerError, Phase
 from coordinator.phases import resume_order
 from coordinator.protocol import (
     INVALID_PHASE,
-    MODEL,
+    RESOURCES,
     Capabilities,
     CommonBody,
 )
@@ -101,13 +101,14 @@ async def rolled_back_on_failure(
 
 
 #: Fence phases in which an operation may still run on the server (gym-control-v1 §1.1; Gym's
-#: `ControlFence`): a resume there is refused (409 `invalid_phase`) or — where the fence allows it
-#: (an agent's `preparing`) — retires the checkpoint id under the running operation, which on
-#: success then leaves the fence in its after-phase with no id: wedged, refusing every later
-#: checkpoint. A policy model's `preparing` is not one: its pause answers at once and the model
-#: stays `preparing` while it drains (until a status read sees it paused); a resume is what ends it.
+#: `ControlFence`): a resume there is refused (409 `invalid_phase`), and counting that refusal as
+#: "never paused" would leave the server paused for good once the operation ends. A resources
+#: server's `preparing` is one too (its resume is refused there). A policy model's or an agent's
+#: `preparing` is not: the model stays `preparing` while it drains, with no operation running, and
+#: an agent's prepare, once resumed, sets its parked executions running again, so it cannot become
+#: ready and ends as a failure that leaves the fence idle — both are resumed at once.
 IN_FLIGHT_PHASES: Final = frozenset({"committing", "restoring"})
-IN_FLIGHT_UNLESS_MODEL: Final = frozenset({"preparing"})
+IN_FLIGHT_FOR_RESOURCES: Final = frozenset({"preparing"})
 #: First and longest pause between two reads of a server whose operation is still running.
 _POLL_FIRST_S: Final = 0.05
 _POLL_MAX_S: Final = 1.0
@@ -120,8 +121,8 @@ def operation_running(caps: Capabilities, checkpoint_id: str, member: Member) ->
     """Whether `caps` (of `member`) shows an operation of `checkpoint_id` still running there."""
     if caps.active_checkpoint_id != checkpoint_id:
         return False
-    if caps.phase in IN_FLIGHT_UNLESS_MODEL:
-        return member.component != MODEL
+    if caps.phase in IN_FLIGHT_FOR_RESOURCES:
+        return member.component == RESOURCES
     return caps.phase in IN_FLIGHT_PHASES
 
 
