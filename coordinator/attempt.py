@@ -169,10 +169,12 @@ class Outcome:
     also: tuple[Outcome, ...] = ()
     #: the resume of a restore: what the caller must send `/run` for again (`Attempt.resubmit`)
     resubmit: tuple[Resubmission, ...] = ()
+    #: the resume of a restore: servers that had restarted since it and were restored again first
+    restored_again: tuple[str, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
-        """The `--json` document of `quiesce restore | resume | abort` (`also` and `resubmit` only
-        when not empty)."""
+        """The `--json` document of `quiesce restore | resume | abort` (`also`, `resubmit` and
+        `restored_again` only when not empty)."""
         out: dict[str, Any] = {
             "checkpoint_id": self.checkpoint_id,
             "outcome": self.outcome,
@@ -182,6 +184,8 @@ class Outcome:
             out["also"] = [o.as_json() for o in self.also]
         if self.resubmit:
             out["resubmit"] = [r.as_json() for r in self.resubmit]
+        if self.restored_again:
+            out["restored_again"] = list(self.restored_again)
         return out
 
 
@@ -257,6 +261,12 @@ class Attempt:
     #: in participant order, each saved record's (rollout_id, attempt_index + 1), sorted by rollout
     #: id then attempt. Empty before then, for a save, and when no agent saved a rollout.
     resubmit: tuple[Resubmission, ...] = ()
+    #: servers whose resume under this id answered `accepting` (in this process, or recorded:
+    #: `readback`): they run, and nothing is sent to them again but a resume (which replays)
+    resumed: set[str] = field(default_factory=set)
+    #: restore: participants found restarted since its restore phase (their fence held nothing of
+    #: it) and restored again under the same id before any server was resumed (`restore.reinstate`)
+    restored_again: tuple[str, ...] = ()
     #: facts of the staging files read so far: publish does not read again what commit verified
     digests: DigestCache = field(default_factory=DigestCache, repr=False, compare=False)
     _touched: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
@@ -439,16 +449,26 @@ async def record_phase_failed(
 
 
 async def run_phase(
-    ctx: Context, attempt: Attempt, phase: str, body: Callable[[], Awaitable[dict[str, Any]]]
+    ctx: Context,
+    attempt: Attempt,
+    phase: str,
+    body: Callable[[], Awaitable[dict[str, Any]]],
+    *,
+    own_budget: bool = False,
 ) -> dict[str, Any]:
     """Run one phase inside the attempt's deadline scope, with phase.started / phase.completed.
+    `own_budget`: `attempt.deadline_ts` was set anew for this run (not the one `attempt.started`
+    recorded), and `phase.started` records it.
 
     Raises `PhaseFailure` (deadline=True when the scope expired) — the caller rolls back. When
     the deadline ends it while participants were being asked again (`Attempt.waiting_on`) or
     after some had already failed (`Attempt.settled`), the failure is the first one's (in config
     order) — its code, and what it named — marked as a deadline, naming the others' too.
     """
-    await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": phase})
+    started: dict[str, Any] = {"phase": phase}
+    if own_budget:
+        started["deadline_ts"] = attempt.deadline_ts
+    await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data=started)
     servers = len(attempt.participants)
     ctx.progress(
         Progress(attempt.checkpoint_id, phase, step="phase", servers=servers, deadline_ts=attempt.deadline_ts)

@@ -1,10 +1,11 @@
 """Reading an attempt back from the ledger, and letting go of what it holds: what another process
 (`quiesce resume | abort [ID]`, `quiesce status`) or recovery acts on.
 
-`read_attempt` rebuilds an `Attempt` (participants, touched and refused servers, publication, how
-far its restore and resume got) from events alone — components from the discovery before it,
-URLs from the config. `publication_on_disk` / `settle_publication` let the filesystem decide
-whether an unfinished save was published (the fsynced rename is the commit point).
+`read_attempt` rebuilds an `Attempt` (participants, touched and refused servers, those whose resume
+answered, publication, how far its restore and resume got) from events alone — components from
+the discovery before it, URLs from the config. `publication_on_disk` / `settle_publication` let
+the filesystem decide whether an unfinished save was published (the fsynced rename is the commit
+point).
 `unfinished` lists what recovery must finish; `release` lets go of what one recorded attempt holds.
 
 An attempt is *finished* when nothing is left to do for it: it has a terminal record and, if that
@@ -152,13 +153,18 @@ async def read_attempt(ledger: Ledger, config: ClusterConfig, checkpoint_id: str
         resume_wanted=data.get("resume") is True,
     )
     requests: dict[str, str] = {}  # call id -> server, for requests that are not resumes
+    resumes: dict[str, str] = {}  # call id -> server, for resumes
     for ev in events:
         kind = ev.kind
         if kind == "call.sent" and ev.server is not None and ev.data.get("method") == "POST":
             attempt.touch(ev.server)
-            if not str(ev.data.get("path", "")).endswith("/resume"):
+            if str(ev.data.get("path", "")).endswith("/resume"):
+                resumes[ev.call_id or ""] = ev.server
+            else:
                 requests[ev.call_id or ""] = ev.server
                 recorded.first_post.setdefault(ev.server, ev.at)
+        elif kind == "call.replied" and (ev.call_id or "") in resumes:
+            attempt.resumed.add(resumes[ev.call_id or ""])
         elif kind in ("call.replied", "call.failed") and (ev.call_id or "") in requests:
             status = ev.data.get("status")
             code = ev.data.get("code") if kind == "call.failed" else None

@@ -495,6 +495,10 @@ async def _resume_restored(
     try:
         outcome = await finish_resume(ctx, attempt)
         _apply_resume_results(settled, list(outcome.resumed), list(outcome.not_paused), [], every=True)
+        for s in settled:
+            if s.name in outcome.restored_again:
+                s.action = "restore, resume"
+                s.detail = "restarted since the restore: restored again before the resume"
     except PhaseError as error:  # a server could not be resumed: the attempt stays open, retried later
         for s in settled:
             s.result, s.detail = (

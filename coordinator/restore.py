@@ -20,6 +20,11 @@ once and its one terminal record is `attempt.completed {resumed}`, so a death an
 that leaves it unfinished for recovery, which re-drives the restore if needed and resumes.
 `redrive` runs the restore phase once more under the same id (recovery, `quiesce resume ID`).
 
+A server restarted between the restore and its resume is restored again first: every resume of
+a restore (`resume.finish_resume`) reads the fences of the participants not yet resumed, and one
+that holds nothing of the restore — a fresh process — is restored again under the same id from
+the snapshot before any server is resumed (`reinstate`); if it cannot be, no server is resumed.
+
 What to send again: Gym's agent restore runs no restored rollout by itself. It retires each saved
 execution (rollout, n) and keeps the saved boundary for (rollout, n+1), which continues only when
 the trainer sends that `/run`. A successful restore therefore lists those executions
@@ -32,7 +37,7 @@ identity is not its file name (`<rollout_id>.a<attempt_index>.json`) refuses the
 """
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +50,7 @@ from coordinator.attempt import (
     PhaseFailure,
     Progress,
     Resubmission,
+    anyio_deadline,
     each_member,
     expect_reply,
     free_command,
@@ -57,13 +63,16 @@ from coordinator.calls import CallResult
 from coordinator.digests import file_digest
 from coordinator.discovery import Discovery, Member
 from coordinator.errors import DeadlineExceeded, FencedError, LedgerError, PhaseError, SnapshotError
+from coordinator.phases import Role
 from coordinator.protocol import (
     AGENT,
     INCLUDE_STORAGE_REFERENCE_INDEX,
+    STALE_CHECKPOINT,
     AgentManifest,
     AgentRecordIdentity,
     AgentRestoreReply,
     ArtifactRef,
+    Capabilities,
     CheckpointDirBody,
     ModelRestoreBody,
     ModelRestoreReply,
@@ -328,8 +337,16 @@ def _first(error: ValueError) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-async def restore_body(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> dict[str, Any]:
-    """The restore phase: policy → agents → resources, each reply checked against the snapshot."""
+async def restore_body(
+    ctx: Context, attempt: Attempt, snapshot: Snapshot, *, only: Collection[str] | None = None
+) -> dict[str, Any]:
+    """The restore phase: policy → agents → resources, each reply checked against the snapshot.
+
+    `only`: restore just these participants (in the same order) — servers found restarted since
+    the restore (`reinstate`). One of them that answers 409 `stale_checkpoint` has retired this id:
+    it was resumed under it already (a resume whose reply was lost), so it runs the restored state
+    and counts as resumed (`Attempt.resumed`), not as a failure.
+    """
     phase = "restore"
     source = snapshot.checkpoint_id
     body = CheckpointDirBody(
@@ -340,6 +357,12 @@ async def restore_body(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> di
 
     async def call(m: Member, request: CheckpointDirBody) -> CallResult:
         return await send_call(ctx, attempt, m, "restore", phase, body=request, expect_checkpoint=source)
+
+    def resumed_already(m: Member, result: CallResult) -> bool:
+        if only is None or not (result.status == 409 and result.code == STALE_CHECKPOINT):
+            return False
+        attempt.resumed.add(m.name)
+        return True
 
     def same_index(m: Member, key: str, got: ArtifactRef | None) -> None:
         committed = (snapshot.participant(m.name) or {}).get(key)
@@ -364,6 +387,8 @@ async def restore_body(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> di
         result = await call(
             m, ModelRestoreBody.model_validate({**body.model_dump(), INCLUDE_STORAGE_REFERENCE_INDEX: True})
         )
+        if resumed_already(m, result):
+            return {"resumed_already": True}
         if (
             result.error == "http"
             and result.status == 422
@@ -376,19 +401,28 @@ async def restore_body(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> di
 
     async def agent(m: Member) -> dict[str, Any]:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
-        reply = expect_reply(await call(m, body), AgentRestoreReply, phase, "agent restore")
+        result = await call(m, body)
+        if resumed_already(m, result):
+            return {"resumed_already": True}
+        reply = expect_reply(result, AgentRestoreReply, phase, "agent restore")
         same_index(m, "continuation_index", reply.continuation_index)
         return {"records": reply.records}
 
     async def resources(m: Member) -> dict[str, Any]:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
-        reply = expect_reply(await call(m, body), ResourcesRestoreReply, phase, "resources restore")
+        result = await call(m, body)
+        if resumed_already(m, result):
+            return {"resumed_already": True}
+        reply = expect_reply(result, ResourcesRestoreReply, phase, "resources restore")
         return {"sessions": reply.sessions}
 
+    def chosen(role: Role) -> tuple[Member, ...]:
+        return tuple(m for m in attempt.group(role) if only is None or m.name in only)
+
     return {
-        "policy": await each_member(ctx, attempt, attempt.group("policy"), policy),
-        "agents": await each_member(ctx, attempt, attempt.group("agent"), agent),
-        "resources": await each_member(ctx, attempt, attempt.group("resources"), resources),
+        "policy": await each_member(ctx, attempt, chosen("policy"), policy),
+        "agents": await each_member(ctx, attempt, chosen("agent"), agent),
+        "resources": await each_member(ctx, attempt, chosen("resources"), resources),
     }
 
 
@@ -431,17 +465,23 @@ async def reverify(ctx: Context, attempt: Attempt) -> Snapshot | str:
     return snapshot
 
 
-async def redrive(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> str | None:
-    """Run an unfinished restore's restore phase once more under its own id, from its verified
-    snapshot (`reverify`); None when done, else why not (`phase.failed` recorded).
+async def redrive(
+    ctx: Context, attempt: Attempt, snapshot: Snapshot, *, only: Collection[str] | None = None
+) -> str | None:
+    """Run a restore's restore phase once more under its own id, from its verified snapshot
+    (`reverify`) — for every participant, or `only` those (`restore_body`); None when done, else
+    why not (`phase.failed` recorded).
 
     Servers that already restored under this id replay their recorded result (the fence's
-    idempotent replay); a server still restoring is waited for. The budget is a fresh `deadline_s`.
-    Once done, `attempt.resubmit` lists what to send again (`read_resubmissions`).
+    idempotent replay); a server still restoring is waited for. The budget is a fresh `deadline_s`,
+    recorded in the run's `phase.started`. Once done, `attempt.resubmit` lists what to send again
+    (`read_resubmissions`).
     """
     attempt.deadline_ts = time.time() + ctx.config.deadline_s
     try:
-        await run_phase(ctx, attempt, "restore", lambda: restore_body(ctx, attempt, snapshot))
+        await run_phase(
+            ctx, attempt, "restore", lambda: restore_body(ctx, attempt, snapshot, only=only), own_budget=True
+        )
     except PhaseFailure as failure:
         await record_phase_failed(
             ctx, attempt.checkpoint_id, "restore", failure.server, failure.reason, failure.code
@@ -454,3 +494,62 @@ async def redrive(ctx: Context, attempt: Attempt, snapshot: Snapshot) -> str | N
     except SnapshotError:  # `reverify` read them; a snapshot changed since lists none
         attempt.resubmit = ()
     return None
+
+
+async def reinstate(ctx: Context, attempt: Attempt) -> None:
+    """Before the servers of a restore are resumed: every participant not yet resumed under its id
+    (`Attempt.resumed`) must still hold it.
+
+    A participant whose fence holds nothing (`idle`, no checkpoint active) restarted since the
+    restore: a fresh process without the snapshot's state. A resume would run it empty — Gym's
+    agent and resources servers accept a resume from `idle`, a model answers 409 `invalid_phase`
+    — while the others run the restored state. So such servers are restored again under the same
+    id, from the snapshot verified again (`reverify`), before any server is resumed; they are
+    named in `Attempt.restored_again`. Fences are read (recorded, phase `resume`) with the budget
+    `max(deadline_ts, now + control_timeout_s)`; a server that cannot be read is left to its
+    resume. Raises `PhaseError` — nothing resumed, the attempt left open for the same id's resume —
+    when the snapshot is gone, damaged or changed, or the restore fails again.
+    """
+    cid = attempt.checkpoint_id
+    budget = max(attempt.deadline_ts, time.time() + ctx.config.control_timeout_s)
+    empty: set[str] = set()
+
+    async def read(m: Member) -> None:
+        result = await ctx.caller.capabilities(
+            m.name, m.url, deadline_ts=budget, phase="resume", checkpoint_id=cid
+        )
+        caps = result.reply
+        if isinstance(caps, Capabilities) and caps.phase == "idle" and caps.active_checkpoint_id is None:
+            empty.add(m.name)
+
+    with anyio.CancelScope(deadline=anyio_deadline(budget)):
+        async with anyio.create_task_group() as tg:
+            for m in attempt.participants:
+                if m.name not in attempt.resumed:
+                    tg.start_soon(read, m)
+    if not empty:
+        return
+    lost = [name for name in attempt.names if name in empty]
+    snapshot = await reverify(ctx, attempt)
+    problem: str | None
+    if isinstance(snapshot, str):
+        problem = snapshot
+        why = f"{', '.join(lost)} restarted since the restore; {problem}"
+        await record_phase_failed(ctx, cid, "resume", lost[0], why, None)
+    else:
+        problem = await redrive(ctx, attempt, snapshot, only=lost)
+    if problem is not None:
+        raise PhaseError(
+            f"resume of {cid} stopped before any server was resumed: {', '.join(lost)} restarted since"
+            f" the restore (its fence holds nothing of {cid}: a fresh process without the snapshot's"
+            f" state), and restoring it again failed: {problem}. Resuming it would run it empty beside"
+            " servers that run the restored state, so every server stays paused. Fix that (the snapshot"
+            f" must be the one the restore began from) and run `{free_command(ctx, 'resume', cid)}`"
+            " again, or restart every server and restore a snapshot anew.",
+            phase="resume",
+            server=lost[0],
+            reason=f"restarted since the restore; restoring it again failed: {problem}",
+            checkpoint_id=cid,
+            not_resumed=[n for n in attempt.names if n not in attempt.resumed],
+        )
+    attempt.restored_again = tuple(name for name in lost if name not in attempt.resumed)

@@ -55,6 +55,7 @@ from coordinator.publish import (
     read_latest,
     remove_tree,
 )
+from coordinator.restore import reinstate
 from coordinator.stranded import stranded
 
 
@@ -198,6 +199,7 @@ async def resume_members(
             result = await send_call(ctx, attempt, m, "resume", phase, body=body, deadline_ts=deadline_ts)
             if result.ok:
                 resumed.append(m.name)
+                attempt.resumed.add(m.name)
                 return
             if not (result.error == "http" and result.status == 409 and result.code == INVALID_PHASE):
                 failures.append((m.name, result))
@@ -359,11 +361,14 @@ async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
     """Resume every participant of a published save, or of a restore; then `attempt.completed`.
 
     Servers that cannot be resumed leave the attempt without a terminal event (so the same id's
-    resume can be retried) and raise `PhaseError` naming them.
+    resume can be retried) and raise `PhaseError` naming them. A restore's participants that
+    restarted since it are restored again first (`restore.reinstate`), or nobody is resumed.
     """
-    budget = recovery_budget(ctx, attempt)
     try:
         await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"})
+        if attempt.kind == "restore":  # inside the resume phase: a death here leaves it to recovery
+            await reinstate(ctx, attempt)
+        budget = recovery_budget(ctx, attempt)
         called, resumed, not_paused, left, failures = await resume_members(
             ctx, attempt, attempt.names, phase="resume", deadline_ts=budget
         )
@@ -407,7 +412,15 @@ async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
         durable=False,
     )
     attempt.state = "completed"
-    return Outcome(attempt.checkpoint_id, outcome, tuple(called), tuple(resumed), tuple(not_paused), ())
+    return Outcome(
+        attempt.checkpoint_id,
+        outcome,
+        tuple(called),
+        tuple(resumed),
+        tuple(not_paused),
+        (),
+        restored_again=attempt.restored_again,
+    )
 
 
 async def release_unrecorded(ctx: Context, checkpoint_id: str, members: Sequence[Member]) -> Outcome:

@@ -105,6 +105,9 @@ class AttemptStarted(Payload):
 
 class PhaseStarted(Payload):
     phase: str
+    #: a run of the phase that works to its own budget, not the attempt's `deadline_ts` (a
+    #: restore re-driven under its id: `coordinator.restore.redrive`)
+    deadline_ts: float | None = None
 
 
 class CallSent(Payload):

@@ -167,6 +167,39 @@ def test_restore_says_what_to_send_again(
         ]
 
 
+def test_resume_says_which_restarted_servers_it_restored_again(
+    capsys: pytest.CaptureFixture[str], config_file: Path, cluster: Any, make_cluster: Any, tmp_path: Path
+) -> None:
+    agent = cluster.urls["simple_agent"]
+
+    async def start() -> None:
+        async with httpx.AsyncClient() as http:
+            await client.start_rollouts(http, agent, {"r0": 100_000})
+            await client.wait_turns(http, agent, 1)
+
+    anyio.run(start)
+    code, doc = _run(capsys, "checkpoint", "--config", str(config_file), "--json", "--deadline-s", "20")
+    assert code == 0, doc
+    ledger = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
+    with make_cluster(None) as fresh:
+        config = str(fresh.write_config(tmp_path / "fresh.yaml", ledger, "snaps"))
+        code, text = _run(capsys, "restore", "--config", config)
+        assert code == 0, text
+
+        async def restart() -> None:
+            async with httpx.AsyncClient() as http:
+                await client.restart(http, fresh.urls["simple_agent"])
+
+        anyio.run(restart)
+        code, text = _run(capsys, "resume", "--config", config)
+        assert code == 0, text
+        words = " ".join(text.split())  # rich may wrap
+        assert "restored again before the resume (restarted since the restore" in words
+        assert words.split("they held none of its state): ")[1].startswith("simple_agent send again:")
+        assert "send again: rollout r0 as attempt 1 on simple_agent" in words
+        assert _states(fresh)["simple_agent"] == ("idle", "accepting")
+
+
 def test_checkpoint_failure_json(capsys: pytest.CaptureFixture[str], config_file: Path, cluster: Any) -> None:
     async def arm() -> None:
         async with httpx.AsyncClient() as http:

@@ -310,7 +310,7 @@ async def test_an_interrupted_resume_of_a_plain_restore_is_finished_by_recovery(
     async with Coordinator.open(config) as coord:
         await coord.checkpoint(deadline_s=30)
         restored = await coord.restore()
-    die_after(kind_is("call.sent", phase="resume"), nth=2)  # tools resumed, the model's not sent
+    die_after(kind_is("call.sent", phase="resume", method="POST"), nth=2)  # tools resumed, not the model
     with pytest.raises(Died):
         async with Coordinator.open(config) as coord:
             await coord.resume(restored.checkpoint_id)
@@ -328,6 +328,44 @@ async def test_an_interrupted_resume_of_a_plain_restore_is_finished_by_recovery(
     assert again.attempts == ()
     events = await read_events(sqlite_url, restored.checkpoint_id)
     assert [e.data["outcome"] for e in events if e.kind == "attempt.completed"] == ["restored", "resumed"]
+    await assert_protocol_ok(sqlite_url)
+
+
+@pytest.mark.anyio
+async def test_a_coordinator_that_dies_restoring_a_restarted_server_again_is_finished_by_recovery(
+    cluster: Any, sqlite_url: str, configure: Any, die_after: Any
+) -> None:
+    """The agent restarted after a plain restore; the caller's resume finds it empty and dies as it
+    restores it again. That happens inside the resume phase, so the restore is unfinished again:
+    recovery restores the agent and resumes every server."""
+    config = configure(cluster, sqlite_url)
+    async with Coordinator.open(config) as coord:
+        await coord.checkpoint(deadline_s=30)
+        restored = await coord.restore()
+    async with httpx.AsyncClient() as http:
+        await client.restart(http, cluster.urls["simple_agent"])
+        die_after(kind_is("call.sent", phase="restore", server="simple_agent"))
+        with pytest.raises(Died):
+            async with Coordinator.open(config) as coord:
+                await coord.resume(restored.checkpoint_id)
+        states = await server_states(http, cluster)
+        assert states["tools"][0] == "restored_paused"  # nobody was resumed
+        assert states["simple_agent"][0] == "idle"
+        async with Coordinator.open(config) as coord:
+            report = coord.last_recovery
+        await assert_all_accepting(http, cluster)
+    assert report is not None
+    [found] = report.attempts
+    assert (found.checkpoint_id, found.found, found.action) == (restored.checkpoint_id, "resume", "resumed")
+    actions = {s.name: (s.action, s.result) for s in found.servers}
+    assert actions["simple_agent"] == ("restore, resume", "resumed")
+    assert actions["tools"] == ("resume", "resumed")
+    events = await read_events(sqlite_url, restored.checkpoint_id)
+    assert [e.data["outcome"] for e in events if e.kind == "attempt.completed"] == ["restored", "resumed"]
+    sent = [
+        (e.server, e.data["phase"]) for e in events if e.kind == "call.sent" and e.data["method"] == "POST"
+    ]
+    assert sent.count(("simple_agent", "restore")) == 3  # the first restore, the dead one's, recovery's
     await assert_protocol_ok(sqlite_url)
 
 

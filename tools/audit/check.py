@@ -43,7 +43,8 @@ Rules (each `Violation` names the seq of the offending event):
   recovery: a resume only releases a server, and the coordinator gives each role group the budget
   `max(deadline_ts, now + control_timeout_s)`
   (gym-control-v1 §6) — the resume of a restore comes whenever the caller asks for it, and a
-  published save's resume may be retried later.
+  published save's resume may be retried later. A run of a phase whose `phase.started` records
+  its own `deadline_ts` (a restore re-driven under its id) is judged against that budget instead.
 - `epoch` — no event carries an epoch lower than one already seen at a smaller seq.
 - `pairing` — every outcome follows its `call.sent`, once (a second `call.sent` with one id too).
 """
@@ -221,6 +222,8 @@ class _Attempt:
     runs: dict[tuple[str, int], int] = field(default_factory=dict)
     # (phase, epoch, run) -> highest step rank sent in that run
     run_max: dict[tuple[str, int, int], int] = field(default_factory=dict)
+    # (phase, epoch) -> the budget the current run of that phase recorded in its `phase.started`
+    run_deadline: dict[tuple[str, int], float] = field(default_factory=dict)
     servers: dict[str, _Server] = field(default_factory=dict)
 
     def server(self, name: str) -> _Server:
@@ -293,6 +296,11 @@ class ProtocolChecker:
         elif kind == "phase.started":
             key = (str(event.data.get("phase", "")), event.epoch)
             attempt.runs[key] = attempt.runs.get(key, 0) + 1
+            own = event.data.get("deadline_ts")
+            if isinstance(own, int | float) and not isinstance(own, bool):
+                attempt.run_deadline[key] = float(own)
+            else:
+                attempt.run_deadline.pop(key, None)
         elif kind == "call.sent":
             self._sent(attempt, event)
         elif kind in ("call.replied", "call.failed"):
@@ -379,15 +387,16 @@ class ProtocolChecker:
             or phase == "recovery"
             or by_recovery
         )
-        if attempt.deadline_ts is not None and not exempt:
+        deadline = attempt.run_deadline.get((phase, event.epoch), attempt.deadline_ts)
+        if deadline is not None and not exempt:
             sent_ts = parse_at(event.at)
-            if sent_ts > attempt.deadline_ts:
+            if sent_ts > deadline:
                 self._violation(
                     event.seq,
                     "deadline",
                     cid,
                     server,
-                    f"{phase} {operation} sent {sent_ts - attempt.deadline_ts:.3f}s after the deadline",
+                    f"{phase} {operation} sent {sent_ts - deadline:.3f}s after the deadline",
                 )
 
         # settlement bookkeeping

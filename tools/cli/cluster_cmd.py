@@ -27,6 +27,7 @@ __all__ = [
     "add_common",
     "escape",
     "phase_error_json",
+    "print_restored_again",
     "print_resubmit",
     "print_warnings",
     "progress_line",
@@ -54,6 +55,18 @@ def print_resubmit(resubmit: Sequence[Resubmission], indent: str = "") -> None:
     for r in resubmit:
         output.console.print(
             escape(f"{indent}send again: rollout {r.rollout_id} as attempt {r.attempt_index} on {r.server}"),
+            soft_wrap=True,
+        )
+
+
+def print_restored_again(names: Sequence[str], indent: str = "") -> None:
+    """The servers a restore's resume found restarted since the restore, and restored again first."""
+    if names:
+        output.console.print(
+            escape(
+                f"{indent}restored again before the resume (restarted since the restore, they held"
+                f" none of its state): {', '.join(names)}"
+            ),
             soft_wrap=True,
         )
 
@@ -124,6 +137,7 @@ def run_outcome(args: argparse.Namespace, what: str) -> int:
                 f"{escape(one.checkpoint_id or '')}: {one.outcome} —"
                 f" {escape(', '.join(one.servers) or 'no server')}"
             )
+            print_restored_again(one.restored_again)
             print_resubmit(one.resubmit)
     if result.left_paused:
         print_error(

@@ -96,6 +96,8 @@ class HostContext:
     token: str | None
     peers: dict[str, str] = field(default_factory=dict)
     http: HttpHolder = field(default_factory=HttpHolder)
+    #: replace the named server by a fresh one, as a restarted process would be (set by the host)
+    restart: Callable[[str], None] | None = None
 
     def peer_url(self, name_or_url: str) -> str:
         if name_or_url.startswith(("http://", "https://")):
@@ -468,6 +470,15 @@ class GymServer(ABC):
         async def reset_log() -> JSONResponse:
             self.control_log.clear()
             return JSONResponse({"ok": True})
+
+        @app.post("/gymsim/admin/restart")
+        async def restart() -> JSONResponse:
+            # a process restart: the fence, admission and every rollout, session and capture of
+            # this server are gone; the next request reaches a fresh server on the same port
+            if self.ctx.restart is None:
+                return JSONResponse({"error": "this host cannot restart a server"}, status_code=501)
+            self.ctx.restart(self.name)
+            return JSONResponse({"restarted": self.name})
 
         @app.post("/gymsim/admin/options")
         async def set_options(latency_s: float = Body(embed=True, ge=0, allow_inf_nan=False)) -> JSONResponse:

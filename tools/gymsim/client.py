@@ -90,6 +90,12 @@ async def resubmit(http: httpx.AsyncClient, agent_url: str, executions: Iterable
     )
 
 
+async def restart(http: httpx.AsyncClient, server_url: str) -> None:
+    """Restart one gymsim server as its process would be: same URL, nothing of its state kept."""
+    reply = await http.post(f"{server_url}/gymsim/admin/restart")
+    reply.raise_for_status()
+
+
 async def get_rollouts(http: httpx.AsyncClient, agent_url: str) -> dict[str, dict[str, Any]]:
     """`GET /rollouts` as rollout id → view (status, attempt, turns_done, turn_log, result, …)."""
     reply = await http.get(f"{agent_url}/rollouts")

@@ -64,6 +64,17 @@ class PrefixRouter:
         await PlainTextResponse("no such gymsim server", status_code=404)(scope, receive, send)
 
 
+class _Current:
+    """The ASGI app of whichever server is named `name` now: a restart swaps the server behind it."""
+
+    def __init__(self, servers: dict[str, GymServer], name: str) -> None:
+        self.servers = servers
+        self.name = name
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.servers[self.name].asgi(scope, receive, send)
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handling: the host decides when to stop."""
 
@@ -99,6 +110,8 @@ class Host:
         self._uvicorns: list[_Server] = []
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+        self.ctx.restart = self.restart
         prefixed: dict[str, ASGIApp] = {}
         expanded = spec.expanded()
         for server_spec in expanded:
@@ -109,12 +122,12 @@ class Host:
             if server_spec.prefix:
                 if shared is None:
                     shared = bind_listener(spec.host)
-                prefixed[server.name] = server.asgi
+                prefixed[server.name] = _Current(self.servers, server.name)
                 port = shared.getsockname()[1]
                 self.urls[server.name] = f"http://{spec.host}:{port}{PREFIX_ROOT}{server.name}"
             else:
                 sock = bind_listener(spec.host)
-                self._sockets.append((sock, server.asgi))
+                self._sockets.append((sock, _Current(self.servers, server.name)))
                 self.urls[server.name] = f"http://{spec.host}:{sock.getsockname()[1]}"
         if shared is not None:
             self._sockets.append((shared, PrefixRouter(prefixed)))
@@ -154,12 +167,23 @@ class Host:
         finally:
             for server in self.servers.values():
                 await server.aclose()
+            await asyncio.gather(*self._closing, return_exceptions=True)
             for listener in self._uvicorns:
                 listener.should_exit = True
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.ctx.http.aclose()
             for sock, _ in self._sockets:
                 sock.close()
+
+    def restart(self, name: str) -> None:
+        """Replace server `name` by a fresh one built from its spec, as a restarted process comes
+        back: same URL, idle fence, open admission, nothing of its old state. The old one stops its
+        background work (its rollouts die with it). Call from the host's event loop."""
+        old = self.servers[name]
+        self.servers[name] = make_server(old.spec, self.ctx)
+        task = asyncio.get_running_loop().create_task(old.aclose())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def stop(self) -> None:
         """Ask `serve()` to shut down; safe from any thread."""

@@ -241,6 +241,10 @@ class OutcomeModel(BaseModel):
     resubmit: list[ResubmissionModel] = Field(
         default=[], description="the resume of a restore: every execution to send `/run` for again"
     )
+    restored_again: list[str] = Field(
+        default=[],
+        description="the resume of a restore: servers restarted since it, restored again before the resume",
+    )
 
     @classmethod
     def of(cls, outcome: Outcome) -> OutcomeModel:
@@ -253,6 +257,7 @@ class OutcomeModel(BaseModel):
             left_paused=list(outcome.left_paused),
             also=[cls.of(o) for o in outcome.also],
             resubmit=[ResubmissionModel.of(r) for r in outcome.resubmit],
+            restored_again=list(outcome.restored_again),
         )
 
     def outcome_(self) -> Outcome:
@@ -265,6 +270,7 @@ class OutcomeModel(BaseModel):
             tuple(self.left_paused),
             tuple(o.outcome_() for o in self.also),
             tuple(r.resubmission() for r in self.resubmit),
+            tuple(self.restored_again),
         )
 
 

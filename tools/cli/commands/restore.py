@@ -27,7 +27,14 @@ from rich.markup import escape
 
 from coordinator import Attempt, Coordinator, PhaseError, ServersHeld, SnapshotError, load_config
 from coordinator.publish import resolve_snapshot
-from tools.cli.cluster_cmd import add_common, phase_error_json, print_resubmit, print_warnings, progress_line
+from tools.cli.cluster_cmd import (
+    add_common,
+    phase_error_json,
+    print_restored_again,
+    print_resubmit,
+    print_warnings,
+    progress_line,
+)
 from tools.cli.output import console, emit_json, print_error
 
 
@@ -95,6 +102,7 @@ def handle(args: argparse.Namespace) -> int:
     assert attempt is not None
     print_warnings(attempt.warnings)
     outcome = "resumed" if args.resume else "restored"
+    again = attempt.resume_outcome.restored_again if attempt.resume_outcome else ()
     if args.json:
         emit_json(
             {
@@ -102,6 +110,7 @@ def handle(args: argparse.Namespace) -> int:
                 "outcome": outcome,
                 "servers": list(attempt.touched),
                 "resubmit": [r.as_json() for r in attempt.resubmit],
+                **({"restored_again": list(again)} if again else {}),
             }
         )
     else:
@@ -110,6 +119,7 @@ def handle(args: argparse.Namespace) -> int:
             f" {escape(', '.join(attempt.touched))}"
             + ("" if args.resume else escape(f" (paused until `quiesce resume --config {args.config}`)"))
         )
+        print_restored_again(again)
         if attempt.resubmit:
             when = "now" if args.resume else "once resumed"
             console.print(
