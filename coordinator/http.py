@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 from urllib.parse import quote, urlsplit
 
 import anyio
@@ -201,8 +201,9 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # a stream transport, though not always an `asyncio.Transport` subclass: uvloop's are not
+        # (they implement the same methods), and the coordinator must run inside a uvloop host
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         parser = self._parser
