@@ -42,6 +42,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import time
@@ -157,7 +158,18 @@ class Coordinator:
         coordinator serves at (`quiesce serve`), written into its lease holder for standbys.
         `observe` is called with the events of each of this coordinator's ledger commits, in seq
         order, once committed — its recovery's too (`Ledger.after_append`; it must not raise).
+
+        It runs on asyncio (uvloop included): its HTTP client and the PostgreSQL driver are
+        asyncio's. Under another event loop (trio) it raises `QuiesceError` before anything opens.
         """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise QuiesceError(
+                "quiesce's coordinator runs on asyncio (uvloop included) — its HTTP client and the"
+                " PostgreSQL driver are asyncio's — but this code runs under another event loop"
+                " (trio?). Run it under asyncio: anyio.run(main, backend='asyncio'), or asyncio.run"
+            ) from None
         cfg = _as_config(config)
         source = (
             config_path

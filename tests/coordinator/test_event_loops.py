@@ -1,7 +1,10 @@
-"""The embedded coordinator inside a uvloop host (uvicorn[standard], Ray Serve): uvloop's transports
-implement asyncio's methods without subclassing `asyncio.Transport`, and the coordinator's HTTP
-client once refused them — every call failed as "connection lost". A checkpoint mid-rollout,
-a restore into a fresh cluster and its resume, all on uvloop, against real gymsim servers."""
+"""The event loops the embedded coordinator runs on.
+
+Inside a uvloop host (uvicorn[standard], Ray Serve): uvloop's transports implement asyncio's
+methods without subclassing `asyncio.Transport`, and the coordinator's HTTP client once refused
+them — every call failed as "connection lost". A checkpoint mid-rollout, a restore into a fresh
+cluster and its resume, all on uvloop, against real gymsim servers. Under trio it refuses at once
+with a clear error."""
 
 from __future__ import annotations
 
@@ -43,3 +46,17 @@ async def test_save_restore_and_resume_on_uvloop(make_cluster: Any, sqlite_url: 
             rollouts = await client.wait_finished(http, agent, timeout_s=60)
     assert client.final_results(rollouts) == expected
     await assert_protocol_ok(sqlite_url)
+
+
+def test_another_event_loop_is_refused_with_a_clear_error() -> None:
+    """Under trio nothing of the coordinator can work (asyncio's HTTP client and PostgreSQL driver):
+    `Coordinator.open` says so before it opens anything, instead of failing deep inside."""
+    trio = pytest.importorskip("trio")
+    from coordinator import QuiesceError
+
+    async def main() -> None:
+        async with Coordinator.open("no-such-config.yaml", token="t"):  # refused before it is read
+            raise AssertionError("opened under trio")
+
+    with pytest.raises(QuiesceError, match="runs on asyncio"):
+        trio.run(main)
