@@ -128,17 +128,21 @@ def test_checkpoint_restore_resume_history(
     assert restored in lines[2]
 
 
-def test_restore_says_what_to_send_again(
-    capsys: pytest.CaptureFixture[str], config_file: Path, cluster: Any, make_cluster: Any, tmp_path: Path
-) -> None:
-    agent = cluster.urls["simple_agent"]
+def _start_rollouts(agent: str, rollouts: dict[str, int]) -> None:
+    """Start `rollouts` (id → turns) on `agent` and wait until each ran a turn."""
 
     async def start() -> None:
         async with httpx.AsyncClient() as http:
-            await client.start_rollouts(http, agent, {"r1": 100_000, "r0": 100_000})
+            await client.start_rollouts(http, agent, rollouts)
             await client.wait_turns(http, agent, 1)
 
     anyio.run(start)
+
+
+def test_restore_says_what_to_send_again(
+    capsys: pytest.CaptureFixture[str], config_file: Path, cluster: Any, make_cluster: Any, tmp_path: Path
+) -> None:
+    _start_rollouts(cluster.urls["simple_agent"], {"r1": 100_000, "r0": 100_000})
     code, doc = _run(capsys, "checkpoint", "--config", str(config_file), "--json", "--deadline-s", "20")
     assert code == 0, doc
     ledger = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
@@ -170,14 +174,7 @@ def test_restore_says_what_to_send_again(
 def test_resume_says_which_restarted_servers_it_restored_again(
     capsys: pytest.CaptureFixture[str], config_file: Path, cluster: Any, make_cluster: Any, tmp_path: Path
 ) -> None:
-    agent = cluster.urls["simple_agent"]
-
-    async def start() -> None:
-        async with httpx.AsyncClient() as http:
-            await client.start_rollouts(http, agent, {"r0": 100_000})
-            await client.wait_turns(http, agent, 1)
-
-    anyio.run(start)
+    _start_rollouts(cluster.urls["simple_agent"], {"r0": 100_000})
     code, doc = _run(capsys, "checkpoint", "--config", str(config_file), "--json", "--deadline-s", "20")
     assert code == 0, doc
     ledger = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"

@@ -158,6 +158,21 @@ async def test_no_server_is_resumed_when_a_restarted_one_cannot_be_restored_agai
     await assert_protocol_ok(sqlite_url)
 
 
+async def _resume_failing_at_the_agent(
+    http: httpx.AsyncClient, config: Any, agent: str, snapshot: Path, fault: dict[str, Any]
+) -> str:
+    """Restore `snapshot`, then resume with `fault` on the agent's resume: tools and the model are
+    resumed, the agent is left paused (its resume refused, or its reply lost). The restore's id."""
+    async with Coordinator.open(config) as coord:
+        await coord.discover()
+        attempt = await coord.restore(snapshot)
+        await set_faults(http, agent, [{"path": "/agent-checkpoint/resume", "times": 1, **fault}])
+        with pytest.raises(PhaseError) as caught:
+            await coord.resume()
+        assert caught.value.not_resumed == ["simple_agent"]
+    return attempt.checkpoint_id
+
+
 async def test_servers_resumed_before_are_not_restored_again(
     make_cluster: Any, sqlite_url: str, configure: Any
 ) -> None:
@@ -169,26 +184,18 @@ async def test_servers_resumed_before_are_not_restored_again(
         config = configure(second, sqlite_url, control_timeout_s=1)
         agent = second.urls["simple_agent"]
         async with httpx.AsyncClient() as http:
-            async with Coordinator.open(config) as coord:
-                await coord.discover()
-                attempt = await coord.restore(snapshot)
-                await set_faults(
-                    http,
-                    agent,
-                    [{"kind": "fail", "path": "/agent-checkpoint/resume", "status": 503, "times": 1}],
-                )
-                with pytest.raises(PhaseError) as caught:
-                    await coord.resume()
-                assert caught.value.not_resumed == ["simple_agent"]
+            cid = await _resume_failing_at_the_agent(
+                http, config, agent, snapshot, {"kind": "fail", "status": 503}
+            )
             states = await server_states(http, second)
             assert states["tools"] == ("idle", "accepting")
             assert states["policy_model"] == ("idle", "accepting")
             async with Coordinator.open(config, recover=False) as later:  # as `quiesce resume ID`
-                outcome = await later.resume(attempt.checkpoint_id)
+                outcome = await later.resume(cid)
             assert outcome.outcome == "resumed"
             assert outcome.restored_again == ()
             for name in ("tools", "policy_model", "simple_agent"):
-                assert _restores(await control_log(http, second.urls[name]), attempt.checkpoint_id) == 1
+                assert _restores(await control_log(http, second.urls[name]), cid) == 1
             await assert_all_accepting(http, second)
             assert await _waiting(http, agent) == {
                 rid: ("restored", n + 1, turns) for (rid, n), turns in _saved_records(snapshot).items()
@@ -209,22 +216,14 @@ async def test_a_server_whose_resume_reply_was_lost_is_not_restored_again(
         config = configure(second, sqlite_url, control_timeout_s=1)
         agent = second.urls["simple_agent"]
         async with httpx.AsyncClient() as http:
-            async with Coordinator.open(config) as coord:
-                await coord.discover()
-                attempt = await coord.restore(snapshot)
-                await set_faults(
-                    http, agent, [{"kind": "drop", "path": "/agent-checkpoint/resume", "times": 1}]
-                )
-                with pytest.raises(PhaseError) as caught:
-                    await coord.resume()
-                assert caught.value.not_resumed == ["simple_agent"]
+            cid = await _resume_failing_at_the_agent(http, config, agent, snapshot, {"kind": "drop"})
             assert (await server_states(http, second))["simple_agent"] == ("idle", "accepting")
             async with Coordinator.open(config, recover=False) as later:
-                outcome = await later.resume(attempt.checkpoint_id)
+                outcome = await later.resume(cid)
             assert outcome.outcome == "resumed"
             assert outcome.restored_again == ()
             assert "simple_agent" in outcome.resumed
-            log = [e for e in await control_log(http, agent) if e["checkpoint_id"] == attempt.checkpoint_id]
+            log = [e for e in await control_log(http, agent) if e["checkpoint_id"] == cid]
             assert [
                 (e["path"].rsplit("/", 1)[-1], e["status"]) for e in log if e["path"].endswith("/restore")
             ] == [

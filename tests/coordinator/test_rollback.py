@@ -292,6 +292,19 @@ async def test_protocol_failures_are_recorded(cluster: Any, sqlite_url: str, con
     assert "not valid JSON" in failed[1].data["detail"]
 
 
+async def _checkpoint_with_a_slow_agent_commit(
+    http: httpx.AsyncClient, cluster: Any, coord: Coordinator, *, seconds: float, deadline_s: float
+) -> DeadlineExceeded:
+    """A checkpoint, rollouts running, whose agent commit takes `seconds` inside its fence (once):
+    past `deadline_s`, so the checkpoint fails; its error."""
+    await _start_rollouts(http, cluster)
+    fault = {"kind": "delay", "when": "during", "path": "/agent-checkpoint/commit", "seconds": seconds}
+    await set_faults(http, cluster.urls["simple_agent"], [{**fault, "times": 1}])
+    with pytest.raises(DeadlineExceeded) as caught:
+        await coord.checkpoint(deadline_s=deadline_s)
+    return caught.value
+
+
 async def test_a_commit_still_running_when_its_call_timed_out_is_waited_for_then_resumed(
     cluster: Any, sqlite_url: str, configure: Any
 ) -> None:
@@ -300,16 +313,10 @@ async def test_a_commit_still_running_when_its_call_timed_out_is_waited_for_then
     once done, would leave the agent paused for good; the rollback reads its fence first, waits
     for the commit to end, then resumes it."""
     config = configure(cluster, sqlite_url)
-    agent = cluster.urls["simple_agent"]
     async with httpx.AsyncClient() as http, Coordinator.open(config) as coord:
         previous = (await coord.checkpoint(deadline_s=20)).snapshot
         assert previous is not None
-        await _start_rollouts(http, cluster)
-        fault = {"kind": "delay", "when": "during", "path": "/agent-checkpoint/commit", "seconds": 4.0}
-        await set_faults(http, agent, [{**fault, "times": 1}])
-        with pytest.raises(DeadlineExceeded) as caught:
-            await coord.checkpoint(deadline_s=2.5)
-        error = caught.value
+        error = await _checkpoint_with_a_slow_agent_commit(http, cluster, coord, seconds=4.0, deadline_s=2.5)
         assert (error.phase, error.server) == ("commit", "simple_agent")
         assert "simple_agent" in error.resumed
         await _check_rolled_back(http, cluster, config, error, previous)
@@ -334,12 +341,7 @@ async def test_a_commit_that_outlasts_the_rollback_budget_is_left_paused_saying_
     agent = cluster.urls["simple_agent"]
     async with httpx.AsyncClient() as http, Coordinator.open(config) as coord:
         await coord.checkpoint(deadline_s=20)
-        await _start_rollouts(http, cluster)
-        fault = {"kind": "delay", "when": "during", "path": "/agent-checkpoint/commit", "seconds": 6.0}
-        await set_faults(http, agent, [{**fault, "times": 1}])
-        with pytest.raises(DeadlineExceeded) as caught:
-            await coord.checkpoint(deadline_s=2.0)
-        error = caught.value
+        error = await _checkpoint_with_a_slow_agent_commit(http, cluster, coord, seconds=6.0, deadline_s=2.0)
         assert error.not_resumed == ["simple_agent"]
         assert "simple_agent" not in error.resumed
         assert "committing of this checkpoint was still running" in str(error)
