@@ -19,8 +19,9 @@ client's), and where the added time goes — the per-save times between the call
 the attempt's ledger timestamps (``PARTS``).
 
 **Scrape.** One run (``run_scrape``, a fresh process) folds the events of ``ATTEMPTS`` recorded
-attempts into a service's metrics through ``Metrics.observe`` — the path the coordinator's events
-take in a running service — then serves the service's app with uvicorn on loopback and times
+attempts into a service's metrics through ``Metrics.observe`` and ``fold``, a thousand events at a
+time — the path the coordinator's events take in a running service, which folds every
+``WATCHDOG_S`` — then serves the service's app with uvicorn on loopback and times
 ``SCRAPES`` ``GET /metrics`` on one keep-alive connection by curl in its own process (httpx in this
 one when curl is missing), with nothing changed since the previous scrape — what the goal judges:
 counters and histograms are rendered once per change — and, on its own, the time to render them
@@ -259,7 +260,10 @@ async def run_scrape(attempts: int, scrapes: int, dir: str) -> dict[str, Any]:
         async for event in reader.read():
             page.append(event)
             if len(page) >= 1000:
+                # folded page by page, as a running service folds every WATCHDOG_S: holding every
+                # event until one fold would measure this harness's memory, not the service's
                 service.metrics.observe(page)
+                service.metrics.fold()
                 events += len(page)
                 page = []
         service.metrics.observe(page)
