@@ -448,6 +448,12 @@ async def record_phase_failed(
     ctx.progress(Progress(checkpoint_id, phase, server, step="failed", error=reason))
 
 
+def recovery_budget(ctx: Context, attempt: Attempt) -> float:
+    """The budget of the calls that let servers go (rollback, resume, the fence reads before them):
+    `max(deadline_ts, now + control_timeout_s)`."""
+    return max(attempt.deadline_ts, time.time() + ctx.config.control_timeout_s)
+
+
 async def run_phase(
     ctx: Context,
     attempt: Attempt,

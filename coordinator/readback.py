@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from coordinator.attempt import Attempt, Context, Outcome, record_phase_failed, resume_sorted
+from coordinator.attempt import Attempt, Context, Outcome, record_phase_failed, recovery_budget, resume_sorted
 from coordinator.config import ClusterConfig
 from coordinator.digests import file_digest
 from coordinator.discovery import Member
@@ -32,7 +32,7 @@ from coordinator.errors import PhaseError, QuiesceError, SnapshotError
 from coordinator.protocol import AGENT, MODEL, RESOURCES
 from coordinator.publish import MANIFEST, load_snapshot, write_latest
 from coordinator.restore import redrive, resubmissions_of, reverify
-from coordinator.resume import finish_resume, next_step, recovery_budget, resume_members, roll_back
+from coordinator.resume import finish_resume, next_step, resume_members, roll_back
 from coordinator.save import final_dir_of
 from ledger import AttemptRow, Event, Ledger
 

@@ -56,6 +56,7 @@ from coordinator.attempt import (
     free_command,
     next_checkpoint_id,
     record_phase_failed,
+    recovery_budget,
     run_phase,
     send_call,
 )
@@ -511,7 +512,7 @@ async def reinstate(ctx: Context, attempt: Attempt) -> None:
     when the snapshot is gone, damaged or changed, or the restore fails again.
     """
     cid = attempt.checkpoint_id
-    budget = max(attempt.deadline_ts, time.time() + ctx.config.control_timeout_s)
+    budget = recovery_budget(ctx, attempt)
     empty: set[str] = set()
 
     async def read(m: Member) -> None:

@@ -39,6 +39,7 @@ from coordinator.attempt import (
     anyio_deadline,
     free_command,
     record_phase_failed,
+    recovery_budget,
     send_call,
 )
 from coordinator.calls import CallResult
@@ -259,10 +260,6 @@ def next_step(ctx: Context, checkpoint_id: str, failures: Sequence[CallResult]) 
     if any(r.status == 401 for r in failures):
         return f"{TOKEN_HINT.format(env=ctx.config.token_env)} Then run `{command}`."
     return f"Run `{command}` once they are reachable."
-
-
-def recovery_budget(ctx: Context, attempt: Attempt) -> float:
-    return max(attempt.deadline_ts, time.time() + ctx.config.control_timeout_s)
 
 
 async def roll_back(
