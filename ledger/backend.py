@@ -1,9 +1,10 @@
 """What the ledger needs from a database, and the append transaction shared by every backend.
 
 A backend owns the connections. ``append`` runs ``apply_append`` inside one database transaction
-that is serialised with every other writer (SQLite ``BEGIN IMMEDIATE``; PostgreSQL
-``pg_advisory_xact_lock``), so commit order equals seq order, and returns only after the commit
-is durable at the configured level. Backends never interpret payloads.
+whose commit order among every writer's equals seq order (SQLite ``BEGIN IMMEDIATE``; PostgreSQL
+revision 0003's insert-at-head trigger with the seq key: a row goes in only right after the
+committed head, and two sessions inserting the same seq commit one of them), and returns only
+after the commit is durable at the configured level. Backends never interpret payloads.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ if TYPE_CHECKING:
 #: A stored events row, columns in ``ledger.layout.EVENT_COLUMNS`` order (``data`` as text).
 RawEvent: TypeAlias = tuple[int, str, str, str | None, str | None, str | None, int, str, str, str]
 
-#: Advisory lock keys (PostgreSQL): the writer's session claim, and the per-append lock.
+#: Advisory lock key (PostgreSQL): the writer's session claim.
 WRITER_LOCK_KEY = 0x7175_6965_7363_0001
-APPEND_LOCK_KEY = 0x7175_6965_7363_0002
 
 
 class Batch(NamedTuple):

@@ -16,7 +16,7 @@ with its outcome.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
@@ -98,6 +98,40 @@ class Event:
         }
 
 
+_new_object = object.__new__
+(_set_seq, _set_at, _set_kind, _set_cid, _set_server, _set_call_id, _set_epoch, _set_data, _set_prev,
+ _set_hash) = (Event.__dict__[f.name].__set__ for f in fields(Event))  # fmt: skip
+
+
+def new_event(
+    seq: int,
+    at: str,
+    kind: str,
+    checkpoint_id: str | None,
+    server: str | None,
+    call_id: str | None,
+    epoch: int,
+    data: dict[str, Any],
+    prev_hash: str,
+    hash: str,
+) -> Event:
+    """``Event(...)`` of the same values, built without the frozen ``__init__`` (which sets each
+    field through ``object.__setattr__``): it sets the same slots, so the event is equal in every
+    respect. The ledger builds every appended event through it (the append path)."""
+    event = _new_object(Event)
+    _set_seq(event, seq)
+    _set_at(event, at)
+    _set_kind(event, kind)
+    _set_cid(event, checkpoint_id)
+    _set_server(event, server)
+    _set_call_id(event, call_id)
+    _set_epoch(event, epoch)
+    _set_data(event, data)
+    _set_prev(event, prev_hash)
+    _set_hash(event, hash)
+    return event
+
+
 @dataclass(frozen=True, slots=True)
 class AppendItem:
     """One event of an ``append_many`` batch; the arguments of ``append``."""
@@ -109,4 +143,4 @@ class AppendItem:
     data: Any = field(default_factory=dict)
 
 
-__all__ = ["COLUMN_RULES", "KINDS", "AppendItem", "Event"]
+__all__ = ["COLUMN_RULES", "KINDS", "AppendItem", "Event", "new_event"]

@@ -1,24 +1,25 @@
 """The PostgreSQL backend (asyncpg through SQLAlchemy's async engine).
 
 - Writership: a session-level ``pg_try_advisory_lock(WRITER_LOCK_KEY)`` on the writer's held
-  connection (released by the server when that session ends, e.g. the process dies), plus
-  ``pg_advisory_xact_lock(APPEND_LOCK_KEY)`` inside each append transaction, so commit order is
-  seq order even if the claim were bypassed.
+  connection (released by the server when that session ends, e.g. the process dies). Commit
+  order is seq order even if the claim were bypassed, with no lock per append: revision 0003's
+  insert-at-head trigger admits only the row after the committed head, and a second session
+  inserting that same seq meanwhile waits on the seq key for the first one's outcome, then is
+  refused (a duplicate key) — so no row can commit before the rows it follows.
 - ``durability="process"`` sets ``synchronous_commit = off`` on the writer session: an append
   survives the writer's crash but not a crash of the database server. A write-behind append
   (``durable=False``) under "full" sets it for its own transaction only (``SET LOCAL``); the next
   synchronous commit flushes the WAL past it, and closing the ledger ends with one such commit.
 - An append runs on the writer session's own asyncpg connection (the driver connection under
   SQLAlchemy's), not through SQLAlchemy, as ONE statement (``append_statement``) — its own
-  transaction, one round trip, as a plain autocommit insert: the append lock (and, for a write-behind
-  one, ``synchronous_commit`` off for that transaction), the events insert, and the ``attempts``
-  upsert, which runs only if the events went in. ``apply_append``'s head check is revision
-  0003's insert-at-head trigger (each row must be the next seq and link to the stored head's
-  hash; its query sees the latest commit, even one made while this statement waited for the
-  lock) and the seq primary key: a refusal raises, writes nothing, and fences this writer with
-  the head as it is now (a newer epoch, or a row it did not write). The projection rows it folds
-  from come from the writer's cache, or are read first in one query (only this writer writes
-  them).
+  transaction, one round trip, as a plain autocommit insert: the events insert (for a
+  write-behind one, with ``synchronous_commit`` off for that transaction) and the ``attempts``
+  upsert, committed together or not at all. ``apply_append``'s head check is revision 0003's
+  insert-at-head trigger (each row must be the next seq and link to the stored head's hash; its
+  query sees the latest commit) and the seq primary key: a refusal raises, writes nothing, and
+  fences this writer with the head as it is now (a newer epoch, or a row it did not write). The
+  projection rows it folds from come from the writer's cache, or are read first in one query
+  (only this writer writes them).
 - Losing the writer session (the server ended it — e.g. a standby's ``pg_terminate_backend`` —
   or the connection broke) loses the writer lock with it, so an append that fails that way
   raises ``FencedError``: this writer must stop.
@@ -44,7 +45,6 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from ledger.backend import (
-    APPEND_LOCK_KEY,
     WRITER_LOCK_KEY,
     Backend,
     Batch,
@@ -56,7 +56,7 @@ from ledger.backend import (
 )
 from ledger.errors import FencedError, LedgerError
 from ledger.layout import MARKER_WHERE_POSTGRESQL, indexed_kind
-from ledger.projections import COLUMNS, AttemptRow, from_columns, to_columns, touched
+from ledger.projections import COLUMNS, AttemptRow, from_columns, stored_values, to_columns, touched
 from ledger.schema import EVENT_COLUMNS, attempts, events
 
 _EVENT_COLS = [events.c[name] for name in EVENT_COLUMNS]
@@ -73,36 +73,39 @@ _AT_TYPES = ("varchar", "varchar", "varchar", "varchar", "varchar", "varchar", "
 
 @functools.cache
 def append_statement(behind: bool, one_row: bool, puts: int) -> str:
-    """One append as one statement (see the module docstring). ``$1`` is the append lock's key,
-    then the events' columns, then the ``attempts`` rows'.
+    """One append as one statement (see the module docstring): an ``INSERT`` of the events whose
+    ``attempts`` upsert (``puts`` rows) is a data-modifying ``WITH``; ``$1``.. are the events'
+    columns, then the ``attempts`` rows'.
     ``one_row`` (one event, at most one projection row: a recorded call's usual append) passes
     the columns as plain parameters; otherwise each column is an array of the rows' values (one
     array per column, ``unnest``ed), as is every projection column when ``puts`` > 1.
-    Returns how many events went in: all of them — a row that is not the next link of the stored
-    chain is refused by revision 0003's insert-at-head trigger (or the seq key), which raises and
-    writes nothing, projection rows included. ``behind``: the transaction commits with
-    ``synchronous_commit`` off (a write-behind append under "full")."""
-    behind_sql = ", set_config('synchronous_commit', 'off', true)" if behind else ""
+    Its status tag counts the events that went in: all of them — a row that is not the next link
+    of the stored chain is refused by revision 0003's insert-at-head trigger (or the seq key),
+    which raises, and the statement writes nothing, projection rows included. ``behind``: the
+    transaction commits with ``synchronous_commit`` off (a write-behind append under "full"),
+    set by the insert's own ``FROM``, so before any row goes in."""
     n = len(_EV_TYPES)
 
     def source(types: Sequence[str], first: int, scalar: bool) -> str:
+        """The rows' values: one row of parameters, or a row per array element (``AS v``)."""
         if scalar:
             return "SELECT " + ", ".join(f"${i + first}::{t}" for i, t in enumerate(types))
-        return "SELECT * FROM unnest(" + ", ".join(f"${i + first}::{t}[]" for i, t in enumerate(types)) + ")"
+        arrays = ", ".join(f"${i + first}::{t}[]" for i, t in enumerate(types))
+        return f"SELECT v.* FROM unnest({arrays}) AS v"
 
-    statement = (
-        f"WITH held AS (SELECT pg_advisory_xact_lock($1){behind_sql}), "
-        f"ins AS (INSERT INTO events ({', '.join(EVENT_COLUMNS)}) {source(_EV_TYPES, 2, one_row)} "
-        "WHERE (SELECT count(*) FROM held) = 1 RETURNING 1)"
-    )
+    statement = ""
     if puts:
-        statement += (
-            f", up AS (INSERT INTO attempts ({', '.join(COLUMNS)}) {source(_AT_TYPES, 2 + n, puts == 1)} "
-            "WHERE EXISTS (SELECT 1 FROM ins) ON CONFLICT (checkpoint_id) DO UPDATE SET "
+        statement = (
+            f"WITH up AS (INSERT INTO attempts ({', '.join(COLUMNS)}) {source(_AT_TYPES, 1 + n, puts == 1)} "
+            "ON CONFLICT (checkpoint_id) DO UPDATE SET "
             + ", ".join(f"{c} = excluded.{c}" for c in COLUMNS if c != "checkpoint_id")
-            + ")"
+            + ") "
         )
-    return statement + " SELECT count(*) FROM ins"
+    rows = source(_EV_TYPES, 1, one_row)
+    if behind:  # a subquery with a volatile call is evaluated (never pulled up) before any row is made
+        setting = "(SELECT set_config('synchronous_commit', 'off', true)) AS cfg"
+        rows += f" FROM {setting}" if one_row else f", {setting}"
+    return statement + f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) {rows}"
 
 
 _A_HEAD = "SELECT seq, epoch FROM events ORDER BY seq DESC LIMIT 1"
@@ -176,6 +179,7 @@ class PostgresBackend(Backend):
         self._cache = ProjectionCache()
         self._unsynced = False  # the last append was write-behind (not yet flushed for sure)
         self._driver: Any = None  # the writer session's asyncpg connection (appends)
+        self._shield_scope: type[anyio.CancelScope] = anyio.CancelScope
         #: ``pg_backend_pid()`` of the writer session once writership is claimed.
         self.writer_pid: int | None = None
 
@@ -229,7 +233,10 @@ class PostgresBackend(Backend):
             raise LedgerError(f"cannot connect to ledger {self.where}: {error}") from None
 
     async def start(self) -> None:
-        return None
+        # ``anyio.CancelScope()`` looks up the running async backend on every call; this
+        # backend's connections belong to one event loop, so its shield class is fixed: the class
+        # ``anyio.CancelScope()`` gives here, which takes the same arguments.
+        self._shield_scope = type(anyio.CancelScope())
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -276,7 +283,7 @@ class PostgresBackend(Backend):
             params: Sequence[Any]
             if len(rows) == 1 and len(puts) <= 1:  # a recorded call's append: plain parameters
                 statement = append_statement(behind, True, len(puts))
-                params = (*rows[0], *to_columns(puts[0]).values()) if puts else rows[0]
+                params = (*rows[0], *stored_values(puts[0])) if puts else rows[0]
             else:
                 statement = append_statement(behind, False, min(len(puts), 2))
                 arrays: list[Any] = [list(column) for column in zip(*rows, strict=True)]
@@ -286,7 +293,8 @@ class PostgresBackend(Backend):
                     arrays += [list(c) for c in zip(*(to_columns(r).values() for r in puts), strict=True)]
                 params = arrays
             try:
-                inserted = await conn.fetchval(statement, APPEND_LOCK_KEY, *params)
+                status = await conn.execute(statement, *params)  # the events insert's tag, "INSERT 0 <rows>"
+                inserted = int(status.rsplit(" ", 1)[1])
             except asyncpg.IntegrityConstraintViolationError:  # the 0003 trigger or the seq key refused it
                 inserted = None
             if inserted != len(rows):  # nothing was written: the head is not where this writer left it
@@ -312,7 +320,7 @@ class PostgresBackend(Backend):
         if self._writer is None:
             raise LedgerError(f"ledger {self.where} is not open for writing")
         try:
-            with anyio.CancelScope(shield=True):
+            with self._shield_scope(shield=True):
                 await self._append_fast(batch)
         except (IntegrityError, asyncpg.IntegrityConstraintViolationError):  # the seq key, the 0003 trigger
             raise FencedError(
@@ -356,7 +364,6 @@ class PostgresBackend(Backend):
 
         def swap(conn: Connection) -> None:
             with conn.begin():
-                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": APPEND_LOCK_KEY})
                 conn.execute(delete(attempts))
                 if rows:
                     conn.execute(insert(attempts), [to_columns(r) for r in rows])

@@ -383,6 +383,16 @@ def _participants_text(participants: tuple[str, ...]) -> str:
     return text
 
 
+_PARTICIPANTS_AT: Final = COLUMNS.index("participants")
+
+
+def stored_values(row: AttemptRow) -> tuple[Any, ...]:
+    """The values of ``to_columns(row)``, in ``COLUMNS`` order, without building the mapping."""
+    values = _columns_of(row)
+    at = _PARTICIPANTS_AT
+    return (*values[:at], _participants_text(row.participants), *values[at + 1 :])
+
+
 def to_columns(row: AttemptRow) -> dict[str, Any]:
     """The row as stored: ``participants`` becomes canonical JSON text."""
     return {

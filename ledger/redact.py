@@ -39,6 +39,24 @@ class Redactor:
                 value = value.replace(secret, REDACTED)
         return value
 
+    def columns(
+        self, checkpoint_id: str | None, server: str | None, call_id: str | None
+    ) -> tuple[str | None, str | None, str | None]:
+        """The three text columns with every configured secret replaced (None stays None)."""
+        for secret in self._secrets:
+            if (
+                (checkpoint_id is not None and secret in checkpoint_id)
+                or (server is not None and secret in server)
+                or (call_id is not None and secret in call_id)
+            ):
+                text = self.text
+                return (
+                    None if checkpoint_id is None else text(checkpoint_id),
+                    None if server is None else text(server),
+                    None if call_id is None else text(call_id),
+                )
+        return checkpoint_id, server, call_id
+
     def redact(self, value: Any) -> Any:
         """A copy of ``value`` with authorization values and secret strings replaced."""
         if isinstance(value, dict):
@@ -71,13 +89,12 @@ class Redactor:
         """
         text = canonical_text(value)
         small = len(text) * 4 <= BODY_CAP_BYTES or len(text.encode("utf-8")) <= BODY_CAP_BYTES
-        if (
-            small
-            and self._plain_secrets
-            and not any(secret in text for secret in self._secrets)
-            and "authorization" not in text.lower()
-        ):
-            return value, text
+        if small and self._plain_secrets and "authorization" not in text.lower():
+            for secret in self._secrets:
+                if secret in text:
+                    break
+            else:
+                return value, text
         stored = self.apply(value)
         return stored, canonical_text(stored)
 

@@ -69,7 +69,7 @@ from ledger.backend import Backend, Batch, InlineAppend, LeaseState, RawEvent
 from ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
 from ledger.chain import check_rows, truncation
 from ledger.errors import BrokenChainError, FencedError, LedgerError
-from ledger.events import COLUMN_RULES, KINDS, AppendItem, Event
+from ledger.events import COLUMN_RULES, KINDS, AppendItem, Event, new_event
 from ledger.layout import HEAD_REVISION
 from ledger.projections import AttemptRow
 from ledger.redact import Redactor
@@ -512,10 +512,7 @@ class Ledger:
         except (ValueError, TypeError) as error:
             raise LedgerError(f"invalid {kind} payload: not storable as JSON ({error})") from None
         if self._secrets:
-            scrub = self._redactor.text
-            checkpoint_id = scrub(checkpoint_id) if checkpoint_id is not None else None
-            server = scrub(server) if server is not None else None
-            call_id = scrub(call_id) if call_id is not None else None
+            checkpoint_id, server, call_id = self._redactor.columns(checkpoint_id, server, call_id)
         return _Encoded(kind, checkpoint_id, server, call_id, stored, text)
 
     def _check_writable(self) -> None:
@@ -674,14 +671,7 @@ class Ledger:
             events = [event for _, event in self._staged] + events
             durable = durable or self._staged_durable
             self._staged, self._staged_durable = [], False
-        batch = Batch(
-            rows=rows,
-            events=events,
-            expected_last=self._last_seq,
-            epoch=epoch,
-            where=self.url,
-            durable=durable,
-        )
+        batch = Batch(rows, events, self._last_seq, epoch, self.url, durable)
         return batch, carried
 
     def _chain(self, items: list[_Encoded], epoch: int) -> tuple[list[RawEvent], list[Event]]:
@@ -716,7 +706,7 @@ class Ledger:
                 ),
             )
             rows.append((seq, at, kind, cid, server, call_id, epoch, text, prev, digest))
-            events.append(Event(seq, at, kind, cid, server, call_id, epoch, item.data, prev, digest))
+            events.append(new_event(seq, at, kind, cid, server, call_id, epoch, item.data, prev, digest))
             prev = digest
         self._tail_seq, self._tail_hash = seq, prev
         return rows, events

@@ -10,8 +10,7 @@ import uuid
 import anyio
 import pytest
 
-from ledger import FencedError, Ledger, replay_url
-from ledger.backend import APPEND_LOCK_KEY
+from ledger import AppendItem, FencedError, Ledger, replay_url
 from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, random_items, raw_sql, started
 from tools.pgtemp import TempPostgres
 
@@ -23,8 +22,8 @@ def pg_url(postgres: TempPostgres) -> str:
     return postgres.create_database(f"t_{uuid.uuid4().hex[:20]}")
 
 
-_WAITING_FOR_ADVISORY_LOCK = (
-    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND wait_event = 'advisory'"
+_WAITING_FOR_A_TRANSACTION = (
+    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND wait_event = 'transactionid'"
 )
 
 
@@ -58,14 +57,41 @@ async def test_each_append_is_committed_and_leaves_no_transaction_open(pg_url: s
 
 
 async def test_write_behind_turns_synchronous_commit_off_for_its_transaction_only(pg_url: str) -> None:
+    """The setting is in force while the rows go in (a test trigger records what each row's
+    transaction sees), for single and batched write-behind statements, and does not outlive them."""
     async with Ledger.open(pg_url) as ledger:
         await ledger.start_epoch(COORDINATOR)
+        await raw_sql(
+            pg_url,
+            "CREATE TABLE seen_setting (seq BIGINT, synchronous_commit TEXT)",
+            "CREATE FUNCTION record_setting() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+            " INSERT INTO seen_setting VALUES (NEW.seq, current_setting('synchronous_commit')); RETURN NEW;"
+            " END; $$",
+            "CREATE TRIGGER record_setting AFTER INSERT ON events FOR EACH ROW"
+            " EXECUTE FUNCTION record_setting()",
+        )
         conn = await ledger._backend._asyncpg()  # type: ignore[attr-defined]  # the writer's own session
         await conn.execute("SET synchronous_commit = on")  # the test cluster's default is off
-        await ledger.append(
+        durable = await ledger.append("attempt.started", checkpoint_id="c1", data=started())
+        behind = await ledger.append(
             "call.sent", checkpoint_id="c1", server="agent", call_id="k1", data=SENT, durable=False
         )
+        batch = await ledger.append_many(
+            [
+                AppendItem("call.replied", checkpoint_id="c1", server="agent", call_id="k1", data=REPLIED),
+                AppendItem("call.sent", checkpoint_id="c1", server="agent", call_id="k2", data=SENT),
+            ],
+            durable=False,
+        )
+        after = await ledger.append(
+            "call.replied", checkpoint_id="c1", server="agent", call_id="k2", data=REPLIED
+        )
         assert await conn.fetchval("SHOW synchronous_commit") == "on"
+    seen = dict(await raw_sql(pg_url, "SELECT seq, synchronous_commit FROM seen_setting"))
+    assert seen[durable.seq] == "on"
+    assert seen[behind.seq] == "off"
+    assert [seen[event.seq] for event in batch] == ["off", "off"]
+    assert seen[after.seq] == "on"
 
 
 async def test_a_row_slipped_in_by_another_session_fences_and_writes_nothing(pg_url: str) -> None:
@@ -115,20 +141,25 @@ async def test_every_statement_shape_writes_the_projection_replay_rebuilds(pg_ur
     assert (await raw_sql(pg_url, "SELECT count(*) FROM attempts"))[0][0] > 0
 
 
-async def test_a_row_committed_while_the_append_waits_for_the_lock_fences(pg_url: str) -> None:
-    """The append statement's snapshot predates the append lock it waits for: a row another
-    session commits meanwhile passes the statement's own head check, and is refused by the
-    insert-at-head trigger (or the seq key) instead — still a fence, never a second row at a seq."""
+@pytest.mark.parametrize("rogue_commits", [True, False], ids=["commits", "rolls-back"])
+async def test_an_append_racing_another_sessions_row_at_the_same_seq_commits_only_in_order(
+    pg_url: str, rogue_commits: bool
+) -> None:
+    """No lock is taken per append: another session's row at the writer's next seq, not yet
+    committed, passes the writer's insert-at-head check (it sees committed rows only), so the
+    writer's statement waits on the seq key for that session's outcome. If it commits, the append
+    is refused and fences — never a second row at a seq, never a row committed ahead of the one
+    before it; if it rolls back, the append goes in at that seq as if nothing happened."""
     import asyncpg
 
     async with Ledger.open(pg_url) as ledger:
         await ledger.start_epoch(COORDINATOR)
         first = await ledger.append("attempt.started", checkpoint_id="c1", data=started())
         rogue = await asyncpg.connect(pg_url.replace("postgresql+asyncpg://", "postgresql://"))
+        outcome: list[BaseException] = []
         try:
             transaction = rogue.transaction()
             await transaction.start()
-            await rogue.execute("SELECT pg_advisory_xact_lock($1)", APPEND_LOCK_KEY)
             await rogue.execute(
                 "INSERT INTO events (seq, at, kind, checkpoint_id, server, call_id, epoch, data, prev_hash,"
                 " hash) VALUES ($1, '2025-01-01T00:00:00.000000Z', 'note', NULL, NULL, NULL, 1, '{}',"
@@ -137,7 +168,6 @@ async def test_a_row_committed_while_the_append_waits_for_the_lock_fences(pg_url
                 first.hash,
                 "f" * 64,
             )
-            outcome: list[BaseException] = []
 
             async def append() -> None:
                 try:
@@ -149,18 +179,30 @@ async def test_a_row_committed_while_the_append_waits_for_the_lock_fences(pg_url
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(append)
-                # the writer's statement is waiting for the append lock the rogue session holds
-                for _ in range(3000):
-                    if await raw_sql(pg_url, _WAITING_FOR_ADVISORY_LOCK):
+                for _ in range(3000):  # the writer's statement waits for the rogue transaction
+                    if await raw_sql(pg_url, _WAITING_FOR_A_TRANSACTION):
                         break
                     await anyio.sleep(0.02)
                 else:
-                    pytest.fail("the append never waited for the append lock")
-                await transaction.commit()
+                    pytest.fail("the append never waited for the other session's row")
+                await (transaction.commit() if rogue_commits else transaction.rollback())
         finally:
             await rogue.close()
-        assert len(outcome) == 1
-        assert isinstance(outcome[0], FencedError), outcome[0]
+        if rogue_commits:
+            assert len(outcome) == 1
+            assert isinstance(outcome[0], FencedError), outcome[0]
+        else:
+            assert outcome == []
+            await ledger.append(
+                "call.replied", checkpoint_id="c1", server="agent", call_id="k1", data=REPLIED
+            )
     rows = await raw_sql(pg_url, "SELECT seq, kind FROM events ORDER BY seq")
-    assert rows[-1] == (first.seq + 1, "note")
-    assert await raw_sql(pg_url, "SELECT calls FROM attempts WHERE checkpoint_id = 'c1'") == [(0,)]
+    if rogue_commits:
+        assert rows[-1] == (first.seq + 1, "note")
+        assert await raw_sql(pg_url, "SELECT calls FROM attempts WHERE checkpoint_id = 'c1'") == [(0,)]
+    else:
+        assert rows[-2:] == [(first.seq + 1, "call.sent"), (first.seq + 2, "call.replied")]
+        assert await raw_sql(pg_url, "SELECT calls, last_seq FROM attempts WHERE checkpoint_id = 'c1'") == [
+            (1, first.seq + 1)  # the call.sent counted; a reply does not change the projection
+        ]
+        assert (await replay_url(pg_url)).ok

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from ledger import BODY_CAP_BYTES, GENESIS_HASH, REDACTED, Event, chain_hash, fold, row_bytes
 from ledger.canonical import canonical
-from ledger.events import KINDS
+from ledger.events import KINDS, new_event
 from ledger.payloads import PAYLOADS
 from ledger.projections import (
     COLUMNS,
@@ -24,6 +24,8 @@ from ledger.projections import (
     _row,
     payload_read_by_fold,
     replace,
+    stored_values,
+    to_columns,
     touched,
 )
 from ledger.redact import Redactor, cap_bodies
@@ -126,6 +128,25 @@ def test_fast_path_agrees_with_the_full_walk(value: dict[str, Any], secret: str)
     stored, text = redactor.encode(value)
     assert stored == redactor.apply(value)
     assert text == canonical(redactor.apply(value)).decode()
+
+
+@given(
+    columns=st.tuples(*[st.none() | st.text(max_size=12)] * 3),
+    secrets=st.lists(st.text(min_size=1, max_size=4), max_size=3),
+)
+@settings(max_examples=300, deadline=None)
+def test_the_text_columns_are_scrubbed_like_any_text(
+    columns: tuple[str | None, str | None, str | None], secrets: list[str]
+) -> None:
+    """``Redactor.columns`` (checkpoint id, server, call id at once) is ``Redactor.text`` of each."""
+    redactor = Redactor(secrets)
+    assert redactor.columns(*columns) == tuple(None if c is None else redactor.text(c) for c in columns)
+
+
+def test_the_text_columns_lose_every_secret() -> None:
+    redactor = Redactor(["tok-1", "tok-12"])
+    assert redactor.columns("c-tok-12", None, "tok-1/x") == (f"c-{REDACTED}", None, f"{REDACTED}/x")
+    assert redactor.columns("c1", "agent", None) == ("c1", "agent", None)
 
 
 def test_body_over_the_cap_becomes_digest_and_prefix() -> None:
@@ -275,6 +296,28 @@ def test_rows_built_positionally_equal_the_dataclass() -> None:
     assert replace(built) == built
     with pytest.raises(TypeError, match="no column 'nope'"):
         replace(built, nope=1)
+
+
+def test_events_built_positionally_equal_the_dataclass() -> None:
+    """The ledger builds appended events without ``Event.__init__``; they must be the same events."""
+    values = (7, "t7", "call.sent", "c1", "agent", "k1", 2, {"phase": "prepare"}, "a" * 64, "b" * 64)
+    built = new_event(*values)
+    assert type(built) is Event
+    assert built == Event(*values)
+    assert repr(built) == repr(Event(*values))
+    assert built.columns() == Event(*values).columns()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.seq = 9  # type: ignore[misc]
+
+
+def test_stored_values_are_the_stored_columns_in_order() -> None:
+    for values in (
+        ("c1", "save", "prepare", None, "t1", None, 2.5, ("a", "b"), 3, 4, 5, None, 6),
+        ("c2", "restore", "aborted", "aborted", "t1", "t2", None, (), 1, 0, 2, 3, 9),
+    ):
+        row = AttemptRow(*values)
+        assert stored_values(row) == tuple(to_columns(row).values())
+        assert list(to_columns(row)) == list(COLUMNS)
 
 
 def test_fold_lifecycle() -> None:
