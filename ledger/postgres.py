@@ -288,9 +288,9 @@ class PostgresBackend(Backend):
                 statement = append_statement(behind, False, min(len(puts), 2))
                 arrays: list[Any] = [list(column) for column in zip(*rows, strict=True)]
                 if len(puts) == 1:
-                    arrays += to_columns(puts[0]).values()
+                    arrays += stored_values(puts[0])
                 elif puts:
-                    arrays += [list(c) for c in zip(*(to_columns(r).values() for r in puts), strict=True)]
+                    arrays += [list(c) for c in zip(*map(stored_values, puts), strict=True)]
                 params = arrays
             try:
                 status = await conn.execute(statement, *params)  # the events insert's tag, "INSERT 0 <rows>"

@@ -387,29 +387,15 @@ _PARTICIPANTS_AT: Final = COLUMNS.index("participants")
 
 
 def stored_values(row: AttemptRow) -> tuple[Any, ...]:
-    """The values of ``to_columns(row)``, in ``COLUMNS`` order, without building the mapping."""
+    """The row as stored, in ``COLUMNS`` order: ``participants`` becomes canonical JSON text."""
     values = _columns_of(row)
     at = _PARTICIPANTS_AT
     return (*values[:at], _participants_text(row.participants), *values[at + 1 :])
 
 
 def to_columns(row: AttemptRow) -> dict[str, Any]:
-    """The row as stored: ``participants`` becomes canonical JSON text."""
-    return {
-        "checkpoint_id": row.checkpoint_id,
-        "kind": row.kind,
-        "state": row.state,
-        "outcome": row.outcome,
-        "started_at": row.started_at,
-        "ended_at": row.ended_at,
-        "deadline_ts": row.deadline_ts,
-        "participants": _participants_text(row.participants),
-        "epoch": row.epoch,
-        "calls": row.calls,
-        "failures": row.failures,
-        "recovered_by": row.recovered_by,
-        "last_seq": row.last_seq,
-    }
+    """``stored_values(row)`` by column name."""
+    return dict(zip(COLUMNS, stored_values(row), strict=True))
 
 
 _parsed_cache: dict[str, tuple[str, ...]] = {}

@@ -41,7 +41,7 @@ from ledger import sqlitefile
 from ledger.backend import Backend, Batch, InlineAppend, ProjectionCache, RawEvent, apply_append
 from ledger.errors import FencedError, LedgerError
 from ledger.layout import EVENT_COLUMNS, MARKER_WHERE_SQLITE, VERSION_TABLE, indexed_kind
-from ledger.projections import COLUMNS, AttemptRow, from_columns, to_columns
+from ledger.projections import COLUMNS, AttemptRow, from_columns, stored_values
 from ledger.urls import parse, plain_sqlite_path
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class _SqliteTx:
         return from_columns(row) if row is not None else None
 
     def put_attempt(self, row: AttemptRow, existed: bool) -> None:
-        values = tuple(to_columns(row).values())
+        values = stored_values(row)
         if existed:  # in place: the table's page only (a REPLACE rewrites its key's index entry too)
             self._c.execute(_UPDATE_ATTEMPT, (*values[1:], values[0]))
         else:
@@ -324,7 +324,7 @@ class SqliteBackend(Backend, InlineAppend):
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 conn.execute("DELETE FROM attempts")
-                conn.executemany(_PUT_ATTEMPT, [tuple(to_columns(r).values()) for r in rows])
+                conn.executemany(_PUT_ATTEMPT, [stored_values(r) for r in rows])
                 conn.execute("COMMIT")
                 self._committed(durable=True)
             except BaseException:
