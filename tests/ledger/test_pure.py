@@ -315,8 +315,8 @@ def test_a_row_is_stored_column_by_column_with_its_participants_as_json() -> Non
     stored = ("c1", "save", "prepare", None, "t1", None, 2.5, '["a","b"]', 3, 4, 5, None, 6)
     assert stored_values(row) == stored
     assert to_columns(row) == dict(zip(COLUMNS, stored, strict=True))
-    empty = AttemptRow("c2", "restore", "aborted", "aborted", "t1", "t2", None, (), 1, 0, 2, 3, 9)
-    assert stored_values(empty) == ("c2", "restore", "aborted", "aborted", "t1", "t2", None, "[]", 1, 0, 2, 3, 9)
+    empty = ("c2", "restore", "aborted", "aborted", "t1", "t2", None, (), 1, 0, 2, 3, 9)
+    assert stored_values(AttemptRow(*empty)) == (*empty[:7], "[]", *empty[8:])
 
 
 def test_fold_lifecycle() -> None:
