@@ -2,13 +2,13 @@
 
 Public API::
 
-    from coordinator import Coordinator, load_config
+    from quiesce import Coordinator, load_config
     async with Coordinator.open("cluster.yaml") as coord:
         await coord.discover()
         async with coord.save(deadline_s=60) as attempt:
             ...  # write the trainer's half into attempt.staging_dir
 
-See `coordinator.coordinator.Coordinator` for the step-wise methods and the invariants.
+See `quiesce.coordinator.coordinator.Coordinator` for the step-wise methods and the invariants.
 """
 
 from __future__ import annotations
@@ -17,11 +17,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from coordinator.attempt import Attempt, Outcome, Progress, ProgressCallback, Resubmission
-    from coordinator.config import ClusterConfig, ServerConfig, load_config, parse_config, resolve_token
-    from coordinator.coordinator import Coordinator, read_history
-    from coordinator.discovery import Discovery, Member
-    from coordinator.errors import (
+    from quiesce.coordinator.attempt import Attempt, Outcome, Progress, ProgressCallback, Resubmission
+    from quiesce.coordinator.config import (
+        ClusterConfig,
+        ServerConfig,
+        load_config,
+        parse_config,
+        resolve_token,
+    )
+    from quiesce.coordinator.coordinator import Coordinator, read_history
+    from quiesce.coordinator.discovery import Discovery, Member
+    from quiesce.coordinator.errors import (
         AcknowledgementError,
         ConfigError,
         DeadlineExceeded,
@@ -33,41 +39,41 @@ if TYPE_CHECKING:
         ServersHeld,
         SnapshotError,
     )
-    from coordinator.publish import Snapshot, load_snapshot, read_latest, verify_snapshot
-    from coordinator.status import ClusterStatus
+    from quiesce.coordinator.publish import Snapshot, load_snapshot, read_latest, verify_snapshot
+    from quiesce.coordinator.status import ClusterStatus
 
 #: Public names and the module each lives in. Imported on first use, so that importing
-#: `coordinator.errors` (the CLI does, at start) does not load httpx, the ledger and pydantic models.
+#: `quiesce.coordinator.errors` (the CLI does, at start) does not load httpx, the ledger and pydantic models.
 _EXPORTS: dict[str, str] = {
-    "AcknowledgementError": "coordinator.errors",
-    "Attempt": "coordinator.attempt",
-    "ClusterConfig": "coordinator.config",
-    "ConfigError": "coordinator.errors",
-    "Coordinator": "coordinator.coordinator",
-    "DeadlineExceeded": "coordinator.errors",
-    "Discovery": "coordinator.discovery",
-    "DiscoveryError": "coordinator.errors",
-    "FencedError": "coordinator.errors",
-    "LedgerError": "coordinator.errors",
-    "Member": "coordinator.discovery",
-    "Outcome": "coordinator.attempt",
-    "PhaseError": "coordinator.errors",
-    "Progress": "coordinator.attempt",
-    "ProgressCallback": "coordinator.attempt",
-    "QuiesceError": "coordinator.errors",
-    "Resubmission": "coordinator.attempt",
-    "ServerConfig": "coordinator.config",
-    "ServersHeld": "coordinator.errors",
-    "ClusterStatus": "coordinator.status",
-    "Snapshot": "coordinator.publish",
-    "SnapshotError": "coordinator.errors",
-    "load_config": "coordinator.config",
-    "load_snapshot": "coordinator.publish",
-    "parse_config": "coordinator.config",
-    "read_history": "coordinator.coordinator",
-    "read_latest": "coordinator.publish",
-    "resolve_token": "coordinator.config",
-    "verify_snapshot": "coordinator.publish",
+    "AcknowledgementError": "quiesce.coordinator.errors",
+    "Attempt": "quiesce.coordinator.attempt",
+    "ClusterConfig": "quiesce.coordinator.config",
+    "ConfigError": "quiesce.coordinator.errors",
+    "Coordinator": "quiesce.coordinator.coordinator",
+    "DeadlineExceeded": "quiesce.coordinator.errors",
+    "Discovery": "quiesce.coordinator.discovery",
+    "DiscoveryError": "quiesce.coordinator.errors",
+    "FencedError": "quiesce.coordinator.errors",
+    "LedgerError": "quiesce.coordinator.errors",
+    "Member": "quiesce.coordinator.discovery",
+    "Outcome": "quiesce.coordinator.attempt",
+    "PhaseError": "quiesce.coordinator.errors",
+    "Progress": "quiesce.coordinator.attempt",
+    "ProgressCallback": "quiesce.coordinator.attempt",
+    "QuiesceError": "quiesce.coordinator.errors",
+    "Resubmission": "quiesce.coordinator.attempt",
+    "ServerConfig": "quiesce.coordinator.config",
+    "ServersHeld": "quiesce.coordinator.errors",
+    "ClusterStatus": "quiesce.coordinator.status",
+    "Snapshot": "quiesce.coordinator.publish",
+    "SnapshotError": "quiesce.coordinator.errors",
+    "load_config": "quiesce.coordinator.config",
+    "load_snapshot": "quiesce.coordinator.publish",
+    "parse_config": "quiesce.coordinator.config",
+    "read_history": "quiesce.coordinator.coordinator",
+    "read_latest": "quiesce.coordinator.publish",
+    "resolve_token": "quiesce.coordinator.config",
+    "verify_snapshot": "quiesce.coordinator.publish",
 }
 
 

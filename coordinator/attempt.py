@@ -81,19 +81,19 @@ import anyio
 import anyio.to_thread
 from pydantic import BaseModel
 
-from coordinator import ids
-from coordinator.calls import Caller, CallResult
-from coordinator.config import ClusterConfig
-from coordinator.digests import DigestCache
-from coordinator.discovery import Member
-from coordinator.errors import QuiesceError
-from coordinator.phases import Role, resume_order
-from coordinator.protocol import (
+from quiesce.coordinator import ids
+from quiesce.coordinator.calls import Caller, CallResult
+from quiesce.coordinator.config import ClusterConfig
+from quiesce.coordinator.digests import DigestCache
+from quiesce.coordinator.discovery import Member
+from quiesce.coordinator.errors import QuiesceError
+from quiesce.coordinator.phases import Role, resume_order
+from quiesce.coordinator.protocol import (
     CommonBody,
     refused_before_effect,
     route,
 )
-from ledger import Ledger
+from quiesce.ledger import Ledger
 
 T = TypeVar("T")
 
@@ -505,7 +505,7 @@ async def run_phase(
     return summary
 
 
-#: ledger → its ledger id (`coordinator.ids`), read once per open ledger
+#: ledger → its ledger id (`quiesce.coordinator.ids`), read once per open ledger
 _LEDGER_IDS: weakref.WeakKeyDictionary[Ledger, str | None] = weakref.WeakKeyDictionary()
 
 
@@ -528,7 +528,7 @@ async def ledger_id(ledger: Ledger) -> str | None:
 
 
 async def next_checkpoint_id(ledger: Ledger) -> str:
-    """The id of a new attempt: `q<ledger id>-<seq>-e<epoch>` (`coordinator.ids`), unique across
+    """The id of a new attempt: `q<ledger id>-<seq>-e<epoch>` (`quiesce.coordinator.ids`), unique across
     ledgers, with the seq its `attempt.started` will get (single writer)."""
     return ids.checkpoint_id(await ledger_id(ledger), ledger.epoch, await ledger.last_seq() + 1)
 

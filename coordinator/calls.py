@@ -60,8 +60,8 @@ from urllib.parse import urlencode
 import anyio
 from pydantic import BaseModel, ValidationError
 
-from coordinator.errors import ConfigError
-from coordinator.http import (
+from quiesce.coordinator.errors import ConfigError
+from quiesce.coordinator.http import (
     BadReply,
     ConnectFailed,
     ConnectionLost,
@@ -69,8 +69,8 @@ from coordinator.http import (
     HttpClient,
     ReplyTimeout,
 )
-from coordinator.ids import epoch_of
-from coordinator.protocol import (
+from quiesce.coordinator.ids import epoch_of
+from quiesce.coordinator.protocol import (
     CAPABILITIES_PATH,
     V2_STATUS_PATH,
     Capabilities,
@@ -78,8 +78,8 @@ from coordinator.protocol import (
     Route,
     V2Status,
 )
-from coordinator.version import VERSION
-from ledger import Ledger, LedgerError
+from quiesce.coordinator.version import VERSION
+from quiesce.ledger import Ledger, LedgerError
 
 __all__ = [
     "MAX_REPLY_BYTES",

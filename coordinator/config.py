@@ -26,9 +26,9 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from coordinator.calls import token_problem
-from coordinator.errors import ConfigError
-from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK, InstanceRole
+from quiesce.coordinator.calls import token_problem
+from quiesce.coordinator.errors import ConfigError
+from quiesce.coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK, InstanceRole
 
 __all__ = [
     "DEFAULT_LEDGER",

@@ -28,16 +28,16 @@ Invariants:
   attempt awaiting its next step in this process, else whatever holds the servers: they are asked
   (capabilities, recorded) and every holding id is let go (`readback.release`; an id this ledger
   has no attempt of is resumed as it is). A checkpoint id works from any process.
-- `status()` reads every server's fence live and names what holds it (`coordinator.status`);
+- `status()` reads every server's fence live and names what holds it (`quiesce.coordinator.status`);
   it records nothing.
 - `acknowledge_completed(server, executions)` may run at any time, an attempt in progress
   included (an agent holds finished results until acknowledged; a prepare waiting on them
   succeeds at its next retry); it is a recorded control call like any other.
 
-- `open` then runs recovery (`coordinator.recovery`) of whatever a dead coordinator left, unless
+- `open` then runs recovery (`quiesce.coordinator.recovery`) of whatever a dead coordinator left, unless
   `recover=False`; `recover()` runs it on demand. On PostgreSQL the open coordinator holds the
-  lease and renews it in the background (`coordinator.lease`); `open(standby=True)` waits to take
-  it over. The test-only crash points (`coordinator.crashpoints`) are read once, here.
+  lease and renews it in the background (`quiesce.coordinator.lease`); `open(standby=True)` waits to take
+  it over. The test-only crash points (`quiesce.coordinator.crashpoints`) are read once, here.
 """
 
 from __future__ import annotations
@@ -56,18 +56,18 @@ import anyio
 import anyio.to_thread
 from pydantic import BaseModel, ValidationError
 
-from coordinator import crashpoints, recovery
-from coordinator import save as saving
-from coordinator.attempt import Attempt, Context, Outcome, ProgressCallback, resume_sorted
-from coordinator.calls import Caller, CallResult, Target, token_problem
-from coordinator.config import ClusterConfig, check_deadline, find_token, load_config, missing_token
-from coordinator.discovery import Discovery, Member, discover
-from coordinator.errors import AcknowledgementError, ConfigError, QuiesceError
-from coordinator.heap import frozen_step, heap_frozen
-from coordinator.lease import holder_text, keep_lease
-from coordinator.phases import COMPONENT_OF_ROLE
-from coordinator.preflight import preflight
-from coordinator.protocol import (
+from quiesce.coordinator import crashpoints, recovery
+from quiesce.coordinator import save as saving
+from quiesce.coordinator.attempt import Attempt, Context, Outcome, ProgressCallback, resume_sorted
+from quiesce.coordinator.calls import Caller, CallResult, Target, token_problem
+from quiesce.coordinator.config import ClusterConfig, check_deadline, find_token, load_config, missing_token
+from quiesce.coordinator.discovery import Discovery, Member, discover
+from quiesce.coordinator.errors import AcknowledgementError, ConfigError, QuiesceError
+from quiesce.coordinator.heap import frozen_step, heap_frozen
+from quiesce.coordinator.lease import holder_text, keep_lease
+from quiesce.coordinator.phases import COMPONENT_OF_ROLE
+from quiesce.coordinator.preflight import preflight
+from quiesce.coordinator.protocol import (
     AGENT,
     COMPLETED_RESULT_ACKNOWLEDGEMENT,
     AcknowledgeBody,
@@ -79,15 +79,15 @@ from coordinator.protocol import (
     ReceiptQuery,
     route,
 )
-from coordinator.provenance import check_provenance
-from coordinator.publish import empty_trash, read_latest, resolve_snapshot, verify_snapshot
-from coordinator.readback import read_attempt, release
-from coordinator.restore import read_resubmissions
-from coordinator.restore import restore as restore_snapshot
-from coordinator.resume import finish_resume, release_unrecorded, roll_back
-from coordinator.status import ClusterStatus, read_status, refuse_if_held, status_from
-from coordinator.version import VERSION
-from ledger import AfterAppend, AttemptRow, Event, LeaseTerms, Ledger
+from quiesce.coordinator.provenance import check_provenance
+from quiesce.coordinator.publish import empty_trash, read_latest, resolve_snapshot, verify_snapshot
+from quiesce.coordinator.readback import read_attempt, release
+from quiesce.coordinator.restore import read_resubmissions
+from quiesce.coordinator.restore import restore as restore_snapshot
+from quiesce.coordinator.resume import finish_resume, release_unrecorded, roll_back
+from quiesce.coordinator.status import ClusterStatus, read_status, refuse_if_held, status_from
+from quiesce.coordinator.version import VERSION
+from quiesce.ledger import AfterAppend, AttemptRow, Event, LeaseTerms, Ledger
 
 __all__ = ["Coordinator", "quiesce_version", "read_history"]
 
@@ -149,7 +149,7 @@ class Coordinator:
         `GET /capabilities` raises that `ConfigError` before anything is recorded or sent. A token
         that cannot be a bearer token (a space, a line break, non-ASCII) is always a `ConfigError`.
 
-        Then, unless `recover=False`, recovery runs (`coordinator.recovery`): every attempt a dead
+        Then, unless `recover=False`, recovery runs (`quiesce.coordinator.recovery`): every attempt a dead
         coordinator left without a terminal event is finished or rolled back; its report is
         `last_recovery`. On PostgreSQL the coordinator holds the lease (`lease_s`) and renews it in
         the background; `standby=True` first waits until the current holder's lease expires, takes
@@ -284,7 +284,7 @@ class Coordinator:
 
     async def status(self, *, ledger: Ledger | None = None) -> ClusterStatus:
         """Every configured server's fence, read live, and what holds each held one: its kind,
-        since when, and the exact command that frees it (`coordinator.status`). Records nothing.
+        since when, and the exact command that frees it (`quiesce.coordinator.status`). Records nothing.
 
         `ledger` is where holders are looked up (default: this coordinator's); a service passes its
         read-only one, so a status read while an attempt runs never waits on that attempt's appends."""

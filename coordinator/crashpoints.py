@@ -30,8 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from coordinator.errors import ConfigError
-from ledger import Event, Ledger
+from quiesce.coordinator.errors import ConfigError
+from quiesce.ledger import Event, Ledger
 
 __all__ = ["CRASH_AT", "CRASH_BEFORE_SEND", "CrashPoints", "from_env", "is_send_point"]
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from coordinator.durable import fsync_file
+from quiesce.coordinator.durable import fsync_file
 
 __all__ = ["RACY_S", "DigestCache", "FileFacts", "file_digest", "read_facts", "regular_facts"]
 

@@ -30,12 +30,12 @@ from typing import Any
 
 import anyio
 
-from coordinator.calls import Caller, CallResult, Target
-from coordinator.config import ClusterConfig
-from coordinator.errors import DiscoveryError
-from coordinator.phases import Role, role_of
-from coordinator.protocol import MODEL, SCHEMA_VERSION, Capabilities, V2Status
-from ledger import Ledger
+from quiesce.coordinator.calls import Caller, CallResult, Target
+from quiesce.coordinator.config import ClusterConfig
+from quiesce.coordinator.errors import DiscoveryError
+from quiesce.coordinator.phases import Role, role_of
+from quiesce.coordinator.protocol import MODEL, SCHEMA_VERSION, Capabilities, V2Status
+from quiesce.ledger import Ledger
 
 __all__ = ["CLUSTER", "Discovery", "Member", "classify", "discover"]
 

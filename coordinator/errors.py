@@ -16,7 +16,7 @@ every other QuiesceError is 1 (the operation failed).
 
 from __future__ import annotations
 
-from ledger.errors import FencedError, LedgerError, QuiesceError
+from quiesce.ledger.errors import FencedError, LedgerError, QuiesceError
 
 __all__ = [
     "AcknowledgementError",

@@ -4,7 +4,7 @@ A fan-out to hundreds of servers allocates tens of thousands of objects that liv
 their call (tasks, requests, ledger events). The collector promotes them to its oldest
 generation, and that generation's full collections then walk every object of the process —
 imported modules, the host program's own data — about twice per save at 512 servers, 0.1–0.2 s
-of CPU each time (``python -m tools.bench --only 4``). ``heap_frozen()`` moves the objects that
+of CPU each time (``python -m quiesce.tools.bench --only 4``). ``heap_frozen()`` moves the objects that
 exist when a step starts out of the collector's view (``gc.freeze``) and hands them back when the
 last overlapping step ends (``gc.unfreeze``), so collections during a step walk only what the
 step created.

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import anyio
 
-from coordinator.errors import LedgerError
-from ledger import Ledger
+from quiesce.coordinator.errors import LedgerError
+from quiesce.ledger import Ledger
 
 __all__ = ["advertised_address", "holder_text", "keep_lease"]
 

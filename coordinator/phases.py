@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from coordinator.protocol import AGENT, MODEL, RESOURCES, Operation
+from quiesce.coordinator.protocol import AGENT, MODEL, RESOURCES, Operation
 
 __all__ = [
     "COMPONENT_OF_ROLE",

@@ -22,9 +22,9 @@ import errno
 import os
 from pathlib import Path
 
-from coordinator.config import ClusterConfig
-from coordinator.errors import SnapshotError
-from coordinator.publish import read_latest
+from quiesce.coordinator.config import ClusterConfig
+from quiesce.coordinator.errors import SnapshotError
+from quiesce.coordinator.publish import read_latest
 
 __all__ = ["preflight", "snapshot_bytes"]
 
@@ -51,7 +51,7 @@ def _os_reason(error: OSError) -> str:
 
 def snapshot_bytes(snapshot: Path) -> int:
     """The bytes a published snapshot's manifest lists (0 when it cannot be read)."""
-    from coordinator.publish import load_snapshot
+    from quiesce.coordinator.publish import load_snapshot
 
     try:
         files = load_snapshot(snapshot).manifest.get("files", [])

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import anyio.to_thread
 
-from coordinator.digests import file_digest
-from coordinator.errors import SnapshotError
-from coordinator.publish import MANIFEST, load_snapshot
-from ledger import Ledger
+from quiesce.coordinator.digests import file_digest
+from quiesce.coordinator.errors import SnapshotError
+from quiesce.coordinator.publish import MANIFEST, load_snapshot
+from quiesce.ledger import Ledger
 
 __all__ = ["Provenance", "check_provenance"]
 

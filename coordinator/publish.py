@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from coordinator.digests import DigestCache, file_digest, read_facts, regular_facts
-from coordinator.durable import fsync_dir, syncfs, syncfs_available
-from coordinator.errors import SnapshotError
-from coordinator.protocol import ArtifactRef
+from quiesce.coordinator.digests import DigestCache, file_digest, read_facts, regular_facts
+from quiesce.coordinator.durable import fsync_dir, syncfs, syncfs_available
+from quiesce.coordinator.errors import SnapshotError
+from quiesce.coordinator.protocol import ArtifactRef
 
 __all__ = [
     "LATEST",

@@ -24,17 +24,24 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from coordinator.attempt import Attempt, Context, Outcome, record_phase_failed, recovery_budget, resume_sorted
-from coordinator.config import ClusterConfig
-from coordinator.digests import file_digest
-from coordinator.discovery import Member
-from coordinator.errors import PhaseError, QuiesceError, SnapshotError
-from coordinator.protocol import AGENT, MODEL, RESOURCES
-from coordinator.publish import MANIFEST, load_snapshot, write_latest
-from coordinator.restore import redrive, resubmissions_of, reverify
-from coordinator.resume import finish_resume, next_step, resume_members, roll_back
-from coordinator.save import final_dir_of
-from ledger import AttemptRow, Event, Ledger
+from quiesce.coordinator.attempt import (
+    Attempt,
+    Context,
+    Outcome,
+    record_phase_failed,
+    recovery_budget,
+    resume_sorted,
+)
+from quiesce.coordinator.config import ClusterConfig
+from quiesce.coordinator.digests import file_digest
+from quiesce.coordinator.discovery import Member
+from quiesce.coordinator.errors import PhaseError, QuiesceError, SnapshotError
+from quiesce.coordinator.protocol import AGENT, MODEL, RESOURCES
+from quiesce.coordinator.publish import MANIFEST, load_snapshot, write_latest
+from quiesce.coordinator.restore import redrive, resubmissions_of, reverify
+from quiesce.coordinator.resume import finish_resume, next_step, resume_members, roll_back
+from quiesce.coordinator.save import final_dir_of
+from quiesce.ledger import AttemptRow, Event, Ledger
 
 __all__ = [
     "Recorded",

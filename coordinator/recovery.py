@@ -73,11 +73,11 @@ from typing import Any, Final, Literal
 import anyio
 import anyio.to_thread
 
-from coordinator.attempt import Attempt, Context, Resubmission, free_command, resume_sorted
-from coordinator.discovery import Member
-from coordinator.errors import PhaseError
-from coordinator.protocol import MODEL, Capabilities
-from coordinator.publish import (
+from quiesce.coordinator.attempt import Attempt, Context, Resubmission, free_command, resume_sorted
+from quiesce.coordinator.discovery import Member
+from quiesce.coordinator.errors import PhaseError
+from quiesce.coordinator.protocol import MODEL, Capabilities
+from quiesce.coordinator.publish import (
     apply_retention,
     empty_trash,
     read_latest,
@@ -85,9 +85,9 @@ from coordinator.publish import (
     sweep_staging,
     write_latest,
 )
-from coordinator.readback import Recorded, settle_publication, unfinished
-from coordinator.restore import redrive, resubmissions_of, reverify
-from coordinator.resume import (
+from quiesce.coordinator.readback import Recorded, settle_publication, unfinished
+from quiesce.coordinator.restore import redrive, resubmissions_of, reverify
+from quiesce.coordinator.resume import (
     finish_resume,
     next_step,
     operation_ended,

@@ -44,7 +44,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from coordinator.attempt import (
+from quiesce.coordinator.attempt import (
     Attempt,
     Context,
     PhaseFailure,
@@ -60,12 +60,12 @@ from coordinator.attempt import (
     run_phase,
     send_call,
 )
-from coordinator.calls import CallResult
-from coordinator.digests import file_digest
-from coordinator.discovery import Discovery, Member
-from coordinator.errors import DeadlineExceeded, FencedError, LedgerError, PhaseError, SnapshotError
-from coordinator.phases import Role
-from coordinator.protocol import (
+from quiesce.coordinator.calls import CallResult
+from quiesce.coordinator.digests import file_digest
+from quiesce.coordinator.discovery import Discovery, Member
+from quiesce.coordinator.errors import DeadlineExceeded, FencedError, LedgerError, PhaseError, SnapshotError
+from quiesce.coordinator.phases import Role
+from quiesce.coordinator.protocol import (
     AGENT,
     INCLUDE_STORAGE_REFERENCE_INDEX,
     STALE_CHECKPOINT,
@@ -82,15 +82,15 @@ from coordinator.protocol import (
     agent_record_file,
     sha256_hex,
 )
-from coordinator.provenance import check_provenance
-from coordinator.publish import (
+from quiesce.coordinator.provenance import check_provenance
+from quiesce.coordinator.publish import (
     MANIFEST,
     Snapshot,
     load_snapshot,
     read_latest,
     verify_snapshot,
 )
-from coordinator.stranded import stranded
+from quiesce.coordinator.stranded import stranded
 
 # ---------------------------------------------------------------------------------------------
 # Restore

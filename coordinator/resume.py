@@ -30,7 +30,7 @@ from typing import Final, Literal
 import anyio
 import anyio.to_thread
 
-from coordinator.attempt import (
+from quiesce.coordinator.attempt import (
     Attempt,
     Context,
     Outcome,
@@ -42,22 +42,22 @@ from coordinator.attempt import (
     recovery_budget,
     send_call,
 )
-from coordinator.calls import CallResult
-from coordinator.discovery import Member
-from coordinator.errors import DeadlineExceeded, FencedError, LedgerError, PhaseError
-from coordinator.phases import resume_order
-from coordinator.protocol import (
+from quiesce.coordinator.calls import CallResult
+from quiesce.coordinator.discovery import Member
+from quiesce.coordinator.errors import DeadlineExceeded, FencedError, LedgerError, PhaseError
+from quiesce.coordinator.phases import resume_order
+from quiesce.coordinator.protocol import (
     INVALID_PHASE,
     RESOURCES,
     Capabilities,
     CommonBody,
 )
-from coordinator.publish import (
+from quiesce.coordinator.publish import (
     read_latest,
     remove_tree,
 )
-from coordinator.restore import reinstate
-from coordinator.stranded import stranded
+from quiesce.coordinator.restore import reinstate
+from quiesce.coordinator.stranded import stranded
 
 
 async def rolled_back_on_failure(

@@ -38,7 +38,7 @@ import anyio
 import anyio.to_thread
 from pydantic import BaseModel, ValidationError
 
-from coordinator.attempt import (
+from quiesce.coordinator.attempt import (
     Attempt,
     Context,
     PhaseFailure,
@@ -51,14 +51,14 @@ from coordinator.attempt import (
     run_phase,
     send_call,
 )
-from coordinator.calls import CallResult
-from coordinator.digests import DigestCache, regular_facts
-from coordinator.discovery import Discovery, Member
-from coordinator.errors import SnapshotError
-from coordinator.protocol import (
+from quiesce.coordinator.calls import CallResult
+from quiesce.coordinator.digests import DigestCache, regular_facts
+from quiesce.coordinator.discovery import Discovery, Member
+from quiesce.coordinator.errors import SnapshotError
+from quiesce.coordinator.protocol import (
     AGENT_PREPARE_INCOMPLETE as _AGENT_PREPARE_INCOMPLETE,
 )
-from coordinator.protocol import (
+from quiesce.coordinator.protocol import (
     MISSING_WORKERS,
     AgentCommitReply,
     AgentPrepareReply,
@@ -75,7 +75,7 @@ from coordinator.protocol import (
     Workers,
     manifest_path,
 )
-from coordinator.publish import (
+from quiesce.coordinator.publish import (
     MANIFEST,
     apply_retention,
     build_manifest,
@@ -88,8 +88,8 @@ from coordinator.publish import (
     write_json_durably,
     write_latest,
 )
-from coordinator.resume import rolled_back_on_failure
-from ledger import utc_now
+from quiesce.coordinator.resume import rolled_back_on_failure
+from quiesce.ledger import utc_now
 
 #: Longest single status long-poll while draining (so progress is reported at least this often).
 DRAIN_POLL_S: Final = 1.0

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.publish import (
+from quiesce.coordinator.publish import (
     MANIFEST,
     Snapshot,
     apply_retention,

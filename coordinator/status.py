@@ -15,7 +15,7 @@ A server is *held* when
 The holder is looked up in the ledger:
 - an attempt of this ledger: its kind, its state, and since when (the first request of it that
   server received, else the attempt's start);
-- no attempt of this ledger: another ledger's (ids are unique across ledgers, `coordinator.ids`),
+- no attempt of this ledger: another ledger's (ids are unique across ledgers, `quiesce.coordinator.ids`),
   or one whose records were lost — kind `unknown`.
 
 What frees it (`Holder.frees`, one exact command line; `Coordinator.resume(id)` / `abort(id)`
@@ -40,13 +40,13 @@ from typing import Any, Literal
 import anyio
 import anyio.to_thread
 
-from coordinator.attempt import command_line
-from coordinator.calls import CallResult
-from coordinator.config import ClusterConfig
-from coordinator.errors import ServersHeld
-from coordinator.protocol import MODEL, Capabilities
-from coordinator.readback import Recorded, publication_on_disk, read_attempt, unfinished
-from ledger import Ledger
+from quiesce.coordinator.attempt import command_line
+from quiesce.coordinator.calls import CallResult
+from quiesce.coordinator.config import ClusterConfig
+from quiesce.coordinator.errors import ServersHeld
+from quiesce.coordinator.protocol import MODEL, Capabilities
+from quiesce.coordinator.readback import Recorded, publication_on_disk, read_attempt, unfinished
+from quiesce.ledger import Ledger
 
 __all__ = [
     "ClusterStatus",

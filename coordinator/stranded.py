@@ -10,8 +10,8 @@ them. `FencedError` is never turned into it (a fenced coordinator stops, and a n
 
 from __future__ import annotations
 
-from coordinator.attempt import Attempt, Context
-from coordinator.errors import LedgerError
+from quiesce.coordinator.attempt import Attempt, Context
+from quiesce.coordinator.errors import LedgerError
 
 __all__ = ["LedgerStranded", "stranded"]
 

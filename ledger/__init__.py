@@ -9,14 +9,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ledger.backend import LeaseState
-    from ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
-    from ledger.errors import BrokenChainError, FencedError, LedgerError, QuiesceError
-    from ledger.events import KINDS, PAYLOADS, AppendItem, Event, Payload
-    from ledger.projections import AttemptRow, fold
-    from ledger.redact import BODY_CAP_BYTES, REDACTED
-    from ledger.replay import ReplayReport, replay_url
-    from ledger.store import (
+    from quiesce.ledger.backend import LeaseState
+    from quiesce.ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
+    from quiesce.ledger.errors import BrokenChainError, FencedError, LedgerError, QuiesceError
+    from quiesce.ledger.events import KINDS, PAYLOADS, AppendItem, Event, Payload
+    from quiesce.ledger.projections import AttemptRow, fold
+    from quiesce.ledger.redact import BODY_CAP_BYTES, REDACTED
+    from quiesce.ledger.replay import ReplayReport, replay_url
+    from quiesce.ledger.store import (
         AfterAppend,
         Durability,
         LeaseTerms,
@@ -27,36 +27,36 @@ if TYPE_CHECKING:
         utc_now,
     )
 
-#: Public names and the module each lives in, imported on first use: `ledger.errors` (which the
+#: Public names and the module each lives in, imported on first use: `quiesce.ledger.errors` (which the
 #: CLI imports at start for its error hierarchy) must not pull in SQLAlchemy, alembic and pydantic.
 _EXPORTS: dict[str, str] = {
-    "AfterAppend": "ledger.store",
-    "AppendItem": "ledger.events",
-    "AttemptRow": "ledger.projections",
-    "BODY_CAP_BYTES": "ledger.redact",
-    "BrokenChainError": "ledger.errors",
-    "Durability": "ledger.store",
-    "Event": "ledger.events",
-    "FencedError": "ledger.errors",
-    "GENESIS_HASH": "ledger.canonical",
-    "KINDS": "ledger.events",
-    "LeaseState": "ledger.backend",
-    "LeaseTerms": "ledger.store",
-    "Ledger": "ledger.store",
-    "LedgerError": "ledger.errors",
-    "PAYLOADS": "ledger.events",
-    "Payload": "ledger.events",
-    "QuiesceError": "ledger.errors",
-    "REDACTED": "ledger.redact",
-    "ReplayReport": "ledger.replay",
-    "chain_hash": "ledger.canonical",
-    "downgrade_schema": "ledger.store",
-    "event_from_raw": "ledger.store",
-    "fold": "ledger.projections",
-    "replay_url": "ledger.replay",
-    "row_bytes": "ledger.canonical",
-    "upgrade_schema": "ledger.store",
-    "utc_now": "ledger.store",
+    "AfterAppend": "quiesce.ledger.store",
+    "AppendItem": "quiesce.ledger.events",
+    "AttemptRow": "quiesce.ledger.projections",
+    "BODY_CAP_BYTES": "quiesce.ledger.redact",
+    "BrokenChainError": "quiesce.ledger.errors",
+    "Durability": "quiesce.ledger.store",
+    "Event": "quiesce.ledger.events",
+    "FencedError": "quiesce.ledger.errors",
+    "GENESIS_HASH": "quiesce.ledger.canonical",
+    "KINDS": "quiesce.ledger.events",
+    "LeaseState": "quiesce.ledger.backend",
+    "LeaseTerms": "quiesce.ledger.store",
+    "Ledger": "quiesce.ledger.store",
+    "LedgerError": "quiesce.ledger.errors",
+    "PAYLOADS": "quiesce.ledger.events",
+    "Payload": "quiesce.ledger.events",
+    "QuiesceError": "quiesce.ledger.errors",
+    "REDACTED": "quiesce.ledger.redact",
+    "ReplayReport": "quiesce.ledger.replay",
+    "chain_hash": "quiesce.ledger.canonical",
+    "downgrade_schema": "quiesce.ledger.store",
+    "event_from_raw": "quiesce.ledger.store",
+    "fold": "quiesce.ledger.projections",
+    "replay_url": "quiesce.ledger.replay",
+    "row_bytes": "quiesce.ledger.canonical",
+    "upgrade_schema": "quiesce.ledger.store",
+    "utc_now": "quiesce.ledger.store",
 }
 
 

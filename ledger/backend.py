@@ -14,14 +14,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeAlias
 
-from ledger.errors import FencedError, LedgerError
-from ledger.events import Event
-from ledger.projections import AttemptRow, fold, touched
+from quiesce.ledger.errors import FencedError, LedgerError
+from quiesce.ledger.events import Event
+from quiesce.ledger.projections import AttemptRow, fold, touched
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection
 
-#: A stored events row, columns in ``ledger.layout.EVENT_COLUMNS`` order (``data`` as text).
+#: A stored events row, columns in ``quiesce.ledger.layout.EVENT_COLUMNS`` order (``data`` as text).
 RawEvent: TypeAlias = tuple[int, str, str, str | None, str | None, str | None, int, str, str, str]
 
 #: Advisory lock key (PostgreSQL): the writer's session claim.
@@ -238,7 +238,7 @@ class Backend(ABC):
     async def close(self) -> None:
         """Close connections and release the writer claim. Idempotent."""
 
-    # -- the coordinator lease (PostgreSQL only; see ledger.postgres) ---------------------------
+    # -- the coordinator lease (PostgreSQL only; see quiesce.ledger.postgres) ---------------------------
 
     #: Whether this backend has the coordinator lease (a standby can take over from a holder).
     supports_lease: bool = False

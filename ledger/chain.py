@@ -1,4 +1,4 @@
-"""Checking stored ``events`` rows against the hash chain of ``ledger.canonical``, a page at a time.
+"""Checking stored ``events`` rows against the hash chain of ``quiesce.ledger.canonical``, a page at a time.
 
 ``check_rows(rows, after)`` returns the first problem of ``rows`` (consecutive stored rows in seq
 order) as ``(seq, what is wrong)``, or None. Each row is checked, in this order, for:
@@ -30,7 +30,7 @@ from functools import partial
 from operator import is_not
 from typing import Any, TypeAlias
 
-from ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
+from quiesce.ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
 
 #: ``(seq, what is wrong)``: the first bad seq of a chain and the reason.
 Problem: TypeAlias = tuple[int, str]

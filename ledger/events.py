@@ -4,8 +4,8 @@ Writers are validated strictly (``extra="forbid"``; an unknown kind is refused b
 ``Ledger.append``). Readers never validate: ``Event.data`` is whatever was stored, so old
 events stay readable when a payload model gains a field. New fields must be optional.
 
-The payload models (one per kind, ``PAYLOADS``, ``Payload``) are defined in ``ledger.payloads`` and
-importable from here too (``from ledger.events import CallSent``); they are loaded on first use, so
+The payload models (one per kind, ``PAYLOADS``, ``Payload``) are defined in ``quiesce.ledger.payloads`` and
+importable from here too (``from quiesce.ledger.events import CallSent``); they are loaded on first use, so
 a reader — which needs only ``Event`` — never builds them.
 
 Column rules checked on append (``COLUMN_RULES``): ``attempt.*`` and ``phase.*`` events name
@@ -47,12 +47,12 @@ KINDS: Final = frozenset(
 
 
 def __getattr__(name: str) -> Any:
-    """Serve the payload models of ``ledger.payloads`` (loaded on first use; readers never need them)."""
+    """Serve the payload models of ``quiesce.ledger.payloads`` (loaded on first use; readers need none)."""
     if not name.startswith("__"):
-        payloads = importlib.import_module("ledger.payloads")
+        payloads = importlib.import_module("quiesce.ledger.payloads")
         if name in payloads.__all__:
             return getattr(payloads, name)
-    raise AttributeError(f"module 'ledger.events' has no attribute {name!r}")
+    raise AttributeError(f"module 'quiesce.ledger.events' has no attribute {name!r}")
 
 
 #: Which columns a kind requires on append: kind prefix -> column names.
@@ -82,7 +82,7 @@ class Event:
     hash: str
 
     def columns(self) -> dict[str, Any]:
-        """The stored columns by name, in table order (``ledger.layout.EVENT_COLUMNS``): what the
+        """The stored columns by name, in table order (``quiesce.ledger.layout.EVENT_COLUMNS``): what the
         service's streams and the audit bundle's lines show of an event."""
         return {
             "seq": self.seq,

@@ -1,6 +1,6 @@
 """Names of the stored layout that the read and write paths need without SQLAlchemy.
 
-``ledger.schema`` (the SQLAlchemy Core tables) re-exports them; the SQLite backend, which talks
+``quiesce.ledger.schema`` (the SQLAlchemy Core tables) re-exports them; the SQLite backend, which talks
 to the database through the standard library's ``sqlite3``, imports them from here so opening a
 ledger at head loads no SQLAlchemy.
 """
@@ -15,7 +15,7 @@ VERSION_TABLE: Final = "quiesce_alembic_version"
 #: ledger whose stored revision equals it skips alembic entirely — the common case, kept cheap.
 HEAD_REVISION: Final = "0004"
 
-#: The columns of ``events``, in table order (``ledger.backend.RawEvent`` follows it).
+#: The columns of ``events``, in table order (``quiesce.ledger.backend.RawEvent`` follows it).
 EVENT_COLUMNS: Final = (
     "seq",
     "at",

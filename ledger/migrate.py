@@ -22,8 +22,8 @@ from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
 from sqlalchemy import Connection, inspect
 
-from ledger.errors import LedgerError
-from ledger.schema import VERSION_TABLE
+from quiesce.ledger.errors import LedgerError
+from quiesce.ledger.schema import VERSION_TABLE
 
 State = Literal["empty", "current", "behind", "ahead", "unmanaged"]
 

@@ -1,8 +1,8 @@
 """The payload models: one pydantic model per event kind, and validation of a payload to append.
 
 Only writers need them (``Ledger.append`` validates against them); they are loaded on a ledger's
-first append, so opening a ledger to read builds none of them. ``ledger.events`` re-exports every
-name. ``PAYLOADS`` covers exactly ``ledger.events.KINDS`` (checked by the tests).
+first append, so opening a ledger to read builds none of them. ``quiesce.ledger.events`` re-exports every
+name. ``PAYLOADS`` covers exactly ``quiesce.ledger.events.KINDS`` (checked by the tests).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Final, Literal, TypeAlias, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ledger.errors import LedgerError
+from quiesce.ledger.errors import LedgerError
 
 __all__ = [
     "PAYLOADS",
@@ -106,7 +106,7 @@ class AttemptStarted(Payload):
 class PhaseStarted(Payload):
     phase: str
     #: a run of the phase that works to its own budget, not the attempt's `deadline_ts` (a
-    #: restore re-driven under its id: `coordinator.restore.redrive`)
+    #: restore re-driven under its id: `quiesce.coordinator.restore.redrive`)
     deadline_ts: float | None = None
 
 

@@ -44,7 +44,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from ledger.backend import (
+from quiesce.ledger.backend import (
     WRITER_LOCK_KEY,
     Backend,
     Batch,
@@ -54,10 +54,10 @@ from ledger.backend import (
     apply_append,
     fenced_message,
 )
-from ledger.errors import FencedError, LedgerError
-from ledger.layout import MARKER_WHERE_POSTGRESQL, indexed_kind
-from ledger.projections import COLUMNS, AttemptRow, from_columns, stored_values, to_columns, touched
-from ledger.schema import EVENT_COLUMNS, attempts, events
+from quiesce.ledger.errors import FencedError, LedgerError
+from quiesce.ledger.layout import MARKER_WHERE_POSTGRESQL, indexed_kind
+from quiesce.ledger.projections import COLUMNS, AttemptRow, from_columns, stored_values, to_columns, touched
+from quiesce.ledger.schema import EVENT_COLUMNS, attempts, events
 
 _EVENT_COLS = [events.c[name] for name in EVENT_COLUMNS]
 _ATTEMPT_COLS = list(attempts.c)

@@ -1,7 +1,7 @@
 """The ``attempts`` projection: one row per checkpoint id, derived from ``events`` only.
 
 ``fold`` is the single definition of the projection. The writer applies it in the same
-transaction as each event it appends; ``ledger.replay`` applies it to the whole stream to rebuild
+transaction as each event it appends; ``quiesce.ledger.replay`` applies it to the whole stream to rebuild
 the table. Both therefore agree by construction; ``replay --verify`` checks that they did. Replay
 calls the same rules without building an ``Event``: ``fold_columns``/``touched_by`` take only the
 columns they read, and ``FoldFeed`` keeps only those (``FoldItem``).
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Final, TypeAlias
 
-from ledger.canonical import canonical_text
-from ledger.events import Event
+from quiesce.ledger.canonical import canonical_text
+from quiesce.ledger.events import Event
 
 TERMINAL_OUTCOMES: Final = frozenset({"aborted", "published", "restored", "resumed", "abandoned"})
 
@@ -303,7 +303,7 @@ class FoldFeed:
     event for an id first flushes that id's pending count, and ``recovery.completed`` (which may
     touch any id) flushes all of them. Rows touching no id (``touched`` is empty) are dropped. An
     event's item keeps only what ``fold`` and ``touched`` read of it (``FoldItem``): its payload is
-    decoded here, once, so a replay worker (``ledger.replay_worker``) does it in parallel.
+    decoded here, once, so a replay worker (``quiesce.ledger.replay_worker``) does it in parallel.
     """
 
     __slots__ = ("_counts", "items")
@@ -313,7 +313,7 @@ class FoldFeed:
         self._counts: dict[str, list[int]] = {}
 
     def add(self, rows: Iterable[Sequence[Any]]) -> None:
-        """Take stored rows (columns in ``ledger.layout.EVENT_COLUMNS`` order) following those added."""
+        """Take stored rows (in ``quiesce.ledger.layout.EVENT_COLUMNS`` order) following those added."""
         counts = self._counts
         items = self.items
         counted, untouching, read = COUNTED_KIND, UNTOUCHING_KINDS, KINDS_READ_BY_FOLD

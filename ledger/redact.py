@@ -15,7 +15,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any, Final
 
-from ledger.canonical import canonical_text
+from quiesce.ledger.canonical import canonical_text
 
 REDACTED: Final = "<redacted>"
 BODY_CAP_BYTES: Final = 64 * 1024

@@ -2,13 +2,14 @@
 
 ``replay_url(url)`` reads every event in seq order, and
 
-- checks the chain (``ledger.chain``, which follows ``ledger.canonical``): seqs start at 1 without
-  gaps, each ``prev_hash`` is the previous row's ``hash``, each ``hash`` recomputes from the stored
-  row. The first bad seq is reported with what is wrong with it. Rows removed from the end are
-  found when the ``attempts`` projection records a seq past the head (``ledger.chain.truncation``);
-  a tamperer who also rewrites the projection is found only against a copy kept elsewhere — an
-  audit bundle (``quiesce verify-bundle --ledger``) or ``head_seq``/``head_hash``.
-- folds ``ledger.projections.fold`` over the stream (through ``FoldFeed``) and compares the result
+- checks the chain (``quiesce.ledger.chain``, which follows ``quiesce.ledger.canonical``): seqs
+  start at 1 without gaps, each ``prev_hash`` is the previous row's ``hash``, each ``hash``
+  recomputes from the stored row. The first bad seq is reported with what is wrong with it. Rows
+  removed from the end are found when the ``attempts`` projection records a seq past the head
+  (``quiesce.ledger.chain.truncation``); a tamperer who also rewrites the projection is found
+  only against a copy kept elsewhere — an audit bundle (``quiesce verify-bundle --ledger``) or
+  ``head_seq``/``head_hash``.
+- folds ``quiesce.ledger.projections.fold`` over the stream (through ``FoldFeed``) and compares the result
   with the live ``attempts`` table, column by column;
 - with ``rebuild=True`` (needs writership; refused when the chain is broken) replaces the live
   ``attempts`` table with the rebuilt rows in one transaction — also a projection that records
@@ -18,8 +19,8 @@
 Reading: PostgreSQL, and SQLite ledgers under ``PARALLEL_MIN_EVENTS`` events, are read in this
 process, ``PAGE_SIZE`` rows per query (memory: two pages plus one projection row per checkpoint
 id). A larger SQLite ledger is split into seq ranges of ``CHUNK_EVENTS`` checked by worker
-processes (``ledger.replay_worker``, one per CPU, each holding one page at a time); this process
-links the ranges to each other (``ledger.chain.link``) and folds their items in seq order, so the
+processes (``quiesce.ledger.replay_worker``, one per CPU, each holding one page at a time); this process
+links the ranges to each other (``quiesce.ledger.chain.link``) and folds their items in seq order, so the
 verdict, first bad seq included, is the one a single pass gives. The items are the same either way
 (``FoldFeed`` makes them, here or in a worker) and fold to the rows ``fold`` over every whole
 event gives. The ranges end at the head seq read when the replay starts: events appended
@@ -43,15 +44,15 @@ import anyio.lowlevel
 import anyio.to_thread
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from ledger import replay_worker
-from ledger.backend import RawEvent
-from ledger.canonical import GENESIS_HASH
-from ledger.chain import check_rows, link, truncation
-from ledger.errors import LedgerError
-from ledger.projections import COLUMNS, AttemptRow, FoldFeed, fold_items
-from ledger.replay_worker import Chunk
-from ledger.store import Ledger
-from ledger.urls import parse, plain_sqlite_path
+from quiesce.ledger import replay_worker
+from quiesce.ledger.backend import RawEvent
+from quiesce.ledger.canonical import GENESIS_HASH
+from quiesce.ledger.chain import check_rows, link, truncation
+from quiesce.ledger.errors import LedgerError
+from quiesce.ledger.projections import COLUMNS, AttemptRow, FoldFeed, fold_items
+from quiesce.ledger.replay_worker import Chunk
+from quiesce.ledger.store import Ledger
+from quiesce.ledger.urls import parse, plain_sqlite_path
 
 PAGE_SIZE = 5000
 #: With ``workers`` left automatic, a SQLite ledger spanning fewer seqs is replayed in-process
@@ -123,7 +124,7 @@ class Replayer:
             report.problem = problem
 
     def feed(self, page: Iterable[RawEvent]) -> None:
-        """Take the next stored rows (``ledger.chain`` checks them; the fold takes them)."""
+        """Take the next stored rows (``quiesce.ledger.chain`` checks them; the fold takes them)."""
         rows = page if isinstance(page, list) else list(page)
         if not rows:
             return
@@ -178,7 +179,7 @@ def _plain(value: Any) -> Any:
 
 def _sqlite_file(ledger: Ledger) -> Path | None:
     """The file of a SQLite ledger (None for PostgreSQL)."""
-    from ledger.sqlite import SqliteBackend
+    from quiesce.ledger.sqlite import SqliteBackend
 
     if not isinstance(ledger.backend, SqliteBackend):
         return None
@@ -229,7 +230,7 @@ async def _plan(path: Path, workers: int | None, chunk_events: int) -> tuple[int
 async def _check_in_workers(
     where: str, path: Path, workers: int, ranges: list[tuple[int, int]], take: Callable[[Chunk], None]
 ) -> None:
-    """Each range checked by one of ``workers`` processes (``ledger.replay_worker``); ``take`` gets
+    """Each range checked by one of ``workers`` processes (``quiesce.ledger.replay_worker``); ``take`` gets
     the chunks in range order, each as soon as those before it have come."""
     arrived: dict[int, Chunk] = {}
     queue = iter(range(len(ranges)))

@@ -1,15 +1,15 @@
 """A worker process of a parallel SQLite replay: checks ranges of seqs of one ledger file.
 
-``ledger.replay`` starts it as ``python -c ... PATH`` (see ``command``). Protocol: one request
+``quiesce.ledger.replay`` starts it as ``python -c ... PATH`` (see ``command``). Protocol: one request
 per line on stdin, the JSON ``[lo, hi]`` for the rows with ``lo < seq <= hi``; one answer per
 request on stdout, a pickled ``("ok", Chunk)`` or ``("error", text)`` preceded by its length (8
 bytes, little-endian). End of input ends the process.
 
 Each range is read by one query on one read-only connection, so it is one consistent snapshot;
-the chain is checked by ``ledger.chain.check_rows`` with the range's first row left unlinked
-(``Chunk.first`` lets the parent link it), and ``ledger.projections.FoldFeed`` reduces the rows
+the chain is checked by ``quiesce.ledger.chain.check_rows`` with the range's first row left unlinked
+(``Chunk.first`` lets the parent link it), and ``quiesce.ledger.projections.FoldFeed`` reduces the rows
 to fold items, which the parent folds in seq order. An item holds only what ``fold`` reads of its
-events (``ledger.projections.FoldItem``: no hashes, no payload text; the payloads fold reads are
+events (``quiesce.ledger.projections.FoldItem``: no hashes, no payload text; the payloads fold reads are
 decoded here, in parallel), so the answers stay small and the parent's share of the work is the
 fold alone. Memory: one page of rows at a time, plus the range's fold items.
 """
@@ -26,10 +26,10 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from ledger import sqlitefile
-from ledger.chain import Problem, check_rows
-from ledger.layout import EVENT_COLUMNS
-from ledger.projections import FoldFeed, FoldItem
+from quiesce.ledger import sqlitefile
+from quiesce.ledger.chain import Problem, check_rows
+from quiesce.ledger.layout import EVENT_COLUMNS
+from quiesce.ledger.projections import FoldFeed, FoldItem
 
 #: Rows fetched and checked at a time: a page and the texts hashed from it stay in the CPU's cache
 #: (measured: about 20% less CPU per row than pages of 5,000).
@@ -79,16 +79,17 @@ def bounds(conn: sqlite3.Connection) -> tuple[int, int] | None:
 
 
 def command(path: Path) -> list[str]:
-    """The command line of a worker for the ledger file at ``path``: this same ``ledger`` package,
-    and no ``site`` (the worker needs only the standard library, and starts faster without)."""
-    root = str(Path(__file__).resolve().parents[1])
-    code = f"import sys; sys.path.insert(0, {root!r}); from ledger.replay_worker import main; main()"
+    """The command line of a worker for the ledger file at ``path``: this same ``quiesce`` package
+    (the folder that holds it first on the path), and no ``site`` (the worker needs only the
+    standard library, and starts faster without)."""
+    root = str(Path(__file__).parents[2])
+    code = f"import sys; sys.path.insert(0, {root!r}); from quiesce.ledger.replay_worker import main; main()"
     return [sys.executable, "-S", "-c", code, str(path)]
 
 
 def connect(path: str) -> sqlite3.Connection:
     """A read-only connection to the ledger file at ``path`` (never creates nor writes it; on a
-    read-only filesystem too: ``ledger.sqlitefile.read_uri``)."""
+    read-only filesystem too: ``quiesce.ledger.sqlitefile.read_uri``)."""
     return sqlitefile.connect_reader(sqlitefile.resolve(path))
 
 

@@ -7,14 +7,14 @@ for queries. ``tests/ledger/test_schema.py`` checks the two agree.
 recomputed from the stored bytes on every backend.
 
 The names that need no SQLAlchemy (``VERSION_TABLE``, ``HEAD_REVISION``, ``EVENT_COLUMNS``) live in
-``ledger.layout`` and are re-exported here.
+``quiesce.ledger.layout`` and are re-exported here.
 """
 
 from __future__ import annotations
 
 from sqlalchemy import BigInteger, Column, Float, Index, Integer, MetaData, String, Table, Text, text
 
-from ledger.layout import (
+from quiesce.ledger.layout import (
     EVENT_COLUMNS,
     HEAD_REVISION,
     MARKER_WHERE_POSTGRESQL,
@@ -52,7 +52,7 @@ events = Table(
     Column("hash", String(64), nullable=False),
 )
 Index("ix_events_checkpoint_id", events.c.checkpoint_id, events.c.seq)
-#: Markers only (revision 0004): no ``call.*`` or ``phase.*`` row (``ledger.layout.indexed_kind``).
+#: Markers only (revision 0004): no ``call.*`` or ``phase.*`` row (``quiesce.ledger.layout.indexed_kind``).
 Index(
     "ix_events_marker",
     events.c.kind,

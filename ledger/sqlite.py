@@ -9,7 +9,7 @@
   it too, and so does closing the ledger. ``durability="process"``: nothing is fsynced but by
   checkpoints; survives a process crash, not power loss.
 - The file: its path resolved (symlinks followed), never created in a missing folder, one hard
-  link only, a SQLite header (``ledger.sqlitefile``). Errors of the filesystem (full, read-only)
+  link only, a SQLite header (``quiesce.ledger.sqlitefile``). Errors of the filesystem (full, read-only)
   and of SQLite are ``LedgerError`` messages that say what to do.
 - Writership: an exclusive ``flock`` on the database file itself (its identity, whatever path
   reaches it) held for the ledger's lifetime (the kernel releases it when the process dies), plus
@@ -37,12 +37,12 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.to_thread
 
-from ledger import sqlitefile
-from ledger.backend import Backend, Batch, InlineAppend, ProjectionCache, RawEvent, apply_append
-from ledger.errors import FencedError, LedgerError
-from ledger.layout import EVENT_COLUMNS, MARKER_WHERE_SQLITE, VERSION_TABLE, indexed_kind
-from ledger.projections import COLUMNS, AttemptRow, from_columns, stored_values
-from ledger.urls import parse, plain_sqlite_path
+from quiesce.ledger import sqlitefile
+from quiesce.ledger.backend import Backend, Batch, InlineAppend, ProjectionCache, RawEvent, apply_append
+from quiesce.ledger.errors import FencedError, LedgerError
+from quiesce.ledger.layout import EVENT_COLUMNS, MARKER_WHERE_SQLITE, VERSION_TABLE, indexed_kind
+from quiesce.ledger.projections import COLUMNS, AttemptRow, from_columns, stored_values
+from quiesce.ledger.urls import parse, plain_sqlite_path
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection

@@ -31,7 +31,7 @@ import stat
 from pathlib import Path
 from typing import Final
 
-from ledger.errors import FencedError, LedgerError
+from quiesce.ledger.errors import FencedError, LedgerError
 
 #: The first 16 bytes of every SQLite 3 database file.
 SQLITE_HEADER: Final = b"SQLite format 3\x00"

@@ -31,7 +31,7 @@ Invariants:
   head's epoch + 1 (the largest in the ledger) and makes it this writer's epoch. Until then
   ``ledger.epoch`` is 0, so a writer that never started an epoch can append only to a ledger that
   has none.
-- **What is stored is redacted and capped** (``ledger.redact``) before it is hashed; ``Event.data``
+- **What is stored is redacted and capped** (``quiesce.ledger.redact``) before it is hashed; ``Event.data``
   returned by ``append`` is exactly what was stored.
 - Appends from concurrent tasks of one event loop are serialised; a Ledger belongs to one loop.
 - ``after_append`` (optional hook, set at open or as an attribute) is called with the events of
@@ -65,15 +65,15 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import anyio
 import anyio.lowlevel
 
-from ledger.backend import Backend, Batch, InlineAppend, LeaseState, RawEvent
-from ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
-from ledger.chain import check_rows, truncation
-from ledger.errors import BrokenChainError, FencedError, LedgerError
-from ledger.events import COLUMN_RULES, KINDS, AppendItem, Event, new_event
-from ledger.layout import HEAD_REVISION
-from ledger.projections import AttemptRow
-from ledger.redact import Redactor
-from ledger.urls import SQLITE_PREFIX, parse, plain_sqlite_path, safe
+from quiesce.ledger.backend import Backend, Batch, InlineAppend, LeaseState, RawEvent
+from quiesce.ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
+from quiesce.ledger.chain import check_rows, truncation
+from quiesce.ledger.errors import BrokenChainError, FencedError, LedgerError
+from quiesce.ledger.events import COLUMN_RULES, KINDS, AppendItem, Event, new_event
+from quiesce.ledger.layout import HEAD_REVISION
+from quiesce.ledger.projections import AttemptRow
+from quiesce.ledger.redact import Redactor
+from quiesce.ledger.urls import SQLITE_PREFIX, parse, plain_sqlite_path, safe
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -142,17 +142,17 @@ def make_backend(url: str, *, durability: Durability = "full", readonly: bool = 
     """The backend for ``url`` (not yet connected)."""
     path = plain_sqlite_path(url)
     if path is not None:  # the common SQLite form, read without importing SQLAlchemy
-        from ledger.sqlite import SqliteBackend
+        from quiesce.ledger.sqlite import SqliteBackend
 
         driver_url = SQLITE_PREFIX + path
         return SqliteBackend(driver_url, where=driver_url, durability=durability, readonly=readonly)
     backend_name, parsed = parse(url)
     where = safe(parsed)
     if backend_name == "sqlite":
-        from ledger.sqlite import SqliteBackend
+        from quiesce.ledger.sqlite import SqliteBackend
 
         return SqliteBackend(parsed, where=where, durability=durability, readonly=readonly)
-    from ledger.postgres import PostgresBackend
+    from quiesce.ledger.postgres import PostgresBackend
 
     return PostgresBackend(parsed, where=where, durability=durability, readonly=readonly)
 
@@ -166,7 +166,7 @@ async def upgrade_schema(url: str) -> tuple[str | None, str]:
     backend = make_backend(url)
     try:
         await backend.claim_writer()
-        from ledger import migrate  # alembic: loaded only when the schema is checked or changed
+        from quiesce.ledger import migrate  # alembic: loaded only when the schema is checked or changed
 
         result = await backend.run_schema(migrate.upgrade_sync)
     finally:
@@ -180,7 +180,7 @@ async def downgrade_schema(url: str, revision: str) -> None:
     backend = make_backend(url)
     try:
         await backend.claim_writer()
-        from ledger import migrate
+        from quiesce.ledger import migrate
 
         await backend.run_schema(lambda conn: migrate.downgrade_sync(conn, revision))
     finally:
@@ -309,7 +309,7 @@ class Ledger:
             elif not readonly:
                 await backend.claim_writer()
             if await backend.quick_revision() != HEAD_REVISION:
-                from ledger import migrate
+                from quiesce.ledger import migrate
 
                 await backend.run_schema(
                     lambda conn: migrate.ensure_schema_sync(conn, url=where, create=not readonly)
@@ -455,7 +455,7 @@ class Ledger:
 
     @property
     def backend(self) -> Backend:
-        """The database backend (for ``ledger.replay``; not for callers outside ``ledger``)."""
+        """The database backend (for ``quiesce.ledger.replay``; not for callers outside ``ledger``)."""
         return self._backend
 
     async def _load_head(self) -> None:
@@ -503,7 +503,7 @@ class Ledger:
         validate = self._validate
         if validate is None:
             # the payload models (pydantic): loaded by the first append, so readers never build them
-            from ledger.payloads import validate_payload
+            from quiesce.ledger.payloads import validate_payload
 
             validate = self._validate = validate_payload
         obj = validate(kind, data)
@@ -909,7 +909,7 @@ class Ledger:
         page_size: int = PAGE_SIZE,
     ) -> AsyncIterator[list[RawEvent]]:
         """The stored rows of ``read`` (same filters, same order), a page at a time, as stored:
-        for checking their hashes (``ledger.chain``); ``event_from_raw`` makes an ``Event`` of one."""
+        for checking their hashes (``quiesce.ledger.chain``); ``event_from_raw`` makes an ``Event`` of one."""
         if self._closed:
             raise LedgerError(f"ledger {self.url} is closed")
         await self._flush_staged()
@@ -925,7 +925,7 @@ class Ledger:
             after = int(page[-1][0])
 
     async def recorded_last_seq(self) -> int | None:
-        """The largest seq the ``attempts`` projection records (``ledger.chain.truncation``)."""
+        """The largest seq the ``attempts`` projection records (``quiesce.ledger.chain.truncation``)."""
         await self._flush_staged()
         return await self._backend.projection_last_seq()
 
@@ -947,7 +947,7 @@ class Ledger:
     async def last_before(self, kind: str, seq: int) -> Event | None:
         """The last event of ``kind`` stored before ``seq`` (None if there is none).
 
-        For a marker kind (anything but ``call.*`` and ``phase.*``: ``ledger.layout.indexed_kind``)
+        For a marker kind (anything but ``call.*`` and ``phase.*``: ``quiesce.ledger.layout.indexed_kind``)
         one lookup in the kind index, whatever the length of the history: what recovery reads about
         an old attempt must not grow with the ledger. A ``call.*`` or ``phase.*`` kind is not in
         that index (nine events in ten): it is found by scanning back from ``seq``.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Final, Literal
 
-from ledger.errors import LedgerError
+from quiesce.ledger.errors import LedgerError
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL

@@ -22,12 +22,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from quiesce.tools.gymsim import host as gymsim_host
+from quiesce.tools.gymsim.base import GymServer, HostContext
+from quiesce.tools.gymsim.spec import ServerSpec
+from quiesce.tools.pgtemp import PostgresUnavailable, TempPostgres
 from tests.oracle.wire import OracleMiddleware, Violations
 from tests.recovery.matrices import MODULE, Running, start_matrices
-from tools.gymsim import host as gymsim_host
-from tools.gymsim.base import GymServer, HostContext
-from tools.gymsim.spec import ServerSpec
-from tools.pgtemp import PostgresUnavailable, TempPostgres
 
 
 @pytest.fixture

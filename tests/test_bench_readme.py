@@ -1,6 +1,7 @@
-"""README.md's benchmark table is the one ``tools.bench.readme`` makes from ``bench-results/latest.json``.
+"""README.md's benchmark table is the one ``quiesce.tools.bench.readme`` makes from
+``bench-results/latest.json``.
 
-The table is never edited by hand: a full bench run (``--readme``) or ``python -m tools.bench.readme``
+The table is never edited by hand: a full bench run (``--readme``) or ``python -m quiesce.tools.bench.readme``
 rewrites it, and this test fails when README.md and ``latest.json`` disagree.
 """
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tools.bench.readme import BEGIN, END, current_block, regenerate, render
+from quiesce.tools.bench.readme import BEGIN, END, current_block, regenerate, render
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,7 +31,7 @@ def test_readme_table_matches_latest_json() -> None:
     block = current_block(readme)
     assert block is not None, "README.md lost the generated benchmark block's markers"
     assert block == render(_latest()), (
-        "README's table differs from latest.json: run python -m tools.bench.readme"
+        "README's table differs from latest.json: run python -m quiesce.tools.bench.readme"
     )
 
 

@@ -1,4 +1,4 @@
-"""`python -m tools.bench --quick` runs every measure end to end and writes the documented JSON shape.
+"""`python -m quiesce.tools.bench --quick` runs every measure end to end and writes the documented JSON shape.
 
 A smoke check of the bench harness only: tiny sizes, one run per measure. Nothing here asserts a
 time — the figures of a quick run mean nothing (DESIGN.md: speed is measured, never asserted).
@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tools.bench.__main__ import MEASURES, output_stem
+from quiesce.tools.bench.__main__ import MEASURES, output_stem
 
 REPO = Path(__file__).resolve().parents[1]
 MEASURE_KEYS = {"id", "title", "goal", "status", "met", "value", "baseline", "reason", "runs", "metrics",
@@ -21,7 +21,7 @@ MEASURE_KEYS = {"id", "title", "goal", "status", "met", "value", "baseline", "re
 def test_quick_bench_runs_every_measure_and_writes_json_and_markdown(tmp_path: Path) -> None:
     out = tmp_path / "results"
     done = subprocess.run(
-        [sys.executable, "-m", "tools.bench", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "quiesce.tools.bench", "--quick", "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -1,12 +1,13 @@
 """House rules checked on every run: ruff, ruff format, mypy strict, and the layer direction.
 
 DESIGN.md: `tools -> coordinator -> ledger`, never the other way; SQL only in `ledger/`;
-`tools/gymsim` imports only `coordinator.protocol` from the coordinator.
+`tools/gymsim` imports only `quiesce.coordinator.protocol` from the coordinator.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("ledger", "coordinator", "tools", "migrations")
+#: A module path as a string names one (`tools.gymsim`, `tools.gymsim.launch:app`).
+DOTTED = re.compile(r"[A-Za-z_]\w*(\.\w+)+(:\w+)?")
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
@@ -38,6 +41,8 @@ def test_mypy_strict() -> None:
 
 
 def _imports(path: Path) -> set[str]:
+    """The modules `path` imports, with quiesce's own named inside the package (`ledger.x` for
+    `quiesce.ledger.x`), so the layer rules below read as DESIGN.md states them."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     names: set[str] = set()
     for node in ast.walk(tree):
@@ -45,7 +50,7 @@ def _imports(path: Path) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
-    return names
+    return {name.removeprefix("quiesce.") for name in names}
 
 
 def _files(package: str) -> list[Path]:
@@ -87,8 +92,42 @@ def test_sql_only_in_ledger() -> None:
 
 
 def test_py_typed_shipped() -> None:
-    for package in PACKAGES:
+    for package in ("quiesce", *PACKAGES):
         assert (ROOT / package / "py.typed").is_file(), package
+
+
+def _bare_names(path: Path) -> list[tuple[int, str]]:
+    """Each place `path` imports one of quiesce's folders by its bare name, or names one of its
+    modules in a string (`-m tools.x`, `import_module("ledger.x")`, `"tools.x:app"`)."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and DOTTED.fullmatch(node.value):
+            dotted = node.value.split(":")[0]
+            module = ROOT.joinpath(*dotted.split("."))
+            if module.with_suffix(".py").is_file() or (module / "__init__.py").is_file():
+                found.append((node.lineno, dotted))
+    return [(line, name) for line, name in found if name.split(".")[0] in PACKAGES]
+
+
+def test_one_import_name() -> None:
+    """Every folder is installed under `quiesce` (quiesce/ holds a link to each), and no code imports
+    or runs one by its bare name: `ledger`, `coordinator`, `tools` and `migrations` are taken by
+    other distributions and by users' own projects, and a bare import would load a second copy."""
+    for package in PACKAGES:
+        link = ROOT / "quiesce" / package
+        assert link.is_symlink(), package
+        assert link.resolve() == ROOT / package, package
+    files = [ROOT / "quiesce" / "__init__.py", ROOT / "quiesce" / "__main__.py"]
+    for top in (*PACKAGES, "tests"):
+        files += sorted(p for p in (ROOT / top).rglob("*.py") if p != Path(__file__).resolve())
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line} {name}" for path in files for line, name in _bare_names(path)
+    ]
+    assert offenders == []
 
 
 def test_lazy_exports_do_not_shadow_submodules() -> None:
@@ -97,7 +136,7 @@ def test_lazy_exports_do_not_shadow_submodules() -> None:
     import importlib
     import pkgutil
 
-    for name in ("ledger", "coordinator"):
+    for name in ("quiesce", "quiesce.ledger", "quiesce.coordinator"):
         package = importlib.import_module(name)
         submodules = {m.name for m in pkgutil.iter_modules(package.__path__)}
         exports = set(package._EXPORTS)

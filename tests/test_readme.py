@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.protocol import TOKEN_ENV
-from tools.gymsim.cluster import start_cluster
+from quiesce.coordinator.protocol import TOKEN_ENV
+from quiesce.tools.gymsim.cluster import start_cluster
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -54,7 +54,7 @@ def test_readme_command_table_lists_every_command() -> None:
     """Each command module (`tools/cli/commands/`) has its row, and each row names a command."""
     import pkgutil
 
-    from tools.cli import commands
+    from quiesce.tools.cli import commands
 
     names = {m.name.replace("_", "-") for m in pkgutil.iter_modules(commands.__path__)}
     table = command_table(README.read_text(encoding="utf-8"))

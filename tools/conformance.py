@@ -3,7 +3,7 @@
 For authors of real Gym servers (and for our own reference servers): point it at a
 server's base URL and it runs a fixed list of probes over plain HTTP (httpx, not the
 coordinator), each giving one `CheckResult` (pass, fail with a short reason, or skip
-with why). The wire format, routes and codes come from `coordinator.protocol`.
+with why). The wire format, routes and codes come from `quiesce.coordinator.protocol`.
 
 `CHECKS` (at the end of this module) names every row and states what its passing
 proves. What it drives, in order (each probe uses a fresh checkpoint id of this run,
@@ -57,8 +57,8 @@ import anyio
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from coordinator.errors import ConfigError
-from coordinator.protocol import (
+from quiesce.coordinator.errors import ConfigError
+from quiesce.coordinator.protocol import (
     AGENT,
     AGENT_PREPARE_INCOMPLETE,
     CAPABILITIES_PATH,

@@ -1,6 +1,6 @@
 """The crash matrix: kill the coordinator at every instant of a save and of each restore, then recover.
 
-    python -m tools.crashmatrix [--ledger sqlite|postgres] [--cycle CYCLE] [--sample K]
+    python -m quiesce.tools.crashmatrix [--ledger sqlite|postgres] [--cycle CYCLE] [--sample K]
 
 CYCLE is `save`, `restore`, `restore-resume`, `restore-checkpoint`, `both` (save and restore) or
 `all`. For every *append point* (`QUIESCE_CRASH_AT=n`: SIGKILL right after the coordinator's n-th
@@ -64,13 +64,20 @@ from typing import Any
 
 import httpx
 
-from coordinator.crashpoints import CRASH_AT, CRASH_BEFORE_SEND, is_send_point
-from coordinator.protocol import AGENT, CAPABILITIES_PATH, MODEL, RESOURCES, TOKEN_ENV, TOKEN_ENV_FALLBACK
-from coordinator.publish import LATEST, load_snapshot, read_latest, verify_snapshot
-from tools.cli.main import main as cli_main
-from tools.gymsim.cluster import cluster_config, write_yaml_atomic
-from tools.gymsim.host import Host
-from tools.gymsim.spec import ClusterSpec, default_spec
+from quiesce.coordinator.crashpoints import CRASH_AT, CRASH_BEFORE_SEND, is_send_point
+from quiesce.coordinator.protocol import (
+    AGENT,
+    CAPABILITIES_PATH,
+    MODEL,
+    RESOURCES,
+    TOKEN_ENV,
+    TOKEN_ENV_FALLBACK,
+)
+from quiesce.coordinator.publish import LATEST, load_snapshot, read_latest, verify_snapshot
+from quiesce.tools.cli.main import main as cli_main
+from quiesce.tools.gymsim.cluster import cluster_config, write_yaml_atomic
+from quiesce.tools.gymsim.host import Host
+from quiesce.tools.gymsim.spec import ClusterSpec, default_spec
 
 TURNS = 12
 #: Per-call latency of the policy model and the resources server while a checkpoint is taken: the
@@ -321,7 +328,7 @@ def ledger_tail(url: str, after: int) -> list[dict[str, Any]]:
     def read() -> list[dict[str, Any]]:
         import anyio
 
-        from ledger import Ledger
+        from quiesce.ledger import Ledger
 
         async def run() -> list[dict[str, Any]]:
             async with Ledger.open(url, readonly=True) as ledger:
@@ -340,8 +347,8 @@ def ledger_problems(url: str) -> list[str]:
     def check() -> list[str]:
         import anyio
 
-        from ledger import replay_url
-        from tools.audit.cli import check_ledger
+        from quiesce.ledger import replay_url
+        from quiesce.tools.audit.cli import check_ledger
 
         async def run() -> list[str]:
             problems = []
@@ -851,14 +858,16 @@ class Matrix:
 def _ledger_url(kind: str, folder: Path, stack: contextlib.ExitStack) -> str:
     if kind == "sqlite":
         return f"sqlite+aiosqlite:///{folder / 'ledger.db'}"
-    from tools.pgtemp import TempPostgres
+    from quiesce.tools.pgtemp import TempPostgres
 
     cluster = stack.enter_context(TempPostgres(fsync=False))
     return cluster.create_database("crashmatrix")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.crashmatrix", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m quiesce.tools.crashmatrix", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--ledger", choices=("sqlite", "postgres"), default="sqlite")
     parser.add_argument("--cycle", choices=(*CYCLES, "both", "all"), default="both")
     parser.add_argument("--sample", type=int, default=1, metavar="K", help="run every K-th point only")

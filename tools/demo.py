@@ -39,11 +39,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from coordinator import Coordinator, load_snapshot
-from coordinator.protocol import PREFIX, TOKEN_ENV
-from ledger import Ledger
-from tools.gymsim import client
-from tools.gymsim.cluster import spawn_cluster
+from quiesce.coordinator import Coordinator, load_snapshot
+from quiesce.coordinator.protocol import PREFIX, TOKEN_ENV
+from quiesce.ledger import Ledger
+from quiesce.tools.gymsim import client
+from quiesce.tools.gymsim.cluster import spawn_cluster
 
 #: The seed's example cluster with some latency, so a checkpoint lands mid-rollout.
 DEMO_SPEC: dict[str, Any] = {

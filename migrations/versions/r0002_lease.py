@@ -1,7 +1,7 @@
 """The coordinator lease: one row that says which coordinator is active, until when.
 
 A standby coordinator (PostgreSQL) waits for ``expires_at`` to pass, then takes the row over
-(see ``ledger.postgres`` for the statements and ``coordinator.lease`` for the renewal task).
+(see ``quiesce.ledger.postgres`` for the statements and ``quiesce.coordinator.lease`` for the renewal task).
 ``writer_pid`` is the holder's writer session (``pg_backend_pid``): the one session a standby may
 end with ``pg_terminate_backend`` once the lease has expired.
 ``expires_at`` is in Unix seconds of the *database server's* clock, so coordinators on hosts with

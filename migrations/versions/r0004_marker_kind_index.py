@@ -7,7 +7,7 @@ an audit bundle names), while about nine events in ten are per-call and per-phas
 the kind index: about a third of the pages a save writes to the WAL, and the most CPU of any
 index. This revision replaces ``ix_events_kind`` with ``ix_events_marker``: the same columns,
 without the ``call.*`` and ``phase.*`` rows. A query by kind names the predicate verbatim to use
-it (``ledger.layout.MARKER_WHERE_*``; neither database proves ``kind = ?`` implies it).
+it (``quiesce.ledger.layout.MARKER_WHERE_*``; neither database proves ``kind = ?`` implies it).
 
 The predicate's text is frozen here: a later change to the constants needs a new revision.
 

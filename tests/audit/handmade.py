@@ -3,7 +3,7 @@
 `Script` appends the events a coordinator would write for one attempt, one call at a time, so a
 test can write a plausible attempt and then break exactly one rule. Server names decide the
 component: `policy_model` is the policy model, names ending in `_agent` are agents, anything else
-is a resources server. Paths come from the wire route table (`coordinator.protocol`).
+is a resources server. Paths come from the wire route table (`quiesce.coordinator.protocol`).
 
 `forge_stale_event` is the one thing the API cannot do (the ledger fences stale writers): it
 inserts a correctly chained row with an old epoch straight into a SQLite file, the way a writer
@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from coordinator.protocol import AGENT, MODEL, RESOURCES, route
-from ledger import Ledger
-from ledger.canonical import canonical_text, chain_hash, row_bytes
+from quiesce.coordinator.protocol import AGENT, MODEL, RESOURCES, route
+from quiesce.ledger import Ledger
+from quiesce.ledger.canonical import canonical_text, chain_hash, row_bytes
 
 POLICY = "policy_model"
 AGENT_1 = "simple_agent"

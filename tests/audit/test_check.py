@@ -8,11 +8,11 @@ import time
 import anyio
 import pytest
 
-from ledger import Event, Ledger
+from quiesce.ledger import Event, Ledger
+from quiesce.tools.audit.attempts import build_attempt
+from quiesce.tools.audit.check import CheckReport, check_events
+from quiesce.tools.audit.source import attempt_events, open_readonly
 from tests.audit.handmade import AGENT_1, AGENT_2, PARTICIPANTS, POLICY, TOOLS, Script, forge_stale_event
-from tools.audit.attempts import build_attempt
-from tools.audit.check import CheckReport, check_events
-from tools.audit.source import attempt_events, open_readonly
 
 pytestmark = pytest.mark.anyio
 

@@ -10,9 +10,9 @@ from typing import Any
 import anyio
 import pytest
 
-from ledger import Ledger
+from quiesce.ledger import Ledger
+from quiesce.tools.cli.main import main
 from tests.audit.handmade import AGENT_1, POLICY, Script
-from tools.cli.main import main
 
 
 async def _write_two_attempts(url: str) -> None:
@@ -208,7 +208,7 @@ def test_tampered_bundles_name_the_seq(
     assert seqs(verify("altered.jsonl", edited)) == [target]
 
     # an altered payload with a recomputed hash: the next event's link breaks
-    from tools.audit.bundle import event_hash
+    from quiesce.tools.audit.bundle import event_hash
 
     edited[event_at[target]]["hash"] = event_hash(edited[event_at[target]])
     doc = verify("rehashed.jsonl", edited)

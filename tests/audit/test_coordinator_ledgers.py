@@ -18,13 +18,13 @@ import anyio
 import httpx
 import pytest
 
-from coordinator import Coordinator, DeadlineExceeded, PhaseError
-from coordinator.protocol import ROLLOUT_ID_HEADER
+from quiesce.coordinator import Coordinator, DeadlineExceeded, PhaseError
+from quiesce.coordinator.protocol import ROLLOUT_ID_HEADER
+from quiesce.tools.audit.check import CheckReport, Violation
+from quiesce.tools.audit.cli import check_ledger
+from quiesce.tools.audit.source import load_views
+from quiesce.tools.cli.main import main
 from tests.coordinator.helpers import clear_faults, set_faults
-from tools.audit.check import CheckReport, Violation
-from tools.audit.cli import check_ledger
-from tools.audit.source import load_views
-from tools.cli.main import main
 
 
 async def _run_scenarios(cluster: Any, config: Any) -> dict[str, str]:

@@ -11,11 +11,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from ledger import Ledger
+from quiesce.ledger import Ledger
+from quiesce.tools.cli.commands import history
+from quiesce.tools.cli.commands.history import parse_since
+from quiesce.tools.cli.main import main
 from tests.audit.handmade import AGENT_1, POLICY, Script
-from tools.cli.commands import history
-from tools.cli.commands.history import parse_since
-from tools.cli.main import main
 
 
 async def _write(url: str) -> None:
@@ -134,7 +134,7 @@ def test_long_history_is_plain_text(
 
 _HISTORY = """
 import sys
-from tools.cli.main import main
+from quiesce.tools.cli.main import main
 
 code = main(["history", "--ledger", sys.argv[1], "--json"])
 print("MODULES", *sorted(sys.modules))
@@ -160,8 +160,8 @@ def test_history_json_imports_only_what_it_needs(tmp_path: Path) -> None:
         "sqlalchemy",
         "alembic",
         "pydantic",
-        "ledger.payloads",
-        "coordinator.protocol",
+        "quiesce.ledger.payloads",
+        "quiesce.coordinator.protocol",
         "httpx",
         "fastapi",
     )

@@ -24,10 +24,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from ledger import Ledger
-from ledger import store as ledger_store
+from quiesce.ledger import Ledger
+from quiesce.ledger import store as ledger_store
+from quiesce.tools.cli.main import main
 from tests.audit.handmade import AGENT_1, AGENT_2, PARTICIPANTS, POLICY, TOOLS, Script
-from tools.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -217,7 +217,7 @@ def test_browser_console_reports_a_refused_style(page: Path, tmp_path: Path) -> 
 
 
 class _Clock:
-    """A stand-in for the ledger's clock (`ledger.store.utc_now`): time moves only when told."""
+    """A stand-in for the ledger's clock (`quiesce.ledger.store.utc_now`): time moves only when told."""
 
     def __init__(self) -> None:
         self.now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -278,7 +278,7 @@ def test_phase_labels_never_overlap(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         [
             sys.executable,
             "-m",
-            "tools.cli.main",
+            "quiesce.tools.cli.main",
             "report",
             "--ledger",
             str(tmp_path / "q.db"),

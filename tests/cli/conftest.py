@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from quiesce.tools.gymsim.cluster import RunningCluster
 from tests.coordinator.conftest import cluster, make_cluster, token
-from tools.gymsim.cluster import RunningCluster
 
 __all__ = ["cluster", "config_file", "make_cluster", "token"]
 

@@ -1,4 +1,4 @@
-"""Running the command line as an operator does: `python -m tools.cli.main ...` in a real process.
+"""Running the command line as an operator does: `python -m quiesce.tools.cli.main ...` in a real process.
 
 `quiesce(*argv, cwd=..., env=...)` runs this tree's CLI (its root first on `PYTHONPATH`, the
 caller's `QUIESCE_CONFIG` removed) in `cwd` and returns the finished process, output as text.
@@ -26,7 +26,7 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def command(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "tools.cli.main", *argv]
+    return [sys.executable, "-m", "quiesce.tools.cli.main", *argv]
 
 
 def quiesce(

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from quiesce.tools.demo import MARKER
 from tests.cli.helpers import json_of, quiesce
-from tools.demo import MARKER
 
 
 def test_a_folder_the_demo_did_not_make_is_refused_untouched(tmp_path: Path) -> None:

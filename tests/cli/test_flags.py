@@ -15,12 +15,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-from coordinator.version import VERSION
-from ledger import Ledger
+from quiesce.coordinator.version import VERSION
+from quiesce.ledger import Ledger
+from quiesce.tools.cli import commands
+from quiesce.tools.cli.main import main
 from tests.audit.handmade import POLICY, Script
 from tests.cli.helpers import child_env, json_of, quiesce
-from tools.cli import commands
-from tools.cli.main import main
 
 
 async def _write(url: str) -> None:
@@ -197,7 +197,7 @@ def test_bad_usage_exits_2_naming_the_value_as_typed(folder: Path) -> None:
 
 _HISTORY = """
 import sys
-from tools.cli.main import main
+from quiesce.tools.cli.main import main
 
 code = main(["history", "--ledger", sys.argv[1], "--json"])
 print("MODULES", *sorted(sys.modules))
@@ -218,6 +218,6 @@ def test_history_json_stays_light_with_restores_and_a_file_path(folder: Path) ->
     loaded = [
         m
         for m in modules.split()
-        if m.split(".")[0] in heavy or m in ("ledger.payloads", "coordinator.protocol")
+        if m.split(".")[0] in heavy or m in ("quiesce.ledger.payloads", "quiesce.coordinator.protocol")
     ]
     assert loaded == []

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.protocol import TOKEN_ENV
+from quiesce.coordinator.protocol import TOKEN_ENV
 from tests.cli.helpers import ROOT, child_env, command, quiesce
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -22,7 +22,7 @@ def test_sim_help_speaks_to_users(tmp_path: Path) -> None:
     text = done.stdout
     for what in (TOKEN_ENV, "quiesce-sim.yaml", "quiesce checkpoint --config quiesce-sim.yaml", "ready"):
         assert what in text, what
-    for internal in ("tools.gymsim", "python -m", "seed"):
+    for internal in ("quiesce.tools.gymsim", "python -m", "seed"):
         assert internal not in text, internal
 
 

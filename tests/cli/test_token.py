@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
+from quiesce.coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
+from quiesce.tools.gymsim.cluster import RunningCluster
 from tests.cli.helpers import json_of, quiesce
 from tests.coordinator.helpers import control_logs, read_events
-from tools.gymsim.cluster import RunningCluster
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import anyio
 
-from ledger import Ledger
-from ledger.errors import FencedError
+from quiesce.ledger import Ledger
+from quiesce.ledger.errors import FencedError
 from tests.cli.helpers import child_env, json_of, quiesce
 
 TRAINER = """
 import anyio
 
-from coordinator import Coordinator
+from quiesce.coordinator import Coordinator
 
 
 async def main() -> None:

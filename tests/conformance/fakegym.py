@@ -40,7 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ConfigDict, ValidationError
 
-from coordinator.protocol import (
+from quiesce.coordinator.protocol import (
     AGENT,
     CAPABILITIES_PATH,
     CHECKPOINT_CONFLICT,
@@ -61,7 +61,7 @@ from coordinator.protocol import (
     route,
     sha256_hex,
 )
-from tools.gymsim.host import bind_listener
+from quiesce.tools.gymsim.host import bind_listener
 
 FAULTS = frozenset(
     {

@@ -12,9 +12,9 @@ import socket
 import anyio
 import pytest
 
-from coordinator.protocol import AGENT, MODEL, RESOURCES
+from quiesce.coordinator.protocol import AGENT, MODEL, RESOURCES
+from quiesce.tools.conformance import ConformanceReport, ServerUnreachable, run_conformance
 from tests.conformance.conftest import TOKEN, StartFake
-from tools.conformance import ConformanceReport, ServerUnreachable, run_conformance
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -195,7 +195,7 @@ async def test_unreachable_url_raises_usage_error() -> None:
 
 def test_every_documented_check_can_be_emitted() -> None:
     # Every row name the checker may emit is documented in CHECKS, and nothing documented is dead.
-    from tools import conformance
+    from quiesce.tools import conformance
 
     emitted = set(conformance._ALL_AFTER_CAPABILITIES) | {
         "capabilities.shape",

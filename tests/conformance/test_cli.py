@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
-from coordinator.protocol import AGENT, MODEL, RESOURCES, TOKEN_ENV, TOKEN_ENV_FALLBACK
+from quiesce.coordinator.protocol import AGENT, MODEL, RESOURCES, TOKEN_ENV, TOKEN_ENV_FALLBACK
+from quiesce.tools.cli.main import main
 from tests.conformance.conftest import TOKEN, StartFake
-from tools.cli.main import main
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,9 +16,9 @@ import anyio
 import httpx
 import pytest
 
+from quiesce.tools.conformance import ConformanceReport, run_conformance
+from quiesce.tools.gymsim.cluster import RunningCluster, start_cluster
 from tests.conformance.conftest import TOKEN
-from tools.conformance import ConformanceReport, run_conformance
-from tools.gymsim.cluster import RunningCluster, start_cluster
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from coordinator import ClusterConfig, parse_config
-from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
-from tools.gymsim.cluster import RunningCluster, start_cluster
-from tools.gymsim.spec import SpecLike
+from quiesce.coordinator import ClusterConfig, parse_config
+from quiesce.coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
+from quiesce.tools.gymsim.cluster import RunningCluster, start_cluster
+from quiesce.tools.gymsim.spec import SpecLike
 
 
 @pytest.fixture

@@ -12,10 +12,10 @@ import anyio.abc
 import httpx
 from anyio.streams.tls import TLSListener
 
-from coordinator.protocol import CAPABILITIES_PATH
-from ledger import Event, Ledger
-from tools.audit.cli import check_ledger
-from tools.gymsim.cluster import RunningCluster
+from quiesce.coordinator.protocol import CAPABILITIES_PATH
+from quiesce.ledger import Event, Ledger
+from quiesce.tools.audit.cli import check_ledger
+from quiesce.tools.gymsim.cluster import RunningCluster
 
 
 async def control_log(http: httpx.AsyncClient, url: str) -> list[dict[str, Any]]:

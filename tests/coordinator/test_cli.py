@@ -12,10 +12,10 @@ import anyio
 import httpx
 import pytest
 
-from coordinator import Coordinator
+from quiesce.coordinator import Coordinator
+from quiesce.tools.cli.main import main
+from quiesce.tools.gymsim import client
 from tests.coordinator.helpers import assert_all_accepting, assert_protocol_ok, server_states, set_faults
-from tools.cli.main import main
-from tools.gymsim import client
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -298,7 +298,7 @@ def test_refused_discovery_exits_2(
 def test_quiesce_demo_exits_0(tmp_path: Path) -> None:
     """README's main job exactly: `quiesce demo` with no arguments, in a fresh folder."""
     result = subprocess.run(
-        [sys.executable, "-m", "tools", "demo"],
+        [sys.executable, "-m", "quiesce", "demo"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -7,10 +7,10 @@ from typing import Any, cast
 
 import pytest
 
-from coordinator import ConfigError, load_config, resolve_token
-from coordinator.calls import Caller, token_problem
-from coordinator.config import find_token
-from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
+from quiesce.coordinator import ConfigError, load_config, resolve_token
+from quiesce.coordinator.calls import Caller, token_problem
+from quiesce.coordinator.config import find_token
+from quiesce.coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
 
 GOOD = """
 ledger: sqlite+aiosqlite:///state/quiesce.db
@@ -95,12 +95,12 @@ def test_token_from_env_with_fallback(tmp_path: Path) -> None:
 
 
 def test_the_version_constant_is_the_installed_package_version() -> None:
-    """pyproject reads the version from `coordinator.version` at build time; the metadata of the
+    """pyproject reads the version from `quiesce.coordinator.version` at build time; the metadata of the
     installed package (what pip shows) must agree with what `coordinator.started` records."""
     from importlib.metadata import version
 
-    from coordinator.coordinator import quiesce_version
-    from coordinator.version import VERSION
+    from quiesce.coordinator.coordinator import quiesce_version
+    from quiesce.coordinator.version import VERSION
 
     assert version("quiesce") == VERSION == quiesce_version()
 

@@ -11,10 +11,10 @@ from typing import Any
 import anyio
 import pytest
 
-from coordinator import Coordinator, digests
-from coordinator.digests import RACY_S, DigestCache, file_digest, read_facts
-from coordinator.protocol import ArtifactRef
-from coordinator.publish import tree_digests, verify_artifact
+from quiesce.coordinator import Coordinator, digests
+from quiesce.coordinator.digests import RACY_S, DigestCache, file_digest, read_facts
+from quiesce.coordinator.protocol import ArtifactRef
+from quiesce.coordinator.publish import tree_digests, verify_artifact
 
 
 def _aged(path: Path, data: bytes) -> None:

@@ -10,9 +10,9 @@ import pytest
 from fastapi import FastAPI, Header
 from starlette.responses import JSONResponse
 
-from coordinator import Coordinator, DiscoveryError, parse_config
-from coordinator.discovery import CLUSTER, classify
-from coordinator.protocol import CAPABILITIES_PATH, V2_STATUS_PATH, Capabilities
+from quiesce.coordinator import Coordinator, DiscoveryError, parse_config
+from quiesce.coordinator.discovery import CLUSTER, classify
+from quiesce.coordinator.protocol import CAPABILITIES_PATH, V2_STATUS_PATH, Capabilities
 from tests.conformance.fakegym import serve
 from tests.coordinator.helpers import assert_protocol_ok, control_logs, read_events
 

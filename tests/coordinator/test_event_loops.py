@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator import Coordinator
+from quiesce.coordinator import Coordinator
+from quiesce.tools.gymsim import client
 from tests.coordinator.helpers import assert_all_accepting, assert_protocol_ok
 from tests.coordinator.test_restore import _checkpoint_mid_rollout, _uninterrupted
-from tools.gymsim import client
 
 uvloop = pytest.importorskip("uvloop")  # a dev dependency: present wherever the tests are installed
 
@@ -52,7 +52,7 @@ def test_another_event_loop_is_refused_with_a_clear_error() -> None:
     """Under trio nothing of the coordinator can work (asyncio's HTTP client and PostgreSQL driver):
     `Coordinator.open` says so before it opens anything, instead of failing deep inside."""
     trio = pytest.importorskip("trio")
-    from coordinator import QuiesceError
+    from quiesce.coordinator import QuiesceError
 
     async def main() -> None:
         async with Coordinator.open("no-such-config.yaml", token="t"):  # refused before it is read

@@ -10,9 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator import Coordinator
-from coordinator.attempt import Progress
-from coordinator.heap import ENV, frozen_step, heap_frozen
+from quiesce.coordinator import Coordinator
+from quiesce.coordinator.attempt import Progress
+from quiesce.coordinator.heap import ENV, frozen_step, heap_frozen
 from tests.coordinator.helpers import assert_all_accepting
 
 

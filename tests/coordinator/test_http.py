@@ -18,8 +18,8 @@ import anyio
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from coordinator import http
-from coordinator.http import (
+from quiesce.coordinator import http
+from quiesce.coordinator.http import (
     MAX_HEAD_BYTES,
     BadReply,
     ConnectFailed,

@@ -1,4 +1,4 @@
-"""Checkpoint ids (`coordinator.ids`): Gym's rule, sortable within one ledger, unique across ledgers,
+"""Checkpoint ids (`quiesce.coordinator.ids`): Gym's rule, sortable within one ledger, unique across ledgers,
 old ids still read — and a real ledger's id: from its first event, the same at every open."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import uuid
 
 import pytest
 
-from coordinator.attempt import ledger_id, next_checkpoint_id
-from coordinator.ids import checkpoint_id, epoch_of, ledger_id_of
-from coordinator.protocol import CHECKPOINT_ID_PATTERN
-from ledger import Ledger
+from quiesce.coordinator.attempt import ledger_id, next_checkpoint_id
+from quiesce.coordinator.ids import checkpoint_id, epoch_of, ledger_id_of
+from quiesce.coordinator.protocol import CHECKPOINT_ID_PATTERN
+from quiesce.ledger import Ledger
 
 GYM = re.compile(CHECKPOINT_ID_PATTERN)
 HASH = "7c3e1f0a2b" + "0" * 54

@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator import ConfigError, Coordinator
-from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
+from quiesce.coordinator import ConfigError, Coordinator
+from quiesce.coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
+from quiesce.tools.gymsim.cluster import RunningCluster
 from tests.coordinator.helpers import control_logs, read_events
-from tools.gymsim.cluster import RunningCluster
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 

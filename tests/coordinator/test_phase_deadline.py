@@ -14,10 +14,10 @@ from typing import Any, cast
 import anyio
 import pytest
 
-from coordinator.attempt import Attempt, Context, PhaseFailure, each_member, run_phase
-from coordinator.config import parse_config
-from coordinator.discovery import Member
-from ledger import Ledger
+from quiesce.coordinator.attempt import Attempt, Context, PhaseFailure, each_member, run_phase
+from quiesce.coordinator.config import parse_config
+from quiesce.coordinator.discovery import Member
+from quiesce.ledger import Ledger
 
 pytestmark = pytest.mark.anyio
 

@@ -12,11 +12,11 @@ import anyio
 import anyio.abc
 import pytest
 
-from coordinator.calls import MAX_REPLY_BYTES, STAGED_READ_COMMIT_S, Caller, CallResult
-from coordinator.digests import file_digest
-from coordinator.errors import SnapshotError
-from coordinator.protocol import sha256_hex
-from coordinator.publish import (
+from quiesce.coordinator.calls import MAX_REPLY_BYTES, STAGED_READ_COMMIT_S, Caller, CallResult
+from quiesce.coordinator.digests import file_digest
+from quiesce.coordinator.errors import SnapshotError
+from quiesce.coordinator.protocol import sha256_hex
+from quiesce.coordinator.publish import (
     LATEST,
     SYNCFS_MIN_FILES,
     TRASH,
@@ -32,7 +32,7 @@ from coordinator.publish import (
     write_json_durably,
     write_latest,
 )
-from ledger import Ledger
+from quiesce.ledger import Ledger
 from tests.coordinator.helpers import loopback
 
 
@@ -109,7 +109,7 @@ def test_retention_can_defer_deleting_to_the_trash(tmp_path: Path) -> None:
 def test_the_trash_is_emptied_on_threads_without_a_working_rm(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rm: str | None
 ) -> None:
-    from coordinator import publish
+    from quiesce.coordinator import publish
 
     made = [_snapshot(tmp_path, f"e1-{s:06d}", 1, s, []) for s in (1, 2, 3)]
     write_latest(tmp_path, made[2].name)
@@ -154,7 +154,7 @@ def test_a_large_tree_is_made_durable_by_one_syncfs_not_an_fsync_per_file(
 ) -> None:
     import os
 
-    from coordinator import durable, publish
+    from quiesce.coordinator import durable, publish
 
     if not durable.syncfs_available():
         pytest.skip("no syncfs(2) on this system: every file is fsynced (the test above)")
@@ -377,7 +377,7 @@ async def test_a_commit_failing_during_a_long_read_stops_it_and_is_raised_as_is(
     and the caller gets that `FencedError` itself, not an exception group."""
     import time
 
-    from ledger import FencedError
+    from quiesce.ledger import FencedError
 
     async def hold(stream: anyio.abc.ByteStream) -> None:
         async with stream:
@@ -460,8 +460,8 @@ async def test_a_save_fsyncs_only_what_recovery_and_the_rename_wait_on(
     phase boundaries, `attempt.publishing` and `attempt.published` are staged and ride in the next
     of those transactions — none commits on its own, and the rename waits for no transaction (the
     fsynced rename decides publication)."""
-    from coordinator import Coordinator
-    from ledger import Event
+    from quiesce.coordinator import Coordinator
+    from quiesce.ledger import Event
 
     config = configure(cluster, sqlite_url)
     batches: list[tuple[list[str], bool]] = []

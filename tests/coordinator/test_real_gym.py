@@ -21,9 +21,13 @@ import anyio
 import httpx
 import pytest
 
-from coordinator import Coordinator, PhaseError, load_snapshot
-from coordinator.errors import AcknowledgementError, ConfigError, DeadlineExceeded, SnapshotError
-from coordinator.protocol import sha256_hex
+from quiesce.coordinator import Coordinator, PhaseError, load_snapshot
+from quiesce.coordinator.errors import AcknowledgementError, ConfigError, DeadlineExceeded, SnapshotError
+from quiesce.coordinator.protocol import sha256_hex
+from quiesce.tools.gymsim import client
+from quiesce.tools.gymsim.agent import AgentServer
+from quiesce.tools.gymsim.cluster import RunningCluster
+from quiesce.tools.gymsim.spec import SpecLike
 from tests.coordinator.helpers import (
     assert_all_accepting,
     assert_protocol_ok,
@@ -34,10 +38,6 @@ from tests.coordinator.helpers import (
     server_states,
     set_faults,
 )
-from tools.gymsim import client
-from tools.gymsim.agent import AgentServer
-from tools.gymsim.cluster import RunningCluster
-from tools.gymsim.spec import SpecLike
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 

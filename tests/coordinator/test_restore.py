@@ -18,9 +18,10 @@ import anyio
 import httpx
 import pytest
 
-from coordinator import Coordinator, Resubmission, SnapshotError, load_snapshot
-from coordinator.protocol import CAPABILITIES_PATH, agent_instance_dir, sha256_hex
-from ledger import Ledger
+from quiesce.coordinator import Coordinator, Resubmission, SnapshotError, load_snapshot
+from quiesce.coordinator.protocol import CAPABILITIES_PATH, agent_instance_dir, sha256_hex
+from quiesce.ledger import Ledger
+from quiesce.tools.gymsim import client
 from tests.coordinator.helpers import (
     assert_all_accepting,
     assert_protocol_ok,
@@ -28,7 +29,6 @@ from tests.coordinator.helpers import (
     read_events,
     server_states,
 )
-from tools.gymsim import client
 
 pytestmark = pytest.mark.anyio
 

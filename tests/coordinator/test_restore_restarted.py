@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator import Coordinator, PhaseError
+from quiesce.coordinator import Coordinator, PhaseError
+from quiesce.tools.gymsim import client
 from tests.coordinator.helpers import (
     assert_all_accepting,
     assert_protocol_ok,
@@ -27,7 +28,6 @@ from tests.coordinator.helpers import (
     set_faults,
 )
 from tests.coordinator.test_restore import _checkpoint_mid_rollout, _saved_records, _uninterrupted
-from tools.gymsim import client
 
 pytestmark = pytest.mark.anyio
 

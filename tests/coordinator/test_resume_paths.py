@@ -9,8 +9,8 @@ import anyio
 import httpx
 import pytest
 
-from coordinator import Coordinator, PhaseError, read_latest
-from coordinator.protocol import ROLLOUT_ID_HEADER
+from quiesce.coordinator import Coordinator, PhaseError, read_latest
+from quiesce.coordinator.protocol import ROLLOUT_ID_HEADER
 from tests.coordinator.helpers import (
     assert_all_accepting,
     assert_protocol_ok,

@@ -16,9 +16,10 @@ import anyio
 import httpx
 import pytest
 
-from coordinator import Coordinator, DeadlineExceeded, PhaseError, read_latest
-from coordinator.protocol import AGENT_PREPARE_INCOMPLETE, ROLLOUT_ID_HEADER, agent_instance_dir
-from ledger import Ledger
+from quiesce.coordinator import Coordinator, DeadlineExceeded, PhaseError, read_latest
+from quiesce.coordinator.protocol import AGENT_PREPARE_INCOMPLETE, ROLLOUT_ID_HEADER, agent_instance_dir
+from quiesce.ledger import Ledger
+from quiesce.tools.gymsim import client
 from tests.coordinator.helpers import (
     assert_all_accepting,
     assert_protocol_ok,
@@ -27,7 +28,6 @@ from tests.coordinator.helpers import (
     read_events,
     set_faults,
 )
-from tools.gymsim import client
 
 pytestmark = pytest.mark.anyio
 

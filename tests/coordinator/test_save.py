@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator import Coordinator, load_snapshot, read_latest
-from coordinator.ids import epoch_of
+from quiesce.coordinator import Coordinator, load_snapshot, read_latest
+from quiesce.coordinator.ids import epoch_of
+from quiesce.tools.gymsim import client
 from tests.coordinator.helpers import (
     assert_all_accepting,
     assert_protocol_ok,
@@ -25,7 +26,6 @@ from tests.coordinator.helpers import (
     read_events,
     routes_by_server,
 )
-from tools.gymsim import client
 
 pytestmark = pytest.mark.anyio
 

@@ -17,8 +17,9 @@ import anyio
 import httpx
 import pytest
 
-from coordinator import Coordinator, ServersHeld
-from ledger import Ledger
+from quiesce.coordinator import Coordinator, ServersHeld
+from quiesce.ledger import Ledger
+from quiesce.tools.cli.main import main as cli
 from tests.coordinator.helpers import (
     assert_all_accepting,
     assert_protocol_ok,
@@ -26,7 +27,6 @@ from tests.coordinator.helpers import (
     read_events,
     server_states,
 )
-from tools.cli.main import main as cli
 
 pytestmark = pytest.mark.anyio
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.protocol import AGENT, agent_instance_dir, manifest_path
-from coordinator.save import _verify_entry
+from quiesce.coordinator.protocol import AGENT, agent_instance_dir, manifest_path
+from quiesce.coordinator.save import _verify_entry
 
 
 def _entry(staging: Path, name: str) -> dict[str, object]:

@@ -1,7 +1,7 @@
 """Fixtures of the gymsim tests: real reference servers on loopback, driven over HTTP.
 
 `Gym` wraps one cluster: `op(name, operation, ...)` sends a POST control call by
-the route table of `coordinator.protocol`, `status(...)` the status GET,
+the route table of `quiesce.coordinator.protocol`, `status(...)` the status GET,
 `caps(name)` the capabilities, `admin(...)` the control-free admin routes.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator.protocol import CAPABILITIES_PATH, route
-from tools.gymsim.cluster import RunningCluster, start_cluster
+from quiesce.coordinator.protocol import CAPABILITIES_PATH, route
+from quiesce.tools.gymsim.cluster import RunningCluster, start_cluster
 
 TOKEN = "gymsim-test-token-7f3a"
 

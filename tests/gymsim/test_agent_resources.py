@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator.protocol import (
+from quiesce.coordinator.protocol import (
     AGENT,
     AgentCommitReply,
     AgentPrepareReply,
@@ -23,9 +23,9 @@ from coordinator.protocol import (
     route,
     sha256_hex,
 )
+from quiesce.tools.gymsim import client as gc
+from quiesce.tools.gymsim.cluster import start_cluster
 from tests.gymsim.conftest import SPEC, TOKEN, Gym, auth, code, eventually
-from tools.gymsim import client as gc
-from tools.gymsim.cluster import start_cluster
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 

@@ -8,9 +8,9 @@ import time
 import httpx
 import pytest
 
-from coordinator.protocol import CAPABILITIES_PATH, UNAUTHORIZED_DETAIL, Capabilities, route
+from quiesce.coordinator.protocol import CAPABILITIES_PATH, UNAUTHORIZED_DETAIL, Capabilities, route
+from quiesce.tools.gymsim.cluster import start_cluster
 from tests.gymsim.conftest import SPEC, TOKEN, Gym, auth, code
-from tools.gymsim.cluster import start_cluster
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator.protocol import (
+from quiesce.coordinator.protocol import (
     AGENT,
     MODEL,
     RESOURCES,
@@ -34,9 +34,9 @@ from coordinator.protocol import (
     manifest_path,
     sha256_hex,
 )
+from quiesce.tools.gymsim import client as gc
+from quiesce.tools.gymsim.cluster import spawn_cluster, start_cluster
 from tests.gymsim.conftest import TOKEN, Gym, code
-from tools.gymsim import client as gc
-from tools.gymsim.cluster import spawn_cluster, start_cluster
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 

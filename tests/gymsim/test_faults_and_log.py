@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator.protocol import ModelPauseReply
+from quiesce.coordinator.protocol import ModelPauseReply
+from quiesce.tools.gymsim.cluster import start_cluster
 from tests.gymsim.conftest import SPEC, TOKEN, Gym, code, eventually
-from tools.gymsim.cluster import start_cluster
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -201,7 +201,7 @@ async def test_prefix_hosted_servers_and_a_benchmark_sized_spec() -> None:
             assert (await gym.op("tools_3", "prepare")).status_code == 200
             assert await gym.fence("tools_3") == ("prepared", "c1")
             assert await gym.fence("tools_4") == ("idle", None)
-            from tools.gymsim import client as gc
+            from quiesce.tools.gymsim import client as gc
 
             await gc.start_rollouts(http, cluster.urls["agent_17"], {"r": 2})
             done = await gc.wait_finished(http, cluster.urls["agent_17"], expect=1)
@@ -213,7 +213,7 @@ async def test_prefix_hosted_servers_and_a_benchmark_sized_spec() -> None:
 
 
 async def test_the_control_log_keeps_only_the_newest_requests(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tools.gymsim import base
+    from quiesce.tools.gymsim import base
 
     monkeypatch.setattr(base, "CONTROL_LOG_MAX", 3)  # read when a server is built
     with start_cluster(SPEC, token=TOKEN) as running:

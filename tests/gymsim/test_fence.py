@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from coordinator.protocol import CommonBody
-from tools.gymsim.common import ControlRejection
-from tools.gymsim.fence import Done, Fence, rule
+from quiesce.coordinator.protocol import CommonBody
+from quiesce.tools.gymsim.common import ControlRejection
+from quiesce.tools.gymsim.fence import Done, Fence, rule
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 

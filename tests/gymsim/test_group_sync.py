@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.durable import syncfs_available
-from coordinator.protocol import sha256_hex
-from tools.gymsim import common
-from tools.gymsim.common import ArtifactWriter, GroupSync
+from quiesce.coordinator.durable import syncfs_available
+from quiesce.coordinator.protocol import sha256_hex
+from quiesce.tools.gymsim import common
+from quiesce.tools.gymsim.common import ArtifactWriter, GroupSync
 
 
 def test_a_call_made_during_a_running_sync_waits_for_the_next_one(

@@ -1,4 +1,5 @@
-"""The launcher (`python -m tools.gymsim`, `quiesce sim`): `--workers`, config, signals; `spawn_cluster`."""
+"""The launcher (`python -m quiesce.tools.gymsim`, `quiesce sim`): `--workers`, config, signals;
+`spawn_cluster`."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ import httpx
 import pytest
 import yaml
 
-from coordinator.protocol import CAPABILITIES_PATH, TOKEN_ENV, TOKEN_ENV_FALLBACK
+from quiesce.coordinator.protocol import CAPABILITIES_PATH, TOKEN_ENV, TOKEN_ENV_FALLBACK
+from quiesce.tools.cli.main import build_parser
+from quiesce.tools.gymsim.cluster import IMPORT_ROOT, spawn_cluster
 from tests.gymsim.conftest import TOKEN, auth
-from tools.cli.main import build_parser
-from tools.gymsim.cluster import REPO_ROOT, spawn_cluster
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -42,7 +43,7 @@ class Launched:
 def launch(tmp_path: Path) -> Iterator[Any]:
     started: list[subprocess.Popen[bytes]] = []
 
-    def run(*args: str, env: dict[str, str] | None = None, module: str = "tools.gymsim") -> Launched:
+    def run(*args: str, env: dict[str, str] | None = None, module: str = "quiesce.tools.gymsim") -> Launched:
         config = tmp_path / f"cluster-{len(started)}.yaml"
         log = tmp_path / f"log-{len(started)}.txt"
         child_env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_ENV_FALLBACK)}
@@ -51,7 +52,7 @@ def launch(tmp_path: Path) -> Iterator[Any]:
         with open(log, "wb") as out:
             process = subprocess.Popen(
                 command,
-                cwd=REPO_ROOT,
+                cwd=IMPORT_ROOT,
                 env=child_env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -152,7 +153,7 @@ def test_sim_is_a_quiesce_command() -> None:
     args = build_parser().parse_args(["sim", "--spec", "x.yaml", "--workers", "a=2"])
     assert args.spec == "x.yaml"
     assert args.workers == ["a=2"]
-    assert args.handler.__module__ == "tools.cli.commands.sim"
+    assert args.handler.__module__ == "quiesce.tools.cli.commands.sim"
 
 
 def test_spawn_cluster_exposes_urls_config_and_dies_on_sigkill(tmp_path: Path) -> None:

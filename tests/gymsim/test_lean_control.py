@@ -22,10 +22,10 @@ from fastapi import Query
 from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
-from coordinator.protocol import CAPABILITIES_PATH, CommonBody, StatusQuery, route
+from quiesce.coordinator.protocol import CAPABILITIES_PATH, CommonBody, StatusQuery, route
+from quiesce.tools.gymsim.base import LeanControl, lean_route
+from quiesce.tools.gymsim.cluster import RunningCluster, start_cluster
 from tests.gymsim.conftest import SPEC, TOKEN, auth
-from tools.gymsim.base import LeanControl, lean_route
-from tools.gymsim.cluster import RunningCluster, start_cluster
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator.protocol import (
+from quiesce.coordinator.protocol import (
     ModelCommitReply,
     ModelPauseReply,
     ModelRestoreReply,
@@ -20,8 +20,8 @@ from coordinator.protocol import (
     manifest_path,
     sha256_hex,
 )
+from quiesce.tools.gymsim.common import jsonl_bytes
 from tests.gymsim.conftest import Gym, code, eventually
-from tools.gymsim.common import jsonl_bytes
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -281,8 +281,8 @@ async def committed_model(gym: Gym, folder: Path) -> dict[str, Any]:
 
 
 async def test_restore_installs_attempt_n_plus_one_and_boots_paused(cluster: Any, tmp_path: Path) -> None:
+    from quiesce.tools.gymsim.cluster import start_cluster
     from tests.gymsim.conftest import SPEC, TOKEN
-    from tools.gymsim.cluster import start_cluster
 
     async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
         with start_cluster(SPEC, token=TOKEN) as source:
@@ -306,8 +306,8 @@ async def test_restore_verifies_digests_before_installing(cluster: Any, gym: Gym
     calls_file = tmp_path / "model-ledger/policy_model/r1.lineage.jsonl"
     good = calls_file.read_bytes()
     calls_file.write_bytes(good.replace(b"call-1", b"call-7"))
+    from quiesce.tools.gymsim.cluster import start_cluster
     from tests.gymsim.conftest import SPEC, TOKEN
-    from tools.gymsim.cluster import start_cluster
 
     with start_cluster(SPEC, token=TOKEN) as fresh:
         target = Gym(fresh.urls, gym.http)

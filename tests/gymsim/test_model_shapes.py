@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator.protocol import ModelRestoreReply, ModelStatusReply
+from quiesce.coordinator.protocol import ModelRestoreReply, ModelStatusReply
+from quiesce.tools.gymsim.cluster import start_cluster
 from tests.gymsim.conftest import TOKEN, Gym, code, eventually
 from tests.gymsim.test_model import call, pause_until_prepared, row, write_index
-from tools.gymsim.cluster import start_cluster
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 

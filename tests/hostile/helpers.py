@@ -8,18 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from coordinator.protocol import TOKEN_ENV
+from quiesce.coordinator.protocol import TOKEN_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args: str, token: str | None = None, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-    """`python -m tools.cli.main ARGS` from the repository's root (this tree's code), with a control
+    """`python -m quiesce.tools.cli.main ARGS` from the repository's root (this tree's code), with a control
     token in the environment; stdout and stderr captured as text. Never raises on a non-zero exit."""
     env = {**os.environ, TOKEN_ENV: token or "qz-" + secrets.token_hex(8)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return subprocess.run(
-        [sys.executable, "-m", "tools.cli.main", *args],
+        [sys.executable, "-m", "quiesce.tools.cli.main", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -19,10 +19,10 @@ import anyio
 import pytest
 from sqlalchemy.exc import DBAPIError
 
-from ledger import Ledger, LedgerError, chain_hash, downgrade_schema, row_bytes
-from ledger.layout import VERSION_TABLE
+from quiesce.ledger import Ledger, LedgerError, chain_hash, downgrade_schema, row_bytes
+from quiesce.ledger.layout import VERSION_TABLE
+from quiesce.tools.cli.main import main as cli
 from tests.ledger.helpers import COORDINATOR, SENT, is_sqlite, raw_sql, started
-from tools.cli.main import main as cli
 
 pytestmark = pytest.mark.anyio
 

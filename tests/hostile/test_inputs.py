@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from coordinator import ConfigError, Coordinator, parse_config
-from coordinator.config import MAX_DEADLINE_S, check_deadline
-from ledger import Ledger
+from quiesce.coordinator import ConfigError, Coordinator, parse_config
+from quiesce.coordinator.config import MAX_DEADLINE_S, check_deadline
+from quiesce.ledger import Ledger
 from tests.hostile.helpers import no_traceback, run_cli
 from tests.ledger.helpers import COORDINATOR
 

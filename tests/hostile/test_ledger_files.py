@@ -20,15 +20,15 @@ import anyio
 import httpx
 import pytest
 
-from coordinator import Coordinator, parse_config
-from coordinator.stranded import LedgerStranded
-from ledger import FencedError, Ledger, LedgerError, replay_url
+from quiesce.coordinator import Coordinator, parse_config
+from quiesce.coordinator.stranded import LedgerStranded
+from quiesce.ledger import FencedError, Ledger, LedgerError, replay_url
+from quiesce.tools.gymsim.cluster import RunningCluster
 from tests.coordinator.helpers import assert_all_accepting, read_events
 from tests.hostile.conftest import Mounts, fill
 from tests.hostile.front import Rule, after, hostile_front
 from tests.hostile.helpers import REPO, no_traceback, run_cli
 from tests.ledger.helpers import COORDINATOR, SENT, run_and_kill, started
-from tools.gymsim.cluster import RunningCluster
 
 pytestmark = pytest.mark.anyio
 
@@ -90,7 +90,7 @@ def _hold_writer(url: str) -> subprocess.Popen[str]:
     """A child process that opens `url` as its writer and holds it (until it is killed)."""
     child = f"""
 import anyio
-from ledger import Ledger
+from quiesce.ledger import Ledger
 async def main():
     ledger = await Ledger.connect({url!r})
     print("holding", flush=True)
@@ -148,7 +148,7 @@ def test_sim_owns_the_folder_of_the_ledger_it_names(tmp_path: Path) -> None:
     config = tmp_path / "out" / "sim.yaml"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli.main", "sim", "--ledger", "sqlite+aiosqlite:///runs/one/q.db",
+        [sys.executable, "-m", "quiesce.tools.cli.main", "sim", "--ledger", "sqlite+aiosqlite:///runs/one/q.db",
          "--config-out", str(config)],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -230,7 +230,7 @@ async def test_a_read_only_filesystem_refuses_writers_and_serves_every_read_comm
     if left_behind != "closed cleanly":
         child = f"""
 import anyio
-from ledger import Ledger
+from quiesce.ledger import Ledger
 async def main():
     ledger = await Ledger.connect({url!r})
     await ledger.start_epoch({COORDINATOR!r})

@@ -31,14 +31,14 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator import Coordinator, PhaseError, parse_config, read_latest
-from coordinator.protocol import AGENT, RESOURCES, manifest_path
-from ledger import Event
+from quiesce.coordinator import Coordinator, PhaseError, parse_config, read_latest
+from quiesce.coordinator.protocol import AGENT, RESOURCES, manifest_path
+from quiesce.ledger import Event
+from quiesce.tools.audit.attempts import parse_at
+from quiesce.tools.gymsim.cluster import RunningCluster
 from tests.coordinator.helpers import assert_all_accepting, assert_protocol_ok, read_events
 from tests.hostile import front
 from tests.hostile.front import Rule, hostile_front
-from tools.audit.attempts import parse_at
-from tools.gymsim.cluster import RunningCluster
 
 pytestmark = pytest.mark.anyio
 

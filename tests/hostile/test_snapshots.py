@@ -22,11 +22,11 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator import Coordinator, SnapshotError, parse_config, read_latest, verify_snapshot
+from quiesce.coordinator import Coordinator, SnapshotError, parse_config, read_latest, verify_snapshot
+from quiesce.tools.gymsim.cluster import RunningCluster
 from tests.coordinator.helpers import assert_all_accepting, control_logs, read_events
 from tests.hostile.conftest import Mounts, fill
 from tests.hostile.helpers import no_traceback, run_cli
-from tools.gymsim.cluster import RunningCluster
 
 pytestmark = pytest.mark.anyio
 

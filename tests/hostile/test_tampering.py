@@ -25,13 +25,13 @@ from pathlib import Path
 import anyio
 import pytest
 
-from ledger import BrokenChainError, Ledger, chain_hash, replay_url, row_bytes
-from ledger.store import TAIL_ROWS
+from quiesce.ledger import BrokenChainError, Ledger, chain_hash, replay_url, row_bytes
+from quiesce.ledger.store import TAIL_ROWS
+from quiesce.tools.audit.bundle import verify_bundle
+from quiesce.tools.audit.cli import check_ledger
+from quiesce.tools.audit.source import cross_check, export_bundle
 from tests.hostile.helpers import no_traceback, run_cli
 from tests.ledger.helpers import COORDINATOR, random_items
-from tools.audit.bundle import verify_bundle
-from tools.audit.cli import check_ledger
-from tools.audit.source import cross_check, export_bundle
 
 EVENTS = 400
 RECENT = 300  # within the last TAIL_ROWS rows: a writer's open sees it

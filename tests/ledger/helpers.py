@@ -15,7 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from ledger import AppendItem
+from quiesce.ledger import AppendItem
 
 COORDINATOR: dict[str, Any] = {"coordinator": {"host": "test", "pid": 1, "uuid": "u-1"}, "version": "0.1.0"}
 SENT: dict[str, Any] = {

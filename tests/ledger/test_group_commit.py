@@ -9,8 +9,8 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from ledger import Event, Ledger, LedgerError, replay_url
-from ledger.backend import InlineAppend
+from quiesce.ledger import Event, Ledger, LedgerError, replay_url
+from quiesce.ledger.backend import InlineAppend
 from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, started
 
 pytestmark = pytest.mark.anyio

@@ -11,7 +11,7 @@ import anyio
 import pytest
 from sqlalchemy.exc import DBAPIError
 
-from ledger import AppendItem, FencedError, Ledger, LedgerError, replay_url
+from quiesce.ledger import AppendItem, FencedError, Ledger, LedgerError, replay_url
 from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, is_sqlite, raw_sql, run_and_kill, started
 
 pytestmark = pytest.mark.anyio
@@ -240,7 +240,7 @@ async def test_append_is_durable_when_it_returns(ledger_url: str) -> None:
     child = textwrap.dedent(
         f"""
         import sys, anyio
-        from ledger import Ledger
+        from quiesce.ledger import Ledger
 
         async def main():
             ledger = await Ledger.connect({ledger_url!r})
@@ -316,7 +316,7 @@ async def test_write_behind_appends_survive_a_process_crash(ledger_url: str) -> 
     child = textwrap.dedent(
         f"""
         import sys, anyio
-        from ledger import AppendItem, Ledger
+        from quiesce.ledger import AppendItem, Ledger
 
         async def main():
             ledger = await Ledger.connect({ledger_url!r})

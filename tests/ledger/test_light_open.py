@@ -18,16 +18,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import make_url
 
-import ledger
-import ledger.events
-import ledger.payloads
-from ledger import Ledger, LedgerError
-from ledger.urls import SQLITE_PREFIX, parse, plain_sqlite_path, safe
+from quiesce import ledger
+from quiesce.ledger import Ledger, LedgerError
+from quiesce.ledger.urls import SQLITE_PREFIX, parse, plain_sqlite_path, safe
 from tests.ledger.helpers import COORDINATOR, SENT, started
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Modules a readonly SQLite read must not load.
-HEAVY = ("sqlalchemy", "alembic", "pydantic", "ledger.payloads", "ledger.schema")
+HEAVY = ("sqlalchemy", "alembic", "pydantic", "quiesce.ledger.payloads", "quiesce.ledger.schema")
 
 
 @pytest.mark.parametrize(
@@ -78,7 +76,7 @@ def test_payload_models_cover_the_vocabulary_and_stay_importable_from_events() -
     assert frozenset(ledger.payloads.PAYLOADS) == ledger.events.KINDS
     assert ledger.events.PAYLOADS is ledger.payloads.PAYLOADS is ledger.PAYLOADS
     assert ledger.Payload is ledger.payloads.Payload
-    from ledger.events import CallSent, CoordinatorStarted
+    from quiesce.ledger.events import CallSent, CoordinatorStarted
 
     assert CallSent is ledger.PAYLOADS["call.sent"]
     assert CoordinatorStarted is ledger.PAYLOADS["coordinator.started"]
@@ -98,7 +96,7 @@ async def _make_ledger(url: str) -> None:
 
 _READ = """
 import json, sys, anyio
-from ledger import Ledger
+from quiesce.ledger import Ledger
 
 async def main(url):
     async with Ledger.open(url, readonly=True) as reader:

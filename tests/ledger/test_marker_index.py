@@ -14,12 +14,12 @@ import anyio.to_thread
 import pytest
 from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
 
-from ledger import AppendItem, Ledger, downgrade_schema
-from ledger.layout import MARKER_WHERE_SQLITE, indexed_kind
-from ledger.postgres import read_last_statement
-from ledger.sqlite import read_last_sql
+from quiesce.ledger import AppendItem, Ledger, downgrade_schema
+from quiesce.ledger.layout import MARKER_WHERE_SQLITE, indexed_kind
+from quiesce.ledger.postgres import read_last_statement
+from quiesce.ledger.sqlite import read_last_sql
+from quiesce.tools.cli.main import main as cli
 from tests.ledger.helpers import REPLIED, SENT, is_sqlite, raw_sql, started
-from tools.cli.main import main as cli
 
 pytestmark = pytest.mark.anyio
 

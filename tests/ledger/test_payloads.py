@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ledger import LedgerError
-from ledger.canonical import canonical_text
-from ledger.payloads import _DECLINE, _SPECS, PAYLOADS, _fast, validate_payload
+from quiesce.ledger import LedgerError
+from quiesce.ledger.canonical import canonical_text
+from quiesce.ledger.payloads import _DECLINE, _SPECS, PAYLOADS, _fast, validate_payload
 
 
 class Colour(enum.StrEnum):

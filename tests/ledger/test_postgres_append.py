@@ -10,9 +10,9 @@ import uuid
 import anyio
 import pytest
 
-from ledger import AppendItem, FencedError, Ledger, replay_url
+from quiesce.ledger import AppendItem, FencedError, Ledger, replay_url
+from quiesce.tools.pgtemp import TempPostgres
 from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, random_items, raw_sql, started
-from tools.pgtemp import TempPostgres
 
 pytestmark = pytest.mark.anyio
 

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ledger import BODY_CAP_BYTES, GENESIS_HASH, REDACTED, Event, chain_hash, fold, row_bytes
-from ledger.canonical import canonical
-from ledger.events import KINDS, new_event
-from ledger.payloads import PAYLOADS
-from ledger.projections import (
+from quiesce.ledger import BODY_CAP_BYTES, GENESIS_HASH, REDACTED, Event, chain_hash, fold, row_bytes
+from quiesce.ledger.canonical import canonical
+from quiesce.ledger.events import KINDS, new_event
+from quiesce.ledger.payloads import PAYLOADS
+from quiesce.ledger.projections import (
     COLUMNS,
     KEYS_READ_BY_FOLD,
     KINDS_READ_BY_FOLD,
@@ -28,7 +28,7 @@ from ledger.projections import (
     to_columns,
     touched,
 )
-from ledger.redact import Redactor, cap_bodies
+from quiesce.ledger.redact import Redactor, cap_bodies
 from tests.ledger.helpers import random_items
 
 json_values = st.recursive(
@@ -376,7 +376,7 @@ def _chain(rows: list[tuple[str, str | None, dict[str, Any]]]) -> list[Any]:
 
 
 def test_replayer_agrees_with_the_chain_definition_and_names_the_bad_seq() -> None:
-    from ledger.replay import Replayer
+    from quiesce.ledger.replay import Replayer
 
     rows = _chain([("call.sent", f"c\u2028{i}\x01", {"k": f"ü{i}\t", "n": i}) for i in range(50)])
     good = Replayer()
@@ -399,7 +399,7 @@ def test_replayer_agrees_with_the_chain_definition_and_names_the_bad_seq() -> No
 
 def test_head_revision_constant_matches_alembic() -> None:
     """`HEAD_REVISION` lets an open skip alembic; it must name the real head of migrations/."""
-    from ledger.migrate import head_revision
-    from ledger.schema import HEAD_REVISION
+    from quiesce.ledger.migrate import head_revision
+    from quiesce.ledger.schema import HEAD_REVISION
 
     assert head_revision() == HEAD_REVISION

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ledger import AppendItem, Ledger
+from quiesce.ledger import AppendItem, Ledger
 from tests.ledger.helpers import COORDINATOR, started
 
 pytestmark = pytest.mark.anyio

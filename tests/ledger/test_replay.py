@@ -12,8 +12,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from ledger import Ledger, LedgerError, downgrade_schema, replay_url
-from ledger.schema import VERSION_TABLE, metadata
+from quiesce.ledger import Ledger, LedgerError, downgrade_schema, replay_url
+from quiesce.ledger.schema import VERSION_TABLE, metadata
+from quiesce.tools.cli.main import main as cli
 from tests.ledger.helpers import (
     COORDINATOR,
     SENT,
@@ -23,7 +24,6 @@ from tests.ledger.helpers import (
     raw_sql,
     started,
 )
-from tools.cli.main import main as cli
 
 pytestmark = pytest.mark.anyio
 

@@ -1,4 +1,4 @@
-"""Replay's fast paths give the verdict of the plain definition: page checks (``ledger.chain``),
+"""Replay's fast paths give the verdict of the plain definition: page checks (``quiesce.ledger.chain``),
 the reduced fold (``FoldFeed``), and seq ranges checked by worker processes (SQLite)."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ledger import GENESIS_HASH, AppendItem, Event, Ledger, LedgerError, chain_hash, fold, row_bytes
-from ledger import replay_worker as worker_module
-from ledger.canonical import canonical
-from ledger.chain import _check_exact, _escapes, check_rows
-from ledger.layout import EVENT_COLUMNS
-from ledger.projections import (
+from quiesce.ledger import GENESIS_HASH, AppendItem, Event, Ledger, LedgerError, chain_hash, fold, row_bytes
+from quiesce.ledger import replay_worker as worker_module
+from quiesce.ledger.canonical import canonical
+from quiesce.ledger.chain import _check_exact, _escapes, check_rows
+from quiesce.ledger.layout import EVENT_COLUMNS
+from quiesce.ledger.projections import (
     KEYS_READ_BY_FOLD,
     KINDS_READ_BY_FOLD,
     AttemptRow,
@@ -32,7 +32,7 @@ from ledger.projections import (
     fold_items,
     touched,
 )
-from ledger.replay import ReplayReport, replay_url
+from quiesce.ledger.replay import ReplayReport, replay_url
 from tests.ledger.helpers import COORDINATOR, drop_triggers_sql, random_items, raw_sql, sqlite_path
 
 Row = tuple[Any, ...]

@@ -13,8 +13,8 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from ledger import Event, FencedError, Ledger, LedgerError, replay_url
-from ledger.backend import InlineAppend
+from quiesce.ledger import Event, FencedError, Ledger, LedgerError, replay_url
+from quiesce.ledger.backend import InlineAppend
 from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, run_and_kill, started
 
 pytestmark = pytest.mark.anyio
@@ -285,7 +285,7 @@ async def test_a_killed_writer_keeps_what_was_carried_and_loses_only_the_staged_
     child = textwrap.dedent(
         f"""
         import anyio
-        from ledger import Ledger
+        from quiesce.ledger import Ledger
 
         async def main():
             ledger = await Ledger.connect({ledger_url!r})
@@ -324,7 +324,7 @@ async def test_a_killed_writer_keeps_what_was_carried_and_loses_only_the_staged_
 async def test_a_writer_whose_lease_ran_out_drops_its_staged_events_at_close(tmp_path: Path) -> None:
     """Closing commits what is staged — unless the writer may no longer write (its lease ran out:
     a standby may own the ledger now). Then nothing is written and closing does not raise."""
-    from ledger import LeaseTerms
+    from quiesce.ledger import LeaseTerms
 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     async with Ledger.open(url) as ledger:

@@ -1,5 +1,5 @@
 """Strict models of the wire, as NeMo RL's anchor coordinator reads it — written from
-`gym-control-v1.md` (its **real Gym:** lines first), not from `coordinator.protocol`.
+`gym-control-v1.md` (its **real Gym:** lines first), not from `quiesce.coordinator.protocol`.
 
 Every model forbids extra fields and spells every state as a literal, so a reference server that
 drifts from the real wire (an extra field, a state RL does not know, a field missing) fails here.
@@ -11,7 +11,7 @@ Gym, always. Later Gym's agent also acknowledges a finished result only by its c
 (`Receipt`): it shows it in each status entry of a held result and serves it on its own route;
 RL's later coordinator sends the receipts, the anchor the bare pairs.
 
-Deliberately independent of `coordinator.protocol`: these are the test's own reading of the spec,
+Deliberately independent of `quiesce.coordinator.protocol`: these are the test's own reading of the spec,
 so a wrong field there cannot make itself right here.
 """
 

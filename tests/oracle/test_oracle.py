@@ -12,15 +12,15 @@ import httpx
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from coordinator import Coordinator, parse_config
-from coordinator.calls import Caller, Target
-from coordinator.protocol import AGENT, CommonBody, route
-from ledger import Ledger
+from quiesce.coordinator import Coordinator, parse_config
+from quiesce.coordinator.calls import Caller, Target
+from quiesce.coordinator.protocol import AGENT, CommonBody, route
+from quiesce.ledger import Ledger
+from quiesce.tools.gymsim import client
+from quiesce.tools.gymsim.agent import AgentServer
+from quiesce.tools.gymsim.cluster import start_cluster
 from tests.oracle import models as m
 from tests.oracle.wire import Violations, check_reply
-from tools.gymsim import client
-from tools.gymsim.agent import AgentServer
-from tools.gymsim.cluster import start_cluster
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 

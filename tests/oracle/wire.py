@@ -27,10 +27,10 @@ from urllib.parse import parse_qsl
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from coordinator.protocol import AGENT, CAPABILITIES_PATH, MODEL, PREFIX, RESOURCES, ROUTES
+from quiesce.coordinator.protocol import AGENT, CAPABILITIES_PATH, MODEL, PREFIX, RESOURCES, ROUTES
+from quiesce.tools.gymsim.base import route_path
+from quiesce.tools.gymsim.faults import FAULTED
 from tests.oracle import models as m
-from tools.gymsim.base import route_path
-from tools.gymsim.faults import FAULTED
 
 #: The coordinator names itself in every control request (calls.py).
 COORDINATOR_AGENT: Final = "quiesce/"

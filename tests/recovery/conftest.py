@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from coordinator import crashpoints
+from quiesce.coordinator import crashpoints
 from tests.coordinator.conftest import cluster, configure, make_cluster, sqlite_url, token
 from tests.recovery.helpers import Dying, Predicate
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from coordinator import crashpoints
-from ledger import Event, FencedError
+from quiesce.coordinator import crashpoints
+from quiesce.ledger import Event, FencedError
 
 __all__ = ["Died", "Dying", "Predicate", "kind_is"]
 

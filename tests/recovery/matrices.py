@@ -16,8 +16,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.gymsim.cluster import REPO_ROOT
-from tools.pgtemp import TempPostgres
+from quiesce.tools.gymsim.cluster import IMPORT_ROOT
+from quiesce.tools.pgtemp import TempPostgres
 
 __all__ = ["MODULE", "Running", "start_matrices"]
 
@@ -27,7 +27,7 @@ MODULE = "test_crashmatrix.py"
 
 @dataclass
 class Running:
-    """One `python -m tools.crashmatrix` child; its stdout and stderr go to `log`."""
+    """One `python -m quiesce.tools.crashmatrix` child; its stdout and stderr go to `log`."""
 
     process: subprocess.Popen[bytes]
     log: Path
@@ -48,8 +48,8 @@ class Running:
 def _start(log: Path, *args: str) -> Running:
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "tools.crashmatrix", *args],
-            cwd=str(REPO_ROOT),
+            [sys.executable, "-m", "quiesce.tools.crashmatrix", *args],
+            cwd=str(IMPORT_ROOT),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,

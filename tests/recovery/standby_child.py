@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from coordinator import Coordinator, FencedError
+from quiesce.coordinator import Coordinator, FencedError
 
 
 def say(document: dict[str, Any]) -> None:

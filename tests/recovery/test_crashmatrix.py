@@ -4,15 +4,15 @@ restore → checkpoint) on SQLite, a sampled third on PostgreSQL.
 Slow (minutes) but run by default: CI runs the full SQLite matrix. Both matrices are child
 processes started with the session and run beside the rest of the suite
 (`tests/recovery/matrices.py`); each test waits for its own and judges it. Every matrix's table
-is printed; run with `-s` to see it (or run `python -m tools.crashmatrix` directly).
+is printed; run with `-s` to see it (or run `python -m quiesce.tools.crashmatrix` directly).
 """
 
 from __future__ import annotations
 
 import pytest
 
+from quiesce.tools.pgtemp import TempPostgres
 from tests.recovery.matrices import Running
-from tools.pgtemp import TempPostgres
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 CYCLES = ["save", "restore", "restore-resume", "restore-checkpoint"]

@@ -43,12 +43,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from coordinator.crashpoints import CRASH_AT, CRASH_BEFORE_SEND
-from coordinator.protocol import CAPABILITIES_PATH
-from ledger import Ledger, replay_url
-from tools.audit.cli import check_ledger
-from tools.cli.main import main as cli
-from tools.gymsim.cluster import REPO_ROOT
+from quiesce.coordinator.crashpoints import CRASH_AT, CRASH_BEFORE_SEND
+from quiesce.coordinator.protocol import CAPABILITIES_PATH
+from quiesce.ledger import Ledger, replay_url
+from quiesce.tools.audit.cli import check_ledger
+from quiesce.tools.cli.main import main as cli
+from quiesce.tools.gymsim.cluster import IMPORT_ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -227,10 +227,18 @@ def test_no_server_is_ever_left_paused(cluster: Any, tmp_path: Path, token: str)
         )
         def sigkill(self, command: tuple[str, ...], variable: str, n: int) -> None:
             point = n if variable == CRASH_AT else 1 + n % 8
-            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), variable: str(point)}
+            env = {**os.environ, "PYTHONPATH": str(IMPORT_ROOT), variable: str(point)}
             done = subprocess.run(
-                [sys.executable, "-m", "tools.cli.main", *command, "--config", str(self.config), "--json"],
-                cwd=str(REPO_ROOT),
+                [
+                    sys.executable,
+                    "-m",
+                    "quiesce.tools.cli.main",
+                    *command,
+                    "--config",
+                    str(self.config),
+                    "--json",
+                ],
+                cwd=str(IMPORT_ROOT),
                 env=env,
                 capture_output=True,
                 text=True,

@@ -22,7 +22,7 @@ import anyio
 import httpx
 import pytest
 
-from coordinator import (
+from quiesce.coordinator import (
     ClusterConfig,
     ConfigError,
     Coordinator,
@@ -32,10 +32,12 @@ from coordinator import (
     read_latest,
     verify_snapshot,
 )
-from coordinator.protocol import RESOURCES, route
-from coordinator.publish import rename_into_place
-from coordinator.recovery import RecoveryReport
-from ledger import Event, Ledger
+from quiesce.coordinator.protocol import RESOURCES, route
+from quiesce.coordinator.publish import rename_into_place
+from quiesce.coordinator.recovery import RecoveryReport
+from quiesce.ledger import Event, Ledger
+from quiesce.tools.cli.main import main as cli
+from quiesce.tools.gymsim import client
 from tests.coordinator.helpers import (
     assert_all_accepting,
     assert_protocol_ok,
@@ -45,8 +47,6 @@ from tests.coordinator.helpers import (
     set_faults,
 )
 from tests.recovery.helpers import Died, kind_is
-from tools.cli.main import main as cli
-from tools.gymsim import client
 
 pytestmark = pytest.mark.anyio
 
@@ -103,7 +103,7 @@ async def _die_at_the_rename(config: ClusterConfig, monkeypatch: pytest.MonkeyPa
             await coord.checkpoint(deadline_s=30)
 
     with monkeypatch.context() as patch:
-        patch.setattr("coordinator.save.rename_into_place", rename)
+        patch.setattr("quiesce.coordinator.save.rename_into_place", rename)
         with pytest.raises(Died):
             await checkpoint()
     return await _unfinished_checkpoint_id(config)
@@ -173,7 +173,7 @@ def _power_loss_after(
     death)."""
     import sqlite3
 
-    from coordinator import crashpoints
+    from quiesce.coordinator import crashpoints
     from tests.recovery.helpers import Dying
 
     prefix = tmp_path / "on-disk-at-power-loss.db"
@@ -682,7 +682,7 @@ async def test_a_commit_the_killed_coordinator_left_running_is_waited_for_then_r
         await _start(http, cluster)
         slow = {"kind": "delay", "when": "during", "path": "/agent-checkpoint/commit", "seconds": 4.0}
         await set_faults(http, agent, [{**slow, "times": 1}])
-        command = [sys.executable, "-m", "tools", "checkpoint", "--config", str(path), "--deadline-s", "30"]
+        command = [sys.executable, "-m", "quiesce", "checkpoint", "--config", str(path), "--deadline-s", "30"]
         child = await anyio.open_process(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             with anyio.fail_after(30):

@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator import Coordinator
-from ledger import Ledger
+from quiesce.coordinator import Coordinator
+from quiesce.ledger import Ledger
+from quiesce.tools.gymsim import client
 from tests.coordinator.helpers import assert_all_accepting
 from tests.recovery.helpers import Died, kind_is
-from tools.gymsim import client
 
 pytestmark = pytest.mark.anyio
 

@@ -27,12 +27,12 @@ import anyio
 import httpx
 import pytest
 
-from coordinator.protocol import TOKEN_ENV
-from ledger import Event, Ledger
+from quiesce.coordinator.protocol import TOKEN_ENV
+from quiesce.ledger import Event, Ledger
+from quiesce.tools.gymsim import client
+from quiesce.tools.gymsim.cluster import IMPORT_ROOT
+from quiesce.tools.pgtemp import TempPostgres
 from tests.coordinator.helpers import assert_all_accepting, control_logs, read_events
-from tools.gymsim import client
-from tools.gymsim.cluster import REPO_ROOT
-from tools.pgtemp import TempPostgres
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres, pytest.mark.timeout(180)]
 
@@ -41,10 +41,10 @@ ROLLOUTS = {f"r{i}": 4 for i in range(3)}
 
 
 def _spawn(role: str, config: Path, token: str) -> subprocess.Popen[str]:
-    env = {**os.environ, TOKEN_ENV: token, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, TOKEN_ENV: token, "PYTHONPATH": str(IMPORT_ROOT)}
     return subprocess.Popen(
         [sys.executable, "-m", "tests.recovery.standby_child", role, str(config)],
-        cwd=str(REPO_ROOT),
+        cwd=str(IMPORT_ROOT),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

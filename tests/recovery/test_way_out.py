@@ -29,10 +29,14 @@ import anyio
 import httpx
 import pytest
 
-from coordinator import Coordinator
-from coordinator.crashpoints import CRASH_BEFORE_SEND
-from coordinator.protocol import CAPABILITIES_PATH, TOKEN_ENV
-from ledger import Ledger
+from quiesce.coordinator import Coordinator
+from quiesce.coordinator.crashpoints import CRASH_BEFORE_SEND
+from quiesce.coordinator.protocol import CAPABILITIES_PATH, TOKEN_ENV
+from quiesce.ledger import Ledger
+from quiesce.tools.audit.cli import check_ledger
+from quiesce.tools.cli.main import main as cli
+from quiesce.tools.gymsim import client
+from quiesce.tools.gymsim.cluster import IMPORT_ROOT
 from tests.coordinator.helpers import (
     assert_all_accepting,
     assert_protocol_ok,
@@ -43,10 +47,6 @@ from tests.coordinator.helpers import (
     set_faults,
 )
 from tests.recovery.helpers import Died, kind_is
-from tools.audit.cli import check_ledger
-from tools.cli.main import main as cli
-from tools.gymsim import client
-from tools.gymsim.cluster import REPO_ROOT
 
 GYM_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 PARTICIPANTS = ("policy_model", "simple_agent", "tools")
@@ -65,10 +65,10 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any, str]
 
 def _quiesce(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run the CLI in its own process (this tree's code), so it can really be SIGKILLed."""
-    environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    environ = {**os.environ, "PYTHONPATH": str(IMPORT_ROOT), **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "tools.cli.main", *argv],
-        cwd=str(REPO_ROOT),
+        [sys.executable, "-m", "quiesce.tools.cli.main", *argv],
+        cwd=str(IMPORT_ROOT),
         env=environ,
         capture_output=True,
         text=True,
@@ -378,7 +378,7 @@ async def test_a_ledger_with_legacy_ids_keeps_working(
 ) -> None:
     """Attempts recorded under `e<epoch>-<seq>` ids (older versions) are shown, resumed and
     checked as before; new attempts on the same ledger get new ids, listed after them."""
-    from coordinator import attempt as attempt_module
+    from quiesce.coordinator import attempt as attempt_module
 
     async def no_ledger_id(ledger: object) -> None:
         return None

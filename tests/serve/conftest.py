@@ -1,6 +1,6 @@
 """Fixtures for the service tests: real `quiesce serve` processes beside real gymsim servers.
 
-`spawn_service(config, api_token=None)` starts `python -m tools serve --config C --listen
+`spawn_service(config, api_token=None)` starts `python -m quiesce serve --config C --listen
 127.0.0.1:0 --json` as a child process (the worktree's code, the control token in its environment, the
 API token in `QUIESCE_API_TOKEN` when given) and returns once it printed its address: a
 `ServiceProcess` with `.url`, `.announced` (the JSON line) and the process. Every service started
@@ -23,11 +23,11 @@ import anyio
 import httpx
 import pytest
 
-from coordinator.protocol import TOKEN_ENV
+from quiesce.coordinator.protocol import TOKEN_ENV
+from quiesce.tools.gymsim.cluster import IMPORT_ROOT, RunningCluster
+from quiesce.tools.serve.auth import API_TOKEN_ENV
+from quiesce.tools.serve.spawn import ServiceDidNotStart, start_service
 from tests.coordinator.conftest import cluster, configure, make_cluster, sqlite_url, token
-from tools.gymsim.cluster import REPO_ROOT, RunningCluster
-from tools.serve.auth import API_TOKEN_ENV
-from tools.serve.spawn import ServiceDidNotStart, start_service
 
 __all__ = [
     "Patience",
@@ -81,7 +81,7 @@ def spawn_service(token: str, tmp_path: Path) -> Iterator[Callable[..., ServiceP
     started: list[ServiceProcess] = []
 
     def spawn(config: Path, *, api_token: str | None = None, extra: tuple[str, ...] = ()) -> ServiceProcess:
-        env = {**os.environ, TOKEN_ENV: token, "PYTHONPATH": str(REPO_ROOT)}
+        env = {**os.environ, TOKEN_ENV: token, "PYTHONPATH": str(IMPORT_ROOT)}
         env.pop(API_TOKEN_ENV, None)
         if api_token is not None:
             env[API_TOKEN_ENV] = api_token

@@ -24,12 +24,12 @@ import anyio
 import httpx
 import pytest
 
-from coordinator import Resubmission
+from quiesce.coordinator import Resubmission
+from quiesce.tools.gymsim import client as gc
+from quiesce.tools.gymsim.cluster import IMPORT_ROOT, RunningCluster
+from quiesce.tools.serve.models import RestoreReply
 from tests.coordinator.helpers import assert_all_accepting, read_events, server_states
 from tests.serve.conftest import ServiceProcess, save_in_progress, wait_ready
-from tools.gymsim import client as gc
-from tools.gymsim.cluster import REPO_ROOT, RunningCluster
-from tools.serve.models import RestoreReply
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 
@@ -110,10 +110,10 @@ def test_listening_beyond_loopback_needs_an_api_token(
 
     config = _config(cluster, tmp_path, sqlite_url)
     env = {k: v for k, v in os.environ.items() if k != "QUIESCE_API_TOKEN"}
-    env.update({"PYTHONPATH": str(REPO_ROOT), "NEMO_GYM_CHECKPOINT_CONTROL_TOKEN": token})
+    env.update({"PYTHONPATH": str(IMPORT_ROOT), "NEMO_GYM_CHECKPOINT_CONTROL_TOKEN": token})
     done = subprocess.run(
-        [sys.executable, "-m", "tools", "serve", "--config", str(config), "--listen", "0.0.0.0:0"],
-        cwd=str(REPO_ROOT),
+        [sys.executable, "-m", "quiesce", "serve", "--config", str(config), "--listen", "0.0.0.0:0"],
+        cwd=str(IMPORT_ROOT),
         env=env,
         capture_output=True,
         text=True,
@@ -282,12 +282,12 @@ def test_bad_usage_exits_2_with_a_clear_message(
         "  - {name: policy_model, url: 'http://127.0.0.1:9'}\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEMO_GYM_")}
-    env["PYTHONPATH"] = str(REPO_ROOT)
+    env["PYTHONPATH"] = str(IMPORT_ROOT)
     if env_token:
         env["NEMO_GYM_CHECKPOINT_CONTROL_TOKEN"] = token
     done = subprocess.run(
-        [sys.executable, "-m", "tools", "serve", "--config", str(config), "--listen", listen],
-        cwd=str(REPO_ROOT), env=env, capture_output=True, text=True, timeout=60, check=False,
+        [sys.executable, "-m", "quiesce", "serve", "--config", str(config), "--listen", listen],
+        cwd=str(IMPORT_ROOT), env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert says in done.stderr

@@ -21,14 +21,14 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator import Attempt, Discovery, Outcome, read_history
-from ledger import AttemptRow
+from quiesce.coordinator import Attempt, Discovery, Outcome, read_history
+from quiesce.ledger import AttemptRow
+from quiesce.tools.gymsim.cluster import RunningCluster
+from quiesce.tools.serve.client import RemoteCoordinator
+from quiesce.tools.serve.errors import Busy, Unauthorized
 from tests.coordinator.helpers import assert_all_accepting
 from tests.serve.conftest import ServiceProcess, wait_ready
 from tests.test_readme import README, embedded_api_example
-from tools.gymsim.cluster import RunningCluster
-from tools.serve.client import RemoteCoordinator
-from tools.serve.errors import Busy, Unauthorized
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 

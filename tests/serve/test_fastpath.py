@@ -21,8 +21,8 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from tools.serve.auth import BearerCheck
-from tools.serve.fastpath import hot_route
+from quiesce.tools.serve.auth import BearerCheck
+from quiesce.tools.serve.fastpath import hot_route
 
 pytestmark = pytest.mark.anyio
 

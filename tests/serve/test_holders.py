@@ -29,16 +29,16 @@ import anyio
 import httpx
 import pytest
 
-from coordinator import Attempt, ConfigError
-from coordinator.errors import AcknowledgementError, ServersHeld
-from coordinator.status import ClusterStatus
+from quiesce.coordinator import Attempt, ConfigError
+from quiesce.coordinator.errors import AcknowledgementError, ServersHeld
+from quiesce.coordinator.status import ClusterStatus
+from quiesce.tools.cli.main import main as cli
+from quiesce.tools.gymsim import client as gym
+from quiesce.tools.gymsim.cluster import RunningCluster
+from quiesce.tools.serve.client import RemoteCoordinator
+from quiesce.tools.serve.errors import Busy
 from tests.coordinator.helpers import assert_all_accepting, control_log, server_states
 from tests.serve.conftest import Patience, ServiceProcess, save_in_progress, wait_ready
-from tools.cli.main import main as cli
-from tools.gymsim import client as gym
-from tools.gymsim.cluster import RunningCluster
-from tools.serve.client import RemoteCoordinator
-from tools.serve.errors import Busy
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 

@@ -22,10 +22,10 @@ import anyio
 import httpx
 import pytest
 
-from ledger import Ledger
+from quiesce.ledger import Ledger
+from quiesce.tools.gymsim.cluster import RunningCluster
 from tests.coordinator.helpers import assert_all_accepting, clear_faults, server_states, set_faults
 from tests.serve.conftest import HOLD, Patience, ServiceProcess, wait_ready
-from tools.gymsim.cluster import RunningCluster
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 

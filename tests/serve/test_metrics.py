@@ -23,11 +23,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.crashpoints import CRASH_BEFORE_SEND
-from coordinator.protocol import TOKEN_ENV
+from quiesce.coordinator.crashpoints import CRASH_BEFORE_SEND
+from quiesce.coordinator.protocol import TOKEN_ENV
+from quiesce.tools.gymsim.cluster import IMPORT_ROOT, RunningCluster
 from tests.coordinator.helpers import assert_all_accepting, read_events, set_faults
 from tests.serve.conftest import ServiceProcess, wait_ready
-from tools.gymsim.cluster import REPO_ROOT, RunningCluster
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 
@@ -52,10 +52,10 @@ async def test_metrics_after_a_recovery_a_save_and_a_rollback(
     cluster: RunningCluster, tmp_path: Path, ledger_url: str, spawn_service: Any, token: str
 ) -> None:
     config = cluster.write_config(tmp_path / "cluster.yaml", ledger_url, tmp_path / "snaps")
-    env = {**os.environ, TOKEN_ENV: token, CRASH_BEFORE_SEND: "2", "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, TOKEN_ENV: token, CRASH_BEFORE_SEND: "2", "PYTHONPATH": str(IMPORT_ROOT)}
     dead = await anyio.run_process(
-        [sys.executable, "-m", "tools", "checkpoint", "--config", str(config)],
-        cwd=str(REPO_ROOT),
+        [sys.executable, "-m", "quiesce", "checkpoint", "--config", str(config)],
+        cwd=str(IMPORT_ROOT),
         env=env,
         check=False,
     )

@@ -17,9 +17,9 @@ import anyio
 import httpx
 import pytest
 
+from quiesce.tools.gymsim.cluster import RunningCluster
 from tests.serve.browser import Browser, chromium
 from tests.serve.conftest import ServiceProcess, wait_ready
-from tools.gymsim.cluster import RunningCluster
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 

@@ -25,7 +25,11 @@ import anyio
 import httpx
 import pytest
 
-from ledger import Ledger
+from quiesce.ledger import Ledger
+from quiesce.tools.gymsim.cluster import RunningCluster
+from quiesce.tools.pgtemp import TempPostgres
+from quiesce.tools.serve.client import RemoteCoordinator
+from quiesce.tools.serve.errors import OutcomeUnknown
 from tests.coordinator.helpers import (
     assert_all_accepting,
     clear_faults,
@@ -34,10 +38,6 @@ from tests.coordinator.helpers import (
     set_faults,
 )
 from tests.serve.conftest import HOLD, Patience, ServiceProcess, wait_ready
-from tools.gymsim.cluster import RunningCluster
-from tools.pgtemp import TempPostgres
-from tools.serve.client import RemoteCoordinator
-from tools.serve.errors import OutcomeUnknown
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres, pytest.mark.timeout(240)]
 

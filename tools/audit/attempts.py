@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final, Literal
 
-from coordinator.protocol import CAPABILITIES_PATH, INVALID_PHASE, PREFIX, ROUTES
-from ledger.events import Event
+from quiesce.coordinator.protocol import CAPABILITIES_PATH, INVALID_PHASE, PREFIX, ROUTES
+from quiesce.ledger.events import Event
 
 Outcome = Literal["acknowledged", "failed", "unknown"]
 

@@ -1,6 +1,6 @@
 """Benchmark of the audit tools on a large ledger (a goal, measured here, never asserted in tests).
 
-    python -m tools.audit.bench [--events 1000000] [--ledger URL | --dir DIR] [--json]
+    python -m quiesce.tools.audit.bench [--events 1000000] [--ledger URL | --dir DIR] [--json]
 
 Builds (once; reused when the ledger already holds enough events) a SQLite ledger of plausible
 save attempts — 37 events each: prepare, commit, publish, resume over four servers — through the
@@ -30,8 +30,8 @@ from typing import Any
 
 import anyio
 
-from coordinator.protocol import AGENT, MODEL, RESOURCES, route
-from ledger import AppendItem, Ledger
+from quiesce.coordinator.protocol import AGENT, MODEL, RESOURCES, route
+from quiesce.ledger import AppendItem, Ledger
 
 SERVERS = (("policy_model", MODEL), ("simple_agent", AGENT), ("math_agent", AGENT), ("tools", RESOURCES))
 PLAN = (
@@ -135,8 +135,8 @@ async def build(url: str, events: int) -> tuple[int, str]:
 def _time(argv: list[str]) -> float:
     start = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "tools.cli.main", *argv],
-        cwd=Path(__file__).resolve().parents[2],  # `-m` finds this tree's `tools` by its location
+        [sys.executable, "-m", "quiesce.tools.cli.main", *argv],
+        cwd=Path(__file__).parents[3],  # `-m` finds this tree's `quiesce` by its location
         capture_output=True,
         text=True,
         check=False,
@@ -149,7 +149,7 @@ def _time(argv: list[str]) -> float:
 
 def _time_in_process(argv: list[str]) -> float:
     """Seconds `quiesce ARGV` takes once the CLI is imported (stdout discarded)."""
-    from tools.cli.main import main as cli_main
+    from quiesce.tools.cli.main import main as cli_main
 
     with open(os.devnull, "w", encoding="utf-8") as sink, contextlib.redirect_stdout(sink):
         start = time.perf_counter()
@@ -161,7 +161,9 @@ def _time_in_process(argv: list[str]) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.audit.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m quiesce.tools.audit.bench", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--ledger", metavar="URL", help="ledger to use (default: a SQLite file in --dir)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "quiesce-audit-bench")

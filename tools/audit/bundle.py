@@ -25,7 +25,7 @@ A bundle of the whole ledger is one run from seq 1 to the head. A bundle of one 
 the events whose ``checkpoint_id`` is that id, the ``recovery.completed`` events naming it, and the
 ``coordinator.started`` of every epoch that wrote one of them.
 
-Verification (``verify_bundle``) recomputes every event's hash with ``ledger.canonical`` (the
+Verification (``verify_bundle``) recomputes every event's hash with ``quiesce.ledger.canonical`` (the
 ledger's own chain function: ``sha256(prev_hash + canonical(row without hash))``), checks each
 event's ``prev_hash`` against the hash of the event before it (the previous line, or the run's
 anchor), that seqs only skip across an anchor and increase strictly, and that the trailer matches.
@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final
 
-from ledger.canonical import GENESIS_HASH, canonical, chain_hash
-from ledger.events import Event
-from ledger.layout import EVENT_COLUMNS
+from quiesce.ledger.canonical import GENESIS_HASH, canonical, chain_hash
+from quiesce.ledger.events import Event
+from quiesce.ledger.layout import EVENT_COLUMNS
 
 FORMAT: Final = "quiesce-audit-bundle"
 VERSION: Final = 1
@@ -424,11 +424,11 @@ def compare_claims(
     """Record in `result.ledger_problems` what the live ledger shows against the bundle's claims.
 
     `stored` is the ledger's hash per seq; `rows` (optional) are the ledger's stored rows of the
-    claimed range `span`, whose hashes are recomputed from their content (`ledger.chain`), so a
+    claimed range `span`, whose hashes are recomputed from their content (`quiesce.ledger.chain`), so a
     ledger row edited with its hash columns left as they were is found too. Claimed seqs the
     ledger lacks are reported as runs. Without `span`, every claim is compared.
     """
-    from ledger.chain import check_rows
+    from quiesce.ledger.chain import check_rows
 
     claims = sorted(
         (seq, claim) for seq, claim in result.claims.items() if span is None or span[0] <= seq <= span[1]

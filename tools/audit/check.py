@@ -8,7 +8,7 @@ answered calls, a summary per server — never the events, so it streams over la
 Rules (each `Violation` names the seq of the offending event):
 
 - `order` — within one run of a phase (from its `phase.started`; calls made by another epoch are
-  another run), calls follow the step order of `coordinator.phases.ORDER` (rollback and recovery
+  another run), calls follow the step order of `quiesce.coordinator.phases.ORDER` (rollback and recovery
   follow the resume order and may only resume; a phase that resumes (rollback, recovery, resume)
   may also read capabilities — recovery settles each server by them, and a resume waits on them
   while an operation of the attempt still runs on the server; a prepare may
@@ -18,7 +18,7 @@ Rules (each `Violation` names the seq of the offending event):
   yet are violations.
 - `unsettled` — when a save attempt has ended (a terminal event), every server it touched (sent
   anything but a resume, outside rollback/recovery, that the server did not refuse before running
-  it — `coordinator.protocol.refused_before_effect`: a wrong token, another checkpoint id active;
+  it — `quiesce.coordinator.protocol.refused_before_effect`: a wrong token, another checkpoint id active;
   such a request paused nothing) was either committed and then resumed, or
   compensated: resumed in rollback or recovery — or in any phase once the attempt was aborted (a
   later `quiesce resume` of what a rollback left paused) — after its last touch (a 409
@@ -55,10 +55,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from coordinator.phases import ORDER, Role, resume_order
-from coordinator.protocol import AGENT, INVALID_PHASE, MODEL, RESOURCES, refused_before_effect
-from ledger.events import Event
-from tools.audit.attempts import COMPENSATING_PHASES, classify_path, parse_at
+from quiesce.coordinator.phases import ORDER, Role, resume_order
+from quiesce.coordinator.protocol import AGENT, INVALID_PHASE, MODEL, RESOURCES, refused_before_effect
+from quiesce.ledger.events import Event
+from quiesce.tools.audit.attempts import COMPENSATING_PHASES, classify_path, parse_at
 
 Rule = Literal["order", "unsettled", "deadline", "epoch", "pairing"]
 RULES: Final[tuple[Rule, ...]] = ("order", "unsettled", "deadline", "epoch", "pairing")

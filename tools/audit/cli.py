@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from ledger import event_from_raw
-from ledger.chain import ChainCheck
-from tools.audit.check import ChainVerdict, CheckReport, ProtocolChecker
-from tools.audit.source import open_readonly
+from quiesce.ledger import event_from_raw
+from quiesce.ledger.chain import ChainCheck
+from quiesce.tools.audit.check import ChainVerdict, CheckReport, ProtocolChecker
+from quiesce.tools.audit.source import open_readonly
 
 
 async def check_ledger(url: str) -> CheckReport:
     """The protocol check over every event of the ledger at `url`, streamed (read-only), and in
-    the same pass the whole hash chain (`ledger.chain.ChainCheck`): every row's hash recomputed
+    the same pass the whole hash chain (`quiesce.ledger.chain.ChainCheck`): every row's hash recomputed
     from its content, every link, no seq missing — at the end too."""
     checker = ProtocolChecker()
     chain = ChainCheck()

@@ -4,7 +4,7 @@ Ledger-derived text (server names, ids, reasons, reply details) is always wrappe
 `rich.text.Text`, never interpolated into markup, so a hostile server reply cannot inject markup.
 Colours reach the terminal only (the shared console drops them when stdout is not a terminal).
 
-The attempt model and the wire routes (`coordinator.protocol`, pydantic) are imported by the
+The attempt model and the wire routes (`quiesce.coordinator.protocol`, pydantic) are imported by the
 functions that use them: `quiesce history` needs only `duration`, `short_at` and `widened`.
 """
 
@@ -16,11 +16,11 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from tools.audit.timefmt import duration, short_at
+from quiesce.tools.audit.timefmt import duration, short_at
 
 if TYPE_CHECKING:
-    from tools.audit.attempts import AttemptView, Call
-    from tools.audit.check import CheckReport
+    from quiesce.tools.audit.attempts import AttemptView, Call
+    from quiesce.tools.audit.check import CheckReport
 
 OUTCOME_STYLE: Final = {
     "acknowledged": "green",
@@ -48,7 +48,7 @@ PHASE_LETTER: Final = {
 
 
 def short_route(call: Call) -> str:
-    from coordinator.protocol import PREFIX
+    from quiesce.coordinator.protocol import PREFIX
 
     path = call.path.split("?", 1)[0]
     return f"{call.method} {path[len(PREFIX) :] if path.startswith(PREFIX) else path}"
@@ -59,7 +59,7 @@ def _cell(text: str | None, style: str = "") -> Text:
 
 
 def calls_table(view: AttemptView) -> Table:
-    from tools.audit.attempts import call_duration
+    from quiesce.tools.audit.attempts import call_duration
 
     table = Table(title="calls", title_justify="left", expand=False)
     for name in ("sent", "outcome", "phase", "server", "route", "result", "elapsed", "epoch"):

@@ -31,9 +31,9 @@ from datetime import UTC, datetime
 from html import escape
 from typing import Final
 
-from tools.audit.attempts import AttemptView, Call, Settled, call_duration
-from tools.audit.present import short_route
-from tools.audit.timefmt import duration, short_at
+from quiesce.tools.audit.attempts import AttemptView, Call, Settled, call_duration
+from quiesce.tools.audit.present import short_route
+from quiesce.tools.audit.timefmt import duration, short_at
 
 WIDTH: Final = 1100
 LABEL_W: Final = 170

@@ -16,15 +16,15 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ledger import GENESIS_HASH, Ledger, LedgerError, event_from_raw
-from ledger.backend import RawEvent
-from ledger.chain import check_each
-from ledger.events import Event
+from quiesce.ledger import GENESIS_HASH, Ledger, LedgerError, event_from_raw
+from quiesce.ledger.backend import RawEvent
+from quiesce.ledger.chain import check_each
+from quiesce.ledger.events import Event
 
 if TYPE_CHECKING:
-    from tools.audit.attempts import AttemptView
-    from tools.audit.bundle import ExportSummary, Verification
-    from tools.audit.check import ChainVerdict
+    from quiesce.tools.audit.attempts import AttemptView
+    from quiesce.tools.audit.bundle import ExportSummary, Verification
+    from quiesce.tools.audit.check import ChainVerdict
 
 #: Coordinator-level events that give an attempt's events their context: who wrote them (epochs)
 #: and how recovery ended them.
@@ -91,7 +91,7 @@ async def checked_attempt_events(ledger: Ledger, checkpoint_id: str) -> tuple[li
     The rows of one attempt are not consecutive: their links to the rows between them are not
     checked here (the verdict says so); `check_ledger` checks the whole chain.
     """
-    from tools.audit.check import ChainVerdict
+    from quiesce.tools.audit.check import ChainVerdict
 
     rows = await attempt_rows(ledger, checkpoint_id)
     problem = check_each(rows)
@@ -108,7 +108,7 @@ async def checked_attempt_events(ledger: Ledger, checkpoint_id: str) -> tuple[li
 async def load_attempt(ledger: Ledger, checkpoint_id: str) -> tuple[AttemptView, list[Event]]:
     """The `AttemptView` of one attempt (`latest`: the newest) and the events it was built from
     (with context)."""
-    from tools.audit.attempts import build_attempt
+    from quiesce.tools.audit.attempts import build_attempt
 
     checkpoint_id = await resolve_attempt_id(ledger, checkpoint_id)
     events = await attempt_events(ledger, checkpoint_id)
@@ -129,7 +129,7 @@ async def export_bundle(url: str, out: Path, checkpoint_id: str | None) -> Expor
     even while a coordinator appends. Written to a temporary file beside `out`, then renamed:
     a failed export leaves no partial bundle.
     """
-    from tools.audit.bundle import write_bundle
+    from quiesce.tools.audit.bundle import write_bundle
 
     async with open_readonly(url) as ledger:
         head = await ledger.head()
@@ -170,7 +170,7 @@ async def cross_check(url: str, result: Verification) -> None:
     every ledger row there must verify from its own content (its hash recomputed, each linked to
     the row before it), and every hash the bundle states (`result.claims`) must be the ledger's.
     Differences go to `result.ledger_problems`, each at the seq that shows it."""
-    from tools.audit.bundle import claim_ranges, compare_claims
+    from quiesce.tools.audit.bundle import claim_ranges, compare_claims
 
     stored: dict[int, str] = {}
     async with open_readonly(url) as ledger:

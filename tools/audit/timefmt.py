@@ -1,5 +1,5 @@
 """Durations and event times as short text: plain functions (no rich), shared by the terminal
-views (`tools.audit.present`), the HTML report and `quiesce history`."""
+views (`quiesce.tools.audit.present`), the HTML report and `quiesce history`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m tools.bench [--quick] [--only N,...] [--readme]`` (see ``__main__``).
+"""Benchmarks: ``python -m quiesce.tools.bench [--quick] [--only N,...] [--readme]`` (see ``__main__``).
 
 One module per measure, each with ``measure(ctx) -> harness.Result``; both sides of every ratio
 run interleaved in the same run, in a rotating order, and each states its settings:

@@ -1,4 +1,5 @@
-"""``python -m tools.bench [--quick] [--only N,...] [--runs R] [--out DIR] [--readme]`` — run the benchmarks.
+"""Run the benchmarks: ``python -m quiesce.tools.bench [--quick] [--only N,...] [--runs R] [--out DIR]
+[--readme]``.
 
 A full run (every measure, neither ``--quick`` nor ``--only``) writes ``DIR/latest.json`` and
 ``DIR/latest.md`` (default ``bench-results/``): one row per measure with its median [min–max]
@@ -6,7 +7,7 @@ over the runs, the baseline measured in the same run, the goal and whether it wa
 RSS, each side's settings, the commit and the machine. ``--quick`` (tiny sizes, one run per
 measure: a smoke check of the harness, not a measurement) writes ``quick.*`` instead, and
 ``--only 3,5`` writes ``only-3,5.*``: neither ever replaces ``latest.*``. ``--readme`` then
-rewrites README.md's benchmark table from ``DIR/latest.json`` (``tools.bench.readme``).
+rewrites README.md's benchmark table from ``DIR/latest.json`` (``quiesce.tools.bench.readme``).
 Exit status: 0 when every selected measure ran (goals met or not), 1 when one failed to run.
 """
 
@@ -25,8 +26,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tools.bench.harness import REPO_ROOT, Context, Result, child_env, commit, machine
-from tools.bench.report import render_markdown
+from quiesce.tools.bench.harness import REPO_ROOT, Context, Result, child_env, commit, machine
+from quiesce.tools.bench.report import render_markdown
 
 #: measure number → (module, title); every module has ``measure(ctx) -> Result``.
 MEASURES: dict[int, tuple[str, str]] = {
@@ -85,7 +86,9 @@ def compile_bytecode(prefix: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m quiesce.tools.bench", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run: a smoke check")
     parser.add_argument(
         "--only", type=str, default=None, help=f"comma-separated measure numbers (1-{max(MEASURES)})"
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             ctx.log(f"measure {number}: {title}")
             begun = time.perf_counter()
             try:
-                module = importlib.import_module(f"tools.bench.{module_name}")
+                module = importlib.import_module(f"quiesce.tools.bench.{module_name}")
                 result: Result = module.measure(ctx)
             except Exception as error:
                 failed = True
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.time() - started, 1),
         "quick": args.quick,
         "runs": runs,
-        "command": " ".join(["python -m tools.bench", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python -m quiesce.tools.bench", *(argv if argv is not None else sys.argv[1:])]),
         "commit": code_commit,
         "machine": info,
         "measures": [r.to_json() for r in results],
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{stem}.md").write_text(render_markdown(document), encoding="utf-8")
     ctx.log(f"wrote {out / f'{stem}.md'} and {out / f'{stem}.json'}")
     if args.readme:
-        from tools.bench.readme import update_readme
+        from quiesce.tools.bench.readme import update_readme
 
         update_readme(out / "latest.json")
         ctx.log(f"regenerated README.md's benchmark table from {out / 'latest.json'}")

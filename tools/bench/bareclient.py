@@ -29,8 +29,15 @@ from urllib.parse import urlencode
 
 import anyio
 
-from coordinator.http import HttpClient
-from coordinator.protocol import AGENT, AGENT_PREPARE_INCOMPLETE, CAPABILITIES_PATH, MODEL, RESOURCES, route
+from quiesce.coordinator.http import HttpClient
+from quiesce.coordinator.protocol import (
+    AGENT,
+    AGENT_PREPARE_INCOMPLETE,
+    CAPABILITIES_PATH,
+    MODEL,
+    RESOURCES,
+    route,
+)
 
 #: Request bodies as compact JSON, as the coordinator encodes them (one encoder, built once).
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode

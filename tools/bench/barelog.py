@@ -1,7 +1,7 @@
 """``BareLog``: the least a write-ahead log of the coordinator's events can do — a second baseline of #3.
 
 It keeps, per event, what any hash-chained SQLite log needs: the payload's canonical JSON, the
-chain hash (``ledger.canonical``), and a row in an ``events`` table with the ledger's columns and
+chain hash (``quiesce.ledger.canonical``), and a row in an ``events`` table with the ledger's columns and
 indexes, written by one plain transaction per append (WAL, ``synchronous=NORMAL``), with staged
 events committed in the next append's transaction and the WAL fdatasynced after a commit that is
 durable — the same transactions and fsyncs as the real ledger on the same coordinator calls. It
@@ -25,10 +25,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ledger import AppendItem, Event, utc_now
-from ledger.canonical import GENESIS_HASH, canonical_text, chain_hash, row_bytes
-from ledger.layout import MARKER_WHERE_SQLITE
-from tools.bench.nullledger import NullLedger
+from quiesce.ledger import AppendItem, Event, utc_now
+from quiesce.ledger.canonical import GENESIS_HASH, canonical_text, chain_hash, row_bytes
+from quiesce.ledger.layout import MARKER_WHERE_SQLITE
+from quiesce.tools.bench.nullledger import NullLedger
 
 _DDL = (
     "CREATE TABLE events (seq INTEGER PRIMARY KEY, at TEXT NOT NULL, kind TEXT NOT NULL,"

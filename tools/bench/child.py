@@ -1,6 +1,6 @@
-"""One run of a measure in its own interpreter: ``python -m tools.bench.child MODULE:FUNCTION JSON``.
+"""One run of a measure in its own interpreter: ``python -m quiesce.tools.bench.child MODULE:FUNCTION JSON``.
 
-Calls ``tools.bench.MODULE.FUNCTION(**json.loads(JSON))`` (awaited under ``anyio.run`` when it is
+Calls ``quiesce.tools.bench.MODULE.FUNCTION(**json.loads(JSON))`` (awaited under ``anyio.run`` when it is
 a coroutine function) and prints one JSON line: the returned dict plus ``peak_rss_mb``, the
 peak resident set size of this process (see ``harness.peak_rss_mb``), and ``process_cpu_s``, the
 CPU time of its whole life (start-up and imports included).
@@ -18,15 +18,15 @@ from typing import Any
 
 import anyio
 
-from tools.bench.clichild import peak_rss_mb
+from quiesce.tools.bench.clichild import peak_rss_mb
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or ":" not in argv[0]:
-        print("usage: python -m tools.bench.child MODULE:FUNCTION JSON", file=sys.stderr)
+        print("usage: python -m quiesce.tools.bench.child MODULE:FUNCTION JSON", file=sys.stderr)
         return 2
     module_name, function_name = argv[0].split(":", 1)
-    function = getattr(importlib.import_module(f"tools.bench.{module_name}"), function_name)
+    function = getattr(importlib.import_module(f"quiesce.tools.bench.{module_name}"), function_name)
     params: dict[str, Any] = json.loads(argv[1])
     if inspect.iscoroutinefunction(function):
         result = anyio.run(partial(function, **params))

@@ -1,4 +1,5 @@
-"""``quiesce`` in a process of its own that reports on itself: ``python -m tools.bench.clichild OUT ARGS...``.
+"""``quiesce`` in a process of its own that reports on itself:
+``python -m quiesce.tools.bench.clichild OUT ARGS...``.
 
 Runs the CLI's ``main(ARGS)`` — with exactly the CLI's own imports, nothing of the bench — then
 writes one JSON object to the file ``OUT``: the exit code, ``peak_rss_mb`` (this process's
@@ -29,9 +30,9 @@ def peak_rss_mb() -> float:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
-        print("usage: python -m tools.bench.clichild OUT ARGS...", file=sys.stderr)
+        print("usage: python -m quiesce.tools.bench.clichild OUT ARGS...", file=sys.stderr)
         return 2
-    from tools.cli.main import main as quiesce
+    from quiesce.tools.cli.main import main as quiesce
 
     code = quiesce(argv[1:])
     usage = resource.getrusage(resource.RUSAGE_SELF)

@@ -1,6 +1,6 @@
 """Measure #3 — a full save cycle against the 4-server reference cluster, real ledger vs null ledger.
 
-The cluster (``tools.gymsim``, its own process, a fresh one per run): ``policy_model`` (20 ms per
+The cluster (``quiesce.tools.gymsim``, its own process, a fresh one per run): ``policy_model`` (20 ms per
 model call), ``judge`` (auxiliary: never paused), ``simple_agent`` and ``tools``; 4 rollouts run
 on the agent throughout, so every prepare parks running rollouts and drains the model. They never
 finish within a run, so the agent holds no finished result a prepare would wait on (the driver
@@ -51,17 +51,17 @@ from typing import Any, cast
 import anyio
 import httpx
 
-from coordinator import Coordinator, parse_config
-from coordinator.attempt import Context as CoordContext
-from coordinator.calls import Caller
-from coordinator.config import ClusterConfig
-from coordinator.protocol import TOKEN_ENV
-from ledger import Ledger
-from tools.bench.barelog import BareLog
-from tools.bench.harness import Context, Result, Stats, run_child, stats_of
-from tools.bench.nullledger import NullLedger
-from tools.gymsim import client
-from tools.gymsim.cluster import ClusterProcess, spawn_cluster
+from quiesce.coordinator import Coordinator, parse_config
+from quiesce.coordinator.attempt import Context as CoordContext
+from quiesce.coordinator.calls import Caller
+from quiesce.coordinator.config import ClusterConfig
+from quiesce.coordinator.protocol import TOKEN_ENV
+from quiesce.ledger import Ledger
+from quiesce.tools.bench.barelog import BareLog
+from quiesce.tools.bench.harness import Context, Result, Stats, run_child, stats_of
+from quiesce.tools.bench.nullledger import NullLedger
+from quiesce.tools.gymsim import client
+from quiesce.tools.gymsim.cluster import ClusterProcess, spawn_cluster
 
 SPEC: dict[str, Any] = {
     "servers": [

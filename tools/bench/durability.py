@@ -16,8 +16,8 @@ from typing import Any
 
 import anyio
 
-from tools.bench.cycle import SPEC, cluster, start_rollouts
-from tools.bench.harness import Context, Result, run_child, stats_of
+from quiesce.tools.bench.cycle import SPEC, cluster, start_rollouts
+from quiesce.tools.bench.harness import Context, Result, run_child, stats_of
 
 CYCLES = 60
 

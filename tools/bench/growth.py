@@ -5,7 +5,7 @@ order, ``quiesce checkpoint --config C --json`` run as a user runs it — a new 
 timed from spawn to exit: start-up and imports, ledger open (schema check, head, recovery's look
 for unfinished attempts), discovery, the save — once with a new, empty ledger (created at the schema
 head beforehand, untimed: growth is compared, not the one-time creation) and once with a private
-copy of ``tools.bench.history``'s 1M-event ledger of recorded real cycles (one copy, reused by
+copy of ``quiesce.tools.bench.history``'s 1M-event ledger of recorded real cycles (one copy, reused by
 every run: each adds one save). From each ledger's own timestamps the command is split
 into: until the ledger is open (``coordinator.started``), discovery (to ``discovery.completed``),
 the save (to the attempt's ``attempt.completed``) and the exit. Goal: 1M / fresh <= 1.2.
@@ -23,12 +23,12 @@ from typing import Any
 
 import anyio
 
-from coordinator.protocol import TOKEN_ENV
-from ledger import Event, Ledger, upgrade_schema
-from tools.bench.cycle import SPEC, cluster, start_rollouts
-from tools.bench.harness import Context, Result, Stats, run_cli
-from tools.bench.history import copy_ledger, history
-from tools.gymsim.cluster import write_yaml_atomic
+from quiesce.coordinator.protocol import TOKEN_ENV
+from quiesce.ledger import Event, Ledger, upgrade_schema
+from quiesce.tools.bench.cycle import SPEC, cluster, start_rollouts
+from quiesce.tools.bench.harness import Context, Result, Stats, run_cli
+from quiesce.tools.bench.history import copy_ledger, history
+from quiesce.tools.gymsim.cluster import write_yaml_atomic
 
 HISTORY_EVENTS = 1_000_000
 QUICK_HISTORY_EVENTS = 5_000

@@ -1,6 +1,6 @@
-"""The shared harness of ``python -m tools.bench``: one child process per run, statistics, the machine.
+"""The shared harness of ``python -m quiesce.tools.bench``: a child process per run, statistics, the machine.
 
-Every repetition of a measure runs in a fresh child process (``python -m tools.bench.child``), so
+Every repetition of a measure runs in a fresh child process (``python -m quiesce.tools.bench.child``), so
 that its peak memory is its own: the child reports ``VmHWM`` from ``/proc/self/status`` (the peak
 resident set size; ``ru_maxrss`` where ``/proc`` is missing) next to its result. A measure
 collects the per-run figures and reports, for each, the median of the runs with the minimum and
@@ -73,7 +73,7 @@ def child_env() -> dict[str, str]:
 def run_child(
     target: str, params: dict[str, Any], *, timeout_s: float = 600.0, tree_rss: bool = False
 ) -> dict[str, Any]:
-    """Run ``tools.bench.<module>.<function>(**params)`` in a fresh interpreter; its result.
+    """Run ``quiesce.tools.bench.<module>.<function>(**params)`` in a fresh interpreter; its result.
 
     ``target`` is ``"module:function"``. The result is the function's dict plus ``peak_rss_mb``
     (the child's VmHWM) and ``wall_s`` (the child's whole lifetime, seen from here). With
@@ -82,7 +82,7 @@ def run_child(
     """
     started = time.perf_counter()
     process = subprocess.Popen(
-        [sys.executable, "-m", "tools.bench.child", target, json.dumps(params)],
+        [sys.executable, "-m", "quiesce.tools.bench.child", target, json.dumps(params)],
         cwd=str(REPO_ROOT),
         env=child_env(),
         stdin=subprocess.DEVNULL,
@@ -130,7 +130,7 @@ def run_cli(
         report = Path(scratch) / "report.json"
         started = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-m", "tools.bench.clichild", str(report), *args],
+            [sys.executable, "-m", "quiesce.tools.bench.clichild", str(report), *args],
             cwd=str(REPO_ROOT),
             env={**child_env(), **(env or {})},
             stdin=subprocess.DEVNULL,

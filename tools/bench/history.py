@@ -33,14 +33,14 @@ from typing import Any
 import anyio
 import httpx
 
-from coordinator import Coordinator, PhaseError
-from coordinator.crashpoints import CRASH_BEFORE_SEND
-from coordinator.protocol import RESOURCES, TOKEN_ENV, route
-from ledger import AppendItem, Event, Ledger, LedgerError
-from ledger.layout import HEAD_REVISION
-from tools.bench.harness import REPO_ROOT, BenchError, Context, child_env, run_child
-from tools.gymsim import client
-from tools.gymsim.cluster import spawn_cluster, write_yaml_atomic
+from quiesce.coordinator import Coordinator, PhaseError
+from quiesce.coordinator.crashpoints import CRASH_BEFORE_SEND
+from quiesce.coordinator.protocol import RESOURCES, TOKEN_ENV, route
+from quiesce.ledger import AppendItem, Event, Ledger, LedgerError
+from quiesce.ledger.layout import HEAD_REVISION
+from quiesce.tools.bench.harness import REPO_ROOT, BenchError, Context, child_env, run_child
+from quiesce.tools.gymsim import client
+from quiesce.tools.gymsim.cluster import spawn_cluster, write_yaml_atomic
 
 #: Corpus recipe version: bump when ``record_corpus`` changes, so cached ledgers are rebuilt.
 CORPUS_VERSION = 2
@@ -51,10 +51,10 @@ _ID = re.compile(r"^e(\d+)-(.+)$")
 
 def _spec(size: int) -> dict[str, Any]:
     if size == 4:
-        from tools.bench.cycle import SPEC
+        from quiesce.tools.bench.cycle import SPEC
 
         return SPEC
-    from tools.bench.scale import spec_for
+    from quiesce.tools.bench.scale import spec_for
 
     return spec_for(size)
 
@@ -115,7 +115,7 @@ def crash_mid_save(config: Path, token: str, crash_before_send: int) -> None:
         [
             sys.executable,
             "-m",
-            "tools.bench.child",
+            "quiesce.tools.bench.child",
             "history:crash_save",
             json.dumps({"config": str(config)}),
         ],

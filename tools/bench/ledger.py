@@ -1,9 +1,9 @@
 """Measure #1 — ledger append cost against raw ``sqlite3`` commits, on the same disk, in one run.
 
-``python -m tools.bench --only 1`` runs it as part of the bench (``measure``: fresh processes,
+``python -m quiesce.tools.bench --only 1`` runs it as part of the bench (``measure``: fresh processes,
 median/min/max over runs, peak RSS); standalone:
 
-    python -m tools.bench.ledger [--n 400] [--dir DIR] [--replay N] [--json]
+    python -m quiesce.tools.bench.ledger [--n 400] [--dir DIR] [--replay N] [--json]
 
 Prints the median seconds per durable ``append`` (``call.sent``), per pair of appends (one
 recorded call: ``call.sent`` + ``call.replied``), per pair of raw ``sqlite3`` commits (WAL,
@@ -13,7 +13,7 @@ and the ratio pair / raw pair (goal: <= 1.5). Both databases live in one tempora
 interleaved iteration by iteration, in a rotating order (each of the six orders in turn), so that
 other load on the machine, and whatever the previous fsync left behind, affect them alike.
 
-``--replay N`` also appends N events (batched) to a fresh ledger and times ``ledger.replay``
+``--replay N`` also appends N events (batched) to a fresh ledger and times ``quiesce.ledger.replay``
 over it, reporting events/s and the peak RSS of that phase (goals: >= 200k events/s, <= 200 MB).
 """
 
@@ -34,9 +34,9 @@ from typing import Any
 
 import anyio
 
-from ledger import AppendItem, Ledger, replay_url
-from ledger.layout import MARKER_WHERE_SQLITE
-from tools.bench.harness import Context, Result, repeat, stats_of
+from quiesce.ledger import AppendItem, Ledger, replay_url
+from quiesce.ledger.layout import MARKER_WHERE_SQLITE
+from quiesce.tools.bench.harness import Context, Result, repeat, stats_of
 
 RAW_DDL = (
     "CREATE TABLE events (seq INTEGER PRIMARY KEY, at VARCHAR(32) NOT NULL, kind VARCHAR(64) NOT NULL, "
@@ -229,7 +229,7 @@ def measure(ctx: Context) -> Result:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.bench.ledger", description=__doc__.split("\n\n")[0]
+        prog="python -m quiesce.tools.bench.ledger", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--n", type=int, default=400, help="measured appends / pairs (after 10%% warm-up)")
     parser.add_argument(

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ledger import AppendItem, AttemptRow, Event
+from quiesce.ledger import AppendItem, AttemptRow, Event
 
 
 class NullLedger:

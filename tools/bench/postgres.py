@@ -1,7 +1,7 @@
 """Measure #7 — the ledger on PostgreSQL: a recorded call vs raw asyncpg, a 4-server save vs a null
 ledger, and the lease renewal.
 
-A throwaway PostgreSQL cluster (``tools.pgtemp.TempPostgres``, ``fsync`` on, the server's default
+A throwaway PostgreSQL cluster (``quiesce.tools.pgtemp.TempPostgres``, ``fsync`` on, the server's default
 ``synchronous_commit = on``) on the same machine, a new database per run:
 
 - **calls** (``run_calls``, a fresh process per run): interleaved, in a rotating order, a pair of
@@ -32,12 +32,12 @@ from typing import Any
 
 import anyio
 
-from ledger import LeaseTerms, Ledger
-from ledger.layout import MARKER_WHERE_POSTGRESQL
-from tools.bench.cycle import SPEC, cluster, start_rollouts
-from tools.bench.harness import Context, Result, run_child, stats_of
-from tools.bench.ledger import REPLIED, SENT
-from tools.pgtemp import PostgresUnavailable, TempPostgres
+from quiesce.ledger import LeaseTerms, Ledger
+from quiesce.ledger.layout import MARKER_WHERE_POSTGRESQL
+from quiesce.tools.bench.cycle import SPEC, cluster, start_rollouts
+from quiesce.tools.bench.harness import Context, Result, run_child, stats_of
+from quiesce.tools.bench.ledger import REPLIED, SENT
+from quiesce.tools.pgtemp import PostgresUnavailable, TempPostgres
 
 _RAW_DDL = (
     "CREATE TABLE raw_events (seq BIGINT PRIMARY KEY, at VARCHAR(32) NOT NULL, kind VARCHAR(64) NOT NULL,"

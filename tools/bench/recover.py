@@ -4,7 +4,7 @@ on a ledger with a 1,000,000-event history and on a fresh one.
 Per run, per ledger (history, fresh) and per fan-out (``parallel``, ``sequential``), in a rotating
 order: a fresh reference cluster of 64 participants (``scale.spec_for(64)``: one policy model,
 31 agents, 32 resources servers, path-prefix hosted). The history ledger is a private copy of
-``tools.bench.history``'s 1M-event ledger of recorded real cycles (one copy per fan-out, reused by
+``quiesce.tools.bench.history``'s 1M-event ledger of recorded real cycles (one copy per fan-out, reused by
 its runs: each adds one crash and one recovery). A coordinator process (``history.crash_save``)
 discovers and starts a save; the test-only crash point ``QUIESCE_CRASH_BEFORE_SEND`` SIGKILLs it
 right before its 129th control request — after the 64 capabilities reads and the 64
@@ -27,13 +27,13 @@ from typing import Any
 
 import anyio
 
-from coordinator.protocol import TOKEN_ENV
-from ledger import Event, Ledger
-from tools.bench.cycle import cluster
-from tools.bench.harness import BenchError, Context, Result, Stats, run_cli
-from tools.bench.history import copy_ledger, crash_mid_save, history
-from tools.bench.scale import spec_for
-from tools.gymsim.cluster import write_yaml_atomic
+from quiesce.coordinator.protocol import TOKEN_ENV
+from quiesce.ledger import Event, Ledger
+from quiesce.tools.bench.cycle import cluster
+from quiesce.tools.bench.harness import BenchError, Context, Result, Stats, run_cli
+from quiesce.tools.bench.history import copy_ledger, crash_mid_save, history
+from quiesce.tools.bench.scale import spec_for
+from quiesce.tools.gymsim.cluster import write_yaml_atomic
 
 PARTICIPANTS = 64
 QUICK_PARTICIPANTS = 8

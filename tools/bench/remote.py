@@ -1,7 +1,7 @@
 """Measure #2 — a recorded remote call vs a DBOS workflow of one step, at equal durability and transport.
 
 Both sides run on SQLite in WAL mode, on the same disk, against the same tiny uvicorn server on
-loopback (``tools.bench.tinyserver``, its own process), and send the same
+loopback (``quiesce.tools.bench.tinyserver``, its own process), and send the same
 ``POST /ng-control/v1/agent-checkpoint/prepare`` with the same HTTP client code
 (``coordinator/http.py``; the DBOS venv loads that file by path). Two durability settings:
 
@@ -38,11 +38,11 @@ import venv
 from pathlib import Path
 from typing import Any
 
-from coordinator.calls import MAX_REPLY_BYTES, Caller, Target
-from coordinator.http import HttpClient
-from coordinator.protocol import AGENT, AgentPrepareReply, CommonBody, route
-from ledger import Ledger
-from tools.bench.harness import (
+from quiesce.coordinator.calls import MAX_REPLY_BYTES, Caller, Target
+from quiesce.coordinator.http import HttpClient
+from quiesce.coordinator.protocol import AGENT, AgentPrepareReply, CommonBody, route
+from quiesce.ledger import Ledger
+from quiesce.tools.bench.harness import (
     REPO_ROOT,
     BenchError,
     Context,
@@ -210,12 +210,12 @@ async def run_quiesce(url: str, n: int, dir: str) -> dict[str, Any]:
 
 
 class _TinyServer:
-    """``tools.bench.tinyserver`` in its own process."""
+    """``quiesce.tools.bench.tinyserver`` in its own process."""
 
     def __init__(self, work: Path) -> None:
         self.port_file = work / "tinyserver.port"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tools.bench.tinyserver", str(self.port_file)],
+            [sys.executable, "-m", "quiesce.tools.bench.tinyserver", str(self.port_file)],
             cwd=str(REPO_ROOT),  # `-m` finds this tree's `tools` by location, whatever the caller's cwd
             env=child_env(),
             stdin=subprocess.DEVNULL,

@@ -1,6 +1,6 @@
 """Measure #5 — replay (rebuild projections + verify the chain) of a 1,000,000-event ledger of real cycles.
 
-The ledger is ``tools.bench.history``'s: recorded real cycles (saves, a rolled-back save, a crash
+The ledger is ``quiesce.tools.bench.history``'s: recorded real cycles (saves, a rolled-back save, a crash
 and its recovery, a restore and its resume, on clusters of 4, 16 and 64 servers) appended again
 and again with fresh checkpoint ids until it holds 1,000,000 events; cached under
 ``bench-results/.cache``.
@@ -21,9 +21,9 @@ import sqlite3
 import time
 from typing import Any
 
-from ledger import replay_url
-from tools.bench.harness import BenchError, Context, Result, run_child, stats_of
-from tools.bench.history import history
+from quiesce.ledger import replay_url
+from quiesce.tools.bench.harness import BenchError, Context, Result, run_child, stats_of
+from quiesce.tools.bench.history import history
 
 EVENTS = 1_000_000
 QUICK_EVENTS = 5_000

@@ -25,7 +25,7 @@ def rss_cell(measure: dict[str, Any]) -> str:
 
 
 def summary_table(document: dict[str, Any]) -> list[str]:
-    """The one-row-per-measure table (also README's, see ``tools.bench.readme``)."""
+    """The one-row-per-measure table (also README's, see ``quiesce.tools.bench.readme``)."""
     lines = [
         "| # | measure | result | baseline (same run) | goal | met | peak RSS |",
         "|---|---|---|---|---|---|---|",

@@ -19,7 +19,7 @@ requests in the same role-group order to the same servers, with the same HTTP cl
 nothing else). It times, interleaved (which goes first alternates):
 
 - discovery: ``Coordinator.discover()`` vs the bare client's capabilities GETs, each on fresh
-  connections (after ``SPACE_S`` of idle: beyond ``coordinator.http.IDLE_REUSE_S``, so pooled
+  connections (after ``SPACE_S`` of idle: beyond ``quiesce.coordinator.http.IDLE_REUSE_S``, so pooled
   connections are not reused);
 - saves back to back: ``Coordinator.checkpoint()`` vs ``BareClient.save()``, reusing connections;
 - saves on fresh connections: the same, each after ``SPACE_S`` of idle (an RL run's checkpoints
@@ -43,13 +43,13 @@ from typing import Any
 
 import anyio
 
-from coordinator import Coordinator, parse_config
-from coordinator.http import IDLE_REUSE_S
-from coordinator.protocol import AGENT, MODEL, RESOURCES, TOKEN_ENV
-from tools.bench.bareclient import BareClient
-from tools.bench.cycle import start_rollouts
-from tools.bench.harness import Context, Result, Stats, process_cpu_s, run_child, stats_of
-from tools.gymsim.cluster import ClusterProcess, spawn_cluster
+from quiesce.coordinator import Coordinator, parse_config
+from quiesce.coordinator.http import IDLE_REUSE_S
+from quiesce.coordinator.protocol import AGENT, MODEL, RESOURCES, TOKEN_ENV
+from quiesce.tools.bench.bareclient import BareClient
+from quiesce.tools.bench.cycle import start_rollouts
+from quiesce.tools.bench.harness import Context, Result, Stats, process_cpu_s, run_child, stats_of
+from quiesce.tools.gymsim.cluster import ClusterProcess, spawn_cluster
 
 SIZES = (8, 64, 256, 512)
 QUICK_SIZES = (8,)

@@ -46,14 +46,14 @@ from typing import Any, Final
 import anyio
 import httpx
 
-from coordinator import Coordinator, parse_config
-from coordinator.protocol import TOKEN_ENV
-from ledger import AppendItem, Event, Ledger
-from tools.audit.bench import attempt_items
-from tools.bench.cycle import SETTLE_JITTER_S, SETTLE_S, SPEC, cluster, start_rollouts
-from tools.bench.harness import Context, Result, Stats, child_env, process_cpu_s, run_child, stats_of
-from tools.serve.client import RemoteCoordinator
-from tools.serve.spawn import start_service
+from quiesce.coordinator import Coordinator, parse_config
+from quiesce.coordinator.protocol import TOKEN_ENV
+from quiesce.ledger import AppendItem, Event, Ledger
+from quiesce.tools.audit.bench import attempt_items
+from quiesce.tools.bench.cycle import SETTLE_JITTER_S, SETTLE_S, SPEC, cluster, start_rollouts
+from quiesce.tools.bench.harness import Context, Result, Stats, child_env, process_cpu_s, run_child, stats_of
+from quiesce.tools.serve.client import RemoteCoordinator
+from quiesce.tools.serve.spawn import start_service
 
 CYCLES: Final = 100
 #: The servers idle, then with rollouts running (see the module docstring).
@@ -227,9 +227,9 @@ async def run_scrape(attempts: int, scrapes: int, dir: str) -> dict[str, Any]:
 
     import uvicorn
 
-    from tools.serve.app import build_app
-    from tools.serve.runner import _Server
-    from tools.serve.service import Service
+    from quiesce.tools.serve.app import build_app
+    from quiesce.tools.serve.runner import _Server
+    from quiesce.tools.serve.service import Service
 
     folder = Path(dir)
     url = f"sqlite+aiosqlite:///{folder / 'scrape.db'}"

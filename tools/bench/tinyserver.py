@@ -1,4 +1,4 @@
-"""A tiny loopback HTTP server for measure #2: ``python -m tools.bench.tinyserver PORT_FILE``.
+"""A tiny loopback HTTP server for measure #2: ``python -m quiesce.tools.bench.tinyserver PORT_FILE``.
 
 uvicorn serving a bare ASGI app: every request gets one fixed, valid control-plane reply (an
 agent ``prepare`` reply), with ``Content-Length``, after its body is read. The listening socket is

@@ -17,11 +17,11 @@ from typing import Any
 
 import anyio
 
-from coordinator import Coordinator, Outcome, PhaseError, Resubmission, load_config
-from tools.cli import output
-from tools.cli.flags import add_config
-from tools.cli.output import emit_json, print_error
-from tools.cli.progress import progress_line
+from quiesce.coordinator import Coordinator, Outcome, PhaseError, Resubmission, load_config
+from quiesce.tools.cli import output
+from quiesce.tools.cli.flags import add_config
+from quiesce.tools.cli.output import emit_json, print_error
+from quiesce.tools.cli.progress import progress_line
 
 __all__ = [
     "add_common",

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from ledger.errors import LedgerError
-from ledger.urls import SQLITE_PREFIX, plain_sqlite_path
+from quiesce.ledger.errors import LedgerError
+from quiesce.ledger.urls import SQLITE_PREFIX, plain_sqlite_path
 
 #: The environment variable naming the default cluster config.
 CONFIG_ENV: Final = "QUIESCE_CONFIG"
@@ -90,7 +90,7 @@ def ledger_url(text: str, *, must_exist: bool) -> str:
         return SQLITE_PREFIX + str(path.resolve())
     plain = plain_sqlite_path(text)
     if plain is None:
-        from ledger.urls import parse  # SQLAlchemy's URL parser: only for URLs that need it
+        from quiesce.ledger.urls import parse  # SQLAlchemy's URL parser: only for URLs that need it
 
         try:
             backend, url = parse(text)
@@ -161,7 +161,7 @@ def finish(args: argparse.Namespace) -> None:
     if source is not None and args.ledger is None:
         config = args.config or (os.environ.get(CONFIG_ENV) or None if source.use_env else None)
         if config is not None:
-            from coordinator.config import load_config  # pydantic + YAML: only when a config is named
+            from quiesce.coordinator.config import load_config  # pydantic + YAML: only when a config is named
 
             args.config = config
             args.ledger = load_config(config).ledger

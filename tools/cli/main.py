@@ -22,9 +22,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from coordinator.errors import ConfigError, DiscoveryError, QuiesceError
-from coordinator.version import VERSION
-from tools.cli import commands, flags
+from quiesce.coordinator.errors import ConfigError, DiscoveryError, QuiesceError
+from quiesce.coordinator.version import VERSION
+from quiesce.tools.cli import commands, flags
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -101,7 +101,7 @@ def _describe_os_error(error: OSError) -> str:
 
 
 def _print_error(error: BaseException | str) -> None:
-    from tools.cli.output import print_error  # rich: loaded only when there is something to say
+    from quiesce.tools.cli.output import print_error  # rich: loaded only when there is something to say
 
     print_error(error)
 

@@ -21,13 +21,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
-from tools.audit.timefmt import duration
-from tools.cli import output
+from quiesce.tools.audit.timefmt import duration
+from quiesce.tools.cli import output
 
 if TYPE_CHECKING:
     from rich.text import Text
 
-    from coordinator import Progress
+    from quiesce.coordinator import Progress
 
 
 def _seconds(value: float) -> str:

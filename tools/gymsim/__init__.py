@@ -5,11 +5,11 @@ judge-backed `/verify` (`resources.py`), all sharing the fence of spec §1.1
 (`fence.py`), bearer auth and a control log (`base.py`) and fault injection
 (`faults.py`). `host.py` serves many of them from one process, `cluster.py` is the
 Python API (`start_cluster`, `spawn_cluster`), `launcher.py` the command line
-(`python -m tools.gymsim`, `quiesce sim`), `client.py` helpers to drive rollouts.
+(`python -m quiesce.tools.gymsim`, `quiesce sim`), `client.py` helpers to drive rollouts.
 
 The point of these servers is exact restore: a rollout's final result is a pure
 function of its id and the exact turns it ran, so checkpoint → kill → restore →
 resume finishes every rollout as an uninterrupted run would.
 
-Only `coordinator.protocol` is imported from the coordinator package.
+Only `quiesce.coordinator.protocol` is imported from the coordinator package.
 """

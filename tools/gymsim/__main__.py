@@ -1,3 +1,3 @@
-from tools.gymsim.launcher import main
+from quiesce.tools.gymsim.launcher import main
 
 raise SystemExit(main())

@@ -71,7 +71,7 @@ from fastapi import HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from starlette.responses import JSONResponse
 
-from coordinator.protocol import (
+from quiesce.coordinator.protocol import (
     AGENT,
     AGENT_CONTINUATIONS,
     AGENT_PREPARE_INCOMPLETE,
@@ -107,8 +107,8 @@ from coordinator.protocol import (
     route,
     sha256_hex,
 )
-from tools.gymsim.base import GymServer
-from tools.gymsim.common import (
+from quiesce.tools.gymsim.base import GymServer
+from quiesce.tools.gymsim.common import (
     RESTORE_FAILED,
     ArtifactWriter,
     ControlRejection,
@@ -118,7 +118,7 @@ from tools.gymsim.common import (
     jsonl_bytes,
     manifest_bytes,
 )
-from tools.gymsim.fence import OpRule, rule
+from quiesce.tools.gymsim.fence import OpRule, rule
 
 #: How long a rollout keeps retrying a peer that does not answer before it fails.
 TRANSPORT_RETRY_S = 30.0

@@ -11,7 +11,7 @@ Request path through one server (outermost first):
 4. `LeanControl` — the control routes' fast path: a request FastAPI would hand to a
    control endpoint with a valid argument is handed to that same endpoint here,
    without FastAPI's per-request machinery; every other request goes on to
-5. the FastAPI app: control routes (bodies validated by `coordinator.protocol`
+5. the FastAPI app: control routes (bodies validated by `quiesce.coordinator.protocol`
    models → 422 on anything else), data-plane routes, admin routes.
 
 Admin routes (`/gymsim/admin/...`) need no token: they exist for tests and never
@@ -40,7 +40,7 @@ from pydantic import BaseModel
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from coordinator.protocol import (
+from quiesce.coordinator.protocol import (
     CAPABILITIES_PATH,
     PREFIX,
     SCHEMA_VERSION,
@@ -50,10 +50,10 @@ from coordinator.protocol import (
     ConcurrencyContract,
     MultiProcess,
 )
-from tools.gymsim.common import INTERNAL_ERROR, ControlRejection, error_response
-from tools.gymsim.faults import UNDELIVERED, Fault, FaultMiddleware, FaultSet
-from tools.gymsim.fence import Action, Fence, OpRule
-from tools.gymsim.spec import ServerSpec
+from quiesce.tools.gymsim.common import INTERNAL_ERROR, ControlRejection, error_response
+from quiesce.tools.gymsim.faults import UNDELIVERED, Fault, FaultMiddleware, FaultSet
+from quiesce.tools.gymsim.fence import Action, Fence, OpRule
+from quiesce.tools.gymsim.spec import ServerSpec
 
 #: Scope key: `(body, json.loads(body))` of a control POST, so the body is parsed once per request.
 PARSED_BODY = "gymsim.parsed_body"

@@ -1,14 +1,14 @@
 """Python API to run a reference Gym cluster: in-process (threads) or as a real subprocess.
 
 ```python
-from tools.gymsim.cluster import start_cluster, spawn_cluster
+from quiesce.tools.gymsim.cluster import start_cluster, spawn_cluster
 
 with start_cluster(token="secret") as cluster:          # servers in a background thread
     cluster.urls["policy_model"]                          # 'http://127.0.0.1:41235'
     cluster.write_config("cluster.yaml", ledger_url="sqlite+aiosqlite:///q.db", snapshots_dir="snaps")
 
 env = {"NEMO_GYM_CHECKPOINT_CONTROL_TOKEN": "secret"}
-with spawn_cluster(spec, env=env) as proc:               # `python -m tools.gymsim` in its own process
+with spawn_cluster(spec, env=env) as proc:               # `python -m quiesce.tools.gymsim` in its own process
     proc.kill()                                           # SIGKILL: the whole cluster dies at once
 ```
 
@@ -34,12 +34,14 @@ from typing import Any
 
 import yaml
 
-from coordinator.protocol import TOKEN_ENV
-from tools.gymsim.base import GymServer
-from tools.gymsim.host import Host
-from tools.gymsim.spec import ClusterSpec, SpecLike, load_spec
+from quiesce.coordinator.protocol import TOKEN_ENV
+from quiesce.tools.gymsim.base import GymServer
+from quiesce.tools.gymsim.host import Host
+from quiesce.tools.gymsim.spec import ClusterSpec, SpecLike, load_spec
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+#: The folder that holds the `quiesce` package this code was imported from (the repository in a
+#: checkout, site-packages in an installed wheel): a child put on it runs this same code.
+IMPORT_ROOT = Path(__file__).parents[3]
 STARTUP_TIMEOUT_S = 60.0
 
 
@@ -159,7 +161,7 @@ def start_cluster(spec: SpecLike = None, *, token: str | None) -> Iterator[Runni
 
 
 class ClusterProcess(_ConfigMixin):
-    """A cluster running as `python -m tools.gymsim` in its own process (`spawn_cluster`)."""
+    """A cluster running as `python -m quiesce.tools.gymsim` in its own process (`spawn_cluster`)."""
 
     def __init__(
         self, process: subprocess.Popen[bytes], spec: ClusterSpec, config_path: Path, log_path: Path
@@ -207,7 +209,7 @@ def spawn_cluster(
     env: Mapping[str, str],
     workdir: str | os.PathLike[str] | None = None,
 ) -> Iterator[ClusterProcess]:
-    """Run `python -m tools.gymsim` as a subprocess and wait for the config it writes.
+    """Run `python -m quiesce.tools.gymsim` as a subprocess and wait for the config it writes.
 
     `env` is added to this process's environment (put the control token there, e.g.
     `{"NEMO_GYM_CHECKPOINT_CONTROL_TOKEN": "..."}`). The spec goes to the child as a
@@ -232,21 +234,21 @@ def spawn_cluster(
         )
         child_env = {**os.environ, **env}
         child_env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO_ROOT), child_env.get("PYTHONPATH")) if p
+            p for p in (str(IMPORT_ROOT), child_env.get("PYTHONPATH")) if p
         )
         log_file = stack.enter_context(open(log_path, "wb"))
         process = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "tools.gymsim",
+                "quiesce.tools.gymsim",
                 "--spec",
                 str(spec_path),
                 "--config-out",
                 str(config_path),
             ],
             env=child_env,
-            cwd=str(REPO_ROOT),
+            cwd=str(IMPORT_ROOT),
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,

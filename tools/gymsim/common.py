@@ -31,8 +31,8 @@ from typing import Any, ClassVar, Final
 
 from starlette.responses import JSONResponse
 
-from coordinator.durable import fsync_dir, syncfs, syncfs_available
-from coordinator.protocol import ArtifactRef, sha256_hex
+from quiesce.coordinator.durable import fsync_dir, syncfs, syncfs_available
+from quiesce.coordinator.protocol import ArtifactRef, sha256_hex
 
 #: Rollout ids travel in file names and headers: same alphabet as checkpoint ids.
 ROLLOUT_ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

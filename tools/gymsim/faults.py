@@ -37,7 +37,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from coordinator.protocol import ROLLOUT_ID_HEADER
+from quiesce.coordinator.protocol import ROLLOUT_ID_HEADER
 
 FaultKind = Literal[
     "delay", "fail", "drop", "hang", "malformed", "wrong_schema", "wrong_digest", "foreign_id"

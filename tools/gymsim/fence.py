@@ -27,9 +27,15 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.protocol import CHECKPOINT_CONFLICT, INVALID_PHASE, STALE_CHECKPOINT, CommonBody, Phase
-from tools.gymsim.common import INTERNAL_ERROR, ControlRejection
-from tools.gymsim.faults import OPERATION_DELAY
+from quiesce.coordinator.protocol import (
+    CHECKPOINT_CONFLICT,
+    INVALID_PHASE,
+    STALE_CHECKPOINT,
+    CommonBody,
+    Phase,
+)
+from quiesce.tools.gymsim.common import INTERNAL_ERROR, ControlRejection
+from quiesce.tools.gymsim.faults import OPERATION_DELAY
 
 Result = dict[str, Any]
 

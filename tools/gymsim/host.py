@@ -19,12 +19,12 @@ import uvicorn
 from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tools.gymsim.agent import AgentServer
-from tools.gymsim.base import GymServer, HostContext
-from tools.gymsim.faults import install_log_filter
-from tools.gymsim.model import ModelServer
-from tools.gymsim.resources import ResourcesServer
-from tools.gymsim.spec import ClusterSpec, ServerSpec
+from quiesce.tools.gymsim.agent import AgentServer
+from quiesce.tools.gymsim.base import GymServer, HostContext
+from quiesce.tools.gymsim.faults import install_log_filter
+from quiesce.tools.gymsim.model import ModelServer
+from quiesce.tools.gymsim.resources import ResourcesServer
+from quiesce.tools.gymsim.spec import ClusterSpec, ServerSpec
 
 PREFIX_ROOT = "/s/"
 _KINDS: dict[str, type[GymServer]] = {

@@ -1,4 +1,4 @@
-"""`python -m tools.gymsim` / `quiesce sim`: start a reference Gym cluster until SIGINT/SIGTERM.
+"""`python -m quiesce.tools.gymsim` / `quiesce sim`: start a reference Gym cluster until SIGINT/SIGTERM.
 
 Binds every server to a free loopback port (or a path prefix on the shared port),
 writes the coordinator's cluster config (atomically, only once every server
@@ -28,10 +28,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
-from tools.gymsim.cluster import cluster_config, write_yaml_atomic
-from tools.gymsim.host import Host
-from tools.gymsim.spec import ClusterSpec, load_spec
+from quiesce.coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
+from quiesce.tools.gymsim.cluster import cluster_config, write_yaml_atomic
+from quiesce.tools.gymsim.host import Host
+from quiesce.tools.gymsim.spec import ClusterSpec, load_spec
 
 DEFAULT_CONFIG_OUT = "quiesce-sim.yaml"
 
@@ -153,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.gymsim", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m quiesce.tools.gymsim", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -57,7 +57,7 @@ from fastapi import Body, Query, Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from coordinator.protocol import (
+from quiesce.coordinator.protocol import (
     ATTEMPT_INDEX_HEADER,
     CHECKPOINT_PARKED,
     EXTERNAL_STORAGE_REFERENCE_INDEX,
@@ -91,8 +91,8 @@ from coordinator.protocol import (
     route,
     sha256_hex,
 )
-from tools.gymsim.base import GymServer, route_path
-from tools.gymsim.common import (
+from quiesce.tools.gymsim.base import GymServer, route_path
+from quiesce.tools.gymsim.common import (
     RESTORE_FAILED,
     ROLLOUT_ID_RE,
     ArtifactWriter,
@@ -104,7 +104,7 @@ from tools.gymsim.common import (
     manifest_bytes,
     parse_call_number,
 )
-from tools.gymsim.fence import Done, OpRule, rule
+from quiesce.tools.gymsim.fence import Done, OpRule, rule
 
 MODEL_CALL_ID_HEADER = "x-nemo-gym-model-call-id"
 _STATUS_PHASES: frozenset[Phase] = frozenset(p for p in PHASES if p != "idle")

@@ -39,7 +39,7 @@ from fastapi import Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from starlette.responses import JSONResponse
 
-from coordinator.protocol import (
+from quiesce.coordinator.protocol import (
     ATTEMPT_INDEX_HEADER,
     CHECKPOINT_ID_PATTERN,
     PHASES,
@@ -62,8 +62,8 @@ from coordinator.protocol import (
     route,
     sha256_hex,
 )
-from tools.gymsim.base import GymServer
-from tools.gymsim.common import (
+from quiesce.tools.gymsim.base import GymServer
+from quiesce.tools.gymsim.common import (
     RESTORE_FAILED,
     ROLLOUT_ID_RE,
     ArtifactWriter,
@@ -71,7 +71,7 @@ from tools.gymsim.common import (
     error_response,
     read_manifest,
 )
-from tools.gymsim.fence import OpRule, rule
+from quiesce.tools.gymsim.fence import OpRule, rule
 
 _STATUS_PHASES: frozenset[Phase] = frozenset(p for p in PHASES if p != "idle")
 

@@ -46,9 +46,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from coordinator.protocol import CheckpointMode, InstanceRole, WorkerMode
-from tools.gymsim.common import ROLLOUT_ID_RE
-from tools.gymsim.faults import Fault
+from quiesce.coordinator.protocol import CheckpointMode, InstanceRole, WorkerMode
+from quiesce.tools.gymsim.common import ROLLOUT_ID_RE
+from quiesce.tools.gymsim.faults import Fault
 
 ServerKind = Literal["model", "agent", "resources"]
 

@@ -15,5 +15,5 @@ One file per concern:
 - `client` — `RemoteCoordinator`, the same shapes as `Coordinator` over HTTP.
 - `errors` — the errors only the service and its client raise (busy, unauthorized, unavailable).
 
-Layering: `tools.serve` imports `coordinator` and `ledger` (read APIs only); nothing imports it back.
+Layering: `quiesce.tools.serve` imports `coordinator` and `ledger` (read APIs only); nothing imports it back.
 """

@@ -36,8 +36,8 @@ import anyio.to_thread
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from coordinator import Attempt, Coordinator, Outcome
-from coordinator.errors import (
+from quiesce.coordinator import Attempt, Coordinator, Outcome
+from quiesce.coordinator.errors import (
     AcknowledgementError,
     ConfigError,
     DiscoveryError,
@@ -47,12 +47,12 @@ from coordinator.errors import (
     ServersHeld,
     SnapshotError,
 )
-from ledger import AttemptRow
-from tools.serve.auth import BearerCheck
-from tools.serve.errors import Busy, NotFound, Unauthorized, Unavailable
-from tools.serve.fastpath import hot_route
-from tools.serve.metrics import CONTENT_TYPE
-from tools.serve.models import (
+from quiesce.ledger import AttemptRow
+from quiesce.tools.serve.auth import BearerCheck
+from quiesce.tools.serve.errors import Busy, NotFound, Unauthorized, Unavailable
+from quiesce.tools.serve.fastpath import hot_route
+from quiesce.tools.serve.metrics import CONTENT_TYPE
+from quiesce.tools.serve.models import (
     AbortRequest,
     AcknowledgeReply,
     AcknowledgeRequest,
@@ -70,8 +70,8 @@ from tools.serve.models import (
     SaveRequest,
     StatusModel,
 )
-from tools.serve.page import render_page
-from tools.serve.service import Service
+from quiesce.tools.serve.page import render_page
+from quiesce.tools.serve.service import Service
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorReply} for code in (401, 404, 409, 400, 502, 503)
@@ -404,7 +404,7 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         return [HistoryRow.of(r) for r in rows]
 
     async def view_of(checkpoint_id: str) -> tuple[Any, list[Any]]:
-        from tools.audit.source import load_attempt
+        from quiesce.tools.audit.source import load_attempt
 
         reader = service.require_reader()
         try:
@@ -417,7 +417,7 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
     @app.get("/v1/attempts/{checkpoint_id}", dependencies=guarded, responses=_ERRORS, tags=["ledger"])
     async def show(checkpoint_id: str) -> dict[str, Any]:
         """One attempt explained from the ledger: what `quiesce show ID --json` prints."""
-        from tools.audit.check import check_events
+        from quiesce.tools.audit.check import check_events
 
         view, events = await view_of(checkpoint_id)
         document: dict[str, Any] = view.to_json()
@@ -433,7 +433,7 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
     )
     async def timeline(checkpoint_id: str) -> Response:
         """The attempt's timeline as the report draws it (inline SVG)."""
-        from tools.audit.report import gantt
+        from quiesce.tools.audit.report import gantt
 
         view, _ = await view_of(checkpoint_id)
         return Response(gantt(view), media_type="image/svg+xml")

@@ -16,7 +16,7 @@ import ipaddress
 import os
 from typing import Final
 
-from coordinator.errors import ConfigError
+from quiesce.coordinator.errors import ConfigError
 
 API_TOKEN_ENV: Final = "QUIESCE_API_TOKEN"
 

@@ -1,6 +1,6 @@
 """`RemoteCoordinator`: `Coordinator`'s shapes over `quiesce serve`'s API v1.
 
-    from tools.serve.client import RemoteCoordinator
+    from quiesce import RemoteCoordinator
 
     async with RemoteCoordinator("http://10.0.0.5:8470", token=os.environ["QUIESCE_API_TOKEN"]) as coord:
         await coord.discover()
@@ -10,12 +10,12 @@
         await coord.resume()
 
 The methods return what `Coordinator`'s return — `coordinator.Attempt`, `coordinator.Outcome`,
-`coordinator.Discovery`, `coordinator.status.ClusterStatus` (each server's `capabilities` None:
+`coordinator.Discovery`, `quiesce.coordinator.status.ClusterStatus` (each server's `capabilities` None:
 not sent), `ledger.AttemptRow`, the acknowledged `(rollout_id, attempt_index)` pairs — and raise
 what they raise: a failed phase is a `PhaseError` with the same fields (what was resumed, what
 could not be), a bad snapshot a `SnapshotError`, a held participant `ServersHeld`, a refused
 acknowledgement `AcknowledgementError`, and so on; the service adds `Busy` (another attempt in
-progress), `Unauthorized` and `Unavailable` (`tools.serve.errors`). Executions the service
+progress), `Unauthorized` and `Unavailable` (`quiesce.tools.serve.errors`). Executions the service
 refuses as a body (`ConfigError` embedded: no execution, a duplicate, an id Gym refuses) raise
 `ConfigError` here too.
 
@@ -30,7 +30,7 @@ Rules kept here:
   A request whose connection broke after it was sent is *not* repeated (the save may have run):
   `OutcomeUnknown` says so; `history()` shows how it ended.
 - The token defaults to `QUIESCE_API_TOKEN`; it is sent only as the bearer header, never logged.
-- Requests go through the coordinator's own HTTP/1.1 client (`coordinator.http.HttpClient`, the
+- Requests go through the coordinator's own HTTP/1.1 client (`quiesce.coordinator.http.HttpClient`, the
   one under every control call): on the bench machine a request's round trip on loopback took
   ~0.5 ms with it and ~1.7 ms with httpx, whose per-request cost was most of what a save through
   the service added (two requests per save). httpx serves only the event stream (`events`).
@@ -50,9 +50,9 @@ from typing import Any, Final, Self
 import anyio
 import httpx
 
-from coordinator.attempt import Attempt, Outcome
-from coordinator.discovery import Discovery
-from coordinator.errors import (
+from quiesce.coordinator.attempt import Attempt, Outcome
+from quiesce.coordinator.discovery import Discovery
+from quiesce.coordinator.errors import (
     AcknowledgementError,
     ConfigError,
     DeadlineExceeded,
@@ -64,12 +64,12 @@ from coordinator.errors import (
     ServersHeld,
     SnapshotError,
 )
-from coordinator.http import ConnectFailed, ConnectTimeout, HttpClient, HttpFailure
-from coordinator.status import ClusterStatus
-from ledger import AttemptRow
-from tools.serve.auth import API_TOKEN_ENV
-from tools.serve.errors import Busy, NotFound, OutcomeUnknown, Unauthorized, Unavailable
-from tools.serve.models import (
+from quiesce.coordinator.http import ConnectFailed, ConnectTimeout, HttpClient, HttpFailure
+from quiesce.coordinator.status import ClusterStatus
+from quiesce.ledger import AttemptRow
+from quiesce.tools.serve.auth import API_TOKEN_ENV
+from quiesce.tools.serve.errors import Busy, NotFound, OutcomeUnknown, Unauthorized, Unavailable
+from quiesce.tools.serve.models import (
     AcknowledgeReply,
     AttemptModel,
     DiscoveryModel,

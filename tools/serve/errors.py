@@ -1,4 +1,4 @@
-"""Errors of the service and its client, beside `coordinator.errors` (every one is a `QuiesceError`).
+"""Errors of the service and its client, beside `quiesce.coordinator.errors` (every one is a `QuiesceError`).
 
 - `Busy` (HTTP 409): another attempt or operation is in progress; names it.
 - `Unauthorized` (HTTP 401): the API bearer token is missing or wrong.
@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from coordinator.errors import QuiesceError
+from quiesce.coordinator.errors import QuiesceError
 
 
 class Busy(QuiesceError):

@@ -32,7 +32,7 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
-from tools.serve.auth import BearerCheck
+from quiesce.tools.serve.auth import BearerCheck
 
 __all__ = ["hot_route"]
 

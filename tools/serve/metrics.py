@@ -47,7 +47,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from ledger import AttemptRow, Event
+from quiesce.ledger import AttemptRow, Event
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 _CONTROL_PREFIX: Final = "/ng-control/v1"

@@ -2,7 +2,7 @@
 
 They mirror the embedded API: an `AttemptModel` carries what `coordinator.Attempt` carries, an
 `OutcomeModel` what `coordinator.Outcome` does, a `HistoryRow` what `ledger.AttemptRow` does, so
-the client (`tools.serve.client`) rebuilds the very objects `Coordinator` returns. Requests
+the client (`quiesce.tools.serve.client`) rebuilds the very objects `Coordinator` returns. Requests
 forbid unknown fields (a typo is a 422, not a silently ignored option). Every error reply is
 `ErrorReply` (`{"error": {...}}`) except FastAPI's own 422 for a body that does not validate.
 """
@@ -15,11 +15,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from coordinator.attempt import Attempt, Outcome, Resubmission
-from coordinator.discovery import Discovery, Member
-from coordinator.protocol import AcknowledgeBody
-from coordinator.status import ClusterStatus, Holder, ServerStatus
-from ledger import AttemptRow
+from quiesce.coordinator.attempt import Attempt, Outcome, Resubmission
+from quiesce.coordinator.discovery import Discovery, Member
+from quiesce.coordinator.protocol import AcknowledgeBody
+from quiesce.coordinator.status import ClusterStatus, Holder, ServerStatus
+from quiesce.ledger import AttemptRow
 
 
 class Request(BaseModel):
@@ -316,7 +316,7 @@ class AcknowledgeReply(BaseModel):
 
 
 class HolderModel(BaseModel):
-    """A checkpoint id that holds servers (`coordinator.status.Holder`); `verb` is the embedded
+    """A checkpoint id that holds servers (`quiesce.coordinator.status.Holder`); `verb` is the embedded
     method that frees it (`resume` or `abort`), `frees` the command line."""
 
     checkpoint_id: str
@@ -338,7 +338,7 @@ class HolderModel(BaseModel):
 
 
 class ServerStatusModel(BaseModel):
-    """One server's fence and what holds it (`coordinator.status.ServerStatus.as_json`)."""
+    """One server's fence and what holds it (`quiesce.coordinator.status.ServerStatus.as_json`)."""
 
     name: str
     url: str
@@ -357,7 +357,7 @@ class ServerStatusModel(BaseModel):
 class StatusModel(BaseModel):
     """`GET /v1/status`: what `quiesce status --json` prints, each holder with its `verb` too.
 
-    `status()` rebuilds the `coordinator.status.ClusterStatus` `Coordinator.status()` returns, but
+    `status()` rebuilds the `quiesce.coordinator.status.ClusterStatus` `Coordinator.status()` returns, but
     for each server's `capabilities` (not sent: None); `deadline_left_s` is as of the service's read.
     """
 

@@ -1,7 +1,7 @@
 """The live page at `/`: the attempts table and the report's timeline, kept current by the event stream.
 
 The page is static: it holds no ledger data, so it needs no token to load. Its script reads
-`GET /v1/attempts` and `GET /v1/attempts/{id}/timeline` (the SVG `tools.audit.report.gantt`
+`GET /v1/attempts` and `GET /v1/attempts/{id}/timeline` (the SVG `quiesce.tools.audit.report.gantt`
 draws, every ledger string escaped there), then follows `GET /v1/events` and, on each event,
 re-reads the table and the timeline of the attempt the event concerns (at most every
 `REFRESH_MS`) — no reload. It reads the stream with `fetch` (not `EventSource`) so it can send the
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Final
 
-from tools.audit.report import CSS as REPORT_CSS
+from quiesce.tools.audit.report import CSS as REPORT_CSS
 
 REFRESH_MS: Final = 150
 

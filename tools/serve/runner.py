@@ -25,11 +25,11 @@ from typing import Final
 import anyio
 import uvicorn
 
-from coordinator import ClusterConfig
-from coordinator.errors import ConfigError, QuiesceError
-from tools.serve.app import build_app
-from tools.serve.auth import api_token_from_env, require_token_beyond_loopback
-from tools.serve.service import Service
+from quiesce.coordinator import ClusterConfig
+from quiesce.coordinator.errors import ConfigError, QuiesceError
+from quiesce.tools.serve.app import build_app
+from quiesce.tools.serve.auth import api_token_from_env, require_token_beyond_loopback
+from quiesce.tools.serve.service import Service
 
 DEFAULT_LISTEN: Final = "127.0.0.1:8470"
 

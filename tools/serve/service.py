@@ -4,7 +4,7 @@ States: `starting` (SQLite: opening the ledger) or `standby` (PostgreSQL: waitin
 service's lease to expire) → `recovering` (lease taken, new epoch, recovery of what the previous
 coordinator left) → `ready` → `stopping` → `stopped`. Only `ready` takes requests; every other
 state answers `Unavailable` (HTTP 503), a standby with the active service's address (read from the
-lease row: `coordinator.lease.advertised_address`). A service that loses its lease (fenced) closes
+lease row: `quiesce.coordinator.lease.advertised_address`). A service that loses its lease (fenced) closes
 its coordinator and, on PostgreSQL, becomes a standby again.
 
 Invariants:
@@ -37,14 +37,14 @@ from typing import Any, Final, TypeVar
 import anyio
 import anyio.abc
 
-from coordinator import Attempt, ClusterConfig, Coordinator, Progress
-from coordinator.errors import FencedError, LedgerError, QuiesceError
-from coordinator.lease import advertised_address
-from coordinator.recovery import RecoveryReport
-from ledger import Event, Ledger
-from tools.serve.errors import Busy, Unavailable
-from tools.serve.metrics import Metrics
-from tools.serve.stream import EventHub
+from quiesce.coordinator import Attempt, ClusterConfig, Coordinator, Progress
+from quiesce.coordinator.errors import FencedError, LedgerError, QuiesceError
+from quiesce.coordinator.lease import advertised_address
+from quiesce.coordinator.recovery import RecoveryReport
+from quiesce.ledger import Event, Ledger
+from quiesce.tools.serve.errors import Busy, Unavailable
+from quiesce.tools.serve.metrics import Metrics
+from quiesce.tools.serve.stream import EventHub
 
 T = TypeVar("T")
 

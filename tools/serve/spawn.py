@@ -1,6 +1,6 @@
 """Start `quiesce serve` as a child process and wait for the address it announces.
 
-Rule: the child is `python -m tools serve --config C --listen 127.0.0.1:0 --json` run from the
+Rule: the child is `python -m quiesce serve --config C --listen 127.0.0.1:0 --json` run from the
 repository root, so it runs this tree's code; it is returned only once it has printed its one
 JSON line (`{"listening": URL, ...}`) on stdout. A child that exits or stays silent for
 `startup_s` is killed and `ServiceDidNotStart` carries its stderr (written to `log`). The caller
@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from tools.gymsim.cluster import REPO_ROOT
+from quiesce.tools.gymsim.cluster import IMPORT_ROOT
 
 __all__ = ["ServiceDidNotStart", "start_service"]
 
@@ -40,8 +40,8 @@ def start_service(
     """The started child and the JSON line it announced (see the module docstring)."""
     with open(log, "w", encoding="utf-8") as errors:
         process = subprocess.Popen(
-            [sys.executable, "-m", "tools", "serve", "--config", str(config), *_LISTEN, *extra],
-            cwd=str(REPO_ROOT),
+            [sys.executable, "-m", "quiesce", "serve", "--config", str(config), *_LISTEN, *extra],
+            cwd=str(IMPORT_ROOT),
             env=dict(env),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

@@ -23,7 +23,7 @@ from typing import Any, Final
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ledger import Event, Ledger
+from quiesce.ledger import Event, Ledger
 
 #: Events a subscriber may lag behind before it is dropped.
 QUEUE_LIMIT: Final = 10_000

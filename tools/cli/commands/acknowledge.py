@@ -18,11 +18,11 @@ from typing import Any
 
 import anyio
 
-from coordinator import Coordinator, load_config
-from coordinator.errors import AcknowledgementError
-from tools.cli import output
-from tools.cli.cluster_cmd import add_common, escape
-from tools.cli.output import emit_json, print_error
+from quiesce.coordinator import Coordinator, load_config
+from quiesce.coordinator.errors import AcknowledgementError
+from quiesce.tools.cli import output
+from quiesce.tools.cli.cluster_cmd import add_common, escape
+from quiesce.tools.cli.output import emit_json, print_error
 
 
 def register(subparsers: Any) -> None:

@@ -17,12 +17,12 @@ from typing import Any
 
 import anyio
 
-from tools.audit.check import CheckReport, check_events
-from tools.audit.cli import check_ledger
-from tools.audit.present import print_check
-from tools.audit.source import checked_attempt_events, open_readonly, resolve_attempt_id
-from tools.cli.flags import add_ledger
-from tools.cli.output import console, emit_json
+from quiesce.tools.audit.check import CheckReport, check_events
+from quiesce.tools.audit.cli import check_ledger
+from quiesce.tools.audit.present import print_check
+from quiesce.tools.audit.source import checked_attempt_events, open_readonly, resolve_attempt_id
+from quiesce.tools.cli.flags import add_ledger
+from quiesce.tools.cli.output import console, emit_json
 
 
 def register(subparsers: Any) -> None:

@@ -17,11 +17,11 @@ from typing import Any
 import anyio
 from rich.markup import escape
 
-from coordinator import Attempt, Coordinator, Discovery, PhaseError, ServersHeld, load_config
-from coordinator.config import check_deadline
-from tools.cli.cluster_cmd import add_common, phase_error_json, print_warnings, progress_line
-from tools.cli.flags import seconds
-from tools.cli.output import console, emit_json, print_error
+from quiesce.coordinator import Attempt, Coordinator, Discovery, PhaseError, ServersHeld, load_config
+from quiesce.coordinator.config import check_deadline
+from quiesce.tools.cli.cluster_cmd import add_common, phase_error_json, print_warnings, progress_line
+from quiesce.tools.cli.flags import seconds
+from quiesce.tools.cli.output import console, emit_json, print_error
 
 
 def register(subparsers: Any) -> None:

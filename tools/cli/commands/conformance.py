@@ -17,10 +17,10 @@ import anyio
 from rich.markup import escape
 from rich.table import Table
 
-from coordinator.calls import token_problem
-from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
-from tools.cli.output import console, emit_json, print_error
-from tools.conformance import DEFAULT_TIMEOUT_S, ConformanceReport, ServerUnreachable, run_conformance
+from quiesce.coordinator.calls import token_problem
+from quiesce.coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
+from quiesce.tools.cli.output import console, emit_json, print_error
+from quiesce.tools.conformance import DEFAULT_TIMEOUT_S, ConformanceReport, ServerUnreachable, run_conformance
 
 _STYLE = {
     "pass": "[green]pass[/]",

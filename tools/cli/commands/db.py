@@ -11,10 +11,10 @@ from typing import Any
 
 import anyio
 
-from ledger import upgrade_schema
-from ledger.urls import safe
-from tools.cli.flags import Commands, add_ledger
-from tools.cli.output import console, emit_json
+from quiesce.ledger import upgrade_schema
+from quiesce.ledger.urls import safe
+from quiesce.tools.cli.flags import Commands, add_ledger
+from quiesce.tools.cli.output import console, emit_json
 
 
 def register(subparsers: Any) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 
-from tools.cli.output import console, emit_json, print_error
+from quiesce.tools.cli.output import console, emit_json, print_error
 
 
 def register(subparsers: Any) -> None:
@@ -42,7 +42,7 @@ def register(subparsers: Any) -> None:
 def handle(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from tools.demo import FolderRefused, run_demo
+    from quiesce.tools.demo import FolderRefused, run_demo
 
     result: dict[str, Any] = {}
     people = Console(stderr=True, highlight=False) if args.json else console

@@ -15,9 +15,9 @@ import anyio
 from rich.markup import escape
 from rich.table import Table
 
-from coordinator import Coordinator, Discovery, load_config
-from tools.cli.cluster_cmd import add_common, print_warnings
-from tools.cli.output import console, emit_json
+from quiesce.coordinator import Coordinator, Discovery, load_config
+from quiesce.tools.cli.cluster_cmd import add_common, print_warnings
+from quiesce.tools.cli.output import console, emit_json
 
 
 def register(subparsers: Any) -> None:

@@ -17,9 +17,9 @@ from typing import Any
 import anyio
 from rich.text import Text
 
-from tools.audit.source import export_bundle
-from tools.cli.flags import add_ledger, out_file
-from tools.cli.output import console, emit_json
+from quiesce.tools.audit.source import export_bundle
+from quiesce.tools.cli.flags import add_ledger, out_file
+from quiesce.tools.cli.output import console, emit_json
 
 
 def register(subparsers: Any) -> None:

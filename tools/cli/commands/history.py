@@ -32,10 +32,10 @@ from typing import Any, Final
 
 import anyio
 
-from ledger import AttemptRow, Ledger
-from tools.audit.source import open_readonly
-from tools.audit.timefmt import duration, short_at
-from tools.cli.flags import add_ledger
+from quiesce.ledger import AttemptRow, Ledger
+from quiesce.tools.audit.source import open_readonly
+from quiesce.tools.audit.timefmt import duration, short_at
+from quiesce.tools.cli.flags import add_ledger
 
 OUTCOMES: Final = ("published", "restored", "resumed", "aborted", "abandoned", "open")
 #: Outcomes the projection cannot filter on: a restore's row says `restored` even once resumed.
@@ -199,8 +199,8 @@ def print_rich(rows: list[Entry]) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from tools.audit.present import RESULT_STYLE, widened
-    from tools.cli.output import console
+    from quiesce.tools.audit.present import RESULT_STYLE, widened
+    from quiesce.tools.cli.output import console
 
     table = Table(box=None, pad_edge=False)
     for column in COLUMNS:
@@ -238,7 +238,7 @@ def handle(args: argparse.Namespace) -> int:
         emit_rows(rows)
         return 0
     if not rows:
-        from tools.cli.output import console
+        from quiesce.tools.cli.output import console
 
         console.print(
             "no attempts recorded" if args.since is None and args.outcome is None else "no attempts match"

@@ -23,11 +23,11 @@ from typing import Any
 
 import anyio
 
-from coordinator import Coordinator, load_config
-from coordinator.recovery import RecoveryReport
-from tools.cli import output
-from tools.cli.cluster_cmd import add_common, print_resubmit, progress_line
-from tools.cli.output import emit_json, print_error
+from quiesce.coordinator import Coordinator, load_config
+from quiesce.coordinator.recovery import RecoveryReport
+from quiesce.tools.cli import output
+from quiesce.tools.cli.cluster_cmd import add_common, print_resubmit, progress_line
+from quiesce.tools.cli.output import emit_json, print_error
 
 
 def register(subparsers: Any) -> None:

@@ -19,12 +19,12 @@ import anyio
 from rich.markup import escape
 from rich.table import Table
 
-from ledger import ReplayReport, replay_url
-from ledger.urls import safe
-from tools.audit.cli import check_ledger
-from tools.audit.present import print_check
-from tools.cli.flags import add_ledger
-from tools.cli.output import console, emit_json
+from quiesce.ledger import ReplayReport, replay_url
+from quiesce.ledger.urls import safe
+from quiesce.tools.audit.cli import check_ledger
+from quiesce.tools.audit.present import print_check
+from quiesce.tools.cli.flags import add_ledger
+from quiesce.tools.cli.output import console, emit_json
 
 MAX_SHOWN = 50
 

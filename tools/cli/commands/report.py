@@ -16,11 +16,11 @@ from typing import Any
 import anyio
 from rich.text import Text
 
-from ledger.urls import safe
-from tools.audit.report import render_report
-from tools.audit.source import load_views
-from tools.cli.flags import add_ledger, out_file
-from tools.cli.output import console, emit_json
+from quiesce.ledger.urls import safe
+from quiesce.tools.audit.report import render_report
+from quiesce.tools.audit.source import load_views
+from quiesce.tools.cli.flags import add_ledger, out_file
+from quiesce.tools.cli.output import console, emit_json
 
 
 def _at_least_one(text: str) -> int:

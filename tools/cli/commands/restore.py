@@ -25,9 +25,9 @@ from typing import Any
 import anyio
 from rich.markup import escape
 
-from coordinator import Attempt, Coordinator, PhaseError, ServersHeld, SnapshotError, load_config
-from coordinator.publish import resolve_snapshot
-from tools.cli.cluster_cmd import (
+from quiesce.coordinator import Attempt, Coordinator, PhaseError, ServersHeld, SnapshotError, load_config
+from quiesce.coordinator.publish import resolve_snapshot
+from quiesce.tools.cli.cluster_cmd import (
     add_common,
     phase_error_json,
     print_restored_again,
@@ -35,7 +35,7 @@ from tools.cli.cluster_cmd import (
     print_warnings,
     progress_line,
 )
-from tools.cli.output import console, emit_json, print_error
+from quiesce.tools.cli.output import console, emit_json, print_error
 
 
 def register(subparsers: Any) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools.cli.cluster_cmd import register_outcome
+from quiesce.tools.cli.cluster_cmd import register_outcome
 
 
 def register(subparsers: Any) -> None:

@@ -1,7 +1,7 @@
 """`quiesce serve --config C [--listen HOST:PORT] [--advertise URL] [--json]` — the ledger as a service.
 
 Serves HTTP API v1 (`/docs` for the OpenAPI page), server-sent event streams, `/metrics`,
-`/healthz`, `/readyz` and a live page at `/` until SIGTERM or Ctrl-C; see `tools.serve`. The API
+`/healthz`, `/readyz` and a live page at `/` until SIGTERM or Ctrl-C; see `quiesce.tools.serve`. The API
 token comes from `QUIESCE_API_TOKEN` (required when listening beyond loopback), the Gym control
 token from the config's `token_env`, as for every command. On a PostgreSQL ledger a second
 `quiesce serve` on the same config is a standby: it answers 503 naming the active one, and takes
@@ -17,12 +17,12 @@ from typing import Any
 
 import anyio
 
-from coordinator import load_config, resolve_token
-from tools.cli.flags import add_config
+from quiesce.coordinator import load_config, resolve_token
+from quiesce.tools.cli.flags import add_config
 
 
 def register(subparsers: Any) -> None:
-    from tools.serve.runner import DEFAULT_LISTEN
+    from quiesce.tools.serve.runner import DEFAULT_LISTEN
 
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
@@ -47,7 +47,7 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from tools.serve.runner import parse_listen, serve
+    from quiesce.tools.serve.runner import parse_listen, serve
 
     config = load_config(args.config)
     parse_listen(args.listen)  # bad usage before anything is opened

@@ -14,12 +14,12 @@ from typing import Any
 
 import anyio
 
-from tools.audit.attempts import AttemptView
-from tools.audit.check import CheckReport, check_events
-from tools.audit.present import print_attempt, print_check
-from tools.audit.source import load_attempt, open_readonly
-from tools.cli.flags import add_ledger
-from tools.cli.output import console, emit_json
+from quiesce.tools.audit.attempts import AttemptView
+from quiesce.tools.audit.check import CheckReport, check_events
+from quiesce.tools.audit.present import print_attempt, print_check
+from quiesce.tools.audit.source import load_attempt, open_readonly
+from quiesce.tools.cli.flags import add_ledger
+from quiesce.tools.cli.output import console, emit_json
 
 
 def register(subparsers: Any) -> None:

@@ -17,11 +17,11 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
-from ledger.urls import plain_sqlite_path
-from tools.cli.flags import ledger_url
-from tools.cli.output import print_error
-from tools.gymsim import launcher
+from quiesce.coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
+from quiesce.ledger.urls import plain_sqlite_path
+from quiesce.tools.cli.flags import ledger_url
+from quiesce.tools.cli.output import print_error
+from quiesce.tools.gymsim import launcher
 
 DESCRIPTION = f"""\
 Start a local reference NeMo Gym cluster that speaks the checkpoint control plane v1 — by default

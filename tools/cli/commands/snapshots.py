@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from coordinator.config import load_config
-from coordinator.snapshots import SnapshotInfo, list_published, prune
-from tools.audit.timefmt import short_at
-from tools.cli.cluster_cmd import add_common
-from tools.cli.output import console, emit_json
+from quiesce.coordinator.config import load_config
+from quiesce.coordinator.snapshots import SnapshotInfo, list_published, prune
+from quiesce.tools.audit.timefmt import short_at
+from quiesce.tools.cli.cluster_cmd import add_common
+from quiesce.tools.cli.output import console, emit_json
 
 
 def _keep(text: str) -> int:
@@ -53,7 +53,7 @@ def _print(listed: list[SnapshotInfo], removed: list[SnapshotInfo], folder: str)
     from rich.markup import escape
     from rich.table import Table
 
-    from tools.audit.present import widened
+    from quiesce.tools.audit.present import widened
 
     for info in removed:
         console.print(f"removed {escape(info.id)} ({size_text(info.size)})")

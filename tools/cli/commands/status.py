@@ -23,15 +23,15 @@ from typing import Any
 
 import anyio
 
-from coordinator import QuiesceError, load_config
-from coordinator.calls import peek_capabilities
-from coordinator.config import find_token
-from coordinator.http import HttpClient
-from coordinator.status import ClusterStatus, read_status
-from ledger import Ledger
-from tools.cli import output
-from tools.cli.cluster_cmd import add_common, escape, print_warnings
-from tools.cli.output import emit_json
+from quiesce.coordinator import QuiesceError, load_config
+from quiesce.coordinator.calls import peek_capabilities
+from quiesce.coordinator.config import find_token
+from quiesce.coordinator.http import HttpClient
+from quiesce.coordinator.status import ClusterStatus, read_status
+from quiesce.ledger import Ledger
+from quiesce.tools.cli import output
+from quiesce.tools.cli.cluster_cmd import add_common, escape, print_warnings
+from quiesce.tools.cli.output import emit_json
 
 
 def register(subparsers: Any) -> None:

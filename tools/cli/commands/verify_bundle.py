@@ -17,11 +17,11 @@ from typing import Any
 import anyio
 from rich.text import Text
 
-from ledger.urls import safe
-from tools.audit.bundle import verify_bundle
-from tools.audit.source import cross_check
-from tools.cli.flags import add_ledger
-from tools.cli.output import console, emit_json, print_error
+from quiesce.ledger.urls import safe
+from quiesce.tools.audit.bundle import verify_bundle
+from quiesce.tools.audit.source import cross_check
+from quiesce.tools.cli.flags import add_ledger
+from quiesce.tools.cli.output import console, emit_json, print_error
 
 
 def register(subparsers: Any) -> None:

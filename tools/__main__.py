@@ -1,3 +1,0 @@
-from tools.cli.main import main
-
-raise SystemExit(main())
