@@ -8,15 +8,16 @@
     ├── SnapshotError      a snapshot on disk is incomplete, altered, or does not match the cluster
     ├── AcknowledgementError  an agent refused (or answered wrongly) an acknowledgement of results
     ├── ServersHeld        a new attempt is refused: a participant is held by another checkpoint id
+    ├── MissingExtra       (from ledger) an optional dependency is not installed: names the extra
     └── LedgerError        (from ledger) — FencedError: a newer coordinator owns the ledger
 
-CLI exit codes: ConfigError and DiscoveryError are 2 (usage / config / refused setup);
+CLI exit codes: ConfigError, DiscoveryError and MissingExtra are 2 (usage / config / install);
 every other QuiesceError is 1 (the operation failed).
 """
 
 from __future__ import annotations
 
-from quiesce.ledger.errors import FencedError, LedgerError, QuiesceError
+from quiesce.ledger.errors import FencedError, LedgerError, MissingExtra, QuiesceError
 
 __all__ = [
     "AcknowledgementError",
@@ -25,6 +26,7 @@ __all__ = [
     "DiscoveryError",
     "FencedError",
     "LedgerError",
+    "MissingExtra",
     "PhaseError",
     "QuiesceError",
     "ServersHeld",

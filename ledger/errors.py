@@ -34,3 +34,25 @@ class BrokenChainError(LedgerError):
     def __init__(self, message: str, seq: int) -> None:
         super().__init__(message)
         self.seq = seq
+
+
+class MissingExtra(QuiesceError):
+    """An optional dependency is not installed. Raised where the code that needs it is reached
+    (never at import time of anything a base install runs); the message names the extra to install.
+    """
+
+    def __init__(self, *, extra: str, module: str, needed_by: str) -> None:
+        super().__init__(
+            f"{needed_by} needs the {extra!r} extra ({module} is not installed): "
+            f"pip install 'quiesce[{extra}]'"
+        )
+        self.extra = extra
+        self.module = module
+
+
+def require_extra(module: str, *, extra: str, needed_by: str) -> None:
+    """Raise `MissingExtra` unless `module` can be imported (found, not imported: no cost)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtra(extra=extra, module=module, needed_by=needed_by)

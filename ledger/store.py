@@ -68,7 +68,7 @@ import anyio.lowlevel
 from quiesce.ledger.backend import Backend, Batch, InlineAppend, LeaseState, RawEvent
 from quiesce.ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
 from quiesce.ledger.chain import check_rows, truncation
-from quiesce.ledger.errors import BrokenChainError, FencedError, LedgerError
+from quiesce.ledger.errors import BrokenChainError, FencedError, LedgerError, require_extra
 from quiesce.ledger.events import COLUMN_RULES, KINDS, AppendItem, Event, new_event
 from quiesce.ledger.layout import HEAD_REVISION
 from quiesce.ledger.projections import AttemptRow
@@ -152,6 +152,7 @@ def make_backend(url: str, *, durability: Durability = "full", readonly: bool = 
         from quiesce.ledger.sqlite import SqliteBackend
 
         return SqliteBackend(parsed, where=where, durability=durability, readonly=readonly)
+    require_extra("asyncpg", extra="postgres", needed_by=f"the PostgreSQL ledger {where}")
     from quiesce.ledger.postgres import PostgresBackend
 
     return PostgresBackend(parsed, where=where, durability=durability, readonly=readonly)

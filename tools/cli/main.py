@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from quiesce.coordinator.errors import ConfigError, DiscoveryError, QuiesceError
+from quiesce.coordinator.errors import ConfigError, DiscoveryError, MissingExtra, QuiesceError
 from quiesce.coordinator.version import VERSION
 from quiesce.tools.cli import commands, flags
 
@@ -60,8 +60,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 
 def exit_code_for(error: QuiesceError) -> int:
-    """Usage, config and refused-setup errors are 2; every other failure is 1."""
-    return 2 if isinstance(error, ConfigError | DiscoveryError) else 1
+    """Usage, config, a missing extra and refused-setup errors are 2; every other failure is 1."""
+    return 2 if isinstance(error, ConfigError | DiscoveryError | MissingExtra) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

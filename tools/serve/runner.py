@@ -20,7 +20,6 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
-from typing import Final
 
 import anyio
 import uvicorn
@@ -29,17 +28,8 @@ from quiesce.coordinator import ClusterConfig
 from quiesce.coordinator.errors import ConfigError, QuiesceError
 from quiesce.tools.serve.app import build_app
 from quiesce.tools.serve.auth import api_token_from_env, require_token_beyond_loopback
+from quiesce.tools.serve.listen import parse_listen
 from quiesce.tools.serve.service import Service
-
-DEFAULT_LISTEN: Final = "127.0.0.1:8470"
-
-
-def parse_listen(text: str) -> tuple[str, int]:
-    """`HOST:PORT` (IPv6 as `[::1]:PORT`) → (host, port)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"--listen {text!r}: give HOST:PORT, e.g. 127.0.0.1:8470 (port 0: any free port)")
-    return host.strip("[]"), int(port)
 
 
 class _Server(uvicorn.Server):

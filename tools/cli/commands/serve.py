@@ -18,11 +18,12 @@ from typing import Any
 import anyio
 
 from quiesce.coordinator import load_config, resolve_token
+from quiesce.ledger.errors import require_extra
 from quiesce.tools.cli.flags import add_config
 
 
 def register(subparsers: Any) -> None:
-    from quiesce.tools.serve.runner import DEFAULT_LISTEN
+    from quiesce.tools.serve.listen import DEFAULT_LISTEN
 
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
@@ -47,10 +48,13 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from quiesce.tools.serve.runner import parse_listen, serve
+    from quiesce.tools.serve.listen import parse_listen
 
     config = load_config(args.config)
     parse_listen(args.listen)  # bad usage before anything is opened
+    require_extra("prometheus_client", extra="serve", needed_by="quiesce serve")
+    from quiesce.tools.serve.runner import serve
+
     resolve_token(config)  # no control token: a config error now, not at the first request
     return anyio.run(
         lambda: serve(
