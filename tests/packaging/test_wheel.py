@@ -148,6 +148,7 @@ def test_the_wheel_installs_one_top_level_name(installed: Installed) -> None:
         assert f"{package}/__init__.py" in names, package
         assert f"{package}/py.typed" in names, package
     assert any(n.startswith("quiesce/migrations/versions/") and n.endswith(".py") for n in names)
+    assert any(".dist-info/" in n and n.endswith("LICENSE") for n in names)  # the file pyproject names
     top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
     with zipfile.ZipFile(installed.wheel) as wheel:
         assert wheel.read(top_level).decode().split() == ["quiesce"]

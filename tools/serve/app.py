@@ -20,8 +20,8 @@ Rules kept here:
 - Errors are `{"error": {...}}` (`models.ErrorReply`) with these statuses: 401 `Unauthorized`;
   404 `NotFound`; 409 `Busy` (another attempt is in progress; names it), `ServersHeld` (names each
   holder and what frees it; `held`), `AcknowledgementError` (the agent refused; its `status` and
-  `code`) and any other refusal of the current state; 400 `ConfigError`; 422 `SnapshotError` (and
-  FastAPI's own body validation);
+  `code`) and any other refusal of the current state; 400 `ConfigError`; 422 `SnapshotError` and
+  `InvalidRequest` (a body, path or query that does not validate: `fields` says why, `validation`);
   502 `PhaseError`, `DeadlineExceeded`, `DiscoveryError` (a Gym server or the deadline failed the
   operation; what was rolled back is in the body); 503 `Unavailable` (standby, recovering,
   stopping; a standby names the active one in `active`), `FencedError`, `LedgerError`.
@@ -34,6 +34,7 @@ from typing import Annotated, Any, Literal
 
 import anyio.to_thread
 from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from quiesce.coordinator import Attempt, Coordinator, Outcome
@@ -47,9 +48,9 @@ from quiesce.coordinator.errors import (
     ServersHeld,
     SnapshotError,
 )
-from quiesce.ledger import AttemptRow
+from quiesce.ledger import AttemptRow, Ledger
 from quiesce.tools.serve.auth import BearerCheck
-from quiesce.tools.serve.errors import Busy, NotFound, Unauthorized, Unavailable
+from quiesce.tools.serve.errors import Busy, InvalidRequest, NotFound, Unauthorized, Unavailable
 from quiesce.tools.serve.fastpath import hot_route
 from quiesce.tools.serve.metrics import CONTENT_TYPE
 from quiesce.tools.serve.models import (
@@ -60,6 +61,7 @@ from quiesce.tools.serve.models import (
     DiscoveryModel,
     ErrorBody,
     ErrorReply,
+    FieldProblem,
     HistoryRow,
     OutcomeModel,
     PublishRequest,
@@ -72,9 +74,10 @@ from quiesce.tools.serve.models import (
 )
 from quiesce.tools.serve.page import render_page
 from quiesce.tools.serve.service import Service
+from quiesce.tools.serve.validation import invalid_request
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorReply} for code in (401, 404, 409, 400, 502, 503)
+    code: {"model": ErrorReply} for code in (401, 404, 409, 400, 422, 502, 503)
 }
 
 
@@ -90,7 +93,7 @@ def status_of(error: QuiesceError) -> int:
         return 503
     if isinstance(error, PhaseError | DiscoveryError):
         return 502
-    if isinstance(error, SnapshotError):
+    if isinstance(error, SnapshotError | InvalidRequest):
         return 422
     if isinstance(error, ConfigError):
         return 400
@@ -116,6 +119,8 @@ def error_body(error: QuiesceError) -> ErrorBody:
         body.held = dict(error.held)
     elif isinstance(error, AcknowledgementError):
         body.server, body.status, body.code = error.server, error.status, error.code
+    elif isinstance(error, InvalidRequest):
+        body.fields = [FieldProblem(field=where, problem=what) for where, what in error.fields]
     return body
 
 
@@ -147,6 +152,10 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         body = ErrorReply(error=error_body(error)).model_dump(mode="json", exclude_none=True)
         return JSONResponse(body, status_code=status, headers=headers)
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        return await quiesce_error(request, invalid_request(error.errors(), secrets=[api_token or ""]))
+
     guarded = [Depends(authorized)]
 
     # -- process -------------------------------------------------------------------------------
@@ -173,7 +182,7 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         state = readiness()
         return JSONResponse(state.model_dump(mode="json"), status_code=200 if state.ready else 503)
 
-    @app.get("/metrics", dependencies=guarded, tags=["process"], response_class=Response)
+    @app.get("/metrics", dependencies=guarded, responses=_ERRORS, tags=["process"], response_class=Response)
     async def metrics() -> Response:
         """Prometheus metrics (text format)."""
         await service.settle_metrics()
@@ -403,10 +412,25 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
             rows = rows[-limit:]
         return [HistoryRow.of(r) for r in rows]
 
+    async def resolved(reader: Ledger, checkpoint_id: str) -> str:
+        """`checkpoint_id` itself; `latest`: the attempt in progress, else the ledger's newest (404: none)."""
+        from quiesce.tools.audit.source import LATEST_ATTEMPT, resolve_attempt_id
+
+        if checkpoint_id != LATEST_ATTEMPT:
+            return checkpoint_id
+        current = service.coord.current if service.coord is not None else None
+        if current is not None:
+            return current.checkpoint_id
+        try:
+            return await resolve_attempt_id(reader, checkpoint_id)
+        except LedgerError:
+            raise NotFound("no attempt in the ledger yet, so no latest one") from None
+
     async def view_of(checkpoint_id: str) -> tuple[Any, list[Any]]:
         from quiesce.tools.audit.source import load_attempt
 
         reader = service.require_reader()
+        checkpoint_id = await resolved(reader, checkpoint_id)
         try:
             return await load_attempt(reader, checkpoint_id)
         except LedgerError as error:
@@ -456,8 +480,10 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         checkpoint_id: str, last_event_id_: Annotated[str | None, Header(alias="Last-Event-ID")] = None
     ) -> StreamingResponse:
         """Server-sent events: the attempt's events as the ledger holds them, then live, in seq
-        order; `event: end` after its terminal event. Reconnect with `Last-Event-ID`."""
+        order; `event: end` after its terminal event. Reconnect with `Last-Event-ID`. `latest`: the
+        attempt in progress, else the newest one."""
         reader = service.require_reader()
+        checkpoint_id = await resolved(reader, checkpoint_id)
         if await reader.attempt(checkpoint_id) is None and not _is_live(service, checkpoint_id):
             raise NotFound(f"no attempt {checkpoint_id!r} in the ledger; GET /v1/attempts lists them")
 

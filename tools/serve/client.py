@@ -15,9 +15,9 @@ not sent), `ledger.AttemptRow`, the acknowledged `(rollout_id, attempt_index)` p
 what they raise: a failed phase is a `PhaseError` with the same fields (what was resumed, what
 could not be), a bad snapshot a `SnapshotError`, a held participant `ServersHeld`, a refused
 acknowledgement `AcknowledgementError`, and so on; the service adds `Busy` (another attempt in
-progress), `Unauthorized` and `Unavailable` (`quiesce.tools.serve.errors`). Executions the service
-refuses as a body (`ConfigError` embedded: no execution, a duplicate, an id Gym refuses) raise
-`ConfigError` here too.
+progress), `Unauthorized` and `Unavailable` (`quiesce.tools.serve.errors`). A request the service
+refuses as invalid (HTTP 422 — executions embedded refuses with `ConfigError`: none, a duplicate,
+an id Gym refuses) raises `InvalidRequest`, a `ConfigError` whose `fields` say why.
 
 Rules kept here:
 - `save()` mirrors `Coordinator.save`: leaving the block normally publishes and resumes (one
@@ -68,7 +68,14 @@ from quiesce.coordinator.http import ConnectFailed, ConnectTimeout, HttpClient, 
 from quiesce.coordinator.status import ClusterStatus
 from quiesce.ledger import AttemptRow
 from quiesce.tools.serve.auth import API_TOKEN_ENV
-from quiesce.tools.serve.errors import Busy, NotFound, OutcomeUnknown, Unauthorized, Unavailable
+from quiesce.tools.serve.errors import (
+    Busy,
+    InvalidRequest,
+    NotFound,
+    OutcomeUnknown,
+    Unauthorized,
+    Unavailable,
+)
 from quiesce.tools.serve.models import (
     AcknowledgeReply,
     AttemptModel,
@@ -355,14 +362,6 @@ _CLASSES: Final[dict[str, type[QuiesceError]]] = {
 }
 
 
-def _problem(item: Any) -> str:
-    """One FastAPI validation problem as `where: what` (`body.executions.0: ...`)."""
-    if not isinstance(item, dict):
-        return str(item)
-    where = ".".join(str(p) for p in item.get("loc") or [])
-    return f"{where}: {item.get('msg', '')}" if where else str(item.get("msg", ""))
-
-
 def _error(status: int, content: bytes) -> QuiesceError:
     """The error an error reply stands for (the same class and fields the embedded API raises)."""
     try:
@@ -371,10 +370,7 @@ def _error(status: int, content: bytes) -> QuiesceError:
         body = None
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):
-        detail = body.get("detail") if isinstance(body, dict) else content[:500].decode(errors="replace")
-        if status == 422 and isinstance(detail, list) and detail:
-            return ConfigError(f"the service refused the request: {_problem(detail[0])}")  # bad input
-        return QuiesceError(f"the service answered {status}: {detail}")
+        return QuiesceError(f"the service answered {status}: {content[:500].decode(errors='replace')}")
     kind, message = str(error.get("type", "QuiesceError")), str(error.get("message", ""))
     if kind in ("PhaseError", "DeadlineExceeded"):
         cls = DeadlineExceeded if kind == "DeadlineExceeded" else PhaseError
@@ -399,6 +395,9 @@ def _error(status: int, content: bytes) -> QuiesceError:
         return Unavailable(message, state=error.get("state"), active=error.get("active"))
     if kind == "ServersHeld":
         return ServersHeld(message, dict(error.get("held") or {}))
+    if kind == "InvalidRequest":
+        fields = [f for f in error.get("fields") or [] if isinstance(f, dict)]
+        return InvalidRequest(message, [(str(f.get("field")), str(f.get("problem"))) for f in fields])
     if kind == "AcknowledgementError":
         return AcknowledgementError(
             message, server=str(error.get("server") or ""), status=error.get("status"), code=error.get("code")

@@ -5,13 +5,17 @@
 - `Unavailable` (HTTP 503): this service is a standby (it names the active one's address), still
   recovering, or stopping; or (client side) no service answered.
 - `NotFound` (HTTP 404): no such attempt (in the ledger, or awaiting its next step here).
+- `InvalidRequest` (HTTP 422): the request's body, path or query did not validate; a `ConfigError`,
+  as the embedded API raises for the same bad input.
 - `OutcomeUnknown`: the connection broke after a request was sent: the client cannot tell whether
   it ran (the ledger can: `history()`).
 """
 
 from __future__ import annotations
 
-from quiesce.coordinator.errors import QuiesceError
+from collections.abc import Sequence
+
+from quiesce.coordinator.errors import ConfigError, QuiesceError
 
 
 class Busy(QuiesceError):
@@ -40,6 +44,15 @@ class Unavailable(QuiesceError):
 
 class NotFound(QuiesceError):
     """No such attempt."""
+
+
+class InvalidRequest(ConfigError):
+    """The request did not validate; `fields` holds each problem as (where, what), e.g.
+    `("body.deadline_s", "must be greater than 0")`; the message joins them."""
+
+    def __init__(self, message: str, fields: Sequence[tuple[str, str]] = ()) -> None:
+        super().__init__(message)
+        self.fields = list(fields)
 
 
 class OutcomeUnknown(QuiesceError):

@@ -4,7 +4,7 @@ They mirror the embedded API: an `AttemptModel` carries what `coordinator.Attemp
 `OutcomeModel` what `coordinator.Outcome` does, a `HistoryRow` what `ledger.AttemptRow` does, so
 the client (`quiesce.tools.serve.client`) rebuilds the very objects `Coordinator` returns. Requests
 forbid unknown fields (a typo is a 422, not a silently ignored option). Every error reply is
-`ErrorReply` (`{"error": {...}}`) except FastAPI's own 422 for a body that does not validate.
+`ErrorReply` (`{"error": {...}}`), a request that does not validate too (`fields` lists why).
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ class Request(BaseModel):
 
 
 # -- errors -----------------------------------------------------------------------------------
+
+
+class FieldProblem(BaseModel):
+    """One reason a request did not validate (`InvalidRequest`, HTTP 422)."""
+
+    field: str = Field(description="where, e.g. `body.deadline_s` or `body.executions[0][1]`")
+    problem: str = Field(description="what, e.g. `must be greater than 0`")
 
 
 class ErrorBody(BaseModel):
@@ -52,6 +59,9 @@ class ErrorBody(BaseModel):
     )
     status: int | None = Field(
         default=None, description="`AcknowledgementError`: the HTTP status of the agent's reply"
+    )
+    fields: list[FieldProblem] | None = Field(
+        default=None, description="`InvalidRequest` (422): each field that did not validate, and why"
     )
 
 

@@ -1,0 +1,67 @@
+"""FastAPI's request validation errors, as the service's own error reply.
+
+Rules kept here:
+- A request whose body, path or query does not validate gets HTTP 422 and the same shape as every
+  other error: `{"error": {"type": "InvalidRequest", "message": ..., "fields": [...]}}`.
+- Each problem is `{"field": "body.deadline_s", "problem": "must be greater than 0"}` (list items
+  as `[0]`); `message` joins them with `; `.
+- Nothing the caller sent is repeated: pydantic's `input`, `ctx`, `url` and `type` are dropped,
+  and a secret given (the API token) is masked even in a field name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+from quiesce.tools.serve.errors import InvalidRequest
+
+__all__ = ["invalid_request"]
+
+#: pydantic's wording → ours (applied everywhere in a message: a validator may nest pydantic's)
+_WORDING: Final = (
+    ("Value error, ", ""),
+    ("Input should be ", "must be "),
+    ("Field required", "required"),
+    ("Extra inputs are not permitted", "not a field of this request"),
+)
+_OBJECT_TYPES: Final = frozenset({"model_attributes_type", "model_type", "dict_type"})
+
+
+def _where(loc: Iterable[Any]) -> str:
+    """`("body", "executions", 0, 1)` → `body.executions[0][1]`."""
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _problem(error: dict[str, Any]) -> tuple[str, str]:
+    kind, loc = error.get("type"), list(error.get("loc") or ())
+    if kind == "json_invalid":  # loc: ("body", character offset); ctx: the decoder's reason
+        at = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
+        reason = (error.get("ctx") or {}).get("error")
+        where = f" at character {at}" if at is not None else ""
+        return "body", f"not valid JSON{where}" + (f": {reason}" if isinstance(reason, str) else "")
+    if kind in _OBJECT_TYPES:
+        return _where(loc), "must be a JSON object"
+    message = str(error.get("msg", "invalid"))
+    for theirs, ours in _WORDING:
+        message = message.replace(theirs, ours)
+    return _where(loc), message
+
+
+def _masked(text: str, secrets: Sequence[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+def invalid_request(errors: Sequence[Any], *, secrets: Sequence[str] = ()) -> InvalidRequest:
+    """The `InvalidRequest` FastAPI's validation `errors` (`RequestValidationError.errors()`) stand for."""
+    secrets = [s for s in secrets if s]
+    fields = [
+        (_masked(where, secrets), _masked(what, secrets))
+        for where, what in (_problem(e) if isinstance(e, dict) else ("request", "invalid") for e in errors)
+    ] or [("request", "invalid")]
+    return InvalidRequest("; ".join(f"{where}: {what}" for where, what in fields), fields)
