@@ -199,6 +199,9 @@ class Context:
     on_progress: ProgressCallback | None = None
     #: the file the config was read from, named in the commands a message tells the user to run
     config_path: str | None = None
+    #: the address of the `quiesce serve` this coordinator runs in (its `advertise`): it holds the
+    #: ledger while it runs, so the commands a message names go through it (`--service`)
+    service: str | None = None
 
     def progress(self, report: Progress) -> None:
         """Report progress; a failing callback never disturbs the attempt."""
@@ -533,16 +536,33 @@ async def next_checkpoint_id(ledger: Ledger) -> str:
     return ids.checkpoint_id(await ledger_id(ledger), ledger.epoch, await ledger.last_seq() + 1)
 
 
-def command_line(config_path: str | None, verb: str, checkpoint_id: str | None = None) -> str:
-    """The command line that runs `verb` (resume, abort, recover) for the cluster of `config_path`
-    (`CONFIG` when the config did not come from a file), on `checkpoint_id` if given."""
-    config = shlex.quote(config_path) if config_path else "CONFIG"
-    return f"quiesce {verb} --config {config}" + (f" {checkpoint_id}" if checkpoint_id else "")
+def command_line(config_path: str | None, verb: str, *args: str, service: str | None = None) -> str:
+    """The command line that runs `verb` (resume, abort, acknowledge, ...) with `args`, for the
+    cluster of `config_path` (`CONFIG` when the config did not come from a file).
+
+    With `service` — the address of the `quiesce serve` that holds the ledger, `URL` when it is not
+    known — it goes through that service (`--service URL`) instead: while a service runs, a command
+    that opens the ledger itself fails ("already has a writer")."""
+    where = (
+        f"--service {shlex.quote(service)}"
+        if service
+        else f"--config {shlex.quote(config_path) if config_path else 'CONFIG'}"
+    )
+    return " ".join(["quiesce", verb, where, *(shlex.quote(a) for a in args)])
 
 
 def free_command(ctx: Context, verb: str, checkpoint_id: str) -> str:
-    """`command_line` for this coordinator's config."""
-    return command_line(ctx.config_path, verb, checkpoint_id)
+    """`command_line` for this coordinator's config, through its service when it serves."""
+    return command_line(ctx.config_path, verb, checkpoint_id, service=ctx.service)
+
+
+def recover_hint(ctx: Context, checkpoint_id: str) -> str:
+    """The command that finishes what an attempt left, quoted: `quiesce recover` — or, when this
+    coordinator serves (a `quiesce recover` would find the ledger taken), the resume of
+    `checkpoint_id` through the service, which finishes it the same way."""
+    if ctx.service:
+        return f"`{free_command(ctx, 'resume', checkpoint_id)}`"
+    return "`quiesce recover`"
 
 
 def require_state(attempt: Attempt, states: tuple[str, ...], step: str) -> None:

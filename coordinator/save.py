@@ -7,12 +7,12 @@
   multi-worker coordinator shapes alike. A status reply naming another checkpoint id is a failed
   call. A model that paused by a generation cut (later Gym with a generation-cut backend: calls
   cut, their responses held until resume) never drains: the prepare fails at once, saying why.
-  An agent that stays incomplete because it holds finished results nobody acknowledged fails the
-  prepare at the deadline naming those executions (read from its status) and the
-  command and API call that acknowledge them — also when the deadline cuts a retry, a status
-  read or the pause between them short (`Attempt.waiting_on`: the last refusal is what is
-  reported); an acknowledgement sent meanwhile (by the trainer,
-  `Coordinator.acknowledge_completed`) lets the next retry succeed.
+  An agent refused only because it holds finished results nobody acknowledged — nothing else in
+  flight there, by its refusal and its status — fails the prepare at once, one failed call, naming
+  those executions and the command and API call that acknowledge them (no retry could succeed
+  before they are). While other work may still park, it is retried; its held results are read
+  again only when its refusal's counts change, and named if the deadline ends the wait — also when
+  the deadline cuts a retry, a status read or the pause between them short (`Attempt.waiting_on`).
 - commit: agents → policy (given every agent's continuation index) → resources; each role group's
   manifest digests and artifact references are verified before the next group is called. A
   drain-only policy model (`checkpoint_mode: stateless`) is not committed. The model's
@@ -31,6 +31,7 @@ import os
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Final
 
@@ -43,6 +44,7 @@ from quiesce.coordinator.attempt import (
     Context,
     PhaseFailure,
     Progress,
+    command_line,
     common_body,
     each_member,
     expect_reply,
@@ -97,11 +99,13 @@ DRAIN_POLL_S: Final = 1.0
 POLL_MARGIN_S: Final = 0.2
 #: How often `agent_prepare_incomplete` is retried (at most).
 AGENT_RETRY_S: Final = 0.1
-#: While an agent holds unacknowledged results, its status is read at most this often to name them.
+#: An agent refusal whose counts cannot be read has its status read again at most this often.
 HELD_READ_S: Final = 1.0
 #: At most this many unacknowledged executions are named in an error (the rest are counted).
 NAMED_EXECUTIONS: Final = 20
-_UNACKNOWLEDGED_COUNT: Final = re.compile(r"completed_unacknowledged=(\d+)")
+#: One count of Gym's `agent_prepare_incomplete` detail
+#: (`running=R, parked_without_boundary=P, completed_unacknowledged=C`).
+_COUNT: Final = re.compile(r"\b(running|parked_without_boundary|completed_unacknowledged)=(\d+)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,31 +179,35 @@ async def _prepare_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
 
     async def agent(m: Member) -> AgentPrepareReply:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
-        held: list[tuple[str, int]] = []
-        read_at: float | None = None
+        held = _Held()
+        read: tuple[_Refusal, float] | None = None  # the refusal the last status read followed, when
         while True:
             result = await send_call(ctx, attempt, m, "prepare", phase, body=common_body(attempt))
             if result.error == "http" and result.status == 409 and result.code == _AGENT_PREPARE_INCOMPLETE:
-                now = time.monotonic()
-                if not _may_hold_results(result.detail):
-                    held = []
+                refusal = _Refusal.of(result.detail)
+                if not refusal.may_hold:
+                    held = _Held()
                 # remembered before anything else is awaited: a deadline that ends the phase from
                 # here on (the status read, the pause, the next prepare) reports this refusal
-                attempt.waiting_on[m.name] = _incomplete(m, result, held)
-                if _may_hold_results(result.detail) and (read_at is None or now - read_at >= HELD_READ_S):
-                    read_at = now
-                    held = await _held_results(ctx, attempt, m, phase, held)
-                    attempt.waiting_on[m.name] = _incomplete(m, result, held)
+                attempt.waiting_on[m.name] = _incomplete(ctx, m, result, held)
+                if refusal.read_due(read, time.monotonic()):
+                    read = (refusal, time.monotonic())
+                    found = await _held_results(ctx, attempt, m, phase)
+                    held = found if found is not None else held
+                    attempt.waiting_on[m.name] = _incomplete(ctx, m, result, held)
+                    if found is not None and found.only and refusal.may_be_only_held:
+                        attempt.waiting_on.pop(m.name, None)
+                        raise _blocked_by_held(ctx, m, result, found)
                 left = attempt.deadline_ts - time.time()
                 if left <= AGENT_RETRY_S:
                     raise attempt.waiting_on.pop(m.name)
                 await anyio.sleep(min(AGENT_RETRY_S, left))
                 continue
-            refusal = attempt.waiting_on.pop(m.name, None)
-            if refusal is not None and result.error == "timeout":
+            refusal_failure = attempt.waiting_on.pop(m.name, None)
+            if refusal_failure is not None and result.error == "timeout":
                 # the retry ran into the deadline (every call's timeout is the time left to it):
                 # why this agent is not ready is its last refusal, not the cut-off retry
-                raise refusal
+                raise refusal_failure
             reply = expect_reply(result, AgentPrepareReply, phase, "agent prepare")
             if not reply.ready_to_commit:
                 raise PhaseFailure(phase, m.name, "agent prepare answered but is not ready_to_commit")
@@ -224,54 +232,119 @@ async def _prepare_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
     }
 
 
-def _may_hold_results(detail: str | None) -> bool:
-    """Whether a 409 `agent_prepare_incomplete` may be due to unacknowledged results: its detail
-    counts them (Gym: `completed_unacknowledged=N`), or says nothing this can read."""
-    match = _UNACKNOWLEDGED_COUNT.search(detail or "")
-    return match is None or int(match.group(1)) > 0
+@dataclass(frozen=True)
+class _Refusal:
+    """The counts an agent's `agent_prepare_incomplete` refusal gives in its detail (Gym's: running,
+    parked without a boundary, completed unacknowledged); None for a count it does not give."""
+
+    running: int | None
+    parked_without_boundary: int | None
+    unacknowledged: int | None
+
+    @classmethod
+    def of(cls, detail: str | None) -> "_Refusal":
+        counts = {name: int(value) for name, value in _COUNT.findall(detail or "")}
+        return cls(
+            counts.get("running"),
+            counts.get("parked_without_boundary"),
+            counts.get("completed_unacknowledged"),
+        )
+
+    @property
+    def may_hold(self) -> bool:
+        """Whether unacknowledged results may be among the reasons (counted, or not said)."""
+        return self.unacknowledged is None or self.unacknowledged > 0
+
+    @property
+    def may_be_only_held(self) -> bool:
+        """Whether they may be the only reason: nothing running, nothing parked without a boundary
+        (each counted as 0, or not said — the agent's status then decides)."""
+        return self.may_hold and not self.running and not self.parked_without_boundary
+
+    def read_due(self, last: "tuple[_Refusal, float] | None", now: float) -> bool:
+        """Whether to read the agent's status now: it may hold results, and this refusal's counts
+        differ from those of the refusal the last read followed (or cannot be read, and
+        `HELD_READ_S` has passed) — the same blocker is not read, nor counted, again."""
+        if not self.may_hold:
+            return False
+        if last is None:
+            return True
+        before, at = last
+        if self.unacknowledged is None:
+            return now - at >= HELD_READ_S
+        return self != before
 
 
-async def _held_results(
-    ctx: Context, attempt: Attempt, m: Member, phase: str, known: list[tuple[str, int]]
-) -> list[tuple[str, int]]:
-    """The executions `m` holds unacknowledged, from its status (a recorded read); `known` when
-    the read fails."""
+@dataclass(frozen=True)
+class _Held:
+    """What an agent's status said it holds: the unacknowledged executions it names (`named`), how
+    many it counts (`count`: at least as many), and whether nothing else is in flight there (`only`:
+    nothing running, nothing parked without a boundary) — no retry can then succeed before they are
+    acknowledged."""
+
+    named: tuple[tuple[str, int], ...] = ()
+    count: int = 0
+    only: bool = False
+
+
+async def _held_results(ctx: Context, attempt: Attempt, m: Member, phase: str) -> _Held | None:
+    """What `m` holds unacknowledged, from its status (a recorded read); None when the read fails."""
     query = StatusQuery(checkpoint_id=attempt.checkpoint_id)
     result = await send_call(ctx, attempt, m, "status", phase, params=query.model_dump(exclude_none=True))
     if not (result.ok and isinstance(result.reply, AgentStatusReply)):
-        return known
-    held: list[tuple[str, int]] = []
-    for entry in result.reply.completed_unacknowledged_attempts:
+        return None
+    reply = result.reply
+    named: list[tuple[str, int]] = []
+    for entry in reply.completed_unacknowledged_attempts:
         if isinstance(entry, dict) and isinstance(entry.get("rollout_id"), str):
             attempt_index = entry.get("attempt_index")
             if isinstance(attempt_index, int):
-                held.append((entry["rollout_id"], attempt_index))
-    return held
+                named.append((entry["rollout_id"], attempt_index))
+    count = max(reply.completed_unacknowledged, len(named))
+    only = count > 0 and reply.running == 0 and reply.parked_without_boundary == 0
+    return _Held(tuple(named), count, only)
 
 
-def _incomplete(m: Member, result: CallResult, held: list[tuple[str, int]]) -> PhaseFailure:
+def _incomplete(ctx: Context, m: Member, result: CallResult, held: _Held) -> PhaseFailure:
     """An agent's `agent_prepare_incomplete` refusal as the prepare's failure at the deadline."""
-    reason = _incomplete_reason(m, result.detail, held)
+    reason = "agent never became ready to commit before the deadline (agent_prepare_incomplete"
+    reason += f": {result.detail})" if result.detail else ")"
+    if held.count:
+        reason += f"; {_held_text(ctx, m, held)}"
     return PhaseFailure("prepare", m.name, reason, result.code, deadline=True)
 
 
-def _incomplete_reason(m: Member, detail: str | None, held: list[tuple[str, int]]) -> str:
-    """Why an agent never became ready; with held results, which ones and how to release them."""
-    reason = "agent never became ready to commit before the deadline (agent_prepare_incomplete"
-    reason += f": {detail})" if detail else ")"
-    if not held:
-        return reason
-    shown = held[:NAMED_EXECUTIONS]
-    ids = " ".join(f"{rollout}:{index}" for rollout, index in shown)
-    more = f" and {len(held) - len(shown)} more" if len(held) > len(shown) else ""
+def _blocked_by_held(ctx: Context, m: Member, result: CallResult, held: _Held) -> PhaseFailure:
+    """An agent refused only because of results nobody acknowledged: the prepare fails at once."""
+    detail = f" (agent_prepare_incomplete: {result.detail})" if result.detail else ""
+    reason = (
+        f"agent cannot become ready to commit{detail}: nothing but finished results nobody has"
+        f" acknowledged keeps it from it, so no retry can succeed until they are; {_held_text(ctx, m, held)}"
+    )
+    return PhaseFailure("prepare", m.name, reason, result.code)
+
+
+def _held_text(ctx: Context, m: Member, held: _Held) -> str:
+    """Which results an agent holds unacknowledged (the first `NAMED_EXECUTIONS`, and the count),
+    and the two ways to acknowledge them."""
+    shown = held.named[:NAMED_EXECUTIONS]
+    ids = [f"{rollout}:{index}" for rollout, index in shown]
+    more = f" and {held.count - len(shown)} more" if held.count > len(shown) else ""
+    named = f": {' '.join(ids)}{more}" if ids else " (its status names none of them)"
+    if not ids:
+        return (
+            f"it holds {held.count} finished rollout result(s) nobody has acknowledged{named} — Gym keeps"
+            " a finished result until its consumer confirms it has it; acknowledge them"
+            " (`Coordinator.acknowledge_completed`), then checkpoint again"
+        )
     pairs = ", ".join(f"({rollout!r}, {index})" for rollout, index in shown)
+    shell = command_line(None, "acknowledge", m.name, *ids, service=ctx.service)
     return (
-        f"{reason}; it holds {len(held)} finished rollout result(s) nobody has acknowledged:"
-        f" {ids}{more} — Gym keeps a finished result until its consumer confirms it has it. Once"
-        f" the trainer holds those results, acknowledge them — from the trainer:"
-        f" `await coord.acknowledge_completed({m.name!r}, [{pairs}])`; from a shell (it takes the"
-        f" ledger, like every cluster command): `quiesce acknowledge --config CONFIG {m.name} {ids}` —"
-        " then checkpoint again"
+        f"it holds {held.count} finished rollout result(s) nobody has acknowledged{named} — Gym keeps"
+        " a finished result until its consumer confirms it has it. Once the trainer holds those"
+        f" results, acknowledge them — from the trainer: `await coord.acknowledge_completed({m.name!r},"
+        f" [{pairs}])`; from a shell: `{shell}` — then checkpoint again"
+        + (f" (it names the other {held.count - len(shown)})" if more else "")
     )
 
 

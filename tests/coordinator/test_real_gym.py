@@ -31,6 +31,7 @@ from quiesce.tools.gymsim.spec import SpecLike
 from tests.coordinator.helpers import (
     assert_all_accepting,
     assert_protocol_ok,
+    clear_faults,
     control_log,
     control_logs,
     read_events,
@@ -116,54 +117,120 @@ async def test_a_drain_of_several_seconds_with_anonymous_calls_publishes(
 # -- completed results --------------------------------------------------------------------------
 
 
-async def test_an_unacknowledged_result_is_named_then_acknowledged_then_saved(
+def _calls(events: list[Any], path: str) -> list[Any]:
+    """The `call.sent` events of `events` whose path ends with `path`."""
+    return [ev for ev in events if ev.kind == "call.sent" and ev.data["path"].endswith(path)]
+
+
+async def _hang_model_call(http: httpx.AsyncClient, running: RunningCluster, rollout_id: str) -> None:
+    """Start `rollout_id` with its first model call hanging (in flight) until the faults are cleared:
+    the agent cannot park it, so its prepare has work in flight besides any finished result."""
+    model, agent = running.urls["policy_model"], running.urls["simple_agent"]
+    await set_faults(http, model, [{"kind": "hang", "path": "/v1/responses", "rollout_id": rollout_id}])
+    await client.start_rollouts(http, agent, {rollout_id: 100_000})
+    while (await http.get(f"{model}/gymsim/admin/state")).json()["inflight_total"] != 1:  # noqa: ASYNC110
+        await anyio.sleep(0.01)
+
+
+async def test_a_prepare_blocked_only_by_unacknowledged_results_fails_at_once_then_saves_once_acknowledged(
     make_cluster: MakeCluster, ledger_url: str, configure: Any
 ) -> None:
+    # 23 finished results nobody acknowledged, and a long rollout the prepare parks: nothing but
+    # those results keeps the agent from being ready, so the save fails at its first refusal — one
+    # failed call, one status read, far before its deadline — naming the first 20 and the count,
+    # and saying how to acknowledge them. Acknowledged, the next save publishes.
+    done = {f"d{i:02d}": 1 for i in range(23)}
     with make_cluster(spec({"latency_s": 0.01})) as running:
         agent = running.urls["simple_agent"]
         config = configure(running, ledger_url)
         async with httpx.AsyncClient(timeout=60) as http:
-            await client.start_rollouts(http, agent, {"done": 2, "long": 100_000})
-            await client.wait_until(http, agent, lambda rs: rs["done"]["status"] == "completed")
+            await client.start_rollouts(http, agent, {**done, "long": 100_000})
+            await client.wait_until(http, agent, lambda rs: all(rs[r]["status"] == "completed" for r in done))
             async with Coordinator.open(config) as coord:
                 await coord.discover()
                 with pytest.raises(PhaseError) as caught:
-                    await coord.checkpoint(deadline_s=2)
+                    await coord.checkpoint(deadline_s=120)
                 failed = caught.value
-                text = str(failed)
-                assert (failed.phase, failed.server, failed.code) == (
-                    "prepare",
-                    "simple_agent",
-                    "agent_prepare_incomplete",
-                )
-                assert "1 finished rollout result(s) nobody has acknowledged: done:0" in text
-                assert "await coord.acknowledge_completed('simple_agent', [('done', 0)])" in text
-                assert "quiesce acknowledge --config CONFIG simple_agent done:0" in text
-                await assert_all_accepting(http, running)
-                assert await coord.acknowledge_completed("simple_agent", [("done", 0)]) == [("done", 0)]
+                await assert_all_accepting(http, running)  # rolled back as usual
+                assert await coord.acknowledge_completed("simple_agent", [(r, 0) for r in done]) == [
+                    (r, 0) for r in done
+                ]
                 attempt = await coord.checkpoint(deadline_s=30)
             views = await client.get_rollouts(http, agent)
-        assert views["done"]["acknowledged"] is True
-        assert await outcome(ledger_url, failed.checkpoint_id or "") == "aborted"
-        assert await outcome(ledger_url, attempt.checkpoint_id) == "published"
+        assert not isinstance(failed, DeadlineExceeded), str(failed)
+        assert (failed.phase, failed.server, failed.code) == (
+            "prepare",
+            "simple_agent",
+            "agent_prepare_incomplete",
+        )
+        text = " ".join(str(failed).split())
+        first = " ".join(f"{r}:0" for r in sorted(done)[:20])
+        assert f"23 finished rollout result(s) nobody has acknowledged: {first} and 3 more" in text
+        assert "no retry can succeed until they are" in text
+        assert "await coord.acknowledge_completed('simple_agent', [('d00', 0)," in text
+        assert f"quiesce acknowledge --config CONFIG simple_agent {first}" in text
+        assert "d20:0" not in text  # past the first 20: counted, not named
         events = await read_events(ledger_url, failed.checkpoint_id)
-        status_reads = [
-            ev
-            for ev in events
-            if ev.kind == "call.sent" and ev.data["path"].endswith("/agent-checkpoint/status")
+        assert len(_calls(events, "/agent-checkpoint/prepare")) == 1
+        assert len(_calls(events, "/agent-checkpoint/status")) == 1  # the read that named them
+        assert [(ev.server, ev.data["code"]) for ev in events if ev.kind == "call.failed"] == [
+            ("simple_agent", "agent_prepare_incomplete")
         ]
-        assert status_reads  # the held executions were read from the agent's status, a recorded call
+        [phase_failed] = [ev for ev in events if ev.kind == "phase.failed"]
+        assert phase_failed.data["reason"] == failed.reason
+        assert await outcome(ledger_url, failed.checkpoint_id or "") == "aborted"
+        assert all(views[r]["acknowledged"] for r in done)
+        assert await outcome(ledger_url, attempt.checkpoint_id) == "published"
         acks = [ev for ev in await read_events(ledger_url) if ev.call_id and "-acknowledge/" in ev.call_id]
         assert [ev.kind for ev in acks] == ["call.sent", "call.replied"]  # recorded before and after
         assert acks[0].data["body"] == {
             "schema_version": 1,
-            "executions": [{"rollout_id": "done", "attempt_index": 0}],
+            "executions": [{"rollout_id": r, "attempt_index": 0} for r in done],
         }
         assert acks[0].data["path"] == "/ng-control/v1/agent-checkpoint/acknowledge-completed"
         snapshot = load_snapshot(attempt.snapshot or Path())
         records = snapshot.participant("simple_agent")
         assert records is not None
         assert records["reply"]["records"] == 1  # only "long": an acknowledged result is not saved
+    await assert_protocol_ok(ledger_url)
+
+
+async def test_a_prepare_blocked_also_by_work_in_flight_waits_and_reads_the_held_results_once(
+    make_cluster: MakeCluster, ledger_url: str, configure: Any
+) -> None:
+    # A finished result nobody acknowledged, and a rollout whose model call hangs: the agent may
+    # still become ready once that call ends, so the prepare keeps asking until the deadline —
+    # but the held result, the same at every refusal, is read once and counted once.
+    with make_cluster(spec({"latency_s": 0.01})) as running:
+        agent = running.urls["simple_agent"]
+        config = configure(running, ledger_url)
+        async with httpx.AsyncClient(timeout=60) as http:
+            await client.start_rollouts(http, agent, {"done": 1})
+            await client.wait_until(http, agent, lambda rs: rs["done"]["status"] == "completed")
+            await _hang_model_call(http, running, "stuck")
+            async with Coordinator.open(config) as coord:
+                await coord.discover()
+                with pytest.raises(DeadlineExceeded) as caught:
+                    await coord.checkpoint(deadline_s=3)
+            await clear_faults(http, running)
+            await assert_all_accepting(http, running)
+        failed = caught.value
+        assert (failed.phase, failed.server, failed.code) == (
+            "prepare",
+            "simple_agent",
+            "agent_prepare_incomplete",
+        )
+        text = " ".join(str(failed).split())
+        assert "running=1" in text  # the work in flight, from the agent's last refusal
+        assert "1 finished rollout result(s) nobody has acknowledged: done:0" in text
+        assert "quiesce acknowledge --config CONFIG simple_agent done:0" in text
+        events = await read_events(ledger_url, failed.checkpoint_id)
+        prepares = _calls(events, "/agent-checkpoint/prepare")
+        failures = [ev for ev in events if ev.kind == "call.failed"]
+        # the agent's own prepare waits within the budget for its rollouts to park: a few refusals
+        assert 1 <= len(prepares) <= 3, len(prepares)
+        assert len(failures) <= len(prepares)
+        assert len(_calls(events, "/agent-checkpoint/status")) == 1  # the same blocker, read once
     await assert_protocol_ok(ledger_url)
 
 
@@ -207,42 +274,38 @@ async def test_a_parallel_prepare_names_every_agent_that_holds_an_unacknowledged
 async def test_a_retry_cut_short_by_the_deadline_still_names_the_unacknowledged_result(
     make_cluster: MakeCluster, ledger_url: str, configure: Any
 ) -> None:
-    # The agent keeps refusing its prepare (a result nobody acknowledged); once the held result
-    # has been read, its next prepare hangs, so the deadline ends the phase in the middle of a
-    # retry, not between two. The error is still the agent's last refusal, with what it named.
+    # The agent's first refusal says nothing readable (an injected 409); its status shows a finished
+    # result nobody acknowledged and a rollout still running, so the prepare asks again — and that
+    # retry hangs until the deadline ends the phase in the middle of it. The error is still the
+    # agent's last refusal, with the result its status named.
     with make_cluster(spec({"latency_s": 0.01})) as running:
         agent = running.urls["simple_agent"]
         config = configure(running, ledger_url)
         async with httpx.AsyncClient(timeout=60) as http:
             await client.start_rollouts(http, agent, {"done": 1, "long": 100_000})
             await client.wait_until(http, agent, lambda rs: rs["done"]["status"] == "completed")
+            prepare = {"path": "/agent-checkpoint/prepare", "method": "POST"}
+            await set_faults(
+                http,
+                agent,
+                [
+                    {
+                        "kind": "fail",
+                        **prepare,
+                        "status": 409,
+                        "code": "agent_prepare_incomplete",
+                        "times": 1,
+                    },
+                    {"kind": "hang", **prepare},
+                ],
+            )
             async with Coordinator.open(config) as coord:
                 await coord.discover()
-                failures: list[PhaseError] = []
-
-                async def save() -> None:
-                    try:
-                        await coord.checkpoint(deadline_s=8)
-                    except PhaseError as error:
-                        failures.append(error)
-
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(save)
-                    # two refused prepares: the held result was read between them
-                    while (  # noqa: ASYNC110 — waiting on the server's log, not on an event
-                        sum(
-                            e["path"].endswith("/agent-checkpoint/prepare") and e["status"] == 409
-                            for e in await control_log(http, agent)
-                        )
-                        < 2
-                    ):
-                        await anyio.sleep(0.02)
-                    await set_faults(
-                        http, agent, [{"kind": "hang", "path": "/agent-checkpoint/prepare", "method": "POST"}]
-                    )
+                with pytest.raises(PhaseError) as caught:
+                    await coord.checkpoint(deadline_s=3)
             await set_faults(http, agent, [])  # releases the hung request
             await assert_all_accepting(http, running)
-        [failed] = failures
+        failed = caught.value
         assert (failed.phase, failed.server, failed.code) == (
             "prepare",
             "simple_agent",
@@ -253,11 +316,8 @@ async def test_a_retry_cut_short_by_the_deadline_still_names_the_unacknowledged_
         assert "await coord.acknowledge_completed('simple_agent', [('done', 0)])" in text
         assert "quiesce acknowledge --config CONFIG simple_agent done:0" in text
         events = await read_events(ledger_url, failed.checkpoint_id)
-        prepares = {
-            ev.call_id
-            for ev in events
-            if ev.kind == "call.sent" and ev.data["path"].endswith("/agent-checkpoint/prepare")
-        }
+        prepares = {ev.call_id for ev in _calls(events, "/agent-checkpoint/prepare")}
+        assert len(prepares) == 2  # the refused one and the one the deadline cut
         outcomes = [ev for ev in events if ev.call_id in prepares and ev.kind != "call.sent"]
         # the last prepare was cut by the deadline (its outcome: a timeout), or has no outcome at all
         cut = len(outcomes) < len(prepares) or outcomes[-1].data.get("error") == "timeout"
@@ -269,15 +329,19 @@ async def test_a_retry_cut_short_by_the_deadline_still_names_the_unacknowledged_
     await assert_protocol_ok(ledger_url)
 
 
-async def test_an_acknowledgement_during_the_prepare_lets_it_succeed(
+async def test_an_acknowledgement_while_other_work_drains_lets_the_prepare_succeed(
     make_cluster: MakeCluster, ledger_url: str, configure: Any
 ) -> None:
+    # A finished result nobody acknowledged, and a rollout whose model call hangs: the prepare waits
+    # for that rollout (it may still park). The trainer acknowledges the result meanwhile, the call
+    # ends, the rollout parks: the same save publishes, without a refusal counted for the result.
     with make_cluster(spec({"latency_s": 0.01})) as running:
-        agent = running.urls["simple_agent"]
+        agent, model = running.urls["simple_agent"], running.urls["policy_model"]
         config = configure(running, ledger_url)
         async with httpx.AsyncClient(timeout=60) as http:
-            await client.start_rollouts(http, agent, {"done": 1, "long": 100_000})
+            await client.start_rollouts(http, agent, {"done": 1})
             await client.wait_until(http, agent, lambda rs: rs["done"]["status"] == "completed")
+            await _hang_model_call(http, running, "stuck")
             async with Coordinator.open(config) as coord:
                 await coord.discover()
                 results: list[Any] = []
@@ -287,13 +351,15 @@ async def test_an_acknowledgement_during_the_prepare_lets_it_succeed(
 
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(save)
-                    while not any(  # noqa: ASYNC110 — the prepare is being refused: the result is held
-                        e["path"].endswith("/agent-checkpoint/prepare") and e["status"] == 409
-                        for e in await control_log(http, agent)
-                    ):
-                        await anyio.sleep(0.02)
+                    while (await http.get(f"{model}/gymsim/admin/state")).json()["phase"] == "idle":  # noqa: ASYNC110
+                        await anyio.sleep(0.02)  # the model is paused: the agent's prepare comes next
                     await coord.acknowledge_completed("simple_agent", [("done", 0)])  # as the trainer would
+                    await clear_faults(http, running)  # the hung call ends; its rollout parks
+            await assert_all_accepting(http, running)
         assert await outcome(ledger_url, results[0].checkpoint_id) == "published"
+        events = await read_events(ledger_url, results[0].checkpoint_id)
+        refused = [(ev.server, ev.data.get("code")) for ev in events if ev.kind == "call.failed"]
+        assert refused == []  # the prepare waited for the rollout, and found the result released
     await assert_protocol_ok(ledger_url)
 
 
