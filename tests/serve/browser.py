@@ -5,6 +5,12 @@ NUL byte) from its fd 3 and writes replies and events to its fd 4. `Browser.open
 page and attaches to it; `evaluate(js)` returns the expression's value; `wait_for(js)` polls an
 expression until it is truthy (a hang guard bounds it, not a timing assertion). The flags are
 those `tests/audit/test_report.py` runs this machine's Chromium with.
+
+`Browser(profile, loopback_only=True)` reaches loopback addresses only: every request to another
+host goes to a proxy that does not exist (Chromium never sends loopback through a proxy, and
+leaves a proxied name for the proxy to resolve) — an air-gapped machine. `open(url, record=True)`
+records, from before the first request, every request the page sends (`requested`) and every
+console or log message and uncaught exception (`problems`: CSP violations among them).
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ import pytest
 
 from tests.audit.test_report import CHROMIUM_FLAGS
 
+#: where a loopback-only browser sends every request to another host: a port nothing listens on
+DEAD_PROXY = "127.0.0.1:9"
+
 
 def chromium() -> str:
     found = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
@@ -42,13 +51,20 @@ def _moved_above_4(fd: int) -> int:
 
 
 class Browser:
-    def __init__(self, profile: Path) -> None:
+    def __init__(self, profile: Path, *, loopback_only: bool = False) -> None:
         to_child, self._to_chromium = os.pipe()
         self._from_chromium, from_child = os.pipe()
         # above 4, so bash's `3<&N 4>&M` never overwrites one end with the other (dash takes no N > 9)
         to_child, from_child = (_moved_above_4(fd) for fd in (to_child, from_child))
         binary = chromium()
-        args = [*CHROMIUM_FLAGS, "--remote-debugging-pipe", f"--user-data-dir={profile}", "about:blank"]
+        offline = [f"--proxy-server={DEAD_PROXY}"]
+        args = [
+            *CHROMIUM_FLAGS,
+            *(offline if loopback_only else []),
+            "--remote-debugging-pipe",
+            f"--user-data-dir={profile}",
+            "about:blank",
+        ]
         self._process = subprocess.Popen(
             ["/bin/bash", "-c", f'exec "$0" "$@" 3<&{to_child} 4>&{from_child}', binary, *args],
             pass_fds=(to_child, from_child),
@@ -61,6 +77,7 @@ class Browser:
         self._buffer = b""
         self._next_id = 0
         self._session: str | None = None
+        self.events: list[dict[str, Any]] = []  # what the page reported, once `open(record=True)`
 
     def __enter__(self) -> Self:
         return self
@@ -96,15 +113,48 @@ class Browser:
         os.write(self._to_chromium, json.dumps(request).encode() + b"\0")
         while True:
             message = self._message()
+            if "method" in message and "id" not in message:
+                self.events.append(message)
+                continue
             if message.get("id") == self._next_id:
                 if "error" in message:
                     raise RuntimeError(f"{method}: {message['error']}")
                 return message.get("result")
 
-    def open(self, url: str) -> None:
-        target = self.call("Target.createTarget", {"url": url}, session=False)["targetId"]
-        attached = self.call("Target.attachToTarget", {"targetId": target, "flatten": True}, session=False)
+    def open(self, url: str, *, record: bool = False) -> None:
+        target = self.call("Target.createTarget", {"url": "about:blank" if record else url}, session=False)
+        attached = self.call(
+            "Target.attachToTarget", {"targetId": target["targetId"], "flatten": True}, session=False
+        )
         self._session = attached["sessionId"]
+        if record:
+            for domain in ("Network", "Log", "Runtime", "Page"):
+                self.call(f"{domain}.enable")
+            self.events.clear()
+            self.call("Page.navigate", {"url": url})
+
+    @property
+    def requested(self) -> list[str]:
+        """Every URL the page requested since `open(..., record=True)`, in order."""
+        return [
+            e["params"]["request"]["url"] for e in self.events if e["method"] == "Network.requestWillBeSent"
+        ]
+
+    @property
+    def problems(self) -> list[str]:
+        """Console errors and warnings, log entries (a CSP violation is one) and uncaught exceptions."""
+        out: list[str] = []
+        for event in self.events:
+            params = event.get("params", {})
+            if event["method"] == "Log.entryAdded" and params["entry"]["level"] in ("error", "warning"):
+                out.append(f"log {params['entry'].get('source')}: {params['entry']['text']}")
+            elif event["method"] == "Runtime.consoleAPICalled" and params["type"] in ("error", "warning"):
+                out.append(
+                    "console: " + " ".join(str(a.get("value", a.get("description"))) for a in params["args"])
+                )
+            elif event["method"] == "Runtime.exceptionThrown":
+                out.append(f"exception: {params['exceptionDetails'].get('text')}")
+        return out
 
     def evaluate(self, expression: str) -> Any:
         reply = self.call("Runtime.evaluate", {"expression": expression, "returnByValue": True})

@@ -11,6 +11,8 @@ One file per concern:
 - `stream` — the live ledger tail behind the server-sent event streams.
 - `metrics` — the Prometheus metrics, folded from the events the coordinator commits.
 - `page` — the live page at `/`.
+- `docs` — `/docs` (Swagger UI) with its assets served here, for clusters without internet access.
+- `validation` — a request that does not validate, as the service's error reply (422).
 - `runner` — uvicorn on a bound socket, SIGTERM handling, the `--listen` rules.
 - `client` — `RemoteCoordinator`, the same shapes as `Coordinator` over HTTP.
 - `errors` — the errors only the service and its client raise (busy, unauthorized, unavailable).

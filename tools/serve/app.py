@@ -1,5 +1,5 @@
-"""The HTTP face of the service: API v1 (OpenAPI at `/openapi.json`, docs at `/docs`), the event
-streams, `/metrics`, `/healthz`, `/readyz` and the live page at `/`.
+"""The HTTP face of the service: API v1 (OpenAPI at `/openapi.json`, docs at `/docs`, offline:
+`docs`), the event streams, `/metrics`, `/healthz`, `/readyz` and the live page at `/`.
 
 Rules kept here:
 - Every `/v1` route and `/metrics` needs the API bearer token when one is set (`auth`); `/`,
@@ -50,6 +50,7 @@ from quiesce.coordinator.errors import (
 )
 from quiesce.ledger import AttemptRow, Ledger
 from quiesce.tools.serve.auth import BearerCheck
+from quiesce.tools.serve.docs import mount_docs
 from quiesce.tools.serve.errors import Busy, InvalidRequest, NotFound, Unauthorized, Unavailable
 from quiesce.tools.serve.fastpath import hot_route
 from quiesce.tools.serve.metrics import CONTENT_TYPE
@@ -131,9 +132,10 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         title="quiesce",
         version="1",
         summary="The checkpoint coordinator of NeMo Gym servers, as a service (API v1)",
-        docs_url="/docs",
+        docs_url=None,  # `docs`: the same page, its assets served here (no CDN)
         redoc_url=None,
     )
+    mount_docs(app)
 
     async def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
         if not check.allows(authorization):
