@@ -515,6 +515,26 @@ async def peek_capabilities(
     return _result("", name, CAPABILITIES_PATH, exchange, reply, time.monotonic() - started)
 
 
+async def peek_read(
+    client: HttpClient,
+    name: str,
+    url: str,
+    path: str,
+    *,
+    token: str | None,
+    params: dict[str, Any] | None,
+    deadline_ts: float,
+) -> CallResult:
+    """A control GET (a status read) that is recorded nowhere and whose reply is not validated:
+    for `quiesce config check`, which asks only whether the server let the token through (any
+    reply but 401), and takes no epoch. A status GET changes nothing on a server. `call_id` is
+    empty."""
+    timeout_s = max(0.001, deadline_ts - time.time())
+    started = time.monotonic()
+    exchange = await _request(client, token, "GET", url + path, None, params, timeout_s)
+    return _result("", name, path, exchange, None, time.monotonic() - started)
+
+
 def _result(
     call_id: str,
     server: str,

@@ -219,6 +219,14 @@ def test_a_missing_extra_is_one_line_and_exit_2(installed: Installed) -> None:
         assert done.returncode == 2, (argv, done.stdout + done.stderr)
         assert "Traceback" not in done.stderr
         assert "pip install 'quiesce[postgres]'" in done.stderr, (argv, done.stderr)
+    # `config check` names it among its findings, as a failed offline check
+    check = installed.run(
+        "quiesce", "config", "check", "--config", str(_config(installed.project, ledger)), "--json"
+    )
+    assert check.returncode == 2, check.stdout + check.stderr
+    found = {c["name"]: c for c in json.loads(check.stdout)["checks"]}
+    assert found["install"]["ok"] is False
+    assert "pip install 'quiesce[postgres]'" in found["install"]["detail"]
 
 
 @dataclass
