@@ -1,7 +1,7 @@
 """`python -m quiesce.tools.bench --quick` runs every measure end to end and writes the documented JSON shape.
 
 A smoke check of the bench harness only: tiny sizes, one run per measure. Nothing here asserts a
-time — the figures of a quick run mean nothing (DESIGN.md: speed is measured, never asserted).
+time — the figures of a quick run mean nothing (speed is measured, never asserted).
 """
 
 from __future__ import annotations

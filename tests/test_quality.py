@@ -1,6 +1,6 @@
 """House rules checked on every run: ruff, ruff format, mypy strict, and the layer direction.
 
-DESIGN.md: `tools -> coordinator -> ledger`, never the other way; SQL only in `ledger/`;
+The layers: `tools -> coordinator -> ledger`, never the other way; SQL only in `ledger/`;
 `tools/gymsim` imports only `quiesce.coordinator.protocol` from the coordinator.
 """
 
@@ -10,6 +10,8 @@ import ast
 import re
 import subprocess
 import sys
+import tokenize
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,7 +44,7 @@ def test_mypy_strict() -> None:
 
 def _imports(path: Path) -> set[str]:
     """The modules `path` imports, with quiesce's own named inside the package (`ledger.x` for
-    `quiesce.ledger.x`), so the layer rules below read as DESIGN.md states them."""
+    `quiesce.ledger.x`), so the layer rules below read as the layers are named."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     names: set[str] = set()
     for node in ast.walk(tree):
@@ -143,3 +145,30 @@ def test_lazy_exports_do_not_shadow_submodules() -> None:
         assert submodules & exports == set(), name
         for export in exports:
             assert getattr(package, export) is not None
+
+
+#: Documents a docstring or a comment may cite only when the repository has them (the team's
+#: design notes live outside it): a markdown file by name, or those notes by their short names.
+_CITED = re.compile(r"(?<![\w/.-])([\w/.-]*\.md|gym-control-v\d|rl-integration|DESIGN|STYLE)(?![\w-])")
+
+
+def _prose(path: Path) -> Iterator[tuple[int, str]]:
+    """The comments and docstrings (triple-quoted strings) of `path`, with their line numbers."""
+    with path.open("rb") as source:
+        for token in tokenize.tokenize(source.readline):
+            if token.type == tokenize.COMMENT or (
+                token.type == tokenize.STRING and token.string.lstrip("rbuRBU").startswith('"""')
+            ):
+                yield token.start[0], token.string
+
+
+def test_no_document_cited_that_the_repository_lacks() -> None:
+    offenders: list[str] = []
+    for path in [ROOT / "quiesce" / "__init__.py", *(p for top in (*PACKAGES, "tests") for p in _files(top))]:
+        if path == Path(__file__).resolve():
+            continue
+        for number, text in _prose(path):
+            for cited in _CITED.findall(text):
+                if not cited.endswith(".md") or not any(ROOT.rglob(cited.split("/")[-1])):
+                    offenders.append(f"{path.relative_to(ROOT)}:{number} cites {cited}")
+    assert offenders == []

@@ -25,8 +25,8 @@ proves. What it drives, in order (each probe uses a fresh checkpoint id of this 
    `completed_execution_acknowledgement_error`). Nothing real is acknowledged: the checker never
    releases a result a trainer may still need.
 
-Real Gym's own leniencies are accepted (gym-control-v1, **real Gym:** lines): a resources status
-`state` is the admission state (`paused` after prepare); a non-finite `deadline_ts` answered with
+Real Gym's own leniencies are accepted (what running NeMo Gym's own control-plane code showed): a
+resources status `state` is the admission state (`paused` after prepare); a non-finite `deadline_ts` answered with
 500 instead of 422 (FastAPI cannot render the input) counts as refused and is reported as a
 warning (`warn`), not a failure.
 

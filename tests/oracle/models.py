@@ -1,5 +1,6 @@
-"""Strict models of the wire, as NeMo RL's anchor coordinator reads it — written from
-`gym-control-v1.md` (its **real Gym:** lines first), not from `quiesce.coordinator.protocol`.
+"""Strict models of the wire, as NeMo RL's anchor coordinator reads it — written from the team's
+notes on NeMo Gym's control plane v1 (what running Gym's own code showed first), not from
+`quiesce.coordinator.protocol`.
 
 Every model forbids extra fields and spells every state as a literal, so a reference server that
 drifts from the real wire (an extra field, a state RL does not know, a field missing) fails here.

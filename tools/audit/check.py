@@ -42,7 +42,7 @@ Rules (each `Violation` names the seq of the offending event):
   restore) sends for the attempt. Resumes are exempt in every phase, not only in rollback and
   recovery: a resume only releases a server, and the coordinator gives each role group the budget
   `max(deadline_ts, now + control_timeout_s)`
-  (gym-control-v1 §6) — the resume of a restore comes whenever the caller asks for it, and a
+  (Gym control plane v1's order) — the resume of a restore comes whenever the caller asks for it, and a
   published save's resume may be retried later. A run of a phase whose `phase.started` records
   its own `deadline_ts` (a restore re-driven under its id) is judged against that budget instead.
 - `epoch` — no event carries an epoch lower than one already seen at a smaller seq.
