@@ -26,9 +26,9 @@ proves. What it drives, in order (each probe uses a fresh checkpoint id of this 
    releases a result a trainer may still need.
 
 Real Gym's own leniencies are accepted (what running NeMo Gym's own control-plane code showed): a
-resources status `state` is the admission state (`paused` after prepare); a non-finite `deadline_ts` answered with
-500 instead of 422 (FastAPI cannot render the input) counts as refused and is reported as a
-warning (`warn`), not a failure.
+resources status `state` is the admission state (`paused` after prepare); a non-finite
+`deadline_ts` answered with 500 instead of 422 (FastAPI cannot render the input) counts as refused
+and is reported as a warning (`warn`), not a failure.
 
 An auxiliary model gets the `not_a_policy_instance` probes instead of 3-5; a
 `stateless` agent or resources server, and any `restart_only` server, is not driven at all (the
