@@ -31,8 +31,9 @@ Invariants:
 - `status()` reads every server's fence live and names what holds it (`quiesce.coordinator.status`);
   it records nothing.
 - `acknowledge_completed(server, executions)` may run at any time, an attempt in progress
-  included (an agent holds finished results until acknowledged; a prepare waiting on them
-  succeeds at its next retry); it is a recorded control call like any other.
+  included (an agent holds finished results until acknowledged: a prepare blocked only by them
+  fails at once, naming them; one still waiting for other work to park succeeds at its next retry
+  once they are acknowledged); it is a recorded control call like any other.
 
 - `open` then runs recovery (`quiesce.coordinator.recovery`) of whatever a dead coordinator left, unless
   `recover=False`; `recover()` runs it on demand. On PostgreSQL the open coordinator holds the
@@ -155,7 +156,9 @@ class Coordinator:
         the background; `standby=True` first waits until the current holder's lease expires, takes
         it over (ending that holder's writer session), then takes its epoch and recovers. A standby
         needs PostgreSQL: on SQLite it is a `ConfigError`. `advertise` is the address this
-        coordinator serves at (`quiesce serve`), written into its lease holder for standbys.
+        coordinator serves at (`quiesce serve`), written into its lease holder for standbys; the
+        commands its messages and `status()` name go through it (`quiesce resume --service URL ID`):
+        while it runs, a command that opens the ledger itself would find it taken.
         `observe` is called with the events of each of this coordinator's ledger commits, in seq
         order, once committed — its recovery's too (`Ledger.after_append`; it must not raise).
 
@@ -209,7 +212,9 @@ class Coordinator:
             try:
                 async with _lease_kept(ledger, cfg.lease_s / 3):
                     path = os.fspath(source) if source is not None else None
-                    coord = cls(Context(cfg, ledger, caller, on_progress, config_path=path))
+                    coord = cls(
+                        Context(cfg, ledger, caller, on_progress, config_path=path, service=advertise)
+                    )
                     if recover and secret is not None:
                         with heap_frozen():
                             coord._last_recovery = await recovery.recover(coord._ctx, always_record=False)
@@ -294,6 +299,7 @@ class Coordinator:
             ledger if ledger is not None else self._ctx.ledger,
             lambda name, url, deadline: caller.peek_capabilities(name, url, deadline_ts=deadline),
             config_path=self._ctx.config_path,
+            via=self._ctx.service,
         )
 
     async def _ask(self, names: list[str] | None = None) -> ClusterStatus:
@@ -304,7 +310,12 @@ class Coordinator:
             return caller.capabilities(name, url, deadline_ts=deadline, phase="status")
 
         return await read_status(
-            self._ctx.config, self._ctx.ledger, read, config_path=self._ctx.config_path, names=names
+            self._ctx.config,
+            self._ctx.ledger,
+            read,
+            config_path=self._ctx.config_path,
+            names=names,
+            via=self._ctx.service,
         )
 
     async def _refuse_if_held(self, discovery: Discovery, what: str) -> None:
@@ -318,7 +329,11 @@ class Coordinator:
         if self._fresh is not None:
             found = {n: self._fresh[n] for n in names if n in self._fresh}
             status = await status_from(
-                self._ctx.config, self._ctx.ledger, found, config_path=self._ctx.config_path
+                self._ctx.config,
+                self._ctx.ledger,
+                found,
+                config_path=self._ctx.config_path,
+                via=self._ctx.service,
             )
         else:
             status = await self._ask(names)

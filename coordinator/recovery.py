@@ -73,7 +73,15 @@ from typing import Any, Final, Literal
 import anyio
 import anyio.to_thread
 
-from quiesce.coordinator.attempt import Attempt, Context, Resubmission, free_command, resume_sorted
+from quiesce.coordinator.attempt import (
+    Attempt,
+    Context,
+    Resubmission,
+    command_line,
+    free_command,
+    recover_hint,
+    resume_sorted,
+)
 from quiesce.coordinator.discovery import Member
 from quiesce.coordinator.errors import PhaseError
 from quiesce.coordinator.protocol import MODEL, Capabilities
@@ -439,7 +447,10 @@ async def _finish_published(ctx: Context, recorded: Recorded, found: str) -> Att
     left = [s.name for s in servers if s.result == "left_paused"]
     message = f"published {final}."
     if left:
-        message += f" Could not resume {', '.join(left)}: run `quiesce recover` once they are reachable."
+        message += (
+            f" Could not resume {', '.join(left)}: run {recover_hint(ctx, attempt.checkpoint_id)} once they"
+            " are reachable."
+        )
     return AttemptReport(attempt.checkpoint_id, attempt.kind, found, "published", servers, message)
 
 
@@ -521,7 +532,8 @@ async def _abandon(
             s.detail = (
                 "its fence shows no trace of the restore (never received, or refused before it ran):"
                 " nothing of the snapshot was installed there; a resources server that refused it may"
-                " still have closed its admission — `quiesce status` shows it, `quiesce resume` reopens it"
+                " still have closed its admission — `quiesce status` shows it,"
+                f" `{command_line(ctx.config_path, 'resume', service=ctx.service)}` reopens it"
             )
         else:
             s.action, s.result = "none", "left_paused"
@@ -531,7 +543,8 @@ async def _abandon(
     message = (
         f"restore {attempt.checkpoint_id} was abandoned: {why}. The servers it touched stay paused"
         f" (half-restored state must not run): {', '.join(paused) or 'none'}. To proceed, restart those"
-        " servers and restore another snapshot (`quiesce restore --snapshot DIR`), or run"
+        " servers and restore another snapshot"
+        f" (`{command_line(ctx.config_path, 'restore', '--snapshot', 'DIR', service=ctx.service)}`), or run"
         f" `{free_command(ctx, 'resume', attempt.checkpoint_id)}` to run them as they are."
     )
     return AttemptReport(attempt.checkpoint_id, attempt.kind, found, "abandoned", servers, message)

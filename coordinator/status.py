@@ -24,7 +24,13 @@ back); `quiesce resume --config C ID` for everything else — a published save's
 a restore left paused or interrupted (finished from its snapshot first, then resumed), a rollback
 or a failed restore that left servers paused, another ledger's id. Each of these commands, run
 once the cause is fixed (a server unreachable, a wrong token), leaves that server idle: no state
-exists that no command can leave.
+exists that no command can leave. While a `quiesce serve` holds the ledger, such a command would
+find it taken, so it goes through the service: `quiesce resume --service URL ID` (its address, from
+its lease or its process: `lease.ledger_writer`; `URL` when it cannot be told).
+
+A server's own deadline is shown (`deadline_left_s`) only while it still bounds something: not once
+its holder can only end by its command (a restore left paused, a published save, a rollback that
+left it paused: `Holder.deadline_applies`), nor for a server resting after a restore past it.
 
 Reading the status changes nothing and records nothing: `quiesce status` opens the ledger
 read-only and takes no epoch, so it never fences a coordinator at work.
@@ -44,6 +50,7 @@ from quiesce.coordinator.attempt import command_line
 from quiesce.coordinator.calls import CallResult
 from quiesce.coordinator.config import ClusterConfig
 from quiesce.coordinator.errors import ServersHeld
+from quiesce.coordinator.lease import ledger_writer
 from quiesce.coordinator.protocol import MODEL, Capabilities
 from quiesce.coordinator.readback import Recorded, publication_on_disk, read_attempt, unfinished
 from quiesce.ledger import Ledger
@@ -53,6 +60,7 @@ __all__ = [
     "Holder",
     "Peek",
     "ServerStatus",
+    "deadline_left",
     "describe_holder",
     "read_status",
     "refuse_if_held",
@@ -63,6 +71,9 @@ __all__ = [
 Peek = Callable[[str, str, float], Awaitable[CallResult]]
 
 HolderKind = Literal["save", "restore", "unknown"]
+
+#: Fence phases a server rests in after a restore: paused until a resume, whatever the time.
+_AFTER_RESTORE = frozenset({"restored_paused", "restore_failed_paused"})
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,9 @@ class Holder:
     frees: str
     #: nothing left to do for it by the ledger (recovery leaves it alone): only its command frees it
     finished: bool = True
+    #: whether its deadline still bounds it: a save before publication, a restore whose restore
+    #: phase has not ended, an id this ledger does not know. False once only its command ends it.
+    deadline_applies: bool = True
 
     @property
     def recorded(self) -> bool:
@@ -101,7 +115,8 @@ class ServerStatus:
     `held_by` is the checkpoint id that holds it — its fence's active id, or an unfinished
     attempt of the ledger (module docstring); `since` is when that holder's first request
     reached it, from the ledger (else the holder's start); `deadline_left_s` is the server's own
-    `deadline_ts` minus now (negative: passed).
+    `deadline_ts` minus now (negative: passed), None when it has none or it no longer applies
+    (`deadline_left`).
     """
 
     name: str
@@ -191,10 +206,12 @@ class ClusterStatus:
         }
 
 
-def describe_holder(recorded: Recorded | None, checkpoint_id: str, config_path: str | None) -> Holder:
+def describe_holder(
+    recorded: Recorded | None, checkpoint_id: str, config_path: str | None, *, via: str | None = None
+) -> Holder:
     """What `checkpoint_id` is, by the ledger (`recorded`; None: no attempt of this ledger), and the
-    command that frees what it holds (see the module docstring). Reads the filesystem for an
-    unfinished save's publication."""
+    command that frees what it holds (see the module docstring) — through the `quiesce serve` at
+    `via` when one holds the ledger. Reads the filesystem for an unfinished save's publication."""
     if recorded is None:
         return Holder(
             checkpoint_id,
@@ -202,21 +219,23 @@ def describe_holder(recorded: Recorded | None, checkpoint_id: str, config_path: 
             "not an attempt of this ledger (another ledger's, or its records were lost)",
             None,
             "resume",
-            command_line(config_path, "resume", checkpoint_id),
+            command_line(config_path, "resume", checkpoint_id, service=via),
         )
     attempt = recorded.attempt
     outcome = recorded.last_outcome
     verb: Literal["resume", "abort"] = "resume"
+    applies = False
     if attempt.kind == "save":
         if outcome is None and publication_on_disk(recorded) is not None:
             state = "published; its resume did not finish"
         elif outcome is None:
-            state, verb = "in progress, or interrupted before publication", "abort"
+            state, verb, applies = "in progress, or interrupted before publication", "abort", True
         elif outcome == "aborted":
             state = "rolled back, but servers were left paused"
         else:
             state = f"{outcome} by its records"
     elif outcome is None:
+        applies = not recorded.restore_done
         state = (
             "restored; its resume did not finish"
             if recorded.restore_done
@@ -238,9 +257,22 @@ def describe_holder(recorded: Recorded | None, checkpoint_id: str, config_path: 
         state,
         recorded.started_at or None,
         verb,
-        command_line(config_path, verb, checkpoint_id),
+        command_line(config_path, verb, checkpoint_id, service=via),
         recorded.finished,
+        applies,
     )
+
+
+def deadline_left(
+    phase: str | None, deadline_ts: float | None, holder: Holder | None, now: float
+) -> float | None:
+    """A server's own deadline minus `now`, or None when it has none or it no longer applies: its
+    holder can only end by its command now (`Holder.deadline_applies`), or the server rests after a
+    restore (paused until a resume, whatever the time) and the deadline has passed."""
+    if deadline_ts is None or (holder is not None and not holder.deadline_applies):
+        return None
+    left = deadline_ts - now
+    return None if phase in _AFTER_RESTORE and left <= 0 else left
 
 
 async def read_status(
@@ -250,9 +282,17 @@ async def read_status(
     *,
     config_path: str | None = None,
     names: Sequence[str] | None = None,
+    via: str | None = None,
 ) -> ClusterStatus:
     """Read every configured server's capabilities (or only `names`) concurrently, within
-    `control_timeout_s`, and name what holds each held one (`ledger` None: no ledger to ask)."""
+    `control_timeout_s`, and name what holds each held one (`ledger` None: no ledger to ask).
+
+    `via`: the address of the `quiesce serve` that holds the ledger (a service reading its own
+    status). Given a read-only `ledger` and no `via` (`quiesce status`), whether a service holds the
+    ledger is found out (`lease.ledger_writer`), so every command named goes through it."""
+    if via is None and ledger is not None and ledger.readonly:
+        writer = await ledger_writer(config.ledger, ledger)
+        via = writer.via if writer is not None else None
     deadline = time.time() + config.control_timeout_s
     servers = [s for s in config.servers if names is None or s.name in names]
     results: dict[str, CallResult] = {}
@@ -270,7 +310,7 @@ async def read_status(
         found[server.name] = (
             result.reply if ok and isinstance(result.reply, Capabilities) else result.describe()
         )
-    return await status_from(config, ledger, found, config_path=config_path)
+    return await status_from(config, ledger, found, config_path=config_path, via=via)
 
 
 async def status_from(
@@ -279,9 +319,11 @@ async def status_from(
     found: Mapping[str, Capabilities | str],
     *,
     config_path: str | None = None,
+    via: str | None = None,
 ) -> ClusterStatus:
     """The status of the servers in `found` (name → capabilities already read, or why they could
-    not be), holders named from `ledger` (module docstring). Config order."""
+    not be), holders named from `ledger` (module docstring), their commands through the service at
+    `via` if given. Config order."""
     holding: dict[str, str] = {}  # server -> the id that holds it
     for name, caps in found.items():
         if isinstance(caps, Capabilities) and caps.active_checkpoint_id is not None:
@@ -301,8 +343,12 @@ async def status_from(
     for cid in dict.fromkeys(holding.values()):
         if cid not in attempts:
             attempts[cid] = await read_attempt(ledger, config, cid) if ledger is not None else None
+
+    def describe(recorded: Recorded | None, cid: str) -> Holder:
+        return describe_holder(recorded, cid, config_path, via=via)
+
     holders = {
-        cid: await anyio.to_thread.run_sync(describe_holder, recorded, cid, config_path)
+        cid: await anyio.to_thread.run_sync(describe, recorded, cid)
         for cid, recorded in attempts.items()
         if cid in holding.values()
     }
@@ -320,6 +366,7 @@ async def status_from(
         holding_attempt = attempts.get(held_by) if held_by is not None else None
         if holding_attempt is not None:
             since = holding_attempt.first_post.get(server.name) or holding_attempt.started_at or None
+        holder = holders.get(held_by) if held_by is not None else None
         out.append(
             ServerStatus(
                 server.name,
@@ -329,8 +376,8 @@ async def status_from(
                 active_checkpoint_id=reply.active_checkpoint_id,
                 held_by=held_by,
                 since=since,
-                deadline_left_s=reply.deadline_ts - now if reply.deadline_ts is not None else None,
-                holder=holders.get(held_by) if held_by is not None else None,
+                deadline_left_s=deadline_left(reply.phase, reply.deadline_ts, holder, now),
+                holder=holder,
                 capabilities=reply,
             )
         )

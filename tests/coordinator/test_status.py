@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import time
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,8 @@ async def test_abort_and_resume_take_an_id(
     cid = attempt.checkpoint_id
     code, doc, err = await _in_thread(capsys, "abort", "--config", str(config_file), "not-an-id", "--json")
     assert code == 1
-    assert "not-an-id is not an attempt of this ledger" in " ".join(err.split())
+    said = err + (json.dumps(doc) if doc else "")  # the error: on stderr, or --json's document
+    assert "not-an-id is not an attempt of this ledger" in " ".join(said.split())
     async with httpx.AsyncClient() as http:
         assert (await server_states(http, cluster))["policy_model"][0] == "committed_paused"
         code, doc, _ = await _in_thread(capsys, "abort", "--config", str(config_file), cid, "--json")
@@ -238,3 +240,66 @@ async def test_another_ledgers_restore_is_named_and_resumed_from_a_new_ledger(
     code, doc, _ = await _in_thread(capsys, "checkpoint", "--config", str(second), "--json")
     assert (code, doc["outcome"]) == (0, "published")
     await assert_protocol_ok(f"sqlite+aiosqlite:///{tmp_path / 'b.db'}")
+
+
+async def test_a_restore_left_paused_shows_no_deadline_that_no_longer_applies(
+    cluster: Any, ledger_url: str, configure: Any, tmp_path: Path
+) -> None:
+    """Once a restore ended, its servers stay paused until `resume`, whatever the time: the
+    restore's deadline (still in their fences) is not shown as time left — neither while it is
+    in the future nor once it has passed. Read through another ledger, where the restore may
+    still be running, it is shown until it has passed. A save in progress shows its deadline."""
+    config = configure(cluster, ledger_url)
+    elsewhere = configure(cluster, f"sqlite+aiosqlite:///{tmp_path / 'other.db'}")
+    async with Coordinator.open(config) as coord, Coordinator.open(elsewhere, recover=False) as other:
+        await coord.checkpoint(deadline_s=30)
+        restored = await coord.restore(deadline_s=3)
+        cid = restored.checkpoint_id
+
+        def check(status: Any, *, left: bool) -> float:
+            """The held servers' fence deadline; each shows time left only if `left`."""
+            held = [s for s in status.servers if s.held]
+            assert {s.name for s in held} == set(PARTICIPANTS)
+            fences = set()
+            for server in held:
+                assert (server.phase, server.held_by) == ("restored_paused", cid)
+                assert server.capabilities is not None
+                fences.add(server.capabilities.deadline_ts)
+                document = server.as_json()
+                if left:
+                    assert server.deadline_left_s is not None
+                    assert server.deadline_left_s > 0
+                    assert document["deadline_left_s"] == server.deadline_left_s
+                else:
+                    assert (server.deadline_left_s, document["deadline_left_s"]) == (None, None)
+            [deadline] = fences  # every fence still reports the restore's deadline
+            assert deadline is not None
+            return float(deadline)
+
+        mine = await coord.status()
+        deadline = check(mine, left=False)
+        assert deadline > time.time()  # in the future, yet it no longer applies
+        [holder] = mine.holders
+        assert (holder.kind, holder.state, holder.deadline_applies) == (
+            "restore",
+            "restored, waiting for its resume",
+            False,
+        )
+        assert holder.frees.startswith("quiesce resume ")
+        assert mine.as_json()["servers"][0]["frees"] == holder.frees
+        check(await other.status(), left=True)  # another ledger's restore: it may still be running
+        await anyio.sleep(max(0.0, deadline - time.time()) + 0.2)
+        check(await coord.status(), left=False)
+        check(await other.status(), left=False)  # passed, resting after a restore: paused until resume
+        assert [h.frees for h in (await other.status()).holders] == [f"quiesce resume --config CONFIG {cid}"]
+
+        await coord.resume(restored)
+        attempt = await coord.prepare(deadline_s=30)
+        during = await coord.status()
+        model = during.server("policy_model")
+        assert model is not None
+        assert model.deadline_left_s is not None
+        assert 0 < model.deadline_left_s <= 30  # a save in progress: its deadline still bounds it
+        await coord.abort(attempt)
+    async with httpx.AsyncClient() as http:
+        await assert_all_accepting(http, cluster)
