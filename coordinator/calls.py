@@ -174,7 +174,7 @@ class Caller:
 
     A token that is not visible ASCII is refused here (`ConfigError`), before any call. Without
     a token (`token=None`: read-only, e.g. discovery) no Authorization header is sent and only
-    `GET /capabilities` — public in gym-control-v1 — may be called; any other call raises
+    `GET /capabilities` — which Gym serves without a token — may be called; any other call raises
     `ConfigError(no_token)` before anything is recorded or sent (`require_token`)."""
 
     def __init__(

@@ -1,6 +1,6 @@
 """Discovery: the capabilities of every configured server → participants, skipped, refused, warnings.
 
-Rules (gym-control-v1 §6 and DESIGN.md), applied by the pure function `classify`:
+Rules (Gym's control plane v1, the coordinator's side), applied by the pure function `classify`:
 - skipped (recorded with the reason, never called again): auxiliary models, stateless agents and
   stateless resources servers, and any server whose `checkpoint_mode` is `restart_only` (it can
   pause and resume but not export its state: it comes back empty after a restart, so it takes

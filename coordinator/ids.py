@@ -2,7 +2,7 @@
 
 A Gym server remembers every checkpoint id it retired and answers 409 `stale_checkpoint` to it
 forever, so an id must never repeat for the life of the servers — across ledgers too, not only
-within one (gym-control-v1 §6). The rule:
+within one. The rule:
 
     q<ledger id>-<seq>-e<epoch>          e.g. q3f9a0c2e71-0000000042-e7
 

@@ -1,4 +1,4 @@
-"""The order of calls and the participation rule, as data (gym-control-v1 §6, DESIGN.md).
+"""The order of calls and the participation rule, as data (Gym's control plane v1, the coordinator's side).
 
 Roles: a participant is in exactly one role group — `policy` (the policy model), `agent`, or
 `resources`. Each phase is a sequence of steps `(role, operation)` run left to right; within one

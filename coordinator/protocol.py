@@ -1,7 +1,7 @@
 """Wire models of NeMo Gym's checkpoint control plane v1 — both sides speak through these.
 
-This is the only place the wire format is written down in code (see
-`gym-control-v1.md`). The coordinator sends requests built from these models and
+This is the only place the wire format is written down in code (it follows NeMo Gym's
+`nemo_gym/_checkpoint/` package, schema version 1). The coordinator sends requests built from these models and
 validates replies with them; the reference servers in `tools/gymsim` validate
 requests and build replies with them.
 
@@ -12,7 +12,7 @@ Rules kept here:
   is a finite absolute Unix time; `schema_version` is 1 or omitted.
 - Artifact references name files relative to the checkpoint dir: never absolute,
   never containing `..`.
-- What real Gym sends is accepted (gym-control-v1, lines marked **real Gym:**): an in-flight
+- What real Gym sends is accepted (as running Gym's own control-plane code showed): an in-flight
   entry of a model status may name no rollout, attempt or plane (`plane: null` without an
   `x-nemo-gym-plane` header); a policy model behind Gym's multi-worker coordinator answers
   status with `workers`/`missing_workers`/`per_worker {acked_seq, inflight, connected}` and no
@@ -767,7 +767,8 @@ def route(component: str, operation: str) -> Route:
     return ROUTES[(component, operation)]
 
 
-#: 409 codes the fence answers before it runs anything (gym-control-v1 §1.1 steps 1 and 4).
+#: 409 codes the fence answers before it runs anything (Gym's `ControlFence`: a retired id,
+#: another id active, a phase the operation is not allowed in).
 _REFUSED_CODES: Final = frozenset(
     {STALE_CHECKPOINT, CHECKPOINT_CONFLICT, INVALID_PHASE, NOT_A_POLICY_INSTANCE}
 )

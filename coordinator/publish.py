@@ -1,6 +1,6 @@
 """Publication on the filesystem: staging, verification, manifest, atomic rename, `LATEST`, retention.
 
-Layout (DESIGN.md "Publication"):
+Layout:
 
     <snapshots>/.staging/<checkpoint_id>/      servers write here; the caller adds its half
     <snapshots>/<checkpoint_id>/manifest.json  written last (files, sizes, sha256, participants, ...)

@@ -102,7 +102,7 @@ async def rolled_back_on_failure(
 # ---------------------------------------------------------------------------------------------
 
 
-#: Fence phases in which an operation may still run on the server (gym-control-v1 §1.1; Gym's
+#: Fence phases in which an operation may still run on the server (Gym's
 #: `ControlFence`): a resume there is refused (409 `invalid_phase`), and counting that refusal as
 #: "never paused" would leave the server paused for good once the operation ends. A resources
 #: server's `preparing` is one too (its resume is refused there). A policy model's or an agent's

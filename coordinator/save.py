@@ -1,4 +1,4 @@
-"""A save: start → prepare → commit → publish (the resume is `resume.py`'s), in gym-control-v1 order.
+"""A save: start → prepare → commit → publish (the resume is `resume.py`'s), in Gym's control plane v1 order.
 
 - prepare: policy pause → agents prepare (`agent_prepare_incomplete` retried every
   `AGENT_RETRY_S` until the deadline) → resources prepare → policy status long-poll until drained.

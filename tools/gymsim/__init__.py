@@ -1,4 +1,5 @@
-"""Reference NeMo Gym servers that speak checkpoint control plane v1 (`gym-control-v1.md`).
+"""Reference NeMo Gym servers that speak checkpoint control plane v1 (NeMo Gym's own
+`nemo_gym/_checkpoint/`, schema version 1).
 
 Policy/auxiliary model servers (`model.py`), agents (`agent.py`), resources with a
 judge-backed `/verify` (`resources.py`), all sharing the fence of spec §1.1

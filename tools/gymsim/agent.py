@@ -553,7 +553,7 @@ class AgentServer(GymServer):
         }
 
     def _counters(self) -> dict[str, Any]:
-        """Exactly the anchor's prepare fields (gym-control-v1 §4)."""
+        """Exactly the anchor's prepare fields (RL's strict model refuses any other)."""
         rollouts = sorted(self._participants(), key=lambda r: r.capture_key)
         running = [r for r in rollouts if r.status == "running"]
         parked = [r for r in rollouts if r.status in ("parked", "blocked")]

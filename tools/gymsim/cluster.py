@@ -14,7 +14,7 @@ with spawn_cluster(spec, env=env) as proc:               # `python -m quiesce.to
 
 Both expose `.urls` (server name → base URL) and `.config(ledger_url,
 snapshots_dir, **overrides)` → a cluster config dict in the coordinator's format
-(DESIGN.md "Interfaces"). The token is never written to the config or the spec
+(`README.md`, "Cluster config"). The token is never written to the config or the spec
 file: the subprocess reads it from its environment.
 """
 
@@ -53,7 +53,7 @@ def cluster_config(
     snapshots_dir: str | os.PathLike[str] | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
-    """The coordinator's cluster config for these servers (DESIGN.md "Interfaces").
+    """The coordinator's cluster config for these servers (`README.md`, "Cluster config").
 
     `instance_role` is written for auxiliary models (as in the seed example) and for
     servers whose spec sets `config_instance_role`.

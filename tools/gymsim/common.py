@@ -15,7 +15,7 @@ With syncfs the files and the manifest reach the disk together: until the reply,
 may leave a manifest beside incomplete files. Nothing trusts such a folder — the coordinator
 verifies every file against the manifests and fsyncs the staging tree itself before it
 publishes, and rolls back (removing the folder) an attempt whose commit never answered — and
-gym-control-v1 asks a commit only to write the manifest last.
+Gym's control plane v1 asks a commit only to write the manifest last.
 """
 
 from __future__ import annotations
