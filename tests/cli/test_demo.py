@@ -23,8 +23,13 @@ def test_a_folder_the_demo_did_not_make_is_refused_untouched(tmp_path: Path) -> 
     ):
         done = quiesce(*argv, cwd=tmp_path)
         assert done.returncode == 2, (argv, done.stdout, done.stderr)
-        assert "name a new or empty folder" in done.stderr
-        assert done.stdout == ""
+        if "--json" in argv:  # the error is the one JSON document on stdout
+            error = json_of(done)["error"]
+            assert (error["code"], error["exit_code"]) == ("usage", 2)
+            assert "name a new or empty folder" in error["message"]
+        else:
+            assert "name a new or empty folder" in done.stderr
+            assert done.stdout == ""
     assert sorted(p.name for p in work.iterdir()) == ["snapshots", "train.py"]
     assert (work / "snapshots" / "step-100").read_text() == "the trainer's"
     # `--dir .` in a folder with files is refused the same way

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tests.cli.helpers import json_of, quiesce
+from tests.cli.helpers import json_of, on_terminal, quiesce
 
 
 def _checkpoint(config_file: Path, cwd: Path) -> str:
@@ -50,7 +50,7 @@ def test_snapshots_lists_and_prunes_only_ours(config_file: Path, tmp_path: Path)
     (snaps / "alias").symlink_to(snaps / made[0], target_is_directory=True)
     # LATEST names the oldest: pruning to one keeps the newest and LATEST's
     (snaps / "LATEST").write_text(made[0] + "\n")
-    pruned = _listed(config_file, tmp_path, "--prune", "1")
+    pruned = _listed(config_file, tmp_path, "--prune", "1", "--yes")
     assert pruned["removed"] == [made[1]]
     assert [(r["id"], r["latest"]) for r in pruned["snapshots"]] == [(made[0], True), (made[2], False)]
     assert not (snaps / made[1]).exists()
@@ -59,7 +59,7 @@ def test_snapshots_lists_and_prunes_only_ours(config_file: Path, tmp_path: Path)
     assert (snaps / "alias").is_symlink()
     assert (snaps / made[0] / "manifest.json").is_file()
 
-    pruned = _listed(config_file, tmp_path, "--prune", "0")
+    pruned = _listed(config_file, tmp_path, "--prune", "0", "--yes")
     assert pruned["removed"] == [made[2]]
     assert [r["id"] for r in pruned["snapshots"]] == [made[0]]  # LATEST's, whatever K
 
@@ -109,3 +109,45 @@ def test_a_restore_left_paused_is_restored_until_resumed(config_file: Path, tmp_
     assert (ids("restored"), ids("resumed")) == ([restored["checkpoint_id"]], [])
     assert quiesce("resume", "--config", str(config_file), cwd=tmp_path).returncode == 0
     assert (ids("restored"), ids("resumed")) == ([], [restored["checkpoint_id"]])
+
+
+def test_prune_asks_first_lists_with_dry_run_and_needs_yes_off_a_terminal(
+    config_file: Path, tmp_path: Path
+) -> None:
+    snaps = tmp_path / "snaps"
+    made = [_checkpoint(config_file, tmp_path) for _ in range(3)]
+    config = ("--config", str(config_file))
+
+    refused = quiesce("snapshots", *config, "--prune", "1", cwd=tmp_path)  # stdin is no terminal
+    assert refused.returncode == 2
+    assert "add --yes to remove them, or --dry-run to list what would be removed" in refused.stderr
+    as_json = json_of(quiesce("snapshots", *config, "--prune", "1", "--json", cwd=tmp_path))
+    assert as_json["error"]["code"] == "usage"
+    assert all((snaps / cid).is_dir() for cid in made)
+
+    dry = _listed(config_file, tmp_path, "--prune", "1", "--dry-run")
+    assert (dry["would_remove"], dry["removed"]) == (made[:2], [])
+    assert [r["id"] for r in dry["snapshots"]] == made  # nothing removed
+    text = quiesce("snapshots", *config, "--prune", "1", "--dry-run", cwd=tmp_path).stdout
+    assert f"would remove {made[0]}" in text
+    assert f"would remove {made[1]}" in text
+    assert all((snaps / cid).is_dir() for cid in made)
+
+    # on a terminal it lists what it removes and asks; anything but yes removes nothing
+    declined = on_terminal("snapshots", *config, "--prune", "2", cwd=tmp_path, columns=100, typed="n\n")
+    assert declined.returncode == 1
+    assert "--prune 2 removes 1 snapshot from" in " ".join(declined.stderr.split())
+    assert made[0] in declined.stderr
+    assert "remove them? [y/N]" in declined.stderr
+    assert "nothing removed" in declined.stderr
+    assert (snaps / made[0]).is_dir()
+    accepted = on_terminal("snapshots", *config, "--prune", "2", cwd=tmp_path, columns=100, typed="y\n")
+    assert accepted.returncode == 0, accepted.stderr
+    assert f"removed {made[0]}" in accepted.stdout
+    assert not (snaps / made[0]).exists()
+
+    # --yes removes exactly what --dry-run listed
+    dry = _listed(config_file, tmp_path, "--prune", "1", "--dry-run")
+    pruned = _listed(config_file, tmp_path, "--prune", "1", "--yes")
+    assert pruned["removed"] == dry["would_remove"] == [made[1]]
+    assert [r["id"] for r in pruned["snapshots"]] == [made[2]]

@@ -131,7 +131,8 @@ def test_a_token_that_cannot_be_a_bearer_token_is_a_config_error_from_every_comm
         done = quiesce(*argv, cwd=config_file.parent, env=env)
         assert done.returncode == 2, (argv, done.stdout, done.stderr)
         assert "Traceback" not in done.stderr, (argv, done.stderr)
-        assert TOKEN_ENV in done.stderr, (argv, done.stderr)
+        told = json_of(done)["error"]["message"] if "--json" in argv else done.stderr
+        assert TOKEN_ENV in told, (argv, done.stdout, done.stderr)
         assert bad not in done.stderr, argv
         assert bad not in done.stdout, argv
     assert _log(cluster) == {name: [] for name in cluster.urls}  # refused before any request

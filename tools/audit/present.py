@@ -3,6 +3,9 @@
 Ledger-derived text (server names, ids, reasons, reply details) is always wrapped in
 `rich.text.Text`, never interpolated into markup, so a hostile server reply cannot inject markup.
 Colours reach the terminal only (the shared console drops them when stdout is not a terminal).
+An id, a server name or a path is never cut in a table: its column is added with `whole_column`
+(not wrapped, as wide as its longest value), so the other columns wrap instead. `wide` tables add
+columns (`quiesce show -o wide`).
 
 The attempt model and the wire routes (`quiesce.coordinator.protocol`, pydantic) are imported by the
 functions that use them: `quiesce history` needs only `duration`, `short_at` and `widened`.
@@ -10,9 +13,12 @@ functions that use them: `quiesce history` needs only `duration`, `short_at` and
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, Literal
 
-from rich.console import Console, Group, RenderableType
+from rich.cells import cell_len
+from rich.console import Console, Group, JustifyMethod, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -47,6 +53,60 @@ PHASE_LETTER: Final = {
 }
 
 
+def whole_column(
+    table: Table, header: str, values: Iterable[str | Text], justify: JustifyMethod = "left"
+) -> None:
+    """Add column `header` whose values (ids, names, paths) are never cut: not wrapped, at least as
+    wide as the longest; should the table still not fit, rich folds the value onto the next line
+    rather than eliding it."""
+    width = max([cell_len(header), *(cell_len(v.plain if isinstance(v, Text) else v) for v in values)])
+    table.add_column(header, no_wrap=True, overflow="fold", min_width=width, justify=justify)
+
+
+#: The least width a wrapping column is planned with (`add_columns`).
+_FREE_MIN: Final = 8
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    """One column of `add_columns`: `kind` `whole` (ids, paths: never cut), `compact` (short
+    values, kept on one line while the table fits) or `free` (wraps)."""
+
+    header: str
+    values: Sequence[str | Text]
+    kind: Literal["whole", "compact", "free"] = "free"
+    justify: JustifyMethod = "left"
+
+
+def add_columns(table: Table, specs: Sequence[ColumnSpec], width: int) -> None:
+    """Add `specs` to `table` for a console `width` wide: `whole` columns never cut; `compact`
+    ones on one line when, with the `whole` ones and `_FREE_MIN` per `free` one, the table fits
+    `width`; everything else wraps (folds), never elides."""
+
+    def longest(spec: ColumnSpec) -> int:
+        words = [cell_len(word) for word in spec.header.split()]
+        return max([1, *words, *(cell_len(v.plain if isinstance(v, Text) else v) for v in spec.values)])
+
+    planned = sum(longest(s) for s in specs if s.kind != "free") + 2 * (len(specs) - 1)
+    planned += _FREE_MIN * sum(1 for s in specs if s.kind == "free")
+    for spec in specs:
+        if spec.kind == "whole":
+            whole_column(table, spec.header, spec.values, spec.justify)
+        elif spec.kind == "compact" and planned <= width:
+            table.add_column(
+                spec.header, justify=spec.justify, no_wrap=True, overflow="fold", min_width=longest(spec)
+            )
+        else:
+            table.add_column(spec.header, justify=spec.justify, overflow="fold")
+
+
+def count(n: int, noun: str) -> str:
+    """`1 attempt`, `2 attempts` (`quiesce.tools.cli.wording.count`)."""
+    from quiesce.tools.cli.wording import count as counted
+
+    return counted(n, noun)
+
+
 def short_route(call: Call) -> str:
     from quiesce.coordinator.protocol import PREFIX
 
@@ -58,14 +118,18 @@ def _cell(text: str | None, style: str = "") -> Text:
     return Text(text if text is not None else "-", style=style)
 
 
-def calls_table(view: AttemptView) -> Table:
+#: The columns of the calls table; `wide` adds the last three.
+CALL_COLUMNS: Final = ("sent", "outcome", "phase", "server", "route", "result", "elapsed", "epoch")
+WIDE_CALL_COLUMNS: Final = ("sent at (UTC)", "url", "detail")
+_WHOLE_CALL_COLUMNS: Final = frozenset({"server", "route", "url"})
+
+
+def calls_table(view: AttemptView, *, wide: bool = False) -> Table:
     from quiesce.tools.audit.attempts import call_duration
 
     table = Table(title="calls", title_justify="left", expand=False)
-    for name in ("sent", "outcome", "phase", "server", "route", "result", "elapsed", "epoch"):
-        table.add_column(name, justify="right" if name in ("sent", "outcome", "elapsed", "epoch") else "left")
-    for call in view.calls:
-        table.add_row(
+    rows = [
+        [
             Text(str(call.sent_seq)),
             _cell(str(call.outcome_seq) if call.outcome_seq is not None else None),
             _cell(call.phase),
@@ -74,7 +138,18 @@ def calls_table(view: AttemptView) -> Table:
             _cell(call.result, OUTCOME_STYLE.get(call.outcome, "")),
             _cell(duration(call_duration(call))),
             Text(str(call.epoch)),
-        )
+            *([_cell(short_at(call.sent_at)), _cell(call.url), _cell(call.detail)] if wide else []),
+        ]
+        for call in view.calls
+    ]
+    for i, name in enumerate(CALL_COLUMNS + (WIDE_CALL_COLUMNS if wide else ())):
+        justify: JustifyMethod = "right" if name in ("sent", "outcome", "elapsed", "epoch") else "left"
+        if name in _WHOLE_CALL_COLUMNS:
+            whole_column(table, name, [row[i] for row in rows], justify)
+        else:
+            table.add_column(name, justify=justify)
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
@@ -82,7 +157,7 @@ def matrix_table(view: AttemptView) -> Table:
     matrix = view.matrix()
     phases = list(next(iter(matrix.values()), {}).keys())
     table = Table(title="participant × phase", title_justify="left")
-    table.add_column("server")
+    whole_column(table, "server", list(matrix))
     for phase in phases:
         table.add_column(phase)
     for server, row in matrix.items():
@@ -102,7 +177,12 @@ def matrix_table(view: AttemptView) -> Table:
 def recovery_table(view: AttemptView) -> Table:
     table = Table(title="recovery evidence", title_justify="left")
     for name in ("seq", "epoch", "server", "reported phase", "active checkpoint", "action", "result"):
-        table.add_column(name)
+        if name == "server":
+            whole_column(table, name, [item.server or "-" for item in view.recovery])
+        elif name == "active checkpoint":
+            whole_column(table, name, [item.active_checkpoint_id or "-" for item in view.recovery])
+        else:
+            table.add_column(name)
     for item in view.recovery:
         table.add_row(
             Text(str(item.seq)),
@@ -192,10 +272,10 @@ def widened(console: Console) -> Console:
     return Console(file=console.file, width=max(console.width, 240), highlight=False)
 
 
-def print_attempt(console: Console, view: AttemptView) -> None:
+def print_attempt(console: Console, view: AttemptView, *, wide: bool = False) -> None:
     console = widened(console)
     console.print(attempt_header(view))
-    console.print(calls_table(view))
+    console.print(calls_table(view, wide=wide))
     console.print(matrix_table(view))
     if view.recovery:
         console.print(recovery_table(view))
@@ -211,13 +291,13 @@ def print_check(console: Console, report: CheckReport) -> None:
     console.print(Text(verdict.describe(), style=style))
     judged = sum(1 for v in report.attempts.values() if v == "judged")
     opened = len(report.attempts) - judged
-    summary = Text(f"protocol: {len(report.attempts)} attempts ({judged} ended, {opened} open), ")
+    summary = Text(f"protocol: {count(len(report.attempts), 'attempt')} ({judged} ended, {opened} open), ")
     if report.ok:
         summary.append("no violations", style="green")
     else:
-        summary.append(f"{len(report.violations)} violations", style="bold red")
+        summary.append(count(len(report.violations), "violation"), style="bold red")
     if report.warnings:
-        summary.append(f", {len(report.warnings)} warnings", style="yellow")
+        summary.append(f", {count(len(report.warnings), 'warning')}", style="yellow")
     console.print(summary)
     for title, items, style in (
         ("violations", report.violations, "red"),
@@ -226,8 +306,11 @@ def print_check(console: Console, report: CheckReport) -> None:
         if not items:
             continue
         table = Table(title=title, title_justify="left", title_style=style)
-        for name in ("seq", "rule", "checkpoint", "server", "what"):
-            table.add_column(name)
+        table.add_column("seq")
+        table.add_column("rule")
+        whole_column(table, "checkpoint", [item.checkpoint_id or "-" for item in items])
+        whole_column(table, "server", [item.server or "-" for item in items])
+        table.add_column("what")
         for item in items:
             table.add_row(
                 Text(str(item.seq)),

@@ -1,13 +1,16 @@
 """Output rules shared by every command.
 
-Machine-readable output (`--json`) goes to stdout as one JSON document; everything
-for people goes through rich. Colours and progress only when the stream is a terminal.
+Machine-readable output goes to stdout: `--json` (`-o json`) one JSON document, `-o jsonl` one
+JSON object per listed row, each on its own line. Everything for people goes through rich; an error
+for people is one `error: ...` line on stderr in plain words (`wording.plain`). Colours and
+progress only when the stream is a terminal.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -40,8 +43,19 @@ def emit_json(document: Any) -> None:
     sys.stdout.flush()
 
 
+def emit_jsonl(rows: Iterable[Any]) -> None:
+    """Write each row as one compact JSON object on its own line."""
+    encode = json.JSONEncoder(sort_keys=True, ensure_ascii=False, default=str).encode
+    sys.stdout.write("".join(encode(row) + "\n" for row in rows))
+    sys.stdout.flush()
+
+
 def print_error(error: BaseException | str) -> None:
     """Print an error message for people: no traceback, the message says what to do."""
     from rich.markup import escape
 
-    _console("err_console").print(f"[bold red]error:[/] {escape(str(error))}", markup=True, soft_wrap=True)
+    from quiesce.tools.cli.wording import plain
+
+    _console("err_console").print(
+        f"[bold red]error:[/] {escape(plain(str(error)))}", markup=True, soft_wrap=True
+    )

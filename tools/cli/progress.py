@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from quiesce.tools.audit.timefmt import duration
 from quiesce.tools.cli import output
+from quiesce.tools.cli.wording import count
 
 if TYPE_CHECKING:
     from rich.text import Text
@@ -74,7 +75,7 @@ class PhaseBoard:
             self.servers, self.deadline_ts = report.servers, report.deadline_ts
             self.acknowledged = set()
             self.calling = self.inflight = None
-            what = [f"{report.servers} servers"] if report.servers is not None else []
+            what = [count(report.servers, "server")] if report.servers is not None else []
             what += [self.deadline_left()] if report.deadline_ts is not None else []
             return f"{report.phase} started" + (f": {', '.join(what)}" if what else "")
         if report.phase != self.phase or report.checkpoint_id != self.checkpoint_id:

@@ -17,7 +17,8 @@ from typing import Any
 
 import anyio
 
-from quiesce.tools.cli.output import console, emit_json, print_error
+from quiesce.tools.cli.flags import UsageError
+from quiesce.tools.cli.output import console, emit_json
 
 
 def register(subparsers: Any) -> None:
@@ -49,8 +50,7 @@ def handle(args: argparse.Namespace) -> int:
     try:
         code: int = anyio.run(run_demo, args.dir, people, result)
     except FolderRefused as error:
-        print_error(error)
-        return 2
+        raise UsageError(str(error)) from None
     if args.json:
         emit_json(result)
     return code

@@ -20,6 +20,7 @@ from rich.text import Text
 from quiesce.tools.audit.source import export_bundle
 from quiesce.tools.cli.flags import add_ledger, out_file
 from quiesce.tools.cli.output import console, emit_json
+from quiesce.tools.cli.wording import count
 
 
 def register(subparsers: Any) -> None:
@@ -43,5 +44,5 @@ def handle(args: argparse.Namespace) -> int:
         emit_json({"out": str(args.out), "checkpoint": summary.checkpoint, **summary.to_json()})
     else:
         runs = ", ".join(f"{a}..{b}" if a != b else str(a) for a, b in summary.runs) or "none"
-        console.print(Text(f"wrote {args.out}: {summary.events} events (seq {runs})"))
+        console.print(Text(f"wrote {args.out}: {count(summary.events, 'event')} (seq {runs})"))
     return 0

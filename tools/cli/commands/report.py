@@ -21,6 +21,7 @@ from quiesce.tools.audit.report import render_report
 from quiesce.tools.audit.source import load_views
 from quiesce.tools.cli.flags import add_ledger, out_file
 from quiesce.tools.cli.output import console, emit_json
+from quiesce.tools.cli.wording import count
 
 
 def _at_least_one(text: str) -> int:
@@ -59,5 +60,5 @@ def handle(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"out": str(args.out), "attempts": [v.checkpoint_id for v in views], "calls": calls})
     else:
-        console.print(Text(f"wrote {args.out}: {len(views)} attempts, {calls} calls"))
+        console.print(Text(f"wrote {args.out}: {count(len(views), 'attempt')}, {count(calls, 'call')}"))
     return 0

@@ -19,8 +19,7 @@ from typing import Any
 
 from quiesce.coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
 from quiesce.ledger.urls import plain_sqlite_path
-from quiesce.tools.cli.flags import ledger_url
-from quiesce.tools.cli.output import print_error
+from quiesce.tools.cli.flags import UsageError, ledger_url
 from quiesce.tools.gymsim import launcher
 
 DESCRIPTION = f"""\
@@ -75,7 +74,6 @@ def handle(args: argparse.Namespace) -> int:
         try:
             args.ledger = ledger_url(args.ledger, must_exist=False)  # a file path, as everywhere
         except argparse.ArgumentTypeError as error:
-            print_error(f"--ledger: {error}")
-            return 2
+            raise UsageError(f"--ledger: {error}") from None
     _make_ledger_folder(args)
     return launcher.run(args)

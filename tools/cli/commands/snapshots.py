@@ -1,22 +1,35 @@
-"""`quiesce snapshots --config C [--prune K] [--json]` — the published snapshots of the config's folder.
+"""`quiesce snapshots --config C [--prune K [--dry-run | --yes]] [-o FORMAT]` — the published snapshots.
 
-Lists every quiesce snapshot, oldest first: id, created (UTC), size, files, participants, and which
-one `LATEST` names. `--prune K` first removes all but the newest K (K >= 0) — never the one
-`LATEST` names, never anything that is not a quiesce snapshot (rules: `coordinator/snapshots.py`).
-Reads no ledger and contacts no server. `--json`: `{"folder", "snapshots": [{"id", "path",
-"created", "size", "files", "participants", "latest"}], "removed": [ids]}`. Exit 0.
+Lists every quiesce snapshot of the config's folder, oldest first: id, created (UTC), size, files,
+participants, and which one `LATEST` names (`-o wide` adds its path). `--prune K` first removes
+all but the newest K (K >= 0) — never the one `LATEST` names, never anything that is not a quiesce
+snapshot (rules: `coordinator/snapshots.py`). Reads no ledger and contacts no server.
+
+Removing asks first:
+- `--dry-run` lists what would be removed and removes nothing;
+- on a terminal, the snapshots to remove are listed and removed once confirmed (`y`);
+- otherwise (a script, a pipe) `--yes` is required: without it nothing is removed, exit 2.
+
+`--json`: `{"folder", "snapshots": [{"id", "path", "created", "size", "files", "participants",
+"latest"}], "removed": [ids], "would_remove"?: [ids]}`; `-o jsonl` one snapshot per line (a
+removed one marked `"removed": true`, one `--dry-run` would remove `"would_remove": true`). Exit 0;
+1 when the question was answered no.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Any
 
 from quiesce.coordinator.config import load_config
 from quiesce.coordinator.snapshots import SnapshotInfo, list_published, prune
 from quiesce.tools.audit.timefmt import short_at
 from quiesce.tools.cli.cluster_cmd import add_common
-from quiesce.tools.cli.output import console, emit_json
+from quiesce.tools.cli.flags import UsageError, add_output
+from quiesce.tools.cli.output import console, emit_json, emit_jsonl, print_error
+from quiesce.tools.cli.wording import count
 
 
 def _keep(text: str) -> int:
@@ -33,8 +46,16 @@ def register(subparsers: Any) -> None:
         "newest K and the one LATEST names, and removes the other quiesce snapshots.",
     )
     add_common(parser)
+    add_output(parser)
     parser.add_argument(
         "--prune", metavar="K", type=_keep, help="remove all but the newest K snapshots (LATEST is kept)"
+    )
+    confirm = parser.add_mutually_exclusive_group()
+    confirm.add_argument(
+        "--dry-run", action="store_true", help="with --prune: list what would be removed, remove nothing"
+    )
+    confirm.add_argument(
+        "--yes", action="store_true", help="with --prune: remove without asking (needed off a terminal)"
     )
     parser.set_defaults(handler=handle)
 
@@ -49,44 +70,103 @@ def size_text(size: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _print(listed: list[SnapshotInfo], removed: list[SnapshotInfo], folder: str) -> None:
+def would_prune(listed: list[SnapshotInfo], keep: int) -> list[SnapshotInfo]:
+    """What `prune(folder, keep)` removes from `listed` (oldest first, as `list_published` gives
+    them): all but the newest `keep`, never `LATEST`'s (`publish.apply_retention`'s rule)."""
+    return [info for info in listed[: max(0, len(listed) - keep)] if not info.latest]
+
+
+def _print(listed: list[SnapshotInfo], removed: list[SnapshotInfo], folder: str, *, wide: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from quiesce.tools.audit.present import widened
+    from quiesce.tools.audit.present import ColumnSpec, add_columns, widened
 
     for info in removed:
-        console.print(f"removed {escape(info.id)} ({size_text(info.size)})")
+        console.print(f"removed {escape(info.id)} ({size_text(info.size)})", soft_wrap=True)
     if not listed:
-        console.print(f"no snapshots in {escape(folder)}")
+        console.print(f"no snapshots in {escape(folder)}", soft_wrap=True)
         return
+    out = widened(console)
     table = Table(title=f"snapshots in {escape(folder)}", title_justify="left", box=None, pad_edge=False)
-    for column in ("id", "created (UTC)", "size", "files", "participants", "latest"):
-        table.add_column(column, justify="right" if column in ("size", "files") else "left")
-    for info in listed:
-        table.add_row(
-            escape(info.id),
-            short_at(info.created),
-            size_text(info.size),
-            str(info.files),
-            escape(", ".join(info.participants)),
-            "LATEST" if info.latest else "",
+    specs = [
+        ColumnSpec("id", [info.id for info in listed], "whole"),
+        ColumnSpec("created (UTC)", [short_at(info.created) for info in listed], "free"),
+        ColumnSpec("size", [size_text(info.size) for info in listed], "compact", "right"),
+        ColumnSpec("files", [str(info.files) for info in listed], "compact", "right"),
+        ColumnSpec("participants", [", ".join(info.participants) for info in listed], "free"),
+        ColumnSpec("latest", ["LATEST" if info.latest else "" for info in listed], "compact"),
+        *([ColumnSpec("path", [str(info.path) for info in listed], "whole")] if wide else []),
+    ]
+    add_columns(table, specs, out.width)
+    for row in zip(*(spec.values for spec in specs), strict=True):
+        table.add_row(*(escape(str(value)) for value in row))
+    out.print(table)
+
+
+def _confirmed(doomed: list[SnapshotInfo], keep: int, folder: Path) -> bool:
+    """Ask on the terminal whether to remove `doomed` (listed first); True only for yes."""
+    from rich.markup import escape
+
+    from quiesce.tools.cli import output
+
+    err = output.err_console
+    err.print(
+        f"--prune {keep} removes {count(len(doomed), 'snapshot')} from {escape(str(folder))}:", soft_wrap=True
+    )
+    for info in doomed:
+        err.print(
+            f"  {escape(info.id)} ({size_text(info.size)}, created {short_at(info.created)})", soft_wrap=True
         )
-    widened(console).print(table)
+    err.print("remove them? [y/N] ", end="", markup=False)
+    answer = sys.stdin.readline()  # "" at end of input: no
+    return answer.strip().lower() in ("y", "yes")
 
 
 def handle(args: argparse.Namespace) -> int:
-    folder = load_config(args.config).snapshots
-    removed = prune(folder, args.prune) if args.prune is not None else []
-    listed = list_published(folder)
-    if args.json:
-        emit_json(
-            {
-                "folder": str(folder),
-                "snapshots": [info.as_json() for info in listed],
-                "removed": [info.id for info in removed],
-            }
+    if args.prune is None and (args.dry_run or args.yes):
+        raise UsageError(f"{'--dry-run' if args.dry_run else '--yes'} goes with --prune K")
+    asks = args.prune is not None and not args.dry_run and not args.yes
+    if asks and not sys.stdin.isatty():
+        raise UsageError(
+            f"--prune {args.prune} removes snapshots and there is no terminal to confirm on: add --yes to"
+            " remove them, or --dry-run to list what would be removed"
         )
+    folder = load_config(args.config).snapshots
+    removed: list[SnapshotInfo] = []
+    doomed: list[SnapshotInfo] | None = None
+    if args.prune is not None:
+        doomed = would_prune(list_published(folder), args.prune)
+        if args.dry_run:
+            pass
+        elif doomed and asks and not _confirmed(doomed, args.prune, folder):
+            print_error("nothing removed")
+            return 1
+        else:
+            removed = prune(folder, args.prune)
+    listed = list_published(folder)
+    if args.output == "jsonl":
+        marked = {info.id for info in doomed or ()} if args.dry_run else set()
+        emit_jsonl(
+            [{**info.as_json(), "removed": True} for info in removed]
+            + [{**info.as_json(), **({"would_remove": True} if info.id in marked else {})} for info in listed]
+        )
+    elif args.json:
+        document: dict[str, Any] = {
+            "folder": str(folder),
+            "snapshots": [info.as_json() for info in listed],
+            "removed": [info.id for info in removed],
+        }
+        if args.dry_run and doomed is not None:
+            document["would_remove"] = [info.id for info in doomed]
+        emit_json(document)
     else:
-        _print(listed, removed, str(folder))
+        if args.dry_run and doomed is not None:
+            from rich.markup import escape
+
+            for info in doomed:
+                console.print(f"would remove {escape(info.id)} ({size_text(info.size)})", soft_wrap=True)
+            if not doomed:
+                console.print(f"--prune {args.prune} would remove nothing")
+        _print(listed, removed, str(folder), wide=args.output == "wide")
     return 0

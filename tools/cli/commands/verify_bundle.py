@@ -20,8 +20,9 @@ from rich.text import Text
 from quiesce.ledger.urls import safe
 from quiesce.tools.audit.bundle import verify_bundle
 from quiesce.tools.audit.source import cross_check
-from quiesce.tools.cli.flags import add_ledger
-from quiesce.tools.cli.output import console, emit_json, print_error
+from quiesce.tools.cli.flags import CommandError, add_ledger
+from quiesce.tools.cli.output import console, emit_json
+from quiesce.tools.cli.wording import count
 
 
 def register(subparsers: Any) -> None:
@@ -41,8 +42,7 @@ def handle(args: argparse.Namespace) -> int:
     try:
         result = verify_bundle(args.bundle, keep_claims=args.ledger is not None)
     except (OSError, UnicodeDecodeError) as error:
-        print_error(f"cannot read bundle {args.bundle}: {error}")
-        return 2
+        raise CommandError(f"cannot read bundle {args.bundle}: {error}", code="io", exit_code=2) from None
     if args.ledger is not None:
         anyio.run(cross_check, args.ledger, result)
     if args.json:
@@ -51,7 +51,7 @@ def handle(args: argparse.Namespace) -> int:
     header = result.header
     scope = f"checkpoint {header.get('checkpoint')}" if header.get("checkpoint") else "whole ledger"
     runs = ", ".join(f"{a}..{b}" if a != b else str(a) for a, b in result.runs) or "none"
-    console.print(Text(f"bundle {args.bundle}: {scope}, {result.events} events (seq {runs})"))
+    console.print(Text(f"bundle {args.bundle}: {scope}, {count(result.events, 'event')} (seq {runs})"))
     if result.ok:
         what = (
             "complete chain from genesis to the exported head"
@@ -62,7 +62,7 @@ def handle(args: argparse.Namespace) -> int:
         if args.ledger is not None:
             console.print(
                 Text(
-                    f"ok: all {len(result.claims)} stated hashes match the ledger, whose rows there"
+                    f"ok: every stated hash ({len(result.claims)}) matches the ledger, whose rows there"
                     " recompute from their content",
                     style="green",
                 )
