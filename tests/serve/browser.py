@@ -163,14 +163,32 @@ class Browser:
         return reply["result"].get("value")
 
     def wait_for(self, expression: str, *, timeout_s: float = 60.0) -> Any:
+        """Poll `expression` until it is truthy; one that throws (the page still loading: no
+        `document.body` yet) counts as false. Fails with the body's `data-*` state after `timeout_s`."""
         give_up = time.monotonic() + timeout_s
+        failed: RuntimeError | None
         while True:
-            value = self.evaluate(expression)
+            try:
+                value = self.evaluate(expression)
+            except RuntimeError as error:
+                value, failed = None, error
+            else:
+                failed = None
             if value:
                 return value
             if time.monotonic() > give_up:
-                raise AssertionError(f"still false after {timeout_s:g}s: {expression}")
+                state = self.evaluate("JSON.stringify(document.body ? document.body.dataset : null)")
+                raise AssertionError(
+                    f"still false after {timeout_s:g}s: {expression} (body: {state}; last error: {failed})"
+                )
             time.sleep(0.05)
+
+    def resize(self, width: int, height: int) -> None:
+        """The page's viewport, in CSS pixels (what a screenshot shows)."""
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+        )
 
     def screenshot(self, path: Path) -> None:
         shot = self.call("Page.captureScreenshot", {"format": "png"})

@@ -71,6 +71,7 @@ from quiesce.tools.serve.models import (
     RestoreRequest,
     ResumeRequest,
     SaveRequest,
+    SnapshotModel,
     StatusModel,
 )
 from quiesce.tools.serve.page import render_page
@@ -395,6 +396,15 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         (served while an attempt runs) and records nothing."""
         coord, reader = service.require_observer()
         return StatusModel.of(await coord.status(ledger=reader))
+
+    @app.get("/v1/snapshots", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
+    async def snapshots() -> list[SnapshotModel]:
+        """The published snapshots, oldest first, `latest` marking the one `LATEST` names: what
+        `quiesce snapshots --json` lists. Reads the snapshots folder only (no ledger, no operation)."""
+        from quiesce.coordinator.snapshots import list_published
+
+        listed = await anyio.to_thread.run_sync(list_published, service.config.snapshots)
+        return [SnapshotModel.of(info) for info in listed]
 
     # -- reading the ledger -------------------------------------------------------------------
 

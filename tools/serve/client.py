@@ -65,6 +65,7 @@ from quiesce.coordinator.errors import (
     SnapshotError,
 )
 from quiesce.coordinator.http import ConnectFailed, ConnectTimeout, HttpClient, HttpFailure
+from quiesce.coordinator.snapshots import SnapshotInfo
 from quiesce.coordinator.status import ClusterStatus
 from quiesce.ledger import AttemptRow
 from quiesce.tools.serve.auth import API_TOKEN_ENV
@@ -83,6 +84,7 @@ from quiesce.tools.serve.models import (
     HistoryRow,
     OutcomeModel,
     RestoreReply,
+    SnapshotModel,
     StatusModel,
 )
 
@@ -253,6 +255,11 @@ class RemoteCoordinator:
         return [HistoryRow.model_validate(r).row() for r in rows]
 
     # -- reading --------------------------------------------------------------------------------
+
+    async def snapshots(self) -> list[SnapshotInfo]:
+        """The published snapshots, oldest first (`quiesce.coordinator.snapshots.list_published`);
+        `latest` marks the one `LATEST` names."""
+        return [SnapshotModel.model_validate(s).info() for s in await self._request("GET", "/v1/snapshots")]
 
     async def show(self, checkpoint_id: str) -> dict[str, Any]:
         """One attempt explained from the ledger (`quiesce show ID --json`)."""

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from quiesce.coordinator.attempt import Attempt, Outcome, Resubmission
 from quiesce.coordinator.discovery import Discovery, Member
 from quiesce.coordinator.protocol import AcknowledgeBody
+from quiesce.coordinator.snapshots import SnapshotInfo
 from quiesce.coordinator.status import ClusterStatus, Holder, ServerStatus
 from quiesce.ledger import AttemptRow
 
@@ -402,6 +403,37 @@ class StatusModel(BaseModel):
                 for s in self.servers
             ),
             tuple(self.unfinished),
+        )
+
+
+# -- snapshots --------------------------------------------------------------------------------
+
+
+class SnapshotModel(BaseModel):
+    """One published snapshot (`quiesce.coordinator.snapshots.SnapshotInfo`): what `quiesce snapshots
+    --json` lists."""
+
+    id: str = Field(description="its folder's name; `POST /v1/restore` takes it as `snapshot`")
+    path: str
+    created: str | None
+    size: int = Field(description="bytes: every file its manifest lists, and the manifest")
+    files: int
+    participants: list[str]
+    latest: bool = Field(description="the one `LATEST` names (what a restore of `latest` restores)")
+
+    @classmethod
+    def of(cls, info: SnapshotInfo) -> SnapshotModel:
+        return cls.model_validate(info.as_json())
+
+    def info(self) -> SnapshotInfo:
+        return SnapshotInfo(
+            id=self.id,
+            path=Path(self.path),
+            created=self.created,
+            size=self.size,
+            files=self.files,
+            participants=tuple(self.participants),
+            latest=self.latest,
         )
 
 
