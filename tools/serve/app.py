@@ -3,13 +3,17 @@
 
 Rules kept here:
 - Every `/v1` route and `/metrics` needs the API bearer token when one is set (`auth`); `/`,
-  `/healthz` and `/readyz` never do (they show no ledger data; the page asks for the token itself).
+  `/docs`, `/openapi.json`, `/healthz` and `/readyz` never do (they show no ledger data; the page
+  asks for the token itself).
 - Every route that drives servers is one `Service.run` operation; the ledger reads
   (`/v1/attempts...`) go through a separate read-only ledger, so they never disturb a save.
 - Two routes claim no operation, as the embedded API allows them beside an attempt: `GET
   /v1/status` (read-only: live fences, holders looked up in the read-only ledger, nothing
   recorded) and `POST /v1/acknowledge` (a trainer releasing a finished result may be what lets the
   save in progress prepare). Both need a ready (or stopping) service: a standby answers 503.
+  `GET /v1/snapshots` reads the snapshots folder only (no ledger, no operation), in any state.
+- `latest` in an attempt route (`/v1/attempts/latest`, `/events`, `/timeline`) is the attempt in
+  progress, else the ledger's newest; 404 before the first.
 - Resume and abort act on any checkpoint id (`POST /v1/resume|abort` with `checkpoint_id`, or
   `POST /v1/attempts/{id}/resume|abort`): the two-step save waiting here continues as that
   attempt; any other id — a restore a CLI left held, another ledger's id — is let go through the
