@@ -2,7 +2,8 @@
 plain words.
 
 - `count(1, "server")` is `1 server`, `count(2, "server")` `2 servers`: never `1 servers`, never
-  `server(s)`.
+  `server(s)` (`plain` turns another module's `1 result(s)` into `1 result`, `2 call(s)` into
+  `2 calls`).
 - `plain(message)` rewrites pydantic's wording (`Input should be a valid integer`, `Field
   required`, `Value error, ...`, `[type=..., input_value=...]`, its documentation links) into what
   is wrong, so a bad config or reply reads `servers[0].url: required`, not pydantic's report.
@@ -81,9 +82,17 @@ def _entries(match: re.Match[str]) -> str:
     return f"invalid {match.group(1)}:\n  " + "\n  ".join(lines) + "\n"
 
 
+_MAYBE_PLURAL: Final = re.compile(r"\b(\d+)((?: [a-z]+)*? [a-z]+)\(s\)")
+
+
+def _counted(match: re.Match[str]) -> str:
+    return f"{match.group(1)}{match.group(2)}" + ("" if match.group(1) == "1" else "s")
+
+
 def plain(message: str) -> str:
-    """`message` with pydantic's wording replaced by plain words (see the module docstring)."""
+    """`message` with pydantic's wording replaced by plain words, and `N thing(s)` counted (see
+    the module docstring)."""
     message = _REPORT.sub(_entries, message).rstrip("\n") if "validation error" in message else message
     for pattern, words in _PLAIN:
         message = pattern.sub(words, message)
-    return message
+    return _MAYBE_PLURAL.sub(_counted, message) if "(s)" in message else message
