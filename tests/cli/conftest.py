@@ -1,6 +1,7 @@
 """Fixtures of the command-line tests: the reference-cluster fixtures of the coordinator tests
-(`token`, `make_cluster`, `cluster`), and `config_file`, a config for `cluster` with its ledger
-`q.db` and snapshots `snaps/` beside it (relative: the config's folder is theirs)."""
+(`token`, `make_cluster`, `cluster`), `config_file`, a config for `cluster` with its ledger `q.db`
+and snapshots `snaps/` beside it (relative: the config's folder is theirs), and the service tests'
+`spawn_service` (a real `quiesce serve` child process)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 
 from quiesce.tools.gymsim.cluster import RunningCluster
 from tests.coordinator.conftest import cluster, make_cluster, token
+from tests.serve.conftest import spawn_service
 
-__all__ = ["cluster", "config_file", "make_cluster", "token"]
+__all__ = ["cluster", "config_file", "make_cluster", "spawn_service", "token"]
 
 
 @pytest.fixture

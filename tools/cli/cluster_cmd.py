@@ -2,6 +2,11 @@
 
 - `add_common(parser)`: `--config FILE` (default `$QUIESCE_CONFIG`; `--json` and `--debug` come with
   every command, `tools/cli/flags.py`).
+- `driving(args, config, ...)`: what a command drives the cluster through — the running
+  `quiesce serve` at `--service URL` (`RemoteCoordinator`: no ledger opened here, the same
+  results and errors), else a `Coordinator` opened on the config's ledger. Both are a `Driver`.
+- `frees(args)`: how the user reaches the same coordinator in a next command (`--service URL` or
+  `--config FILE`).
 - `progress_line()`: the coordinator's progress shown on stderr (`tools/cli/progress.py`).
 - `phase_error_json(error)`: the `error` object of the `--json` documents.
 - `print_resubmit(resubmit)`: after a restore, or the resume of one, one `send again: rollout X as
@@ -12,20 +17,41 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
-from typing import Any
+import os
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
-from quiesce.coordinator import Coordinator, Outcome, PhaseError, Resubmission, load_config
+from quiesce.coordinator import (
+    Attempt,
+    ClusterConfig,
+    Coordinator,
+    Discovery,
+    Outcome,
+    PhaseError,
+    Resubmission,
+    load_config,
+)
 from quiesce.tools.cli import output
-from quiesce.tools.cli.flags import add_config
+from quiesce.tools.cli.flags import add_config, add_service
 from quiesce.tools.cli.output import emit_json, print_error
 from quiesce.tools.cli.progress import progress_line
 
+if TYPE_CHECKING:
+    from quiesce.coordinator.status import ClusterStatus
+
+#: How long a command through `--service` keeps trying to reach a service (or the active one of
+#: a standby pair) before it reports it unreachable.
+SERVICE_FAILOVER_S = 5.0
+
 __all__ = [
+    "Driver",
     "add_common",
+    "driving",
     "escape",
+    "frees",
     "phase_error_json",
     "print_restored_again",
     "print_resubmit",
@@ -42,8 +68,63 @@ def escape(text: str) -> str:
     return rich_escape(text)
 
 
-def add_common(parser: argparse.ArgumentParser) -> None:
+def add_common(parser: argparse.ArgumentParser, *, service: bool = False) -> None:
+    """`--config FILE`; with `service`, `--service URL` too (`flags.add_service`)."""
     add_config(parser)
+    if service:
+        add_service(parser)
+
+
+class Driver(Protocol):
+    """What the cluster commands call: `Coordinator`'s methods, which `RemoteCoordinator` mirrors."""
+
+    def discover(self) -> Awaitable[Discovery]: ...
+
+    def checkpoint(self, *, deadline_s: float | None = None) -> Awaitable[Attempt]: ...
+
+    def restore(
+        self,
+        snapshot: str | os.PathLike[str] | None = None,
+        *,
+        deadline_s: float | None = None,
+        resume: bool = False,
+    ) -> Awaitable[Attempt]: ...
+
+    def resume(self, target: Attempt | str | None = None) -> Awaitable[Outcome]: ...
+
+    def abort(self, target: Attempt | str | None = None, *, reason: str = ...) -> Awaitable[Outcome]: ...
+
+    def acknowledge_completed(
+        self, server: str, executions: Sequence[tuple[str, int]]
+    ) -> Awaitable[list[tuple[str, int]]]: ...
+
+    def status(self) -> Awaitable[ClusterStatus]: ...
+
+
+def config_of(args: argparse.Namespace) -> ClusterConfig | None:
+    """The cluster config, or None through `--service` (the service has its own)."""
+    return None if getattr(args, "service", None) else load_config(args.config)
+
+
+@asynccontextmanager
+async def driving(
+    args: argparse.Namespace, config: ClusterConfig | None, **opened: Any
+) -> AsyncIterator[Driver]:
+    """The service at `args.service`, else a `Coordinator` opened on `config` with `opened`."""
+    if config is None:
+        from quiesce.tools.serve.client import RemoteCoordinator  # httpx: only for --service
+
+        async with RemoteCoordinator(args.service, failover_s=SERVICE_FAILOVER_S) as remote:
+            yield remote
+        return
+    async with Coordinator.open(config, config_path=args.config, **opened) as coord:
+        yield coord
+
+
+def frees(args: argparse.Namespace) -> str:
+    """The flag that reaches this coordinator again in a next command."""
+    service = getattr(args, "service", None)
+    return f"--service {service}" if service else f"--config {args.config}"
 
 
 def phase_error_json(error: PhaseError) -> dict[str, Any]:
@@ -85,14 +166,14 @@ def register_outcome(subparsers: Any, what: str, *, help: str, description: str)
         nargs="?",
         help="the checkpoint id to act on (default: whatever holds the servers, asked now)",
     )
-    add_common(parser)
+    add_common(parser, service=True)
     parser.set_defaults(handler=lambda args: run_outcome(args, what))
 
 
 def run_outcome(args: argparse.Namespace, what: str) -> int:
     """`quiesce resume [ID]` / `quiesce abort [ID]`: act on the given checkpoint id, or on whatever
     holds the servers (the coordinator asks them); print the outcome."""
-    config = load_config(args.config)
+    config = config_of(args)
     target: str | None = args.checkpoint_id
     result: Outcome | None = None
     failure: PhaseError | None = None
@@ -101,9 +182,7 @@ def run_outcome(args: argparse.Namespace, what: str) -> int:
         nonlocal result, failure
         with progress_line() as progress:
             # no automatic recovery first: resume/abort act on the paused attempt themselves
-            async with Coordinator.open(
-                config, on_progress=progress, recover=False, config_path=args.config
-            ) as coord:
+            async with driving(args, config, on_progress=progress, recover=False) as coord:
                 try:
                     result = await (coord.resume(target) if what == "resume" else coord.abort(target))
                 except PhaseError as error:
@@ -142,7 +221,7 @@ def run_outcome(args: argparse.Namespace, what: str) -> int:
     if result.left_paused:
         print_error(
             f"could not resume {', '.join(result.left_paused)};"
-            " run `quiesce resume` again once they are reachable"
+            f" run `quiesce resume {frees(args)}` again once they are reachable"
         )
         return 1
     return 0

@@ -1,4 +1,5 @@
-"""`quiesce acknowledge --config C SERVER ROLLOUT_ID:ATTEMPT_INDEX [...] [--json]` — release finished results.
+"""`quiesce acknowledge --config C | --service URL SERVER ROLLOUT_ID:ATTEMPT_INDEX [...] [--json]` — release
+finished results.
 
 Gym keeps every finished rollout on its agent until the consumer acknowledges it; until then that
 agent's prepare is incomplete and a checkpoint can only roll back at its deadline. Once the trainer
@@ -8,7 +9,8 @@ Exit codes: 0 every execution acknowledged; 1 the agent refused or answered anot
 assumed released); 2 bad usage — a malformed `ROLLOUT_ID:ATTEMPT_INDEX`, a duplicate, a server not in
 the config or one whose capabilities do not list `completed_result_acknowledgement`. `--json`:
 `{"server", "acknowledged": [{"rollout_id", "attempt_index"}], "outcome": "acknowledged"}`, or with
-`"outcome": "failed"` and an `error` object.
+`"outcome": "failed"` and an `error` object. `--service URL` sends it through a running `quiesce
+serve` (which holds the ledger) instead.
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ from typing import Any
 
 import anyio
 
-from quiesce.coordinator import Coordinator, load_config
 from quiesce.coordinator.errors import AcknowledgementError
 from quiesce.tools.cli import output
-from quiesce.tools.cli.cluster_cmd import add_common, escape
+from quiesce.tools.cli.cluster_cmd import add_common, config_of, driving, escape
 from quiesce.tools.cli.output import emit_json, print_error
 
 
@@ -34,7 +35,7 @@ def register(subparsers: Any) -> None:
             "releases them (Gym's acknowledge-completed). Until then the agent's prepare is incomplete."
         ),
     )
-    add_common(parser)
+    add_common(parser, service=True)
     parser.add_argument("server", metavar="SERVER", help="the agent's name in the config")
     parser.add_argument(
         "executions",
@@ -56,14 +57,14 @@ def _execution(text: str) -> tuple[str, int]:
 
 
 def handle(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+    config = config_of(args)
     executions: list[tuple[str, int]] = list(args.executions)
     acknowledged: list[tuple[str, int]] = []
     failure: AcknowledgementError | None = None
 
     async def run() -> None:
         nonlocal acknowledged, failure
-        async with Coordinator.open(config, recover=False) as coord:
+        async with driving(args, config, recover=False) as coord:
             try:
                 acknowledged = await coord.acknowledge_completed(args.server, executions)
             except AcknowledgementError as error:

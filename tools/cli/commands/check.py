@@ -1,4 +1,4 @@
-"""`quiesce check [ID|latest] --ledger URL|FILE | --config C [--json]` — the protocol check.
+"""`quiesce check [ID|latest] --ledger URL|FILE | --config C [-o FORMAT]` — the protocol check.
 
 From the events alone.
 
@@ -7,7 +7,7 @@ are seen) and recomputes each of those events' hashes; without, checks every att
 ledger and verifies the whole hash chain in the same pass. The output says which of the two was
 verified. Rules and their meaning: `tools/audit/check.py`. Exit 0 with no violation (warnings
 allowed) and an intact chain, 1 with any violation, a broken chain, or when the attempt does not
-exist.
+exist. `-o jsonl` prints one line per violation and warning (`"severity"` says which).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from quiesce.tools.audit.check import CheckReport, check_events
 from quiesce.tools.audit.cli import check_ledger
 from quiesce.tools.audit.present import print_check
 from quiesce.tools.audit.source import checked_attempt_events, open_readonly, resolve_attempt_id
-from quiesce.tools.cli.flags import add_ledger
-from quiesce.tools.cli.output import console, emit_json
+from quiesce.tools.cli.flags import add_ledger, add_output
+from quiesce.tools.cli.output import console, emit_json, emit_jsonl
 
 
 def register(subparsers: Any) -> None:
@@ -36,6 +36,7 @@ def register(subparsers: Any) -> None:
         "checkpoint_id", metavar="ID", nargs="?", help="one attempt (`latest`: the newest; default: all)"
     )
     add_ledger(parser)
+    add_output(parser)
     parser.set_defaults(handler=handle)
 
 
@@ -53,7 +54,12 @@ def handle(args: argparse.Namespace) -> int:
         report = anyio.run(check_ledger, args.ledger)
     else:
         report = anyio.run(_check_one, args.ledger, args.checkpoint_id)
-    if args.json:
+    if args.output == "jsonl":
+        emit_jsonl(
+            [{**v.to_json(), "severity": "violation"} for v in report.violations]
+            + [{**v.to_json(), "severity": "warning"} for v in report.warnings]
+        )
+    elif args.json:
         emit_json(report.to_json())
     else:
         print_check(console, report)

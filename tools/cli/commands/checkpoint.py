@@ -1,6 +1,9 @@
-"""`quiesce checkpoint --config C [--deadline-s N] [--json]` — prepare → commit → publish → resume.
+"""`quiesce checkpoint --config C | --service URL [--deadline-s N] [--json]` — prepare → commit →
+publish → resume.
 
-Prints the published snapshot. On failure the attempt is rolled back (every touched server
+Prints the published snapshot: one line `published ID -> PATH` on stdout (progress is on stderr),
+so a script can read it from a pipe. `--service URL` drives a running `quiesce serve` instead of
+opening the ledger (which that service holds). On failure the attempt is rolled back (every touched server
 resumed) and the command exits 1, naming the phase, the server, the reason, who was resumed,
 who could not be, and the latest snapshot still in place. While a participant is held by another
 checkpoint id (a restore waiting for its resume, an attempt a dead coordinator left) nothing is
@@ -12,14 +15,22 @@ prints `{"checkpoint_id", "outcome": "published"|"aborted"|"refused", "snapshot"
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 import anyio
-from rich.markup import escape
 
-from quiesce.coordinator import Attempt, Coordinator, Discovery, PhaseError, ServersHeld, load_config
+from quiesce.coordinator import Attempt, Coordinator, Discovery, PhaseError, ServersHeld
 from quiesce.coordinator.config import check_deadline
-from quiesce.tools.cli.cluster_cmd import add_common, phase_error_json, print_warnings, progress_line
+from quiesce.tools.cli.cluster_cmd import (
+    add_common,
+    config_of,
+    driving,
+    escape,
+    phase_error_json,
+    print_warnings,
+    progress_line,
+)
 from quiesce.tools.cli.flags import seconds
 from quiesce.tools.cli.output import console, emit_json, print_error
 
@@ -30,7 +41,7 @@ def register(subparsers: Any) -> None:
         help="checkpoint every Gym server: prepare, commit, publish, resume",
         description="Bring every participating Gym server to one consistent stop, save, publish, resume.",
     )
-    add_common(parser)
+    add_common(parser, service=True)
     parser.add_argument(
         "--deadline-s",
         type=seconds,
@@ -42,8 +53,9 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
-    check_deadline(config, args.deadline_s, what="--deadline-s")  # exit 2 before the ledger is opened
+    config = config_of(args)
+    if config is not None:
+        check_deadline(config, args.deadline_s, what="--deadline-s")  # exit 2 before the ledger is opened
     found: Discovery | None = None
     attempt: Attempt | None = None
     failure: PhaseError | None = None
@@ -52,14 +64,14 @@ def handle(args: argparse.Namespace) -> int:
     async def run() -> None:
         nonlocal found, attempt, failure, refused
         with progress_line() as progress:
-            async with Coordinator.open(config, on_progress=progress, config_path=args.config) as coord:
+            async with driving(args, config, on_progress=progress) as coord:
                 found = await coord.discover()
                 print_warnings(found.warnings)
                 try:
                     attempt = await coord.checkpoint(deadline_s=args.deadline_s)
                 except PhaseError as error:
                     failure = error
-                    attempt = coord.current
+                    attempt = coord.current if isinstance(coord, Coordinator) else None
                 except ServersHeld as error:
                     refused = error
 
@@ -97,7 +109,12 @@ def handle(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(document)
     elif failure is None:
-        console.print(f"published {escape(document['checkpoint_id'])} → {escape(document['snapshot'])}")
+        line = f"published {document['checkpoint_id']} -> {document['snapshot']}"
+        if sys.stdout.isatty():
+            console.print(escape(line), soft_wrap=True)
+        else:  # a pipe: exactly this one line, never wrapped
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
     if failure is not None:
         print_error(failure)
         return 1

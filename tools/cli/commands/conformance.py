@@ -1,10 +1,10 @@
-"""`quiesce conformance URL` — probe one Gym server for control plane v1 compliance.
+"""`quiesce conformance URL [-o FORMAT]` — probe one Gym server for control plane v1 compliance.
 
 Prints one row per check (pass / fail with a short reason / skip with why / warn: the rule holds
-in a way worth fixing), or one JSON document with `--json`. Exit codes: 0 no check failed
-(skips and warnings allowed),
-1 at least one failed, 2 bad usage (token variable unset, URL unreachable).
-The token is read from an environment variable and never printed.
+in a way worth fixing), or one JSON document with `--json`, or one check per line with `-o jsonl`.
+Exit codes: 0 no check failed (skips and warnings allowed), 1 at least one failed, 2 bad usage
+(token variable unset, URL unreachable). The token is read from an environment variable and never
+printed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from rich.table import Table
 
 from quiesce.coordinator.calls import token_problem
 from quiesce.coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
-from quiesce.tools.cli.output import console, emit_json, print_error
+from quiesce.tools.cli.flags import UsageError, add_output
+from quiesce.tools.cli.output import console, emit_json, emit_jsonl
+from quiesce.tools.cli.wording import count, plain
 from quiesce.tools.conformance import DEFAULT_TIMEOUT_S, ConformanceReport, ServerUnreachable, run_conformance
 
 _STYLE = {
@@ -54,6 +56,7 @@ def register(subparsers: Any) -> None:
         metavar="S",
         help=f"seconds to wait for a reply; also each control call's budget (default {DEFAULT_TIMEOUT_S:g})",
     )
+    add_output(parser)
     parser.set_defaults(handler=handle)
 
 
@@ -78,17 +81,16 @@ def read_token(token_env: str | None) -> tuple[str | None, str]:
 def handle(args: argparse.Namespace) -> int:
     token, source = read_token(args.token_env)
     if token is None:
-        print_error(source)
-        return 2
+        raise UsageError(source)
     if args.timeout <= 0:
-        print_error("--timeout must be positive")
-        return 2
+        raise UsageError(f"--timeout {args.timeout:g}: give a number of seconds above 0")
     try:
         report = anyio.run(lambda: run_conformance(args.url, token, timeout_s=args.timeout))
     except ServerUnreachable as error:
-        print_error(error)
-        return 2
-    if args.json:
+        raise UsageError(str(error), code="unreachable") from None
+    if args.output == "jsonl":
+        emit_jsonl(result.to_json() for result in report.results)
+    elif args.json:
         emit_json(report.to_json())
     else:
         print_report(report)
@@ -101,16 +103,18 @@ def print_report(report: ConformanceReport) -> None:
         for part in (report.component, repr(report.name) if report.name else None, report.instance_role)
         if part
     )
+    from quiesce.tools.audit.present import whole_column, widened
+
     table = Table(title=f"conformance of {escape(report.url)}" + (f" ({what})" if what else ""))
-    table.add_column("check", no_wrap=True)
+    whole_column(table, "check", [result.name for result in report.results])
     table.add_column("result", no_wrap=True)
     table.add_column("detail", overflow="fold")
     for result in report.results:
-        table.add_row(escape(result.name), _STYLE[result.status], escape(result.detail))
-    console.print(table)
+        table.add_row(escape(result.name), _STYLE[result.status], escape(plain(result.detail)))
+    widened(console).print(table)
     counts = report.counts()
     verdict = "[green]conformant[/]" if report.passed else "[bold red]not conformant[/]"
-    warned = f", {counts['warn']} warning(s)" if counts["warn"] else ""
+    warned = f", {count(counts['warn'], 'warning')}" if counts["warn"] else ""
     console.print(
         f"{verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped{warned}"
     )

@@ -1,4 +1,4 @@
-"""`quiesce history --ledger URL|FILE | --config C [--since T] [--outcome O] [--limit N] [--json]`.
+"""`quiesce history --ledger URL|FILE | --config C [--since T] [--outcome O] [--limit N] [-o FORMAT]`.
 
 One row per attempt, oldest first — the order `quiesce report` lists them in —, read from the
 `attempts` projection, so it stays fast on large ledgers: id, kind, outcome, snapshot, started,
@@ -14,9 +14,10 @@ imports).
 Read-only: opens the ledger without taking an epoch, so it never fences a running coordinator.
 `--since` takes a UTC time (`2025-01-02`, `2025-01-02T03:04:05Z`) or an age (`90s`, `30m`, `2h`,
 `7d`); `--outcome` one of published, restored, resumed, aborted, abandoned, or `open` (no terminal
-event yet). `--json` prints a list of `{"checkpoint_id", "kind", "state", "outcome", "snapshot",
-"started_at", "ended_at", "duration_s", "participants", "epoch", "calls", "failures",
-"recovered_by"}`.
+event yet). `--json` (`-o json`) prints a list of `{"checkpoint_id", "kind", "state", "outcome",
+"snapshot", "started_at", "ended_at", "duration_s", "participants", "epoch", "calls", "failures",
+"recovered_by"}`; `-o jsonl` one such object per line; `-o wide` adds the state, end and epoch
+columns. The checkpoint and snapshot ids are never cut: the other columns wrap.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import anyio
 from quiesce.ledger import AttemptRow, Ledger
 from quiesce.tools.audit.source import open_readonly
 from quiesce.tools.audit.timefmt import duration, short_at
-from quiesce.tools.cli.flags import add_ledger
+from quiesce.tools.cli.flags import add_ledger, add_output
 
 OUTCOMES: Final = ("published", "restored", "resumed", "aborted", "abandoned", "open")
 #: Outcomes the projection cannot filter on: a restore's row says `restored` even once resumed.
@@ -72,6 +73,7 @@ def register(subparsers: Any) -> None:
         description="List every checkpoint and restore attempt recorded in the ledger, oldest first.",
     )
     add_ledger(parser)
+    add_output(parser)
     parser.add_argument("--since", metavar="T", type=parse_since, help="attempts started at or after T")
     parser.add_argument("--outcome", metavar="O", choices=OUTCOMES, help="only this outcome (or `open`)")
     parser.add_argument(
@@ -152,12 +154,16 @@ def to_json(item: Entry) -> dict[str, Any]:
     }
 
 
-def emit_rows(rows: list[Entry]) -> None:
-    """One JSON array on stdout, one compact row per line: the C encoder keeps this fast on tens of
-    thousands of attempts (an indented dump goes through the pure-Python encoder)."""
+def emit_rows(rows: list[Entry], *, lines: bool = False) -> None:
+    """One JSON array on stdout, one compact row per line (`lines`: the rows alone, JSON Lines):
+    the C encoder keeps this fast on tens of thousands of attempts (an indented dump goes through
+    the pure-Python encoder)."""
     encode = json.JSONEncoder(sort_keys=True, ensure_ascii=False).encode
-    body = ",\n".join(encode(to_json(row)) for row in rows)
-    sys.stdout.write(f"[\n{body}\n]\n" if rows else "[]\n")
+    if lines:
+        sys.stdout.write("".join(encode(to_json(row)) + "\n" for row in rows))
+    else:
+        body = ",\n".join(encode(to_json(row)) for row in rows)
+        sys.stdout.write(f"[\n{body}\n]\n" if rows else "[]\n")
     sys.stdout.flush()
 
 
@@ -173,14 +179,20 @@ COLUMNS: Final = (
     "failures",
     "recovered by",
 )
-_RIGHT: Final = frozenset({"calls", "failures", "duration"})
+#: What `-o wide` adds.
+WIDE_COLUMNS: Final = ("state", "ended (UTC)", "epoch")
+#: Columns holding ids: never cut; the free ones wrap first (`present.add_columns`).
+_WHOLE: Final = frozenset({"checkpoint", "snapshot"})
+_FREE: Final = frozenset({"started (UTC)", "participants", "recovered by", "ended (UTC)"})
+_RIGHT: Final = frozenset({"calls", "failures", "duration", "epoch"})
 #: Above this many rows the table is written as plain aligned text: rich measures every cell and
 #: takes seconds on tens of thousands of rows.
 RICH_MAX_ROWS: Final = 500
 
 
-def cells(item: Entry) -> list[str]:
+def cells(item: Entry, *, wide: bool = False) -> list[str]:
     row = item.row
+    extra = [row.state, short_at(row.ended_at) if row.ended_at else "-", str(row.epoch)] if wide else []
     return [
         row.checkpoint_id,
         row.kind,
@@ -192,38 +204,54 @@ def cells(item: Entry) -> list[str]:
         str(row.calls),
         str(row.failures),
         f"epoch {row.recovered_by}" if row.recovered_by is not None else "-",
+        *extra,
     ]
 
 
-def print_rich(rows: list[Entry]) -> None:
+def columns(wide: bool) -> tuple[str, ...]:
+    return COLUMNS + WIDE_COLUMNS if wide else COLUMNS
+
+
+def print_rich(rows: list[Entry], *, wide: bool = False) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from quiesce.tools.audit.present import RESULT_STYLE, widened
+    from quiesce.tools.audit.present import RESULT_STYLE, ColumnSpec, add_columns, widened
     from quiesce.tools.cli.output import console
 
+    names = columns(wide)
+    grid = [cells(item, wide=wide) for item in rows]
     table = Table(box=None, pad_edge=False)
-    for column in COLUMNS:
-        table.add_column(column, justify="right" if column in _RIGHT else "left")
-    for item in rows:
-        values = cells(item)
+    out = widened(console)
+    specs = [
+        ColumnSpec(
+            name,
+            [line[i] for line in grid],
+            "whole" if name in _WHOLE else "free" if name in _FREE else "compact",
+            "right" if name in _RIGHT else "left",
+        )
+        for i, name in enumerate(names)
+    ]
+    add_columns(table, specs, out.width)
+    for item, values in zip(rows, grid, strict=True):
         styles = ["" for _ in values]
         styles[2] = RESULT_STYLE.get(item.outcome or "", "yellow")
-        styles[COLUMNS.index("failures")] = "red" if item.row.failures else ""
+        styles[names.index("failures")] = "red" if item.row.failures else ""
         table.add_row(*(Text(v, style=st) for v, st in zip(values, styles, strict=True)))
-    widened(console).print(table)
+    out.print(table)
 
 
-def print_plain(rows: list[Entry]) -> None:
+def print_plain(rows: list[Entry], *, wide: bool = False) -> None:
     """The same table as aligned plain text (no colour), for very long histories."""
-    grid = [list(COLUMNS), *(cells(row) for row in rows)]
-    widths = [max(len(line[i]) for line in grid) for i in range(len(COLUMNS))]
+    names = columns(wide)
+    grid = [list(names), *(cells(row, wide=wide) for row in rows)]
+    widths = [max(len(line[i]) for line in grid) for i in range(len(names))]
     out = sys.stdout
     try:
         for line in grid:
             parts = [
                 value.rjust(width) if name in _RIGHT else value.ljust(width)
-                for name, value, width in zip(COLUMNS, line, widths, strict=True)
+                for name, value, width in zip(names, line, widths, strict=True)
             ]
             out.write("  ".join(parts).rstrip() + "\n")
         out.flush()
@@ -234,8 +262,8 @@ def print_plain(rows: list[Entry]) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     rows = anyio.run(read_entries, args.ledger, args.since, args.outcome, args.limit)
-    if args.json:
-        emit_rows(rows)
+    if args.output in ("json", "jsonl"):
+        emit_rows(rows, lines=args.output == "jsonl")
         return 0
     if not rows:
         from quiesce.tools.cli.output import console
@@ -244,8 +272,9 @@ def handle(args: argparse.Namespace) -> int:
             "no attempts recorded" if args.since is None and args.outcome is None else "no attempts match"
         )
         return 0
+    wide = args.output == "wide"
     if len(rows) > RICH_MAX_ROWS:
-        print_plain(rows)
+        print_plain(rows, wide=wide)
     else:
-        print_rich(rows)
+        print_rich(rows, wide=wide)
     return 0

@@ -1,4 +1,4 @@
-"""`quiesce replay --ledger URL|FILE | --config C [--verify] [--rebuild] [--json]` — audit a ledger.
+"""`quiesce replay --ledger URL|FILE | --config C [--verify] [--rebuild] [-o FORMAT]` — audit a ledger.
 
 Always recomputes the hash chain and rebuilds the projections in memory, comparing them with
 the live tables. Exit codes:
@@ -8,11 +8,15 @@ the live tables. Exit codes:
   (``tools/audit/check.py``) finds a violation;
 - ``--rebuild``: replaces the live projections with the rebuilt ones (needs the writer lock;
   refused, exit 1, when the chain is broken), then 0.
+
+`-o jsonl` prints one line per projection difference (`{"checkpoint_id", "column", "live",
+"rebuilt"}`); every difference is listed there, the table shows the first 50.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 from typing import Any
 
 import anyio
@@ -23,8 +27,9 @@ from quiesce.ledger import ReplayReport, replay_url
 from quiesce.ledger.urls import safe
 from quiesce.tools.audit.cli import check_ledger
 from quiesce.tools.audit.present import print_check
-from quiesce.tools.cli.flags import add_ledger
-from quiesce.tools.cli.output import console, emit_json
+from quiesce.tools.cli.flags import add_ledger, add_output
+from quiesce.tools.cli.output import console, emit_json, emit_jsonl
+from quiesce.tools.cli.wording import count
 
 MAX_SHOWN = 50
 
@@ -39,6 +44,7 @@ def register(subparsers: Any) -> None:
         ),
     )
     add_ledger(parser)
+    add_output(parser)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
         "--verify",
@@ -54,7 +60,7 @@ def register(subparsers: Any) -> None:
 
 
 def _print(report: ReplayReport, where: str) -> None:
-    console.print(f"ledger {escape(where)}: {report.events} events, head seq {report.head_seq}")
+    console.print(f"ledger {escape(where)}: {count(report.events, 'event')}, head seq {report.head_seq}")
     if report.head_hash:
         console.print(f"head hash {report.head_hash}")
     if report.chain_ok:
@@ -66,7 +72,13 @@ def _print(report: ReplayReport, where: str) -> None:
     if report.projections_ok:
         console.print("projections: [green]match the events[/]")
     else:
-        table = Table("checkpoint id", "column", "live", "rebuilt", title="projection differences")
+        from quiesce.tools.audit.present import whole_column
+
+        shown = report.differences[:MAX_SHOWN]
+        table = Table(title="projection differences")
+        whole_column(table, "checkpoint id", [diff.checkpoint_id for diff in shown])
+        for name in ("column", "live", "rebuilt"):
+            table.add_column(name, overflow="fold")
         for diff in report.differences[:MAX_SHOWN]:
             table.add_row(
                 escape(diff.checkpoint_id), diff.column, escape(repr(diff.live)), escape(repr(diff.rebuilt))
@@ -74,7 +86,7 @@ def _print(report: ReplayReport, where: str) -> None:
         console.print(table)
         more = len(report.differences) - MAX_SHOWN
         if more > 0:
-            console.print(f"... and {more} more differences")
+            console.print(f"... and {count(more, 'more difference')} (-o jsonl lists every one)")
     if report.rebuilt:
         console.print("projections [green]rebuilt[/] from the events")
 
@@ -83,7 +95,9 @@ def handle(args: argparse.Namespace) -> int:
     report = anyio.run(lambda: replay_url(args.ledger, rebuild=args.rebuild))
     # --verify adds the protocol check (tools/audit/check.py) once the chain is known good.
     protocol = anyio.run(check_ledger, args.ledger) if args.verify and report.chain_ok else None
-    if args.json:
+    if args.output == "jsonl":
+        emit_jsonl(asdict(diff) for diff in report.differences)
+    elif args.json:
         emit_json({**report.to_json(), **({"protocol": protocol.to_json()} if protocol else {})})
     else:
         _print(report, safe(args.ledger))

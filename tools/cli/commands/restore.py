@@ -1,4 +1,4 @@
-"""`quiesce restore --config C [--snapshot DIR|ID|latest] [--resume] [--json]`.
+"""`quiesce restore --config C | --service URL [--snapshot DIR|ID|latest] [--resume] [--json]`.
 
 `--snapshot` takes a snapshot id (looked up in the config's snapshots folder first, so a folder of
 the same name in the current folder never stands in for it), `latest`, or a snapshot folder's path;
@@ -15,6 +15,9 @@ What to send again: the restore runs no restored rollout — Gym retired each sa
 continues it only when the trainer sends `/run` for it as its next attempt. A successful restore
 prints one line per such execution (`send again: rollout X as attempt N on AGENT`) and lists them
 under `resubmit` (`[{"server", "rollout_id", "attempt_index"}]`, empty when none; `Attempt.resubmit`).
+
+`--service URL` drives a running `quiesce serve` instead of opening the ledger; the service looks
+the snapshot up in its own config's folder.
 """
 
 from __future__ import annotations
@@ -25,17 +28,22 @@ from typing import Any
 import anyio
 from rich.markup import escape
 
-from quiesce.coordinator import Attempt, Coordinator, PhaseError, ServersHeld, SnapshotError, load_config
+from quiesce.coordinator import Attempt, Coordinator, PhaseError, ServersHeld, SnapshotError
 from quiesce.coordinator.publish import resolve_snapshot
 from quiesce.tools.cli.cluster_cmd import (
     add_common,
+    config_of,
+    driving,
+    frees,
     phase_error_json,
     print_restored_again,
     print_resubmit,
     print_warnings,
     progress_line,
 )
+from quiesce.tools.cli.flags import UsageError
 from quiesce.tools.cli.output import console, emit_json, print_error
+from quiesce.tools.cli.wording import count
 
 
 def register(subparsers: Any) -> None:
@@ -44,7 +52,7 @@ def register(subparsers: Any) -> None:
         help="restore a snapshot into the Gym servers (they stay paused until resume)",
         description="Verify a snapshot, then restore it into every participating Gym server.",
     )
-    add_common(parser)
+    add_common(parser, service=True)
     parser.add_argument(
         "--snapshot", default="latest", metavar="DIR|ID|latest", help="snapshot to restore (default: latest)"
     )
@@ -53,17 +61,15 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
-    if args.snapshot != "latest":
+    config = config_of(args)
+    if config is not None and args.snapshot != "latest":
         # naming a snapshot that is not there is bad usage (exit 2), found before any server is asked
         try:
             named = resolve_snapshot(config.snapshots, args.snapshot)
         except SnapshotError as error:
-            print_error(error)
-            return 2
+            raise UsageError(str(error), code="snapshot") from None
         if not named.is_dir():
-            print_error(f"--snapshot {args.snapshot}: no such snapshot folder")
-            return 2
+            raise UsageError(f"--snapshot {args.snapshot}: no such snapshot folder", code="snapshot")
     attempt: Attempt | None = None
     failure: PhaseError | None = None
     refused: ServersHeld | None = None
@@ -71,14 +77,14 @@ def handle(args: argparse.Namespace) -> int:
     async def run() -> None:
         nonlocal attempt, failure, refused
         with progress_line() as progress:
-            async with Coordinator.open(config, on_progress=progress, config_path=args.config) as coord:
+            async with driving(args, config, on_progress=progress) as coord:
                 found = await coord.discover()
                 print_warnings(found.warnings)
                 try:
                     attempt = await coord.restore(args.snapshot, resume=args.resume)
                 except PhaseError as error:
                     failure = error
-                    attempt = coord.current
+                    attempt = coord.current if isinstance(coord, Coordinator) else None
                 except ServersHeld as error:
                     refused = error
 
@@ -117,14 +123,14 @@ def handle(args: argparse.Namespace) -> int:
         console.print(
             f"{outcome} {escape(str(attempt.snapshot))} as {escape(attempt.checkpoint_id)}:"
             f" {escape(', '.join(attempt.touched))}"
-            + ("" if args.resume else escape(f" (paused until `quiesce resume --config {args.config}`)"))
+            + ("" if args.resume else escape(f" (paused until `quiesce resume {frees(args)}`)")),
+            soft_wrap=True,
         )
         print_restored_again(again)
         if attempt.resubmit:
             when = "now" if args.resume else "once resumed"
-            console.print(
-                f"{len(attempt.resubmit)} restored rollouts run only when sent again ({when}), as:",
-                soft_wrap=True,
-            )
+            rollouts = count(len(attempt.resubmit), "restored rollout")
+            runs = "runs" if len(attempt.resubmit) == 1 else "run"
+            console.print(f"{rollouts} {runs} only when sent again ({when}), as:", soft_wrap=True)
         print_resubmit(attempt.resubmit)
     return 0

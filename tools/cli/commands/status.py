@@ -1,4 +1,5 @@
-"""`quiesce status --config C [--json]` — live: what holds each Gym server, and what frees it.
+"""`quiesce status --config C | --service URL [-o FORMAT]` — live: what holds each Gym server, and what
+frees it.
 
 Reads every configured server's capabilities now (its fence: phase, active checkpoint id, deadline)
 and looks each holding id up in the ledger: its kind (save, restore, or `unknown` when this ledger
@@ -13,7 +14,9 @@ usage or config. `--json`: `{"idle", "held", "servers": [{"name", "url", "reacha
 "active_checkpoint_id", "held", "held_by", "holder_kind", "since", "deadline_left_s", "frees",
 "error"}],
 "holders": [{"checkpoint_id", "kind", "state", "started_at", "finished", "frees"}],
-"unfinished": [ID...]}`: `finished` false for an attempt `quiesce recover` would finish.
+"unfinished": [ID...]}`: `finished` false for an attempt `quiesce recover` would finish. `-o jsonl`:
+one server object per line; `-o wide` adds each server's URL and the command that frees it.
+`--service URL` asks a running `quiesce serve` for the same report.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from quiesce.coordinator.http import HttpClient
 from quiesce.coordinator.status import ClusterStatus, read_status
 from quiesce.ledger import Ledger
 from quiesce.tools.cli import output
-from quiesce.tools.cli.cluster_cmd import add_common, escape, print_warnings
-from quiesce.tools.cli.output import emit_json
+from quiesce.tools.cli.cluster_cmd import add_common, driving, escape, print_warnings
+from quiesce.tools.cli.flags import add_output
+from quiesce.tools.cli.output import emit_json, emit_jsonl
 
 
 def register(subparsers: Any) -> None:
@@ -40,11 +44,28 @@ def register(subparsers: Any) -> None:
         help="live: each server's fence, what holds it and the command that frees it",
         description="Read every server's fence now; name what holds each one, since when, and what frees it.",
     )
-    add_common(parser)
+    add_common(parser, service=True)
+    add_output(parser)
     parser.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
+    status = anyio.run(_remote, args) if args.service else _local(args)
+    if args.output == "jsonl":
+        emit_jsonl(server.as_json() for server in status.servers)
+    elif args.json:
+        emit_json(status.as_json())
+    else:
+        _print(status, wide=args.output == "wide")
+    return 0 if status.idle else 1
+
+
+async def _remote(args: argparse.Namespace) -> ClusterStatus:
+    async with driving(args, None) as service:
+        return await service.status()
+
+
+def _local(args: argparse.Namespace) -> ClusterStatus:
     config = load_config(args.config)
     # the report reads only capabilities, which need no token (the status routes do): without
     # one it is complete; a token that cannot be a bearer token is still a config error
@@ -76,36 +97,49 @@ def handle(args: argparse.Namespace) -> int:
 
     status = anyio.run(run)
     print_warnings(warnings)
-    if args.json:
-        emit_json(status.as_json())
-    else:
-        _print(status)
-    return 0 if status.idle else 1
+    return status
 
 
-def _print(status: ClusterStatus) -> None:
+def _print(status: ClusterStatus, *, wide: bool = False) -> None:
     from rich.table import Table  # people-facing output only: --json never loads rich
 
-    table = Table(show_edge=False, pad_edge=False)
-    for column in ("server", "phase", "held by", "kind", "since", "deadline left"):
-        table.add_column(column)
-    for server in status.servers:
-        if not server.reachable:
-            table.add_row(
-                escape(server.name), f"[red]unreachable[/]: {escape(server.error or '')}", "", "", "", ""
-            )
-            continue
-        left = server.deadline_left_s
-        table.add_row(
-            escape(server.name),
-            escape(server.phase or "") if not server.held else f"[yellow]{escape(server.phase or '')}[/]",
-            escape(server.held_by or "-"),
-            escape(server.holder_kind or ""),
-            escape(server.since or ""),
-            "" if left is None else (f"{left:.1f}s" if left >= 0 else f"passed {-left:.1f}s ago"),
+    from quiesce.tools.audit.present import ColumnSpec, add_columns, widened
+
+    servers = status.servers
+
+    def left(seconds: float | None) -> str:
+        return (
+            "" if seconds is None else (f"{seconds:.1f}s" if seconds >= 0 else f"passed {-seconds:.1f}s ago")
         )
+
+    phases = [(s.phase or "") if s.reachable else f"unreachable: {s.error or ''}" for s in servers]
+    specs = [
+        ColumnSpec("server", [s.name for s in servers], "whole"),
+        ColumnSpec("phase", phases, "free"),
+        ColumnSpec("held by", [(s.held_by or "-") if s.reachable else "" for s in servers], "whole"),
+        ColumnSpec("kind", [(s.holder_kind or "") if s.reachable else "" for s in servers], "compact"),
+        ColumnSpec("since", [(s.since or "") if s.reachable else "" for s in servers], "free"),
+        ColumnSpec(
+            "deadline left", [left(s.deadline_left_s) if s.reachable else "" for s in servers], "free"
+        ),
+    ]
+    if wide:
+        specs += [
+            ColumnSpec("url", [s.url for s in servers], "whole"),
+            ColumnSpec("frees", [s.frees or "" for s in servers], "free"),
+        ]
     console = output.console
-    console.print(table)
+    out = widened(console)
+    table = Table(show_edge=False, pad_edge=False)
+    add_columns(table, specs, out.width)
+    for server, row in zip(servers, zip(*(spec.values for spec in specs), strict=True), strict=True):
+        cells = [escape(str(value)) for value in row]
+        if not server.reachable:
+            cells[1] = f"[red]{cells[1]}[/]"
+        elif server.held:
+            cells[1] = f"[yellow]{cells[1]}[/]"
+        table.add_row(*cells)
+    out.print(table)
     for holder in status.holders:
         console.print(
             f"{escape(holder.checkpoint_id)} ({escape(holder.kind)}: {escape(holder.state)}) — free with:"
