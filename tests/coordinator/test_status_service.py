@@ -4,20 +4,24 @@ A CLI command that opens the ledger then fails ("already has a writer"), so ever
 status names goes through the service: read through a read-only ledger as `quiesce status` reads
 it (the service found from the lease, or from the process holding the SQLite writer lock), and by
 the service's own `Coordinator.status()` (`GET /v1/status`) and its refusal of a save — each names
-`quiesce resume --service URL ID`, and the service's route frees the servers. Before the service
+`quiesce resume --service URL ID`, which, run as printed, frees the servers. Before the service
 starts, the same read names the command with `--config`.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import anyio
 import httpx
 import pytest
 
@@ -28,6 +32,7 @@ from quiesce.coordinator.http import HttpClient
 from quiesce.coordinator.protocol import TOKEN_ENV
 from quiesce.coordinator.status import ClusterStatus, read_status
 from quiesce.ledger import Ledger
+from quiesce.tools.cli.main import main as cli
 from quiesce.tools.gymsim.cluster import IMPORT_ROOT, RunningCluster
 from quiesce.tools.serve.spawn import start_service
 from tests.coordinator.helpers import assert_all_accepting
@@ -99,9 +104,24 @@ def _frees(status: ClusterStatus) -> set[str | None]:
     return {s.frees for s in held} | {h.frees for h in status.holders}
 
 
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
+    """The CLI in this process (call it from a worker thread: it runs its own event loop); its
+    `--json` document."""
+    capsys.readouterr()
+    code = cli(list(argv))
+    out = capsys.readouterr().out
+    return code, json.loads(out) if out.strip() else None
+
+
 async def test_while_a_service_holds_the_ledger_status_names_the_command_through_it(
-    cluster: RunningCluster, ledger_url: str, tmp_path: Path, serve: Callable[[Path], str]
+    cluster: RunningCluster,
+    ledger_url: str,
+    tmp_path: Path,
+    serve: Callable[[Path], str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("QUIESCE_API_TOKEN", API)  # what the CLI sends the service
     config_file = cluster.write_config(tmp_path / "cluster.yaml", ledger_url, tmp_path / "snaps")
     async with Coordinator.open(config_file) as coord:
         await coord.checkpoint(deadline_s=30)
@@ -123,10 +143,12 @@ async def test_while_a_service_holds_the_ledger_status_names_the_command_through
         assert refused.status_code == 409, refused.text
         assert refused.json()["error"]["type"] == "ServersHeld"
         assert f"free them with `{through}`" in refused.json()["error"]["message"]
-        # what it names works: the service's route for it frees them
-        freed = await http.post("/v1/resume", json={"checkpoint_id": cid})
-        assert freed.status_code == 200, freed.text
-        assert (freed.json()["checkpoint_id"], freed.json()["outcome"]) == (cid, "resumed")
+        # the command it names works while the service runs: run exactly as printed, it frees them
+        argv = shlex.split(through)
+        assert argv[0] == "quiesce"
+        code, out = await anyio.to_thread.run_sync(lambda: _cli(capsys, *argv[1:], "--json"))
+        assert code == 0, out
+        assert (out["checkpoint_id"], out["outcome"]) == (cid, "resumed")
         await assert_all_accepting(http, cluster)
     after = await _read_as_the_cli(config_file)
     assert (after.idle, after.holders) == (True, [])
