@@ -52,7 +52,8 @@ def handle(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     parse_listen(args.listen)  # bad usage before anything is opened
-    require_extra("prometheus_client", extra="serve", needed_by="quiesce serve")
+    for module in ("prometheus_client", "fastapi_offline"):  # checked before the port is bound
+        require_extra(module, extra="serve", needed_by="quiesce serve")
     from quiesce.tools.serve.runner import serve
 
     resolve_token(config)  # no control token: a config error now, not at the first request
