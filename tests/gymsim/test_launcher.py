@@ -121,7 +121,7 @@ def test_workers_declare_unmanaged_and_sigint_stops(launch: Any) -> None:
 
 
 def test_quiesce_sim_with_workers_for_all_and_no_token(launch: Any) -> None:
-    launched = launch("sim", "--workers", "2", module="tools")
+    launched = launch("sim", "--workers", "2", module="quiesce")
     urls = launched.urls()
     with httpx.Client(trust_env=False) as http:
         for url in urls.values():
