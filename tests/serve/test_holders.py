@@ -11,9 +11,11 @@ PostgreSQL.
   here aborted by `POST /v1/abort {"checkpoint_id"}`, and a resume of another id while it waits is
   409 `Busy`;
 - a status read while a save runs claims no operation: 200 naming the save in progress and `quiesce
-  abort` as what frees it, while a second save still gets 409;
-- acknowledging through the client while the client's own save waits on that very result (the
-  agent refuses its prepare until it is acknowledged) lets the save publish; an unknown server,
+  abort --service URL` as what frees it (the service holds the ledger), while a second save still
+  gets 409;
+- a save the agent refuses only for a finished result nobody acknowledged fails at once naming it;
+  acknowledging it through the client lets the next save publish (an acknowledgement, like a
+  status read, claims no operation: it runs beside a save in progress); an unknown server,
   a duplicate and an id Gym refuses raise `ConfigError` (400 / 422), a result the agent does not
   hold raises `AcknowledgementError` with the agent's status and code.
 """
@@ -21,7 +23,6 @@ PostgreSQL.
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import anyio
 import httpx
 import pytest
 
-from quiesce.coordinator import Attempt, ConfigError
+from quiesce.coordinator import Attempt, ConfigError, QuiesceError
 from quiesce.coordinator.errors import AcknowledgementError, ServersHeld
 from quiesce.coordinator.status import ClusterStatus
 from quiesce.tools.cli.main import main as cli
@@ -38,7 +39,7 @@ from quiesce.tools.gymsim.cluster import RunningCluster
 from quiesce.tools.serve.client import RemoteCoordinator
 from quiesce.tools.serve.errors import Busy
 from tests.coordinator.helpers import assert_all_accepting, control_log, server_states
-from tests.serve.conftest import Patience, ServiceProcess, save_in_progress, wait_ready
+from tests.serve.conftest import ServiceProcess, save_in_progress, wait_ready
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
@@ -98,7 +99,8 @@ async def test_status_names_a_restore_a_cli_left_held_and_resume_without_id_free
         assert (status["idle"], status["held"]) == (False, True)
         [holder] = status["holders"]
         assert (holder["checkpoint_id"], holder["kind"], holder["verb"]) == (held_by, "restore", "resume")
-        assert holder["frees"] == f"quiesce resume --config {shlex.quote(str(config))} {held_by}"
+        # the service holds the ledger: the command that frees them goes through it
+        assert holder["frees"] == f"quiesce resume --service {service.url} {held_by}"
         held = {s["name"] for s in status["servers"] if s["held"]}
         assert {"policy_model", "simple_agent", "tools"} <= held
         assert all(s["frees"] == holder["frees"] for s in status["servers"] if s["held"])
@@ -200,10 +202,16 @@ async def test_status_is_served_while_a_save_runs(
             [holder] = status["holders"]
             assert (holder["kind"], holder["verb"]) == ("save", "abort")
             cid = holder["checkpoint_id"]
-            assert holder["frees"] == f"quiesce abort --config {shlex.quote(str(config))} {cid}"
+            assert holder["frees"] == f"quiesce abort --service {service.url} {cid}"
             busy = await http.post("/v1/checkpoints")
             assert busy.status_code == 409
             assert busy.json()["error"]["checkpoint_id"] == holder["checkpoint_id"]
+            # an acknowledgement claims no operation either: it reaches the agent (which holds no
+            # such result and says so), where a second save is refused as Busy
+            body = {"server": "simple_agent", "executions": [["never", 0]]}
+            beside = await http.post("/v1/acknowledge", json=body)
+            assert beside.status_code == 409, beside.text
+            assert beside.json()["error"]["type"] == "AcknowledgementError"
         assert result["reply"].status_code == 200, result["reply"].text
         assert result["reply"].json()["checkpoint_id"] == holder["checkpoint_id"]
         assert (await http.get("/v1/status")).json()["idle"] is True
@@ -233,21 +241,18 @@ async def test_acknowledge_through_the_client_lets_its_waiting_save_publish(
         ):
             await gym.start_rollouts(http, agent, {"done": 1, "long": 100_000})
             await gym.wait_until(http, agent, lambda rs: rs["done"]["status"] == "completed")
-            saved: list[Attempt] = []
-
-            async def save() -> None:
-                saved.append(await coord.checkpoint(deadline_s=60))
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(save)
-                patience = Patience()
-                while not any(  # the agent refuses the prepare: the finished result is held
-                    e["path"].endswith("/agent-checkpoint/prepare") and e["status"] == 409
-                    for e in await control_log(http, agent)
-                ):
-                    await patience.wait("the agent to refuse a prepare")
-                # while the save is in progress: an acknowledgement claims no operation
-                assert await coord.acknowledge_completed("simple_agent", [("done", 0)]) == [("done", 0)]
+            # the agent refuses the prepare only for the finished result nobody acknowledged: the
+            # save fails at once, naming it and how to acknowledge it (no retries to the deadline)
+            with pytest.raises(QuiesceError) as blocked:
+                await coord.checkpoint(deadline_s=60)
+            assert "done:0" in str(blocked.value)
+            assert "acknowledge" in str(blocked.value)
+            prepares = [
+                e for e in await control_log(http, agent) if e["path"].endswith("/agent-checkpoint/prepare")
+            ]
+            assert [e["status"] for e in prepares] == [409]
+            assert await coord.acknowledge_completed("simple_agent", [("done", 0)]) == [("done", 0)]
+            saved = [await coord.checkpoint(deadline_s=60)]
             assert saved[0].snapshot is not None
             assert (await gym.get_rollouts(http, agent))["done"]["acknowledged"] is True
             rows = {r.checkpoint_id: r.outcome for r in await coord.history()}
