@@ -1,3 +1,4 @@
 """The coordinator against real reference Gym servers on loopback: discovery, save, publish,
-restore, rollback, status and what frees a held server, checkpoint ids, config, the HTTP client.
+restore, rollback, unacknowledged results, status and what frees a held server (also while
+`quiesce serve` holds the ledger), checkpoint ids, config, the HTTP client.
 """
