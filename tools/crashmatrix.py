@@ -79,10 +79,11 @@ from quiesce.tools.gymsim.cluster import cluster_config, write_yaml_atomic
 from quiesce.tools.gymsim.host import Host
 from quiesce.tools.gymsim.spec import ClusterSpec, default_spec
 
-TURNS = 12
+TURNS = 20
 #: Per-call latency of the policy model and the resources server while a checkpoint is taken: the
-#: rollouts' remaining turns (≥ 10 × 2 × this) outlast the start of a (forked) checkpoint until
-#: its pause — a finished rollout is held until acknowledged, and its prepare could not complete.
+#: rollouts' remaining turns (≥ 19 × 2 × this, about 4 s) outlast the start of a (forked)
+#: checkpoint until its pause, also on a loaded machine — a finished rollout is held until
+#: acknowledged, and a prepare refused only for such results fails at once.
 LATENCY_S = 0.1
 ROLLOUTS_PER_POINT = 3
 PARTICIPANTS = {"policy_model": MODEL, "simple_agent": AGENT, "tools": RESOURCES}
