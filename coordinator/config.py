@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from quiesce.coordinator.calls import token_problem
 from quiesce.coordinator.errors import ConfigError
 from quiesce.coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK, InstanceRole
+from quiesce.coordinator.wording import plain
 
 __all__ = [
     "DEFAULT_LEDGER",
@@ -177,12 +178,9 @@ def _describe(error: ValidationError) -> list[str]:
     lines = []
     for item in error.errors():
         loc = tuple(p for p in item["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-        message = item["msg"]
+        message = plain(item["msg"])
         if item["type"] == "extra_forbidden":
             message = "unknown key (not part of the config)"
-        elif item["type"] == "missing":
-            message = "required"
-        message = message.removeprefix("Value error, ")
         if item["type"] == "value_error" and not loc and ": " in message:
             lines.append(message)  # model-level check that names its own field
         else:

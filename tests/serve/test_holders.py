@@ -262,7 +262,7 @@ async def test_acknowledge_through_the_client_lets_its_waiting_save_publish(
                 await coord.acknowledge_completed("nobody", [("r", 0)])
             with pytest.raises(ConfigError, match="executions must be unique"):
                 await coord.acknowledge_completed("simple_agent", [("r", 0), ("r", 0)])
-            with pytest.raises(ConfigError, match=r"executions\[0\]\.rollout_id: String should match"):
+            with pytest.raises(ConfigError, match=r"executions\[0\]\.rollout_id: must match the pattern"):
                 await coord.acknowledge_completed("simple_agent", [("-r", 0)])
             refused = "completed_execution_acknowledgement_error"
             with pytest.raises(AcknowledgementError, match=refused) as caught:

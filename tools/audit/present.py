@@ -101,8 +101,8 @@ def add_columns(table: Table, specs: Sequence[ColumnSpec], width: int) -> None:
 
 
 def count(n: int, noun: str) -> str:
-    """`1 attempt`, `2 attempts` (`quiesce.tools.cli.wording.count`)."""
-    from quiesce.tools.cli.wording import count as counted
+    """`1 attempt`, `2 attempts` (`quiesce.coordinator.wording.count`)."""
+    from quiesce.coordinator.wording import count as counted
 
     return counted(n, noun)
 

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from quiesce.coordinator.wording import plain
 from quiesce.tools.cli.flags import CommandError
-from quiesce.tools.cli.wording import plain
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ def print_error(error: BaseException | str) -> None:
     """Print an error message for people: no traceback, the message says what to do."""
     from rich.markup import escape
 
-    from quiesce.tools.cli.wording import plain
+    from quiesce.coordinator.wording import plain
 
     _console("err_console").print(
         f"[bold red]error:[/] {escape(plain(str(error)))}", markup=True, soft_wrap=True

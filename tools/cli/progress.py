@@ -21,9 +21,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
+from quiesce.coordinator.wording import count
 from quiesce.tools.audit.timefmt import duration
 from quiesce.tools.cli import output
-from quiesce.tools.cli.wording import count
 
 if TYPE_CHECKING:
     from rich.text import Text

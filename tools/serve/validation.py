@@ -14,17 +14,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
+from quiesce.coordinator.wording import plain
 from quiesce.tools.serve.errors import InvalidRequest
 
 __all__ = ["invalid_request"]
 
-#: pydantic's wording → ours (applied everywhere in a message: a validator may nest pydantic's)
-_WORDING: Final = (
-    ("Value error, ", ""),
-    ("Input should be ", "must be "),
-    ("Field required", "required"),
-    ("Extra inputs are not permitted", "not a field of this request"),
-)
 _OBJECT_TYPES: Final = frozenset({"model_attributes_type", "model_type", "dict_type"})
 
 
@@ -45,10 +39,9 @@ def _problem(error: dict[str, Any]) -> tuple[str, str]:
         return "body", f"not valid JSON{where}" + (f": {reason}" if isinstance(reason, str) else "")
     if kind in _OBJECT_TYPES:
         return _where(loc), "must be a JSON object"
-    message = str(error.get("msg", "invalid"))
-    for theirs, ours in _WORDING:
-        message = message.replace(theirs, ours)
-    return _where(loc), message
+    if kind == "extra_forbidden":
+        return _where(loc), "not a field of this request"
+    return _where(loc), plain(str(error.get("msg", "invalid")))  # a validator may nest pydantic's
 
 
 def _masked(text: str, secrets: Sequence[str]) -> str:

@@ -19,9 +19,9 @@ from rich.table import Table
 
 from quiesce.coordinator.calls import token_problem
 from quiesce.coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
+from quiesce.coordinator.wording import count, plain
 from quiesce.tools.cli.flags import UsageError, add_output
 from quiesce.tools.cli.output import console, emit_json, emit_jsonl
-from quiesce.tools.cli.wording import count, plain
 from quiesce.tools.conformance import DEFAULT_TIMEOUT_S, ConformanceReport, ServerUnreachable, run_conformance
 
 _STYLE = {

@@ -17,10 +17,10 @@ from typing import Any
 import anyio
 from rich.text import Text
 
+from quiesce.coordinator.wording import count
 from quiesce.tools.audit.source import export_bundle
 from quiesce.tools.cli.flags import add_ledger, out_file
 from quiesce.tools.cli.output import console, emit_json
-from quiesce.tools.cli.wording import count
 
 
 def register(subparsers: Any) -> None:

@@ -23,13 +23,13 @@ import anyio
 from rich.markup import escape
 from rich.table import Table
 
+from quiesce.coordinator.wording import count
 from quiesce.ledger import ReplayReport, replay_url
 from quiesce.ledger.urls import safe
 from quiesce.tools.audit.cli import check_ledger
 from quiesce.tools.audit.present import print_check
 from quiesce.tools.cli.flags import add_ledger, add_output
 from quiesce.tools.cli.output import console, emit_json, emit_jsonl
-from quiesce.tools.cli.wording import count
 
 MAX_SHOWN = 50
 

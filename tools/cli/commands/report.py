@@ -16,12 +16,12 @@ from typing import Any
 import anyio
 from rich.text import Text
 
+from quiesce.coordinator.wording import count
 from quiesce.ledger.urls import safe
 from quiesce.tools.audit.report import render_report
 from quiesce.tools.audit.source import load_views
 from quiesce.tools.cli.flags import add_ledger, out_file
 from quiesce.tools.cli.output import console, emit_json
-from quiesce.tools.cli.wording import count
 
 
 def _at_least_one(text: str) -> int:

@@ -30,6 +30,7 @@ from rich.markup import escape
 
 from quiesce.coordinator import Attempt, Coordinator, PhaseError, ServersHeld, SnapshotError
 from quiesce.coordinator.publish import resolve_snapshot
+from quiesce.coordinator.wording import count
 from quiesce.tools.cli.cluster_cmd import (
     add_common,
     config_of,
@@ -43,7 +44,6 @@ from quiesce.tools.cli.cluster_cmd import (
 )
 from quiesce.tools.cli.flags import UsageError
 from quiesce.tools.cli.output import console, emit_json, print_error
-from quiesce.tools.cli.wording import count
 
 
 def register(subparsers: Any) -> None:

@@ -25,11 +25,11 @@ from typing import Any
 
 from quiesce.coordinator.config import load_config
 from quiesce.coordinator.snapshots import SnapshotInfo, list_published, prune
+from quiesce.coordinator.wording import count
 from quiesce.tools.audit.timefmt import short_at
 from quiesce.tools.cli.cluster_cmd import add_common
 from quiesce.tools.cli.flags import UsageError, add_output
 from quiesce.tools.cli.output import console, emit_json, emit_jsonl, print_error
-from quiesce.tools.cli.wording import count
 
 
 def _keep(text: str) -> int:

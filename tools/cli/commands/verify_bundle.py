@@ -17,12 +17,12 @@ from typing import Any
 import anyio
 from rich.text import Text
 
+from quiesce.coordinator.wording import count
 from quiesce.ledger.urls import safe
 from quiesce.tools.audit.bundle import verify_bundle
 from quiesce.tools.audit.source import cross_check
 from quiesce.tools.cli.flags import CommandError, add_ledger
 from quiesce.tools.cli.output import console, emit_json
-from quiesce.tools.cli.wording import count
 
 
 def register(subparsers: Any) -> None:

@@ -1,5 +1,5 @@
-"""Words of the command line's messages: counts with the right plural, and validation errors in
-plain words.
+"""Words of quiesce's messages — the command line's, the service's, a bad config's: counts with
+the right plural, and validation errors in plain words (one wording everywhere).
 
 - `count(1, "server")` is `1 server`, `count(2, "server")` `2 servers`: never `1 servers`, never
   `server(s)` (`plain` turns another module's `1 result(s)` into `1 result`, `2 call(s)` into
