@@ -91,6 +91,7 @@ from quiesce.coordinator.publish import (
     write_latest,
 )
 from quiesce.coordinator.resume import rolled_back_on_failure
+from quiesce.coordinator.wording import count
 from quiesce.ledger import utc_now
 
 #: Longest single status long-poll while draining (so progress is reported at least this often).
@@ -333,14 +334,14 @@ def _held_text(ctx: Context, m: Member, held: _Held) -> str:
     named = f": {' '.join(ids)}{more}" if ids else " (its status names none of them)"
     if not ids:
         return (
-            f"it holds {held.count} finished rollout result(s) nobody has acknowledged{named} — Gym keeps"
-            " a finished result until its consumer confirms it has it; acknowledge them"
+            f"it holds {count(held.count, 'finished rollout result')} nobody has acknowledged{named}"
+            " — Gym keeps a finished result until its consumer confirms it has it; acknowledge them"
             " (`Coordinator.acknowledge_completed`), then checkpoint again"
         )
     pairs = ", ".join(f"({rollout!r}, {index})" for rollout, index in shown)
     shell = command_line(None, "acknowledge", m.name, *ids, service=ctx.service)
     return (
-        f"it holds {held.count} finished rollout result(s) nobody has acknowledged{named} — Gym keeps"
+        f"it holds {count(held.count, 'finished rollout result')} nobody has acknowledged{named} — Gym keeps"
         " a finished result until its consumer confirms it has it. Once the trainer holds those"
         f" results, acknowledge them — from the trainer: `await coord.acknowledge_completed({m.name!r},"
         f" [{pairs}])`; from a shell: `{shell}` — then checkpoint again"
@@ -353,7 +354,7 @@ def _held_by_cut(m: Member, inflight: int) -> PhaseFailure:
     return PhaseFailure(
         "prepare",
         m.name,
-        f"the policy model paused by a generation cut: {inflight} model call(s) in flight were cut"
+        f"the policy model paused by a generation cut: {count(inflight, 'model call')} in flight were cut"
         " and their responses are held until resume, so the model never drains. A cut's partial"
         " generations are kept by the trainer that runs Gym's generation-cut backend (NeMo RL), not"
         " in the model's checkpoint files, so quiesce cannot save them — run the policy model"

@@ -656,7 +656,8 @@ class Ledger:
         self._stale = True
         if lost and self._lost is None:
             self._lost = LedgerError(
-                f"ledger {self.url}: an append failed and {lost} staged event(s) of this writer were"
+                f"ledger {self.url}: an append failed and {lost} staged"
+                f" event{'' if lost == 1 else 's'} of this writer {'was' if lost == 1 else 'were'}"
                 " lost with it; close and reopen the ledger (a new coordinator recovers from the"
                 " servers' own state)"
             )

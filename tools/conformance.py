@@ -85,6 +85,7 @@ from quiesce.coordinator.protocol import (
     manifest_path,
     route,
 )
+from quiesce.coordinator.wording import count
 
 __all__ = [
     "CHECKS",
@@ -644,11 +645,11 @@ class _Checker:
             raise _Fail("expected 422; " + "; ".join(bad))
         if warned:
             raise _Warn(
-                f"{len(cases)} case(s) refused; {', '.join(warned)} answered 500 instead of 422 — the"
+                f"{count(len(cases), 'case')} refused; {', '.join(warned)} answered 500 instead of 422 — the"
                 " server's validation error body could not be rendered as JSON (a server-side bug"
                 " worth fixing; still refused)"
             )
-        return f"{len(cases)} case(s) → 422"
+        return f"{count(len(cases), 'case')} → 422"
 
     async def _check_validation(self) -> None:
         async def extra_field() -> str:
@@ -911,7 +912,7 @@ class _Checker:
             if parsed.checkpoint_id is not None and parsed.checkpoint_id != checkpoint_id:
                 raise _Fail(f"status checkpoint_id {parsed.checkpoint_id!r}, expected {checkpoint_id!r}")
             if parsed.not_drained() is None:
-                return f"status long-poll → paused, 0 in flight ({polls} poll(s))"
+                return f"status long-poll → paused, 0 in flight ({count(polls, 'poll')})"
             if time.monotonic() >= give_up:
                 raise _Fail(
                     f"not paused within {self.timeout_s:g}s: state {parsed.state}, "
@@ -953,7 +954,7 @@ class _Checker:
         unpaused = [k for k, w in status.per_worker.items() if w.state != "paused"]
         if not status.per_worker or unpaused:
             raise _Fail(f"per_worker must show every worker paused when drained: {status.per_worker}")
-        return f"single-worker shape: checkpoint_id, {len(status.per_worker)} worker(s) paused"
+        return f"single-worker shape: checkpoint_id, {count(len(status.per_worker), 'worker')} paused"
 
     async def _check_acknowledge(self) -> None:
         """`acknowledge-completed` where the agent declares it: token, validation, unknown executions."""

@@ -165,7 +165,7 @@ async def test_a_prepare_blocked_only_by_unacknowledged_results_fails_at_once_th
         )
         text = " ".join(str(failed).split())
         first = " ".join(f"{r}:0" for r in sorted(done)[:20])
-        assert f"23 finished rollout result(s) nobody has acknowledged: {first} and 3 more" in text
+        assert f"23 finished rollout results nobody has acknowledged: {first} and 3 more" in text
         assert "no retry can succeed until they are" in text
         assert "await coord.acknowledge_completed('simple_agent', [('d00', 0)," in text
         assert f"quiesce acknowledge --config CONFIG simple_agent {first}" in text
@@ -222,7 +222,7 @@ async def test_a_prepare_blocked_also_by_work_in_flight_waits_and_reads_the_held
         )
         text = " ".join(str(failed).split())
         assert "running=1" in text  # the work in flight, from the agent's last refusal
-        assert "1 finished rollout result(s) nobody has acknowledged: done:0" in text
+        assert "1 finished rollout result nobody has acknowledged: done:0" in text
         assert "quiesce acknowledge --config CONFIG simple_agent done:0" in text
         events = await read_events(ledger_url, failed.checkpoint_id)
         prepares = _calls(events, "/agent-checkpoint/prepare")
@@ -312,7 +312,7 @@ async def test_a_retry_cut_short_by_the_deadline_still_names_the_unacknowledged_
             "agent_prepare_incomplete",
         )
         text = str(failed)
-        assert "1 finished rollout result(s) nobody has acknowledged: done:0" in text
+        assert "1 finished rollout result nobody has acknowledged: done:0" in text
         assert "await coord.acknowledge_completed('simple_agent', [('done', 0)])" in text
         assert "quiesce acknowledge --config CONFIG simple_agent done:0" in text
         events = await read_events(ledger_url, failed.checkpoint_id)
