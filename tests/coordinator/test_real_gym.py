@@ -302,7 +302,7 @@ async def test_a_retry_cut_short_by_the_deadline_still_names_the_unacknowledged_
             async with Coordinator.open(config) as coord:
                 await coord.discover()
                 with pytest.raises(PhaseError) as caught:
-                    await coord.checkpoint(deadline_s=3)
+                    await coord.checkpoint(deadline_s=8)
             await set_faults(http, agent, [])  # releases the hung request
             await assert_all_accepting(http, running)
         failed = caught.value

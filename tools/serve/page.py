@@ -100,8 +100,12 @@ SCRIPT: Final = (
     refresh().then(follow);
   });
   function api(path) {
+    var sent = sessionStorage.getItem("quiesce-token");  // a 401 speaks only of the token it carried
     return fetch(path, { headers: headers(), cache: "no-store" }).then(function (r) {
-      if (r.status === 401) { unauthorized(); throw new Error("401"); }
+      if (r.status === 401) {
+        if (sessionStorage.getItem("quiesce-token") === sent) { unauthorized(); }
+        throw new Error("401");
+      }
       if (!r.ok) { throw new Error(path + ": " + r.status); }
       body.setAttribute("data-auth", "ok");
       return r;
