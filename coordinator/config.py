@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from quiesce.coordinator.calls import token_problem
 from quiesce.coordinator.errors import ConfigError
 from quiesce.coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK, InstanceRole
-from quiesce.coordinator.wording import plain
+from quiesce.coordinator.wording import field_path, plain
 
 __all__ = [
     "DEFAULT_LEDGER",
@@ -164,16 +164,6 @@ def check_deadline(config: ClusterConfig, deadline_s: object, *, what: str = "de
     return value
 
 
-def _field_path(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + part
-    return out or "(top level)"
-
-
 def _describe(error: ValidationError) -> list[str]:
     lines = []
     for item in error.errors():
@@ -184,7 +174,7 @@ def _describe(error: ValidationError) -> list[str]:
         if item["type"] == "value_error" and not loc and ": " in message:
             lines.append(message)  # model-level check that names its own field
         else:
-            lines.append(f"{_field_path(loc)}: {message}")
+            lines.append(f"{field_path(loc) or '(top level)'}: {message}")
     return lines
 
 

@@ -13,9 +13,19 @@ the right plural, and validation errors in plain words (one wording everywhere).
 from __future__ import annotations
 
 import re
-from typing import Final
+from collections.abc import Iterable
+from typing import Any, Final
 
-__all__ = ["count", "plain"]
+__all__ = ["count", "field_path", "plain"]
+
+
+def field_path(loc: Iterable[Any]) -> str:
+    """A validation error's location as one path: `("servers", 0, "url")` → `servers[0].url`
+    (empty for the top level)."""
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
 
 
 def count(n: int, noun: str, plural: str | None = None) -> str:

@@ -11,23 +11,15 @@ Rules kept here:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Final
 
-from quiesce.coordinator.wording import plain
+from quiesce.coordinator.wording import field_path, plain
 from quiesce.tools.serve.errors import InvalidRequest
 
 __all__ = ["invalid_request"]
 
 _OBJECT_TYPES: Final = frozenset({"model_attributes_type", "model_type", "dict_type"})
-
-
-def _where(loc: Iterable[Any]) -> str:
-    """`("body", "executions", 0, 1)` → `body.executions[0][1]`."""
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text
 
 
 def _problem(error: dict[str, Any]) -> tuple[str, str]:
@@ -38,10 +30,10 @@ def _problem(error: dict[str, Any]) -> tuple[str, str]:
         where = f" at character {at}" if at is not None else ""
         return "body", f"not valid JSON{where}" + (f": {reason}" if isinstance(reason, str) else "")
     if kind in _OBJECT_TYPES:
-        return _where(loc), "must be a JSON object"
+        return field_path(loc), "must be a JSON object"
     if kind == "extra_forbidden":
-        return _where(loc), "not a field of this request"
-    return _where(loc), plain(str(error.get("msg", "invalid")))  # a validator may nest pydantic's
+        return field_path(loc), "not a field of this request"
+    return field_path(loc), plain(str(error.get("msg", "invalid")))  # a validator may nest pydantic's
 
 
 def _masked(text: str, secrets: Sequence[str]) -> str:
