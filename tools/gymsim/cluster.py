@@ -38,6 +38,7 @@ from quiesce.coordinator.protocol import TOKEN_ENV
 from quiesce.tools.gymsim.base import GymServer
 from quiesce.tools.gymsim.host import Host
 from quiesce.tools.gymsim.spec import ClusterSpec, SpecLike, load_spec
+from quiesce.tools.gymsim.v2.server import V2Server
 
 #: The folder that holds the `quiesce` package this code was imported from (the repository in a
 #: checkout, site-packages in an installed wheel): a child put on it runs this same code.
@@ -125,6 +126,11 @@ class RunningCluster(_ConfigMixin):
     def servers(self) -> dict[str, GymServer]:
         """The live server objects (inspect only from tests; they belong to the cluster's loop)."""
         return self.host.servers
+
+    @property
+    def v2_servers(self) -> dict[str, V2Server]:
+        """The live v2 server objects (inspect only from tests; they belong to the cluster's loop)."""
+        return self.host.v2_servers
 
 
 @contextlib.contextmanager

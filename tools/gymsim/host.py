@@ -25,6 +25,8 @@ from quiesce.tools.gymsim.faults import install_log_filter
 from quiesce.tools.gymsim.model import ModelServer
 from quiesce.tools.gymsim.resources import ResourcesServer
 from quiesce.tools.gymsim.spec import ClusterSpec, ServerSpec
+from quiesce.tools.gymsim.v2 import V2_KINDS
+from quiesce.tools.gymsim.v2.server import V2Server
 
 PREFIX_ROOT = "/s/"
 _KINDS: dict[str, type[GymServer]] = {
@@ -34,8 +36,25 @@ _KINDS: dict[str, type[GymServer]] = {
 }
 
 
+#: What a host serves: a v1 `GymServer` or a v2 `V2Server` (both expose name, spec, asgi, aclose).
+Hosted = GymServer | V2Server
+
+
 def make_server(spec: ServerSpec, ctx: HostContext) -> GymServer:
+    """A v1 server (plane v1)."""
     return _KINDS[spec.kind](spec, ctx)
+
+
+def make_v2_server(spec: ServerSpec, ctx: HostContext) -> V2Server:
+    """A v2 server (plane v2: `tools/gymsim/v2`)."""
+    return V2_KINDS[spec.kind](spec, ctx)
+
+
+def make_hosted(spec: ServerSpec, ctx: HostContext) -> Hosted:
+    """The server of `spec`'s plane (looked up by module attribute, so a test may wrap either maker)."""
+    if spec.plane == "v2":
+        return make_v2_server(spec, ctx)
+    return make_server(spec, ctx)
 
 
 class PrefixRouter:
@@ -67,7 +86,7 @@ class PrefixRouter:
 class _Current:
     """The ASGI app of whichever server is named `name` now: a restart swaps the server behind it."""
 
-    def __init__(self, servers: dict[str, GymServer], name: str) -> None:
+    def __init__(self, servers: dict[str, Hosted], name: str) -> None:
         self.servers = servers
         self.name = name
 
@@ -104,7 +123,7 @@ class Host:
     def __init__(self, spec: ClusterSpec, *, token: str | None) -> None:
         self.spec = spec
         self.ctx = HostContext(token=token)
-        self.servers: dict[str, GymServer] = {}
+        self.hosted: dict[str, Hosted] = {}
         self.urls: dict[str, str] = {}
         self._sockets: list[tuple[socket.socket, ASGIApp]] = []
         self._uvicorns: list[_Server] = []
@@ -115,23 +134,33 @@ class Host:
         prefixed: dict[str, ASGIApp] = {}
         expanded = spec.expanded()
         for server_spec in expanded:
-            self.servers[server_spec.name] = make_server(server_spec, self.ctx)
+            self.hosted[server_spec.name] = make_hosted(server_spec, self.ctx)
         shared: socket.socket | None = None
         for server_spec in expanded:
-            server = self.servers[server_spec.name]
+            server = self.hosted[server_spec.name]
             if server_spec.prefix:
                 if shared is None:
                     shared = bind_listener(spec.host)
-                prefixed[server.name] = _Current(self.servers, server.name)
+                prefixed[server.name] = _Current(self.hosted, server.name)
                 port = shared.getsockname()[1]
                 self.urls[server.name] = f"http://{spec.host}:{port}{PREFIX_ROOT}{server.name}"
             else:
                 sock = bind_listener(spec.host)
-                self._sockets.append((sock, _Current(self.servers, server.name)))
+                self._sockets.append((sock, _Current(self.hosted, server.name)))
                 self.urls[server.name] = f"http://{spec.host}:{sock.getsockname()[1]}"
         if shared is not None:
             self._sockets.append((shared, PrefixRouter(prefixed)))
         self.ctx.peers.update(self.urls)
+
+    @property
+    def servers(self) -> dict[str, GymServer]:
+        """The v1 servers of this host, by name."""
+        return {name: s for name, s in self.hosted.items() if isinstance(s, GymServer)}
+
+    @property
+    def v2_servers(self) -> dict[str, V2Server]:
+        """The v2 servers of this host, by name."""
+        return {name: s for name, s in self.hosted.items() if isinstance(s, V2Server)}
 
     async def serve(self, on_started: Callable[[], None] | None = None) -> None:
         """Serve until `stop()`; call `on_started` once every socket accepts connections."""
@@ -165,7 +194,7 @@ class Host:
                 on_started()
             await self._stop.wait()
         finally:
-            for server in self.servers.values():
+            for server in self.hosted.values():
                 await server.aclose()
             await asyncio.gather(*self._closing, return_exceptions=True)
             for listener in self._uvicorns:
@@ -179,8 +208,8 @@ class Host:
         """Replace server `name` by a fresh one built from its spec, as a restarted process comes
         back: same URL, idle fence, open admission, nothing of its old state. The old one stops its
         background work (its rollouts die with it). Call from the host's event loop."""
-        old = self.servers[name]
-        self.servers[name] = make_server(old.spec, self.ctx)
+        old = self.hosted[name]
+        self.hosted[name] = make_hosted(old.spec, self.ctx)
         task = asyncio.get_running_loop().create_task(old.aclose())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)

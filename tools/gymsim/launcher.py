@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from quiesce.coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
 from quiesce.tools.gymsim.cluster import cluster_config, write_yaml_atomic
 from quiesce.tools.gymsim.host import Host
-from quiesce.tools.gymsim.spec import ClusterSpec, load_spec
+from quiesce.tools.gymsim.spec import ClusterSpec, default_v2_spec, load_spec
 
 DEFAULT_CONFIG_OUT = "quiesce-sim.yaml"
 
@@ -68,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the snapshots folder the written config names (default ./checkpoints)",
     )
     parser.add_argument("--host", help="loopback address to bind (default from the spec: 127.0.0.1)")
+    parser.add_argument(
+        "--plane",
+        choices=("v1", "v2"),
+        default=None,
+        help="without --spec: the default cluster of this control plane — v1 (default) or v2, Gym's"
+        " unified /ng-control/v1/checkpoint plane (environment, policy_model, agent, resources)",
+    )
 
 
 def read_token() -> str | None:
@@ -75,7 +82,10 @@ def read_token() -> str | None:
 
 
 def build_spec(args: argparse.Namespace) -> ClusterSpec:
-    spec = load_spec(args.spec)
+    plane = getattr(args, "plane", None)
+    if plane is not None and args.spec:
+        raise ValueError("--plane picks a default cluster; with --spec, set `plane:` per server in the spec")
+    spec = default_v2_spec() if plane == "v2" else load_spec(args.spec)
     if args.host:
         spec = spec.model_copy(update={"host": args.host})
     for item in args.workers:

@@ -36,6 +36,13 @@ Gym's, which acknowledges a finished result only by its completion receipt), `ge
 flight and holds their responses until resume),
 `policy` / `resources` (agent: server name or URL), `judge` (resources: the model `/verify`
 calls), `faults` (see `faults.py`).
+
+Plane v2 (`plane: v2`, NeMo Gym's unified `/ng-control/v1/checkpoint/*`, `tools/gymsim/v2`):
+`kind: environment` exists only there (`agent:` names the agent each turn calls); `lease_grace_s`
+(default 600) is the lease grace; `checkpoint_mode` picks agents' `export_restore`/`restart_only`
+and resources' `exported` (`export_restore`)/`stateless`/`restart_only`; `workers: N` with
+`worker_mode: coordinator` makes an environment a multi-worker coordinator. `default_v2_spec()`:
+environment, policy_model, agent, resources.
 """
 
 from __future__ import annotations
@@ -50,7 +57,8 @@ from quiesce.coordinator.protocol import CheckpointMode, InstanceRole, WorkerMod
 from quiesce.tools.gymsim.common import ROLLOUT_ID_RE
 from quiesce.tools.gymsim.faults import Fault
 
-ServerKind = Literal["model", "agent", "resources"]
+ServerKind = Literal["environment", "model", "agent", "resources"]
+Plane = Literal["v1", "v2"]
 
 
 class ServerSpec(BaseModel):
@@ -60,6 +68,9 @@ class ServerSpec(BaseModel):
 
     kind: ServerKind
     name: str = Field(min_length=1)
+    plane: Plane = "v1"
+    lease_grace_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    agent: str | None = None
     count: int = Field(default=1, ge=1)
     prefix: bool = False
     latency_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
@@ -94,6 +105,7 @@ class ServerSpec(BaseModel):
                         "policy": sub(self.policy),
                         "resources": sub(self.resources),
                         "judge": sub(self.judge),
+                        "agent": sub(self.agent),
                     }
                 )
             )
@@ -123,15 +135,23 @@ class ClusterSpec(BaseModel):
             raise ValueError(f"server names must match [A-Za-z0-9][A-Za-z0-9._-]*: {', '.join(bad)}")
         known = set(names)
         for server in self.expanded():
-            for field_name in ("policy", "resources", "judge"):
+            for field_name in ("policy", "resources", "judge", "agent"):
                 ref = getattr(server, field_name)
                 if ref is not None and not ref.startswith(("http://", "https://")) and ref not in known:
                     raise ValueError(f"server {server.name}: {field_name} {ref!r} names no server")
             if server.kind == "agent" and server.policy is None:
                 raise ValueError(f"agent {server.name} needs a policy model (policy: NAME)")
-            if server.worker_mode == "coordinator" and server.kind != "model":
+            if server.plane == "v1":
+                if server.kind == "environment":
+                    raise ValueError(f"server {server.name}: kind environment exists only on plane v2")
+                if server.lease_grace_s is not None or server.agent is not None:
+                    raise ValueError(f"server {server.name}: lease_grace_s and agent apply to plane v2 only")
+            if server.worker_mode == "coordinator" and server.kind != (
+                "environment" if server.plane == "v2" else "model"
+            ):
                 raise ValueError(
-                    f"server {server.name}: worker_mode coordinator applies to policy models only"
+                    f"server {server.name}: worker_mode coordinator applies to policy models (v1)"
+                    " and environments (v2) only"
                 )
         return self
 
@@ -162,6 +182,27 @@ def default_spec() -> ClusterSpec:
                     "policy": "policy_model",
                 },
                 {"kind": "resources", "name": "tools", "judge": "judge"},
+            ]
+        }
+    )
+
+
+def default_v2_spec() -> ClusterSpec:
+    """The smallest v2 cluster: an environment whose turns call one agent, which calls the policy
+    model and one resources server."""
+    return ClusterSpec.model_validate(
+        {
+            "servers": [
+                {"kind": "environment", "plane": "v2", "name": "environment", "agent": "agent"},
+                {"kind": "model", "plane": "v2", "name": "policy_model"},
+                {
+                    "kind": "agent",
+                    "plane": "v2",
+                    "name": "agent",
+                    "policy": "policy_model",
+                    "resources": "resources",
+                },
+                {"kind": "resources", "plane": "v2", "name": "resources"},
             ]
         }
     )

@@ -1,4 +1,5 @@
-"""`quiesce sim [--spec FILE] [--config-out PATH] [--json]` — a local reference Gym cluster to try quiesce on.
+"""`quiesce sim [--spec FILE | --plane v1|v2] [--config-out PATH] [--json]` — a local reference Gym
+cluster to try quiesce on.
 
 Runs the reference servers (`tools/gymsim/launcher.py`) until Ctrl-C or SIGTERM; the config it
 writes exists exactly while they run (written once every server accepts connections, removed
@@ -27,7 +28,8 @@ Start a local reference NeMo Gym cluster that speaks the checkpoint control plan
 a policy model, a judge, two agents and a resources server on loopback ports — and write a cluster
 config for it to {launcher.DEFAULT_CONFIG_OUT} (--config-out). The config appears once every
 server accepts connections and is removed when the cluster stops (Ctrl-C or SIGTERM), so its
-presence means "ready".
+presence means "ready". With --plane v2 the servers speak NeMo Gym's unified checkpoint plane
+(/ng-control/v1/checkpoint/*) instead: an environment, a policy model, an agent and a resources server.
 
 Set the control token first, in this shell and in the one you run quiesce from:
   export {TOKEN_ENV}=<a secret>     (or {TOKEN_ENV_FALLBACK})
