@@ -1,4 +1,4 @@
-"""quiesce's coordinator: RL's side of NeMo Gym's checkpoint control plane v1, recorded in the ledger.
+"""quiesce's coordinator: RL's side of NeMo Gym's checkpoint control planes (v1 and unified), recorded.
 
 Public API::
 
@@ -40,7 +40,9 @@ if TYPE_CHECKING:
         ServersHeld,
         SnapshotError,
     )
+    from quiesce.coordinator.protocol_v2 import EpisodeId
     from quiesce.coordinator.publish import Snapshot, load_snapshot, read_latest, verify_snapshot
+    from quiesce.coordinator.retire import RetireOutcome
     from quiesce.coordinator.status import ClusterStatus
 
 #: Public names and the module each lives in. Imported on first use, so that importing
@@ -53,6 +55,8 @@ _EXPORTS: dict[str, str] = {
     "Coordinator": "quiesce.coordinator.coordinator",
     "DeadlineExceeded": "quiesce.coordinator.errors",
     "Discovery": "quiesce.coordinator.discovery",
+    "EpisodeId": "quiesce.coordinator.protocol_v2",
+    "RetireOutcome": "quiesce.coordinator.retire",
     "DiscoveryError": "quiesce.coordinator.errors",
     "FencedError": "quiesce.coordinator.errors",
     "LedgerError": "quiesce.coordinator.errors",
@@ -96,6 +100,7 @@ __all__ = [
     "DeadlineExceeded",
     "Discovery",
     "DiscoveryError",
+    "EpisodeId",
     "FencedError",
     "LedgerError",
     "Member",
@@ -106,6 +111,7 @@ __all__ = [
     "ProgressCallback",
     "QuiesceError",
     "Resubmission",
+    "RetireOutcome",
     "ServerConfig",
     "ServersHeld",
     "Snapshot",

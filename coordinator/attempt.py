@@ -81,13 +81,13 @@ import anyio
 import anyio.to_thread
 from pydantic import BaseModel
 
-from quiesce.coordinator import ids
+from quiesce.coordinator import ids, protocol_v2
 from quiesce.coordinator.calls import Caller, CallResult
 from quiesce.coordinator.config import ClusterConfig
 from quiesce.coordinator.digests import DigestCache
 from quiesce.coordinator.discovery import Member
 from quiesce.coordinator.errors import QuiesceError
-from quiesce.coordinator.phases import Role, resume_order
+from quiesce.coordinator.phases import Plane, Role, resume_order
 from quiesce.coordinator.protocol import (
     CommonBody,
     refused_before_effect,
@@ -270,6 +270,18 @@ class Attempt:
     #: restore: participants found restarted since its restore phase (their fence held nothing of
     #: it) and restored again under the same id before any server was resumed (`restore.reinstate`)
     restored_again: tuple[str, ...] = ()
+    #: unified plane (v2): the episodes the commit covered (capture keys, sorted) — given by the
+    #: caller or derived — and the restarts each server reported (left out of it)
+    scope: tuple[str, ...] = ()
+    restarts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: v2: what each server's commit exported (capture keys)
+    exported: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: v2 restore: the next attempts each server restored (capture keys)
+    restored: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: v2 save: committed with `stop` — published, the servers stay paused for shutdown
+    stop: bool = False
+    #: v2: why a lease renewal found a server no longer holding this attempt (None while it holds)
+    lease_lost: str | None = None
     #: facts of the staging files read so far: publish does not read again what commit verified
     digests: DigestCache = field(default_factory=DigestCache, repr=False, compare=False)
     _touched: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
@@ -281,6 +293,11 @@ class Attempt:
     @property
     def names(self) -> list[str]:
         return [m.name for m in self.participants]
+
+    @property
+    def plane(self) -> Plane:
+        """The control plane of its participants (one per cluster)."""
+        return "v2" if any(m.plane == "v2" for m in self.participants) else "v1"
 
     def resubmit_on(self, server: str) -> tuple[Resubmission, ...]:
         """The executions of `resubmit` to send to agent `server`."""
@@ -352,6 +369,14 @@ def common_body(attempt: Attempt, deadline_ts: float | None = None) -> CommonBod
     return CommonBody(checkpoint_id=attempt.checkpoint_id, deadline_ts=deadline_ts or attempt.deadline_ts)
 
 
+def plain_body(member: Member, checkpoint_id: str, deadline_ts: float) -> BaseModel:
+    """The body of a resume (or prepare) on `member`'s plane: v1's `CommonBody` (with
+    `schema_version`), or the unified plane's `CheckpointRequest` (which refuses that field)."""
+    if member.plane == "v2":
+        return protocol_v2.CheckpointRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+    return CommonBody(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+
+
 async def send_call(
     ctx: Context,
     attempt: Attempt,
@@ -365,8 +390,9 @@ async def send_call(
     expect_checkpoint: str | None = None,
 ) -> CallResult:
     """Send one control call for `attempt` (marks the server touched first). With
-    `expect_checkpoint`, a reply naming another checkpoint id is a failed call (`calls.py`)."""
-    spec = route(member.component, operation)
+    `expect_checkpoint`, a reply naming another checkpoint id is a failed call (`calls.py`).
+    The route is the member's plane's: v1's per-component route, or the unified plane's."""
+    spec: Any = protocol_v2.ROUTES[operation] if member.plane == "v2" else route(member.component, operation)
     settles = spec.method == "POST" and operation != "resume"
     if spec.method == "POST":
         attempt.touch(member.name)
@@ -574,5 +600,5 @@ def require_state(attempt: Attempt, states: tuple[str, ...], step: str) -> None:
 
 
 def resume_sorted(attempt: Attempt, names: Sequence[str]) -> list[str]:
-    order = {role: i for i, role in enumerate(resume_order())}
+    order = {role: i for i, role in enumerate(resume_order(attempt.plane))}
     return sorted(names, key=lambda n: order.get(m.role, 99) if (m := attempt.member(n)) else 99)

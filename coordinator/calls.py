@@ -72,12 +72,12 @@ from quiesce.coordinator.http import (
 from quiesce.coordinator.ids import epoch_of
 from quiesce.coordinator.protocol import (
     CAPABILITIES_PATH,
-    V2_STATUS_PATH,
     Capabilities,
     ControlError,
     Route,
-    V2Status,
 )
+from quiesce.coordinator.protocol_v2 import STATUS_PATH as V2_STATUS_PATH
+from quiesce.coordinator.protocol_v2 import StatusReply, V2Route
 from quiesce.coordinator.version import VERSION
 from quiesce.ledger import Ledger, LedgerError
 
@@ -245,11 +245,17 @@ class Caller:
         return await self._get(name, url, CAPABILITIES_PATH, Capabilities, deadline_ts, phase, checkpoint_id)
 
     async def v2_status(
-        self, name: str, url: str, *, deadline_ts: float, phase: str = "discovery"
+        self,
+        name: str,
+        url: str,
+        *,
+        deadline_ts: float,
+        phase: str = "discovery",
+        checkpoint_id: str | None = None,
     ) -> CallResult:
-        """`GET /checkpoint/status` of Gym's control plane v2 (with the token), validated as
-        `V2Status`: asked only of a server without a capabilities route, to name what it speaks."""
-        return await self._get(name, url, V2_STATUS_PATH, V2Status, deadline_ts, phase, None)
+        """`GET /ng-control/v1/checkpoint/status` of Gym's unified plane (with the token),
+        validated as `protocol_v2.StatusReply`."""
+        return await self._get(name, url, V2_STATUS_PATH, StatusReply, deadline_ts, phase, checkpoint_id)
 
     async def _get(
         self,
@@ -278,7 +284,7 @@ class Caller:
     async def call(
         self,
         target: Target,
-        route: Route,
+        route: Route | V2Route,
         *,
         phase: str,
         checkpoint_id: str | None,
@@ -491,6 +497,32 @@ class Caller:
     async def peek_capabilities(self, name: str, url: str, *, deadline_ts: float) -> CallResult:
         """`GET /capabilities`, recorded nowhere (see `peek_capabilities`)."""
         return await peek_capabilities(self._http(), name, url, token=self._token, deadline_ts=deadline_ts)
+
+    async def peek_v2_status(self, name: str, url: str, *, deadline_ts: float) -> CallResult:
+        """The unified plane's `GET /checkpoint/status`, recorded nowhere — for an observer, like
+        `peek_capabilities` (a status read changes nothing). Without a token it is not sent: that
+        status is bearer-protected."""
+        if self._token is None:
+            return CallResult(
+                call_id="", server=name, path=V2_STATUS_PATH, ok=False, error="http", status=401,
+                detail="the unified plane's status needs the control token, which is not set",
+            )  # fmt: skip
+        timeout_s = max(0.001, deadline_ts - time.time())
+        started = time.monotonic()
+        exchange = await _request(
+            self._http(), self._token, "GET", url + V2_STATUS_PATH, None, None, timeout_s
+        )
+        reply: StatusReply | None = None
+        if exchange.error is None:
+            try:
+                reply = StatusReply.model_validate(exchange.body)
+            except ValidationError as error:
+                exchange = _Exchange(
+                    status=exchange.status,
+                    error="protocol",
+                    detail=f"reply does not match StatusReply: {_summarize(error)}",
+                )
+        return _result("", name, V2_STATUS_PATH, exchange, reply, time.monotonic() - started)
 
 
 async def peek_capabilities(

@@ -34,7 +34,8 @@ from quiesce.coordinator.config import ClusterConfig, ServerConfig, find_token, 
 from quiesce.coordinator.errors import QuiesceError, SnapshotError
 from quiesce.coordinator.http import HttpClient
 from quiesce.coordinator.preflight import preflight
-from quiesce.coordinator.protocol import AGENT, MODEL, RESOURCES, V2_STATUS_PATH, Capabilities, route
+from quiesce.coordinator.protocol import AGENT, MODEL, RESOURCES, Capabilities, route
+from quiesce.coordinator.protocol_v2 import STATUS_PATH as V2_STATUS_PATH
 from quiesce.ledger.errors import LedgerError, MissingExtra, require_extra
 from quiesce.ledger.urls import parse, plain_sqlite_path
 

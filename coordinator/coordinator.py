@@ -57,13 +57,22 @@ import anyio
 import anyio.to_thread
 from pydantic import BaseModel, ValidationError
 
-from quiesce.coordinator import crashpoints, recovery
+from quiesce.coordinator import crashpoints, recovery, restore_v2, save_v2
+from quiesce.coordinator import retire as retiring
 from quiesce.coordinator import save as saving
-from quiesce.coordinator.attempt import Attempt, Context, Outcome, ProgressCallback, resume_sorted
+from quiesce.coordinator.attempt import (
+    Attempt,
+    Context,
+    Outcome,
+    ProgressCallback,
+    free_command,
+    next_checkpoint_id,
+    resume_sorted,
+)
 from quiesce.coordinator.calls import Caller, CallResult, Target, token_problem
 from quiesce.coordinator.config import ClusterConfig, check_deadline, find_token, load_config, missing_token
 from quiesce.coordinator.discovery import Discovery, Member, discover
-from quiesce.coordinator.errors import AcknowledgementError, ConfigError, QuiesceError
+from quiesce.coordinator.errors import AcknowledgementError, ConfigError, PhaseError, QuiesceError
 from quiesce.coordinator.heap import frozen_step, heap_frozen
 from quiesce.coordinator.lease import holder_text, keep_lease
 from quiesce.coordinator.phases import COMPONENT_OF_ROLE
@@ -80,13 +89,16 @@ from quiesce.coordinator.protocol import (
     ReceiptQuery,
     route,
 )
-from quiesce.coordinator.provenance import check_provenance
-from quiesce.coordinator.publish import empty_trash, read_latest, resolve_snapshot, verify_snapshot
+from quiesce.coordinator.protocol_v2 import EpisodeId
+from quiesce.coordinator.provenance import Provenance, check_provenance
+from quiesce.coordinator.publish import Snapshot, empty_trash, read_latest, resolve_snapshot, verify_snapshot
 from quiesce.coordinator.readback import read_attempt, release
+from quiesce.coordinator.renewal import renew_all, renewing
 from quiesce.coordinator.restore import read_resubmissions
 from quiesce.coordinator.restore import restore as restore_snapshot
 from quiesce.coordinator.resume import finish_resume, release_unrecorded, roll_back
-from quiesce.coordinator.status import ClusterStatus, read_status, refuse_if_held, status_from
+from quiesce.coordinator.retire import RetireOutcome
+from quiesce.coordinator.status import ClusterStatus, Fence, read_status, refuse_if_held, status_from
 from quiesce.coordinator.version import VERSION
 from quiesce.ledger import AfterAppend, AttemptRow, Event, LeaseTerms, Ledger
 
@@ -117,7 +129,7 @@ class Coordinator:
         # What is known of the servers' fences without asking them again: `_fresh`, what
         # discovery read, until this coordinator sends a request; `_clean`, this coordinator's
         # own last step left every participant idle (a save resumed, a rollback complete).
-        self._fresh: Mapping[str, Capabilities | str] | None = None
+        self._fresh: Mapping[str, Fence | str] | None = None
         self._clean = False
         #: agents found to acknowledge completion receipts, not pairs (later Gym)
         self._receipt_agents: set[str] = set()
@@ -282,7 +294,8 @@ class Coordinator:
         found = await discover(self._ctx.config, self._ctx.caller, self._ctx.ledger, strict=strict)
         if not found.refused:
             self._discovery = found
-        self._fresh, self._clean = found.found, False
+        fresh: Mapping[str, Fence | str] = found.statuses if found.plane == "v2" else found.found
+        self._fresh, self._clean = fresh, False
         return found
 
     # -- what holds the servers ----------------------------------------------------------------
@@ -300,6 +313,7 @@ class Coordinator:
             lambda name, url, deadline: caller.peek_capabilities(name, url, deadline_ts=deadline),
             config_path=self._ctx.config_path,
             via=self._ctx.service,
+            peek_v2=lambda name, url, deadline: caller.peek_v2_status(name, url, deadline_ts=deadline),
         )
 
     async def _ask(self, names: list[str] | None = None) -> ClusterStatus:
@@ -309,6 +323,9 @@ class Coordinator:
         def read(name: str, url: str, deadline: float) -> Awaitable[CallResult]:
             return caller.capabilities(name, url, deadline_ts=deadline, phase="status")
 
+        def read_v2(name: str, url: str, deadline: float) -> Awaitable[CallResult]:
+            return caller.v2_status(name, url, deadline_ts=deadline, phase="status")
+
         return await read_status(
             self._ctx.config,
             self._ctx.ledger,
@@ -316,6 +333,7 @@ class Coordinator:
             config_path=self._ctx.config_path,
             names=names,
             via=self._ctx.service,
+            peek_v2=read_v2,
         )
 
     async def _refuse_if_held(self, discovery: Discovery, what: str) -> None:
@@ -364,8 +382,13 @@ class Coordinator:
     # -- save, step-wise -----------------------------------------------------------------------
 
     @frozen_step
-    async def prepare(self, *, deadline_s: float | None = None) -> Attempt:
-        """Start a save attempt and prepare it (pause, prepare, drain). Rolls back and raises on failure.
+    async def prepare(self, *, deadline_s: float | None = None, stop: bool = False) -> Attempt:
+        """Start a save attempt and prepare it. Rolls back and raises on failure.
+
+        v1: pause, prepare, drain. Gym's unified plane (v2): stage by stage, asking a server again
+        while it answers `preparing`; not ready by the deadline → rolled back, each server's
+        blockers named (`save_v2`). `stop` (v2 only) marks a stop-checkpoint: once published, its
+        servers stay paused for shutdown.
 
         Before anything is recorded or called: `deadline_s` is checked (`ConfigError` when it is not a
         finite number of seconds in (0, `max_deadline_s`]) and the snapshots folder passes the
@@ -375,18 +398,55 @@ class Coordinator:
         budget = check_deadline(self._ctx.config, deadline_s)
         warnings = await anyio.to_thread.run_sync(preflight, self._ctx.config)  # before anyone is paused
         discovery = await self._discovered()
+        if stop and discovery.plane != "v2":
+            raise QuiesceError(
+                "a stop-checkpoint (stop=True, --stop) needs Gym's unified plane; this cluster speaks v1"
+            )
         await self._refuse_if_held(discovery, "checkpoint")
         self._changing()
-        attempt = await saving.start_attempt(self._ctx, discovery, deadline_s=budget, warnings=warnings)
+        attempt = await saving.start_attempt(
+            self._ctx, discovery, deadline_s=budget, warnings=warnings, stop=stop
+        )
         self._current = attempt
-        await saving.prepare(self._ctx, attempt)
+        if attempt.plane == "v2":
+            await save_v2.prepare(
+                self._ctx, attempt, budget_s=budget if budget is not None else self._ctx.config.deadline_s
+            )
+        else:
+            await saving.prepare(self._ctx, attempt)
         return attempt
 
     @frozen_step
-    async def commit(self, attempt: Attempt | None = None) -> Attempt:
-        """Commit a prepared attempt into its staging folder; verifies every digest. Rolls back on failure."""
+    async def commit(
+        self, attempt: Attempt | None = None, *, episodes: Sequence[EpisodeId] | None = None
+    ) -> Attempt:
+        """Commit a prepared attempt into its staging folder; verifies every digest. Rolls back on failure.
+
+        `episodes` (Gym's unified plane only): the episodes the caller continues — the commit
+        scope, minus the restarts the servers reported (`attempt.restarts`). None: derived from
+        the environment servers' own export; a cluster without one is refused (rolled back)."""
         chosen = self._pick(attempt, "commit")
-        await saving.commit(self._ctx, chosen)
+        if chosen.plane == "v2":
+            await save_v2.commit(self._ctx, chosen, episodes=episodes, stop=chosen.stop)
+        elif episodes is not None:
+            raise QuiesceError("an episode scope is a notion of Gym's unified plane; this cluster speaks v1")
+        else:
+            await saving.commit(self._ctx, chosen)
+        return chosen
+
+    async def renew(self, attempt: Attempt | None = None, *, horizon_s: float | None = None) -> Attempt:
+        """Renew the leases of a unified-plane attempt's servers once (for callers driving
+        prepare → commit → publish step by step; `save()` renews on its own): each is kept for
+        `horizon_s` (default: the config's `deadline_s`) plus its grace. Raises `QuiesceError` when a
+        server no longer holds the attempt (its state ran on since the commit: do not publish)."""
+        chosen = self._pick(attempt, "renew")
+        if chosen.plane != "v2":
+            return chosen
+        await renew_all(
+            self._ctx, chosen, horizon_s if horizon_s is not None else self._ctx.config.deadline_s
+        )
+        if chosen.lease_lost is not None:
+            raise QuiesceError(chosen.lease_lost)
         return chosen
 
     @frozen_step
@@ -518,36 +578,85 @@ class Coordinator:
     # -- save, whole ---------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def save(self, *, deadline_s: float | None = None) -> AsyncIterator[Attempt]:
+    async def save(
+        self,
+        *,
+        deadline_s: float | None = None,
+        episodes: Sequence[EpisodeId] | None = None,
+        stop: bool = False,
+    ) -> AsyncIterator[Attempt]:
         """Prepare and commit on entry; yield the attempt (write into `attempt.staging_dir`).
 
         Normal exit publishes, then resumes (`attempt.snapshot` is then the published folder); the
         snapshots retention removed are deleted while the servers resume, not before. An
         exception inside the block rolls back (every touched server resumed, staging removed) and
         is re-raised unchanged; what the rollback did is in the ledger and in a note on the error.
-        """
-        attempt = await self.prepare(deadline_s=deadline_s)
-        await self.commit(attempt)
-        try:
-            yield attempt
-        except BaseException as exc:
-            with anyio.CancelScope(shield=True), heap_frozen():
-                error = await roll_back(
-                    self._ctx, attempt, None, reason=f"the caller's block raised {type(exc).__name__}"
-                )
-            exc.add_note(str(error))
-            raise
-        await self.publish_and_resume(attempt)
 
-    async def publish_and_resume(self, attempt: Attempt | None = None) -> Path:
+        On Gym's unified plane (v2): `episodes` is the commit scope (see `commit`; refused before
+        any request when it cannot be derived), `stop=True` commits with `stop`, publishes and
+        leaves the servers paused for shutdown. While the block and the publication run, every
+        server's lease is renewed (`renewal.py`); a renewal refused — a server let go of the save
+        on its own — fails the save on leaving the block: rolled back, nothing published.
+        """
+        self._ctx.caller.require_token()  # before anything is read or recorded
+        discovery = await self._discovered()
+        if discovery.plane == "v2":
+            save_v2.require_scope(discovery.participants, episodes)  # before any request
+        elif episodes is not None or stop:
+            raise QuiesceError("episodes and stop are notions of Gym's unified plane; this cluster speaks v1")
+        attempt = await self.prepare(deadline_s=deadline_s, stop=stop)
+        await self.commit(attempt, episodes=episodes)
+        horizon = deadline_s if deadline_s is not None else self._ctx.config.deadline_s
+        async with renewing(self._ctx, attempt, horizon):
+            try:
+                yield attempt
+            except BaseException as exc:
+                with anyio.CancelScope(shield=True), heap_frozen():
+                    error = await roll_back(
+                        self._ctx, attempt, None, reason=f"the caller's block raised {type(exc).__name__}"
+                    )
+                exc.add_note(str(error))
+                raise
+            if attempt.lease_lost is not None:
+                with heap_frozen():
+                    error = await roll_back(
+                        self._ctx, attempt, None, reason=f"a lease was lost: {attempt.lease_lost}"
+                    )
+                raise error
+            if attempt.stop:
+                with heap_frozen():
+                    await saving.publish(self._ctx, attempt)
+                    await self._stopped(attempt)
+                return
+        await self.publish_and_resume(attempt, renew_horizon=horizon)
+
+    async def _stopped(self, attempt: Attempt) -> None:
+        """End a published stop-checkpoint: its servers stay paused for shutdown (recorded as
+        `attempt.completed {published}` with no server resumed)."""
+        await self._ctx.ledger.append(
+            "attempt.completed",
+            checkpoint_id=attempt.checkpoint_id,
+            data={"servers": [], "outcome": "published"},
+        )
+        attempt.state = "completed"
+        self._clean = False
+
+    async def publish_and_resume(
+        self, attempt: Attempt | None = None, *, renew_horizon: float | None = None
+    ) -> Path:
         """What leaving `save()` does: publish a committed attempt, then resume its servers; the
         snapshots retention removed are deleted while the servers resume, not before. Returns the
         published folder; a failed resume leaves the snapshot published and is raised once the
-        deleting is done (`resume()` retries it)."""
+        deleting is done (`resume()` retries it). On the unified plane the servers' leases are
+        renewed while the publication runs (`renew_horizon`, default the config's `deadline_s`)."""
         chosen = self._pick(attempt, "publish")
         failed: Exception | None = None
+        horizon = renew_horizon if renew_horizon is not None else self._ctx.config.deadline_s
         with heap_frozen():
-            published = await saving.publish(self._ctx, chosen, defer_delete=True)
+            # a lease lost now is harmless: the caller's half was written while every server was
+            # still paused, and the resume that follows is idempotent
+            async with renewing(self._ctx, chosen, horizon):
+                published = await saving.publish(self._ctx, chosen, defer_delete=True)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(anyio.to_thread.run_sync, empty_trash, self._ctx.config.snapshots)
                 try:
@@ -558,9 +667,16 @@ class Coordinator:
             raise failed
         return published
 
-    async def checkpoint(self, *, deadline_s: float | None = None) -> Attempt:
-        """prepare → commit → publish → resume, with nothing added by the caller."""
-        async with self.save(deadline_s=deadline_s) as attempt:
+    async def checkpoint(
+        self,
+        *,
+        deadline_s: float | None = None,
+        episodes: Sequence[EpisodeId] | None = None,
+        stop: bool = False,
+    ) -> Attempt:
+        """prepare → commit → publish → resume, with nothing added by the caller (`episodes`,
+        `stop`: Gym's unified plane, see `save`)."""
+        async with self.save(deadline_s=deadline_s, episodes=episodes, stop=stop) as attempt:
             pass
         return attempt
 
@@ -600,6 +716,8 @@ class Coordinator:
         discovery = await self._discovered()
         expected = {m.name: m.component for m in discovery.exporters}  # not a drain-only model
         verified = await anyio.to_thread.run_sync(lambda: verify_snapshot(path, participants=expected))
+        if discovery.plane == "v2":
+            return await self._restore_v2(discovery, verified, budget, origin, resume)
         agents = [m for m in discovery.exporters if m.role == "agent"]
         resubmit = await anyio.to_thread.run_sync(read_resubmissions, verified, agents)
         warnings = [origin.warning] if origin.warning else []
@@ -619,6 +737,107 @@ class Coordinator:
         if resume:
             attempt.resume_outcome = self._note(await self._finish_resume(attempt))
         return attempt
+
+    async def _restore_v2(
+        self, discovery: Discovery, verified: Snapshot, budget: float | None, origin: Provenance, resume: bool
+    ) -> Attempt:
+        """A unified-plane restore (`restore_v2`): all or nothing; `attempt.resubmit` lists the
+        replacement attempts the trainer starts once the servers resume."""
+        warnings = [origin.warning] if origin.warning else []
+        await self._refuse_if_held(discovery, "restore")
+        self._changing()
+        try:
+            attempt = await restore_v2.restore(
+                self._ctx,
+                discovery,
+                verified,
+                deadline_s=budget,
+                warnings=warnings,
+                resume=resume,
+                manifest_sha256=origin.manifest_sha256,
+            )
+        finally:
+            self._clean = False
+        self._current = attempt
+        if resume:
+            attempt.resume_outcome = self._note(await self._finish_resume(attempt))
+        return attempt
+
+    # -- retire and forget (Gym's unified plane) -------------------------------------------------
+
+    async def _operation(self, what: str, deadline_s: float | None) -> Attempt:
+        """The attempt a retire or forget is sent under: the restore left `restored` in this process
+        (its servers require its id), else a new id of its own. Refused before anything is sent while
+        a save of this process is open, or on a v1 cluster."""
+        self._ctx.caller.require_token()
+        discovery = await self._discovered()
+        if discovery.plane != "v2":
+            raise QuiesceError(f"{what} is an operation of Gym's unified plane; this cluster speaks v1")
+        current = self._current
+        if current is not None and current.kind == "save" and current.state not in ("completed", "aborted"):
+            raise QuiesceError(
+                f"cannot {what} while checkpoint {current.checkpoint_id} is open ({current.state}): Gym"
+                " refuses both until its servers are resumed — publish or abort it, then resume first"
+            )
+        budget = check_deadline(self._ctx.config, deadline_s)
+        seconds = budget if budget is not None else self._ctx.config.deadline_s
+        if current is not None and current.kind == "restore" and current.state == "restored":
+            current.deadline_ts = time.time() + seconds
+            return current
+        self._changing()
+        return retiring.operation_attempt(
+            await next_checkpoint_id(self._ctx.ledger), discovery.participants, seconds
+        )
+
+    async def retire(
+        self, episodes: Sequence[EpisodeId], *, deadline_s: float | None = None
+    ) -> RetireOutcome:
+        """Retire these attempts everywhere (callers before callees): each server stops them and every
+        earlier attempt of their rollouts, and refuses them (`stale_attempt`) until `forget`.
+        Raises `QuiesceError` before anything is sent for no episode, a v1 cluster or a save still
+        open here; `PhaseError` naming each server that failed (the calls are recorded either way) —
+        a server holding a checkpoint answers that it must be resumed first."""
+        if not episodes:
+            raise QuiesceError("retire needs at least one episode (rollout_id and attempt)")
+        op = await self._operation("retire", deadline_s)
+        outcome = await retiring.retire(
+            self._ctx, op, list(episodes), deadline_ts=op.deadline_ts, reason="retired by request"
+        )
+        return self._operation_done(outcome)
+
+    async def forget(self, rollout_ids: Sequence[str], *, deadline_s: float | None = None) -> RetireOutcome:
+        """Drop the retire marks of these rollouts everywhere (once a rollout is finished for good);
+        the same rules as `retire`."""
+        if not rollout_ids:
+            raise QuiesceError("forget needs at least one rollout id")
+        try:
+            episodes = [EpisodeId(rollout_id=r) for r in rollout_ids]
+        except ValidationError as error:
+            raise QuiesceError(f"forget: {_first_problem(error)}") from None
+        op = await self._operation("forget", deadline_s)
+        outcome = await retiring.forget(
+            self._ctx, op, [e.rollout_id for e in episodes], deadline_ts=op.deadline_ts
+        )
+        return self._operation_done(outcome)
+
+    def _operation_done(self, outcome: RetireOutcome) -> RetireOutcome:
+        if outcome.ok:
+            return outcome
+        named = "; ".join(f"{name}: {why}" for name, why in outcome.failed.items())
+        hint = (
+            " A server holding a checkpoint refuses it (invalid_phase): resume first"
+            f" (`{free_command(self._ctx, 'resume', outcome.checkpoint_id).rsplit(' ', 1)[0]}`)."
+            if retiring.resume_first(outcome.failed)
+            else ""
+        )
+        raise PhaseError(
+            f"{outcome.operation} of {', '.join(outcome.items)} failed at {named}.{hint} The calls that"
+            f" went out are recorded; {outcome.operation} again once the cause is fixed (it is idempotent).",
+            phase=outcome.operation,
+            server=next(iter(outcome.failed)),
+            reason=named,
+            checkpoint_id=outcome.checkpoint_id,
+        )
 
     # -- completed results ---------------------------------------------------------------------
 

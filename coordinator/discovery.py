@@ -33,11 +33,12 @@ import anyio
 from quiesce.coordinator.calls import Caller, CallResult, Target
 from quiesce.coordinator.config import ClusterConfig
 from quiesce.coordinator.errors import DiscoveryError
-from quiesce.coordinator.phases import Role, role_of
-from quiesce.coordinator.protocol import MODEL, SCHEMA_VERSION, Capabilities, V2Status
+from quiesce.coordinator.phases import V2_ROLE_OF_KIND, Plane, Role, role_of
+from quiesce.coordinator.protocol import MODEL, SCHEMA_VERSION, Capabilities
+from quiesce.coordinator.protocol_v2 import StatusReply
 from quiesce.ledger import Ledger
 
-__all__ = ["CLUSTER", "Discovery", "Member", "classify", "discover"]
+__all__ = ["CLUSTER", "Discovery", "Member", "classify", "classify_v2", "discover", "mixed_planes"]
 
 #: The name used for refusals that concern the cluster as a whole (e.g. no policy model).
 CLUSTER = "(cluster)"
@@ -54,6 +55,8 @@ class Member:
     role: Role
     url: str
     features: tuple[str, ...] = ()
+    #: the control plane it speaks (`v2`: Gym's unified plane; `component` is then its kind)
+    plane: Plane = "v1"
 
     @property
     def target(self) -> Target:
@@ -77,6 +80,13 @@ class Discovery:
     features: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     #: what each server answered (or why it could not be read), fence state included, as of discovery
     found: Mapping[str, Capabilities | str] = field(default_factory=dict, compare=False, repr=False)
+    #: unified plane: each participant's status as of discovery (phase, active id, lease, report)
+    statuses: Mapping[str, StatusReply] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def plane(self) -> Plane:
+        """The control plane the participants speak (one per cluster: discovery refuses a mix)."""
+        return "v2" if any(m.plane == "v2" for m in self.participants) else "v1"
 
     def group(self, role: Role) -> tuple[Member, ...]:
         """The participants of one role group, in config order."""
@@ -104,6 +114,7 @@ class Discovery:
                     "mode": m.checkpoint_mode,
                     "role": m.role,
                     "url": m.url,
+                    **({"plane": m.plane} if m.plane != "v1" else {}),
                 }
                 for m in self.participants
             ],
@@ -121,6 +132,7 @@ class Discovery:
                     "component": m.component,
                     "checkpoint_mode": m.checkpoint_mode,
                     "instance_role": m.instance_role,
+                    "plane": m.plane,
                 }
                 for m in self.participants
             ],
@@ -132,23 +144,83 @@ class Discovery:
 
 async def _speaking_v2(
     caller: Caller, config: ClusterConfig, results: Mapping[str, CallResult], deadline_ts: float
-) -> dict[str, V2Status]:
-    """The servers without a capabilities route (404) that answer Gym's control plane v2 status
-    instead (asked with the token, concurrently; recorded like every call)."""
+) -> dict[str, StatusReply | str]:
+    """The servers without a capabilities route (404), asked for Gym's unified-plane status
+    (`GET /ng-control/v1/checkpoint/status`, with the token, concurrently; recorded like every
+    call): the status of each that answers one, or why its answer is not one."""
     missing = [s for s in config.servers if results[s.name].error == "http" and results[s.name].status == 404]
     if not missing or not caller.has_token:
         return {}
-    found: dict[str, V2Status] = {}
+    found: dict[str, StatusReply | str] = {}
 
     async def probe(name: str, url: str) -> None:
         result = await caller.v2_status(name, url, deadline_ts=deadline_ts)
-        if result.ok and isinstance(result.reply, V2Status):
+        if result.ok and isinstance(result.reply, StatusReply):
             found[name] = result.reply
+        elif result.error == "http" and result.status == 404:
+            return  # neither plane's route: not a participant (see `discover`)
+        elif result.error == "protocol":
+            found[name] = f"its unified-plane status reply is invalid: {result.detail}"
+        else:
+            found[name] = f"its unified-plane status cannot be read: {result.describe()}"
 
     async with anyio.create_task_group() as tg:
         for server in missing:
             tg.start_soon(probe, server.name, server.url)
     return found
+
+
+def classify_v2(config: ClusterConfig, found: Mapping[str, StatusReply | str]) -> Discovery:
+    """The discovery rules of Gym's unified plane: every server answering its status is a
+    participant of its `kind` (Gym's own coordinator takes every one); one that cannot be read is
+    refused; at least one `model` participant (the policy model) is required; a config
+    `instance_role` has no meaning there (the plane has no auxiliary models: a judge serves no
+    checkpoint routes) and is refused."""
+    participants: list[Member] = []
+    refused: list[tuple[str, str]] = []
+    for server in config.servers:
+        status = found.get(server.name, "was not asked for its status")
+        if isinstance(status, str):
+            refused.append((server.name, status))
+            continue
+        if server.instance_role is not None:
+            refused.append(
+                (
+                    server.name,
+                    "instance_role is set in the config, but on Gym's unified plane every server that"
+                    " answers the checkpoint status takes part; remove it (a judge model serves no"
+                    " checkpoint routes)",
+                )
+            )
+            continue
+        participants.append(
+            Member(
+                name=server.name,
+                component=status.kind,
+                checkpoint_mode="export_restore",
+                instance_role="policy" if status.kind == "model" else None,
+                role=V2_ROLE_OF_KIND[status.kind],
+                url=server.url,
+                plane="v2",
+            )
+        )
+    if not refused and not any(m.component == "model" for m in participants):
+        refused.append(
+            (CLUSTER, "no model participant: Gym's unified plane needs the policy model server among them")
+        )
+    return Discovery(tuple(participants), (), tuple(refused), ())
+
+
+def mixed_planes(planes: Mapping[str, str]) -> str | None:
+    """Why a cluster whose servers speak different control planes is refused (None when one plane)."""
+    if len(set(planes.values())) <= 1:
+        return None
+    named = ", ".join(f"{name} speaks {plane}" for name, plane in planes.items())
+    return (
+        f"its servers speak different checkpoint control planes ({named}): quiesce coordinates one"
+        " plane per cluster, as Gym does. Run every server on the same Gym version, or split them"
+        " into one config per plane"
+    )
 
 
 def classify(config: ClusterConfig, found: Mapping[str, Capabilities | str]) -> Discovery:
@@ -283,22 +355,44 @@ async def discover(
     v2 = await _speaking_v2(caller, config, results, deadline_ts)
 
     found: dict[str, Capabilities | str] = {}
+    planes: dict[str, str] = {}
     for server in config.servers:
         result = results[server.name]
         if result.ok and isinstance(result.reply, Capabilities):
             found[server.name] = result.reply
+            planes[server.name] = "v1"
+        elif isinstance(v2.get(server.name), StatusReply):
+            planes[server.name] = "v2"
         elif server.name in v2:
+            found[server.name] = str(v2[server.name])
+        elif result.error == "http" and result.status == 404 and not caller.has_token:
             found[server.name] = (
-                f"speaks NeMo Gym's checkpoint control plane v2 (`/ng-control/v1/checkpoint/*`, kind"
-                f" {v2[server.name].kind}), not control plane v1 — it has no capabilities route."
-                " quiesce speaks v1 only: run a Gym version with control plane v1 on this server, or"
-                " leave it out of the config"
+                "has no v1 capabilities route (404); the unified plane's status needs the control"
+                " token, which is not set — set it to discover a server of current Gym"
+            )
+        elif result.error == "http" and result.status == 404:
+            found[server.name] = (
+                "is not a checkpoint participant: it answers 404 to both control planes' discovery"
+                " (`/ng-control/v1/capabilities` and `/ng-control/v1/checkpoint/status`) — remove it"
+                " from the config, or enable checkpointing on it"
             )
         elif result.error == "protocol":
             found[server.name] = f"capabilities reply is invalid: {result.detail}"
         else:
             found[server.name] = f"cannot be reached at {server.url}: {result.describe()}"
-    discovery = replace(classify(config, found), found=found)
+    mixed = mixed_planes(planes)
+    if mixed is not None:
+        unread = tuple((n, r) for n, r in found.items() if isinstance(r, str))
+        discovery = Discovery((), (), ((CLUSTER, mixed), *unread), (), found=found)
+    elif planes and set(planes.values()) == {"v2"}:
+        statuses: dict[str, StatusReply | str] = {}
+        for server in config.servers:
+            got = v2.get(server.name) or found.get(server.name)
+            statuses[server.name] = got if isinstance(got, StatusReply | str) else "was not asked"
+        read = {n: r for n, r in statuses.items() if isinstance(r, StatusReply)}
+        discovery = replace(classify_v2(config, statuses), statuses=read)
+    else:
+        discovery = replace(classify(config, found), found=found)
     await ledger.append("discovery.completed", data=discovery.payload())
     if discovery.refused and strict:
         lines = [f"{name}: {reason}" for name, reason in discovery.refused]

@@ -15,6 +15,10 @@ Participation:
 
 Rollback uses the `resume` order over the servers *touched* by the attempt (a request was sent,
 answered or not).
+
+On Gym's unified plane (v2) the role groups are Gym's stages: `environment`, `policy` (kind
+`model`), `agent`, `resources`. Prepare runs them in that order (`V2_STAGES`); resume and rollback
+run them backwards (`resume_order("v2")`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ __all__ = [
     "COMPONENT_OF_ROLE",
     "ORDER",
     "ROLES",
+    "V2_ROLE_OF_KIND",
+    "V2_STAGES",
     "PhaseName",
+    "Plane",
     "Role",
     "Step",
     "resume_order",
@@ -36,8 +43,18 @@ __all__ = [
     "steps",
 ]
 
-Role = Literal["policy", "agent", "resources"]
+Role = Literal["policy", "agent", "resources", "environment"]
 ROLES: Final[tuple[Role, ...]] = ("policy", "agent", "resources")
+Plane = Literal["v1", "v2"]
+#: Gym's stage order on the unified plane (prepare): environment → model → agent → resources.
+V2_STAGES: Final[tuple[Role, ...]] = ("environment", "policy", "agent", "resources")
+#: the role group of each v2 participant kind
+V2_ROLE_OF_KIND: Final[dict[str, Role]] = {
+    "environment": "environment",
+    "model": "policy",
+    "agent": "agent",
+    "resources": "resources",
+}
 PhaseName = Literal["prepare", "commit", "resume", "restore"]
 
 COMPONENT_OF_ROLE: Final[dict[Role, str]] = {"policy": MODEL, "agent": AGENT, "resources": RESOURCES}
@@ -73,8 +90,11 @@ def steps(phase: PhaseName) -> tuple[Step, ...]:
     return ORDER[phase]
 
 
-def resume_order() -> tuple[Role, ...]:
-    """Role groups in the order they are resumed (also the rollback order)."""
+def resume_order(plane: Plane = "v1") -> tuple[Role, ...]:
+    """Role groups in the order they are resumed (also the rollback order): v1's resources →
+    policy → agents; v2's stages backwards."""
+    if plane == "v2":
+        return tuple(reversed(V2_STAGES))
     return tuple(step.role for step in ORDER["resume"])
 
 

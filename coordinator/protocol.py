@@ -703,19 +703,6 @@ class Route:
 
 CAPABILITIES_PATH: Final = PREFIX + "/capabilities"
 
-#: NeMo Gym's unified checkpoint control plane ("v2", `/ng-control/v1/checkpoint/*`): every server
-#: answers this status GET (with the token) and has no capabilities route. quiesce speaks v1; it
-#: reads this only to tell a user that a server speaks the other plane.
-V2_STATUS_PATH: Final = PREFIX + "/checkpoint/status"
-
-
-class V2Status(_Reply):
-    """The status of a server speaking Gym's control plane v2 — only what names it."""
-
-    kind: Literal["environment", "model", "agent", "resources"]
-    phase: str
-
-
 _ROUTE_LIST: Final[tuple[Route, ...]] = (
     Route(MODEL, "pause", "POST", "/model-admission/pause", CommonBody, ModelPauseReply),
     Route(MODEL, "status", "GET", "/model-admission/status", None, ModelStatusReply),

@@ -36,9 +36,11 @@ from quiesce.coordinator.config import ClusterConfig
 from quiesce.coordinator.digests import file_digest
 from quiesce.coordinator.discovery import Member
 from quiesce.coordinator.errors import PhaseError, QuiesceError, SnapshotError
+from quiesce.coordinator.phases import V2_ROLE_OF_KIND
 from quiesce.coordinator.protocol import AGENT, MODEL, RESOURCES
 from quiesce.coordinator.publish import MANIFEST, load_snapshot, write_latest
 from quiesce.coordinator.restore import redrive, resubmissions_of, reverify
+from quiesce.coordinator.restore_v2 import abandon, replacements
 from quiesce.coordinator.resume import finish_resume, next_step, resume_members, roll_back
 from quiesce.coordinator.save import final_dir_of
 from quiesce.ledger import AttemptRow, Event, Ledger
@@ -130,7 +132,11 @@ async def read_attempt(ledger: Ledger, config: ClusterConfig, checkpoint_id: str
         component = str(info.get("component", ""))
         role = info.get("role")
         url = configured.url if configured else str(info.get("url", ""))
-        if component in (MODEL, AGENT, RESOURCES) and role in ("policy", "agent", "resources") and url:
+        if info.get("plane") == "v2" and component in V2_ROLE_OF_KIND and url:
+            role_v2 = V2_ROLE_OF_KIND[component]
+            policy = "policy" if role_v2 == "policy" else None
+            members.append(Member(name, component, "export_restore", policy, role_v2, url, plane="v2"))
+        elif component in (MODEL, AGENT, RESOURCES) and role in ("policy", "agent", "resources") and url:
             members.append(
                 Member(
                     name,
@@ -151,6 +157,7 @@ async def read_attempt(ledger: Ledger, config: ClusterConfig, checkpoint_id: str
         snapshot=Path(data["snapshot_dir"]) if data.get("snapshot_dir") else None,
         source_checkpoint_id=data.get("source_checkpoint_id"),
         snapshot_sha256=data.get("manifest_sha256") if isinstance(data.get("manifest_sha256"), str) else None,
+        stop=data.get("stop") is True,
     )
     recorded = Recorded(
         attempt,
@@ -180,6 +187,14 @@ async def read_attempt(ledger: Ledger, config: ClusterConfig, checkpoint_id: str
                 status if kind == "call.failed" and isinstance(status, int) else None,
                 str(code) if isinstance(code, str) else None,
             )
+        elif kind == "episodes.scoped":
+            attempt.scope = tuple(str(k) for k in ev.data.get("scope", []))
+            attempt.restarts = {str(n): tuple(k) for n, k in ev.data.get("restarts", {}).items()}
+        elif kind == "episodes.exported":
+            attempt.exported = {str(n): tuple(k) for n, k in ev.data.get("exported", {}).items()}
+        elif kind == "episodes.restored":
+            attempt.scope = tuple(str(k) for k in ev.data.get("scope", []))
+            attempt.restored = {str(n): tuple(k) for n, k in ev.data.get("restored", {}).items()}
         elif kind == "attempt.publishing":
             recorded.publishing = ev.data
         elif kind == "attempt.published":
@@ -316,6 +331,8 @@ async def release(ctx: Context, recorded: Recorded, *, reason: str, held: Sequen
             tuple(error.not_resumed),
         )
     ours = [name for name in held if attempt.member(name) is not None]
+    if attempt.plane == "v2" and attempt.kind == "restore":
+        return await _release_v2_restore(ctx, recorded, reason)
     if attempt.kind == "restore" and (outcome is None or outcome == "abandoned"):
         if not recorded.restore_done:
             snapshot = await reverify(ctx, attempt)
@@ -340,6 +357,27 @@ async def release(ctx: Context, recorded: Recorded, *, reason: str, held: Sequen
         resumed = await finish_resume(ctx, attempt)
         return replace(resumed, resubmit=await resubmissions_of(ctx, attempt))
     return await _resume_named(ctx, recorded, _union(recorded.paused, ours))
+
+
+async def _release_v2_restore(ctx: Context, recorded: Recorded, reason: str) -> Outcome:
+    """A unified-plane restore: one whose restore phase finished is resumed (its replacement
+    attempts listed); one that did not is cleaned up as a failed restore — next attempts retired
+    everywhere, everyone resumed (`restore_v2.abandon`) — never finished half-way."""
+    attempt = recorded.attempt
+    if recorded.restore_done or recorded.last_outcome == "restored":
+        resumed = await finish_resume(ctx, attempt)
+        return replace(resumed, resubmit=replacements(attempt))
+    if recorded.last_outcome is not None:
+        return Outcome(attempt.checkpoint_id, "none")
+    error = await abandon(ctx, attempt, f"{reason}: the restore had not finished")
+    return Outcome(
+        attempt.checkpoint_id,
+        "aborted",
+        tuple(resume_sorted(attempt, attempt.names)),
+        tuple(error.resumed),
+        (),
+        tuple(error.not_resumed),
+    )
 
 
 def _union(first: Sequence[str], second: Sequence[str]) -> list[str]:

@@ -85,6 +85,7 @@ from quiesce.coordinator.attempt import (
 from quiesce.coordinator.discovery import Member
 from quiesce.coordinator.errors import PhaseError
 from quiesce.coordinator.protocol import MODEL, Capabilities
+from quiesce.coordinator.protocol_v2 import StatusReply
 from quiesce.coordinator.publish import (
     apply_retention,
     empty_trash,
@@ -95,6 +96,7 @@ from quiesce.coordinator.publish import (
 )
 from quiesce.coordinator.readback import Recorded, settle_publication, unfinished
 from quiesce.coordinator.restore import redrive, resubmissions_of, reverify
+from quiesce.coordinator.restore_v2 import abandon, replacements
 from quiesce.coordinator.resume import (
     finish_resume,
     next_step,
@@ -201,13 +203,19 @@ class _Settled:
     result: str = ""
     detail: str | None = None
     action: str = "none"
+    #: a unified-plane server's status (instead of capabilities)
+    status: StatusReply | None = None
 
     @property
     def phase(self) -> str | None:
+        if self.status is not None:
+            return self.status.phase
         return self.caps.phase if self.caps else None
 
     @property
     def active(self) -> str | None:
+        if self.status is not None:
+            return self.status.checkpoint_id
         return self.caps.active_checkpoint_id if self.caps else None
 
 
@@ -252,10 +260,14 @@ async def _recover_one(ctx: Context, recorded: Recorded) -> AttemptReport:
     found = (
         "resume" if recorded.last_outcome == "restored" else recorded.row.state if recorded.row else "started"
     )
+    if attempt.kind == "restore" and attempt.plane == "v2" and not recorded.restore_done:
+        return await _clean_up_restore(ctx, recorded, found)
     if attempt.kind == "restore":
         report = await _recover_restore(ctx, recorded, found)
         if report.action not in ("restored", "resumed"):
             return report
+        if attempt.plane == "v2":
+            return replace(report, resubmit=replacements(attempt))
         return replace(report, resubmit=await resubmissions_of(ctx, attempt))
     if await settle_publication(ctx, recorded):
         return await _finish_published(ctx, recorded, found)
@@ -279,6 +291,19 @@ async def _settle(ctx: Context, attempt: Attempt, names: list[str]) -> list[_Set
     out: list[_Settled] = []
 
     async def settle(settled: _Settled, member: Member) -> None:
+        if member.plane == "v2":  # no operation to wait for: a resume aborts whatever runs there
+            read = await ctx.caller.v2_status(
+                member.name,
+                member.url,
+                deadline_ts=budget,
+                phase="recovery",
+                checkpoint_id=attempt.checkpoint_id,
+            )
+            if read.ok and isinstance(read.reply, StatusReply):
+                settled.status = read.reply
+            else:
+                settled.error = f"status: {read.describe()}"
+            return
         result = await operation_ended(ctx, attempt, member, phase="recovery", deadline_ts=budget)
         if not result.ok or not isinstance(result.reply, Capabilities):
             settled.error = f"capabilities: {result.describe()}"
@@ -432,6 +457,8 @@ async def _finish_published(ctx: Context, recorded: Recorded, found: str) -> Att
         lambda: apply_retention(snapshots, ctx.config.keep_latest, protect=[final])
     )
     settled = await _settle(ctx, attempt, attempt.names)
+    if attempt.stop:  # a stop-checkpoint: published, its servers stay paused for shutdown
+        return await _stopped(ctx, recorded, settled, found)
     for s in settled:
         s.action = "resume"
     try:
@@ -452,6 +479,44 @@ async def _finish_published(ctx: Context, recorded: Recorded, found: str) -> Att
             " are reachable."
         )
     return AttemptReport(attempt.checkpoint_id, attempt.kind, found, "published", servers, message)
+
+
+async def _stopped(ctx: Context, recorded: Recorded, settled: list[_Settled], found: str) -> AttemptReport:
+    """A published stop-checkpoint (unified plane): nothing is resumed — its servers were paused for
+    shutdown on purpose; `attempt.completed {published}` ends it."""
+    attempt = recorded.attempt
+    for s in settled:
+        s.result = "stopped"
+    servers = await _record_settled(ctx, attempt, settled)
+    await ctx.ledger.append(
+        "attempt.completed", checkpoint_id=attempt.checkpoint_id, data={"servers": [], "outcome": "published"}
+    )
+    message = (
+        f"published {attempt.snapshot} as a stop-checkpoint; its servers stay paused for shutdown"
+        " (restore it into freshly started servers to go on)."
+    )
+    return AttemptReport(attempt.checkpoint_id, attempt.kind, found, "published", servers, message)
+
+
+async def _clean_up_restore(ctx: Context, recorded: Recorded, found: str) -> AttemptReport:
+    """An interrupted unified-plane restore: never finished half-way — the next attempts of its
+    inventory are retired everywhere and everyone is resumed (`restore_v2.abandon`)."""
+    attempt = recorded.attempt
+    settled = await _settle(ctx, attempt, attempt.names)
+    error = await abandon(
+        ctx, attempt, f"recovered by epoch {ctx.ledger.epoch}: the coordinator died during {found}"
+    )
+    for s in settled:
+        s.action = "retire, resume"
+        s.result = "resumed" if s.name in error.resumed else "left_paused"
+        if s.result == "left_paused":
+            s.detail = error.reason
+    servers = await _record_settled(ctx, attempt, settled)
+    message = (
+        f"restore {attempt.checkpoint_id} had not finished: its next attempts were retired everywhere"
+        " and everyone resumed — nothing restored runs. Restart the servers fresh and restore again."
+    )
+    return AttemptReport(attempt.checkpoint_id, attempt.kind, found, "resumed", servers, message)
 
 
 async def _recover_restore(ctx: Context, recorded: Recorded, found: str) -> AttemptReport:

@@ -38,6 +38,7 @@ from quiesce.coordinator.attempt import (
     Progress,
     anyio_deadline,
     free_command,
+    plain_body,
     record_phase_failed,
     recovery_budget,
     send_call,
@@ -52,6 +53,7 @@ from quiesce.coordinator.protocol import (
     Capabilities,
     CommonBody,
 )
+from quiesce.coordinator.protocol_v2 import CHECKPOINT_CONFLICT
 from quiesce.coordinator.publish import (
     read_latest,
     remove_tree,
@@ -193,6 +195,9 @@ async def resume_members(
     async def one(m: Member, deadline_ts: float) -> None:
         called.append(m.name)
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        if m.plane == "v2":
+            await one_v2(m, deadline_ts)
+            return
         if m.name in check_first:
             await operation_ended(ctx, attempt, m, phase=phase, deadline_ts=deadline_ts)
         body = CommonBody(checkpoint_id=attempt.checkpoint_id, deadline_ts=deadline_ts)
@@ -216,7 +221,21 @@ async def resume_members(
             # the operation ended meanwhile and left this checkpoint paused there: resume again
         failures.append((m.name, result))
 
-    for role in resume_order():
+    async def one_v2(m: Member, deadline_ts: float) -> None:
+        # the unified plane's resume is legal in every phase and aborts whatever runs there (the
+        # writer is stopped first: no manifest is published after it), so nothing is waited for;
+        # `checkpoint_conflict`: another id holds the server — this attempt holds nothing there
+        body = plain_body(m, attempt.checkpoint_id, deadline_ts)
+        result = await send_call(ctx, attempt, m, "resume", phase, body=body, deadline_ts=deadline_ts)
+        if result.ok:
+            resumed.append(m.name)
+            attempt.resumed.add(m.name)
+        elif result.error == "http" and result.status == 409 and result.code == CHECKPOINT_CONFLICT:
+            not_paused.append(m.name)
+        else:
+            failures.append((m.name, result))
+
+    for role in resume_order(attempt.plane):
         members = [m for m in attempt.group(role) if m.name in wanted]
         if not members:
             continue
@@ -363,7 +382,7 @@ async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
     """
     try:
         await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "resume"})
-        if attempt.kind == "restore":  # inside the resume phase: a death here leaves it to recovery
+        if attempt.kind == "restore" and attempt.plane == "v1":  # a death here leaves it to recovery
             await reinstate(ctx, attempt)
         budget = recovery_budget(ctx, attempt)
         called, resumed, not_paused, left, failures = await resume_members(

@@ -115,11 +115,17 @@ _COUNT: Final = re.compile(r"\b(running|parked_without_boundary|completed_unackn
 
 
 async def start_attempt(
-    ctx: Context, discovery: Discovery, *, deadline_s: float | None = None, warnings: Sequence[str] = ()
+    ctx: Context,
+    discovery: Discovery,
+    *,
+    deadline_s: float | None = None,
+    warnings: Sequence[str] = (),
+    stop: bool = False,
 ) -> Attempt:
     """Append `attempt.started` for a new save attempt and return it (nothing is called yet).
 
-    `warnings` (the preflight's) are recorded in it and kept on the attempt."""
+    `warnings` (the preflight's) are recorded in it and kept on the attempt; so are the plane of
+    the cluster and, on the unified plane, `stop` (a stop-checkpoint: its servers stay paused)."""
     checkpoint_id = await next_checkpoint_id(ctx.ledger)
     deadline_ts = time.time() + (deadline_s if deadline_s is not None else ctx.config.deadline_s)
     staging = ctx.config.staging_root / checkpoint_id
@@ -131,11 +137,14 @@ async def start_attempt(
         staging_dir=staging,
         skipped=[{"name": n, "reason": r} for n, r in discovery.skipped],
         warnings=list(warnings),
+        stop=stop,
     )
     await ctx.ledger.stage(
         "attempt.started",
         checkpoint_id=checkpoint_id,
         data={
+            **({"plane": "v2"} if discovery.plane == "v2" else {}),
+            **({"stop": True} if stop else {}),
             "kind": "save",
             "deadline_ts": deadline_ts,
             "participants": attempt.names,

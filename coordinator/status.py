@@ -52,6 +52,7 @@ from quiesce.coordinator.config import ClusterConfig
 from quiesce.coordinator.errors import ServersHeld
 from quiesce.coordinator.lease import ledger_writer
 from quiesce.coordinator.protocol import MODEL, Capabilities
+from quiesce.coordinator.protocol_v2 import StatusReply
 from quiesce.coordinator.readback import Recorded, publication_on_disk, read_attempt, unfinished
 from quiesce.ledger import Ledger
 
@@ -69,6 +70,8 @@ __all__ = [
 
 #: Reads one server's capabilities: (name, url, deadline_ts) → the call's result.
 Peek = Callable[[str, str, float], Awaitable[CallResult]]
+#: What a server's discovery route answered: v1 capabilities, or the unified plane's status.
+Fence = Capabilities | StatusReply
 
 HolderKind = Literal["save", "restore", "unknown"]
 
@@ -129,8 +132,13 @@ class ServerStatus:
     deadline_left_s: float | None = None
     holder: Holder | None = None
     error: str | None = None
-    #: the capabilities read (None when unreachable)
+    #: the capabilities read (None when unreachable, or a unified-plane server)
     capabilities: Capabilities | None = field(default=None, repr=False, compare=False)
+    #: the control plane it speaks; on the unified plane (v2) its kind, lease and blocker count
+    plane: str = "v1"
+    kind: str | None = None
+    lease_expires_at: float | None = None
+    blocker_count: int | None = None
 
     @property
     def held(self) -> bool:
@@ -159,6 +167,16 @@ class ServerStatus:
             "deadline_left_s": self.deadline_left_s,
             "frees": self.frees,
             "error": self.error,
+            "plane": self.plane,
+            **(
+                {
+                    "kind": self.kind,
+                    "lease_expires_at": self.lease_expires_at,
+                    "blocker_count": self.blocker_count,
+                }
+                if self.plane == "v2"
+                else {}
+            ),
         }
 
 
@@ -226,7 +244,12 @@ def describe_holder(
     verb: Literal["resume", "abort"] = "resume"
     applies = False
     if attempt.kind == "save":
-        if outcome is None and publication_on_disk(recorded) is not None:
+        if attempt.stop and outcome == "published":
+            state = (
+                "published as a stop-checkpoint: its servers stay paused for shutdown — restore it into"
+                " freshly started servers to go on (resuming runs them as they are)"
+            )
+        elif outcome is None and publication_on_disk(recorded) is not None:
             state = "published; its resume did not finish"
         elif outcome is None:
             state, verb, applies = "in progress, or interrupted before publication", "abort", True
@@ -283,6 +306,7 @@ async def read_status(
     config_path: str | None = None,
     names: Sequence[str] | None = None,
     via: str | None = None,
+    peek_v2: Peek | None = None,
 ) -> ClusterStatus:
     """Read every configured server's capabilities (or only `names`) concurrently, within
     `control_timeout_s`, and name what holds each held one (`ledger` None: no ledger to ask).
@@ -299,16 +323,18 @@ async def read_status(
 
     async def one(name: str, url: str) -> None:
         results[name] = await peek(name, url, deadline)
+        if peek_v2 is not None and results[name].error == "http" and results[name].status == 404:
+            results[name] = await peek_v2(name, url, deadline)  # a server of Gym's unified plane
 
     async with anyio.create_task_group() as tg:
         for server in servers:
             tg.start_soon(one, server.name, server.url)
-    found: dict[str, Capabilities | str] = {}
+    found: dict[str, Fence | str] = {}
     for server in servers:
         result = results[server.name]
-        ok = result.ok and isinstance(result.reply, Capabilities)
+        reply = result.reply
         found[server.name] = (
-            result.reply if ok and isinstance(result.reply, Capabilities) else result.describe()
+            reply if result.ok and isinstance(reply, Capabilities | StatusReply) else result.describe()
         )
     return await status_from(config, ledger, found, config_path=config_path, via=via)
 
@@ -316,7 +342,7 @@ async def read_status(
 async def status_from(
     config: ClusterConfig,
     ledger: Ledger | None,
-    found: Mapping[str, Capabilities | str],
+    found: Mapping[str, Fence | str],
     *,
     config_path: str | None = None,
     via: str | None = None,
@@ -328,6 +354,8 @@ async def status_from(
     for name, caps in found.items():
         if isinstance(caps, Capabilities) and caps.active_checkpoint_id is not None:
             holding[name] = caps.active_checkpoint_id
+        elif isinstance(caps, StatusReply) and caps.checkpoint_id is not None:
+            holding[name] = caps.checkpoint_id  # the unified plane shows every hold
     attempts: dict[str, Recorded | None] = {}
     pending = await unfinished(ledger, config) if ledger is not None else []
     if pending:
@@ -367,6 +395,24 @@ async def status_from(
         if holding_attempt is not None:
             since = holding_attempt.first_post.get(server.name) or holding_attempt.started_at or None
         holder = holders.get(held_by) if held_by is not None else None
+        if isinstance(reply, StatusReply):
+            out.append(
+                ServerStatus(
+                    server.name,
+                    server.url,
+                    True,
+                    phase=reply.phase,
+                    active_checkpoint_id=reply.checkpoint_id,
+                    held_by=held_by,
+                    since=since,
+                    holder=holder,
+                    plane="v2",
+                    kind=reply.kind,
+                    lease_expires_at=reply.lease_expires_at,
+                    blocker_count=reply.report.blocker_count,
+                )
+            )
+            continue
         out.append(
             ServerStatus(
                 server.name,

@@ -42,6 +42,12 @@ KINDS: Final = frozenset(
         "recovery.started",
         "recovery.settled",
         "recovery.completed",
+        "episodes.blocked",
+        "episodes.scoped",
+        "episodes.exported",
+        "episodes.restored",
+        "episodes.retired",
+        "rollouts.forgotten",
     }
 )
 

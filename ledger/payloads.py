@@ -30,6 +30,11 @@ __all__ = [
     "CoordinatorId",
     "CoordinatorStarted",
     "DiscoveryCompleted",
+    "EpisodesBlocked",
+    "EpisodesExported",
+    "EpisodesRestored",
+    "EpisodesRetired",
+    "EpisodesScoped",
     "NamedReason",
     "Participant",
     "Payload",
@@ -39,6 +44,7 @@ __all__ = [
     "RecoveryCompleted",
     "RecoverySettled",
     "RecoveryStarted",
+    "RolloutsForgotten",
     "validate_payload",
 ]
 
@@ -69,6 +75,8 @@ class Participant(Payload):
     mode: str
     role: str | None = None
     url: str
+    #: the control plane it speaks: `v1` (per-component routes) or `v2` (Gym's unified plane)
+    plane: Literal["v1", "v2"] = "v1"
 
 
 class NamedReason(Payload):
@@ -101,6 +109,10 @@ class AttemptStarted(Payload):
     #: restore only: the caller asked for a resume once restored (the restore is not terminal
     #: until that resume finished; recovery finishes it)
     resume: bool = False
+    #: the control plane of its participants (`v2`: Gym's unified plane)
+    plane: Literal["v1", "v2"] = "v1"
+    #: save, v2: commit with `stop` — the servers stay paused for shutdown once published
+    stop: bool = False
 
 
 class PhaseStarted(Payload):
@@ -189,6 +201,58 @@ class RecoveryCompleted(Payload):
     outcomes: dict[str, str]
 
 
+# -- episodes (Gym's unified plane): what each attempt covered, so a lineage can be rebuilt ------
+#
+# Episodes are written as capture keys (`<rollout_id>` for attempt 0, `<rollout_id>-a<n>` after).
+
+
+class EpisodesBlocked(Payload):
+    """A prepare that was not ready: per server, the blockers it listed and their full count."""
+
+    blockers: dict[str, list[str]]
+    counts: dict[str, int]
+
+
+class EpisodesScoped(Payload):
+    """The commit scope of a save, before its commit is sent: the episodes the caller continues
+    (`given`: named by the caller; else derived from what the servers exported), and the
+    restarts each server reported, which are left out of it."""
+
+    scope: list[str]
+    source: Literal["given", "derived"]
+    restarts: dict[str, list[str]] = {}
+
+
+class EpisodesExported(Payload):
+    """What each server's commit exported (its reply's `episode_ids`)."""
+
+    exported: dict[str, list[str]]
+
+
+class EpisodesRestored(Payload):
+    """A restore's inventory and, per server, the next attempts it restored."""
+
+    source_checkpoint_id: str
+    scope: list[str]
+    restored: dict[str, list[str]]
+
+
+class EpisodesRetired(Payload):
+    """Attempts retired everywhere (`servers`, in call order): by request, or to clean up a
+    failed restore (`reason`)."""
+
+    episodes: list[str]
+    servers: list[str]
+    reason: str
+    failed: dict[str, str] = {}
+
+
+class RolloutsForgotten(Payload):
+    rollout_ids: list[str]
+    servers: list[str]
+    failed: dict[str, str] = {}
+
+
 #: kind -> payload model. The vocabulary; ``Ledger.append`` refuses any other kind.
 PAYLOADS: Final[dict[str, type[Payload]]] = {
     "coordinator.started": CoordinatorStarted,
@@ -208,6 +272,12 @@ PAYLOADS: Final[dict[str, type[Payload]]] = {
     "recovery.started": RecoveryStarted,
     "recovery.settled": RecoverySettled,
     "recovery.completed": RecoveryCompleted,
+    "episodes.blocked": EpisodesBlocked,
+    "episodes.scoped": EpisodesScoped,
+    "episodes.exported": EpisodesExported,
+    "episodes.restored": EpisodesRestored,
+    "episodes.retired": EpisodesRetired,
+    "rollouts.forgotten": RolloutsForgotten,
 }
 
 

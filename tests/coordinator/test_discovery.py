@@ -12,7 +12,8 @@ from starlette.responses import JSONResponse
 
 from quiesce.coordinator import Coordinator, DiscoveryError, parse_config
 from quiesce.coordinator.discovery import CLUSTER, classify
-from quiesce.coordinator.protocol import CAPABILITIES_PATH, V2_STATUS_PATH, Capabilities
+from quiesce.coordinator.protocol import CAPABILITIES_PATH, Capabilities
+from quiesce.coordinator.protocol_v2 import STATUS_PATH as V2_STATUS_PATH
 from tests.conformance.fakegym import serve
 from tests.coordinator.helpers import assert_protocol_ok, control_logs, read_events
 
@@ -208,7 +209,7 @@ async def test_two_policy_models_warn(make_cluster: Any, sqlite_url: str, config
 
 
 def _v2_server(token: str) -> FastAPI:
-    """A server speaking Gym's checkpoint control plane v2: a bearer-guarded
+    """A server speaking Gym's unified checkpoint control plane: a bearer-guarded
     `/ng-control/v1/checkpoint/status`, no capabilities route."""
     app = FastAPI()
 
@@ -217,17 +218,26 @@ def _v2_server(token: str) -> FastAPI:
         if authorization != f"Bearer {token}":
             return JSONResponse({"error": {"code": "unauthorized", "detail": "bad token"}}, status_code=401)
         return JSONResponse(
-            {"kind": "resources", "instance": "sandbox", "phase": "idle", "checkpoint_id": None, "report": {}}
+            {
+                "kind": "resources",
+                "instance": "sandbox",
+                "phase": "idle",
+                "checkpoint_id": None,
+                "lease_expires_at": None,
+                "retired_rollouts": 0,
+                "report": {"ready": True, "blockers": [], "blocker_count": 0, "counts": {}, "restarts": []},
+            }
         )
 
     return app
 
 
-async def test_a_server_speaking_gyms_control_plane_v2_is_named_as_such(
+async def test_a_cluster_mixing_the_two_planes_is_refused_naming_each_servers_plane(
     make_cluster: Any, sqlite_url: str, tmp_path: Path, token: str
 ) -> None:
-    # no capabilities route (404) but Gym's v2 status answers: the refusal says what it speaks and
-    # what to do, instead of a bare 404; a server that answers neither stays "cannot be reached"
+    # v1 servers (capabilities) beside a unified-plane server (no capabilities route, its status
+    # answers): refused as a whole, each server's plane named; a server answering neither is not
+    # a participant, with the reason
     with make_cluster(None) as running, serve(_v2_server(token)) as v2, serve(FastAPI()) as plain:
         document = running.config(sqlite_url, tmp_path / "snapshots")
         document["servers"] += [{"name": "sandbox", "url": v2}, {"name": "blank", "url": plain}]
@@ -235,11 +245,11 @@ async def test_a_server_speaking_gyms_control_plane_v2_is_named_as_such(
             with pytest.raises(DiscoveryError) as caught:
                 await coord.discover()
     reasons = dict(caught.value.reasons)
-    assert set(reasons) == {"sandbox", "blank"}
-    assert "speaks NeMo Gym's checkpoint control plane v2" in reasons["sandbox"]
-    assert "kind resources" in reasons["sandbox"]
-    assert "quiesce speaks v1 only" in reasons["sandbox"]
-    assert reasons["blank"].startswith("cannot be reached")
+    assert set(reasons) == {"(cluster)", "blank"}
+    assert "sandbox speaks v2" in reasons["(cluster)"]
+    assert "policy_model speaks v1" in reasons["(cluster)"]
+    assert "different checkpoint control planes" in reasons["(cluster)"]
+    assert "not a checkpoint participant" in reasons["blank"]
     probes = [
         ev
         for ev in await read_events(sqlite_url)
