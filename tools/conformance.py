@@ -49,7 +49,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -86,6 +86,14 @@ from quiesce.coordinator.protocol import (
     route,
 )
 from quiesce.coordinator.wording import count
+from quiesce.tools.conformance_report import (
+    CheckResult,
+    CheckStatus,
+    ConformanceReport,
+    ServerUnreachable,
+    first_error,
+    transport_error,
+)
 
 __all__ = [
     "CHECKS",
@@ -96,8 +104,6 @@ __all__ = [
     "run_conformance",
 ]
 
-CheckStatus = Literal["pass", "fail", "skip", "warn"]
-
 #: A token no server should accept (the real one is never printed).
 WRONG_TOKEN: Final = "quiesce-conformance-wrong-token"
 #: How long a probe waits for one reply, and the budget (`deadline_ts - now`) it sends.
@@ -107,57 +113,6 @@ AGENT_PREPARE_RETRY_S: Final = 0.1
 #: One model status long-poll asks for at most this long (repeated until paused).
 STATUS_POLL_S: Final = 2.0
 _BODY_PREVIEW: Final = 160
-
-
-class ServerUnreachable(ConfigError):
-    """The URL does not answer at all (bad URL, nothing listening, connection refused): a usage error."""
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    """One row of the report: a check's stable dotted name, its status, and a short reason."""
-
-    name: str
-    status: CheckStatus
-    detail: str = ""
-
-    def to_json(self) -> dict[str, str]:
-        return {"name": self.name, "status": self.status, "detail": self.detail}
-
-
-@dataclass
-class ConformanceReport:
-    """Every check run against one server, and what the server said it is."""
-
-    url: str
-    results: list[CheckResult] = field(default_factory=list)
-    component: str | None = None
-    name: str | None = None
-    instance_role: str | None = None
-    checkpoint_mode: str | None = None
-
-    @property
-    def passed(self) -> bool:
-        """True when no check failed (skips and warnings do not count against the server)."""
-        return all(r.status != "fail" for r in self.results)
-
-    def counts(self) -> dict[str, int]:
-        out = {"pass": 0, "fail": 0, "skip": 0, "warn": 0}
-        for r in self.results:
-            out[r.status] += 1
-        return out
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "component": self.component,
-            "name": self.name,
-            "instance_role": self.instance_role,
-            "checkpoint_mode": self.checkpoint_mode,
-            "passed": self.passed,
-            "summary": self.counts(),
-            "checks": [r.to_json() for r in self.results],
-        }
 
 
 async def run_conformance(
@@ -254,17 +209,7 @@ def _validate(model: type[BaseModel], reply: _Reply, what: str) -> Any:
     try:
         return model.model_validate(reply.body)
     except ValidationError as exc:
-        raise _Fail(f"{what} reply does not match {model.__name__}: {_first_error(exc)}") from exc
-
-
-def _first_error(exc: ValidationError) -> str:
-    errors = exc.errors()
-    if not errors:
-        return str(exc)
-    first = errors[0]
-    loc = ".".join(str(p) for p in first.get("loc", ())) or "<root>"
-    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{loc}: {first.get('msg', '')}{more}"
+        raise _Fail(f"{what} reply does not match {model.__name__}: {first_error(exc)}") from exc
 
 
 def _sha256_file(path: Path) -> str:
@@ -458,7 +403,7 @@ class _Checker:
             self._add(name, "fail", f"no reply within {self.timeout_s:g}s ({type(exc).__name__})")
             return False
         except httpx.HTTPError as exc:
-            self._add(name, "fail", f"request failed: {_transport_error(exc)}")
+            self._add(name, "fail", f"request failed: {transport_error(exc)}")
             return False
         self._add(name, "pass", detail or "")
         return True
@@ -634,7 +579,7 @@ class _Checker:
             try:
                 reply = await self.post(self.first_op, body, raw_body=raw)
             except httpx.HTTPError as exc:
-                bad.append(f"{label}: {_transport_error(exc)}")
+                bad.append(f"{label}: {transport_error(exc)}")
                 continue
             if reply.status == 500 and label in tolerated:
                 warned.append(label)
@@ -1093,15 +1038,6 @@ class _Checker:
         await self.check("cleanup.idle", idle)
 
 
-def _transport_error(exc: httpx.HTTPError) -> str:
-    text = str(exc).strip()
-    if isinstance(exc, httpx.TimeoutException):
-        return f"no reply in time ({type(exc).__name__})"
-    if not text and isinstance(exc, httpx.ReadError | httpx.RemoteProtocolError):
-        text = "connection closed without a complete reply"
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 def _summary(body: Any, keys: tuple[str, ...]) -> str:
     if not isinstance(body, dict):
         return ""
@@ -1144,7 +1080,7 @@ def _check_continuation_rows(data: bytes) -> None:
         try:
             row = ContinuationRow.model_validate_json(line)
         except ValidationError as exc:
-            raise _Fail(f"continuations.jsonl line {number}: {_first_error(exc)}") from exc
+            raise _Fail(f"continuations.jsonl line {number}: {first_error(exc)}") from exc
         if line != json.dumps(json.loads(line), separators=(",", ":")).encode():
             raise _Fail(f"continuations.jsonl line {number} is not compact JSON")
         keys.append(row.capture_key)
@@ -1160,7 +1096,7 @@ def _check_storage_rows(data: bytes) -> None:
         try:
             row = StorageReference.model_validate_json(line)
         except ValidationError as exc:
-            raise _Fail(f"storage-references.jsonl line {number}: {_first_error(exc)}") from exc
+            raise _Fail(f"storage-references.jsonl line {number}: {first_error(exc)}") from exc
         keys.append(row.key)
     if len(keys) != len(set(keys)):
         raise _Fail("storage-references.jsonl repeats a key")

@@ -1,4 +1,5 @@
-"""Fixtures of the conformance checker tests: the anyio backend and a fake server factory."""
+"""Fixtures of the conformance checker tests: the anyio backend and the fake server factories
+(`start_fake` for control plane v1, `start_fake_v2` for the unified plane)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from contextlib import ExitStack
 import pytest
 
 from tests.conformance.fakegym import FakeGym, serve
+from tests.conformance.fakegym_v2 import FakeGymV2
 
 TOKEN = "conformance-test-token-5f1c"
 
@@ -35,6 +37,28 @@ def start_fake() -> Iterator[StartFake]:
             coordinator: bool = False,
         ) -> tuple[FakeGym, str]:
             fake = FakeGym(component, name, TOKEN, role=role, faults=faults, ack=ack, coordinator=coordinator)
+            return fake, stack.enter_context(serve(fake.app))
+
+        yield start
+
+
+StartFakeV2 = Callable[..., tuple[FakeGymV2, str]]
+
+
+@pytest.fixture
+def start_fake_v2() -> Iterator[StartFakeV2]:
+    """Start a `FakeGymV2` on loopback: `start_fake_v2(kind, faults={...}, grace_s=...)` -> (fake, url)."""
+    with ExitStack() as stack:
+
+        def start(
+            kind: str,
+            *,
+            instance: str = "fake",
+            faults: frozenset[str] = frozenset(),
+            grace_s: float = 600.0,
+            live: tuple[str, ...] = ("r1", "r2-a1"),
+        ) -> tuple[FakeGymV2, str]:
+            fake = FakeGymV2(kind, instance, TOKEN, faults=faults, grace_s=grace_s, live=live)
             return fake, stack.enter_context(serve(fake.app))
 
         yield start

@@ -1,5 +1,9 @@
-"""`quiesce conformance URL [-o FORMAT]` — probe one Gym server for control plane v1 compliance.
+"""`quiesce conformance URL [--plane v1|v2] [--lease-check] [-o FORMAT]` — probe one Gym server
+for compliance with its checkpoint control plane.
 
+The plane is detected (a v1 server answers `GET /ng-control/v1/capabilities`; a v2 participant
+answers it 404 and answers `GET /ng-control/v1/checkpoint/status` with a valid status) unless
+`--plane` names it; `--lease-check` (v2) also waits out one lease of a server with a short grace.
 Prints one row per check (pass / fail with a short reason / skip with why / warn: the rule holds
 in a way worth fixing), or one JSON document with `--json`, or one check per line with `-o jsonl`.
 Exit codes: 0 no check failed (skips and warnings allowed), 1 at least one failed, 2 bad usage
@@ -22,7 +26,9 @@ from quiesce.coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
 from quiesce.coordinator.wording import count, plain
 from quiesce.tools.cli.flags import UsageError, add_output
 from quiesce.tools.cli.output import console, emit_json, emit_jsonl
-from quiesce.tools.conformance import DEFAULT_TIMEOUT_S, ConformanceReport, ServerUnreachable, run_conformance
+from quiesce.tools.conformance import DEFAULT_TIMEOUT_S
+from quiesce.tools.conformance_report import ConformanceReport, ServerUnreachable
+from quiesce.tools.conformance_v2 import LEASE_CHECK_MAX_GRACE_S, check_server
 
 _STYLE = {
     "pass": "[green]pass[/]",
@@ -35,11 +41,14 @@ _STYLE = {
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "conformance",
-        help="check one Gym server against control plane v1",
+        help="check one Gym server against its checkpoint control plane (v1 or unified)",
         description=(
-            "Probe a Gym server (policy model, agent or resources) for compliance with the "
-            "checkpoint control plane v1: capabilities, auth, validation, the fence rules and a "
-            "full prepare/commit/resume cycle into a temp dir. The server is left idle afterwards."
+            "Probe a Gym server for compliance with its checkpoint control plane, detected or named by"
+            " --plane: v1 (policy model, agent or resources: capabilities, auth, validation, the fence"
+            " rules, a prepare/commit/resume cycle) or the unified plane v2 (any participant kind:"
+            " status, auth, validation, phases, a prepare/renew/commit/resume cycle with its storage"
+            " layout, deadlines, retire and forget; restore only by its refusals). Commits go into a"
+            " temp dir. The server is left idle afterwards."
         ),
     )
     parser.add_argument("url", metavar="URL", help="the server's base URL, e.g. http://127.0.0.1:8000")
@@ -55,6 +64,20 @@ def register(subparsers: Any) -> None:
         default=DEFAULT_TIMEOUT_S,
         metavar="S",
         help=f"seconds to wait for a reply; also each control call's budget (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--plane",
+        choices=("v1", "v2"),
+        default=None,
+        help="the control plane to check (default: detect it)",
+    )
+    parser.add_argument(
+        "--lease-check",
+        action="store_true",
+        help=(
+            "v2: also prepare with a near deadline and wait until the lease resumes the server (needs a"
+            f" server whose lease grace is at most {LEASE_CHECK_MAX_GRACE_S:g}s; skipped otherwise)"
+        ),
     )
     add_output(parser)
     parser.set_defaults(handler=handle)
@@ -85,7 +108,11 @@ def handle(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise UsageError(f"--timeout {args.timeout:g}: give a number of seconds above 0")
     try:
-        report = anyio.run(lambda: run_conformance(args.url, token, timeout_s=args.timeout))
+        report = anyio.run(
+            lambda: check_server(
+                args.url, token, plane=args.plane, timeout_s=args.timeout, lease_check=args.lease_check
+            )
+        )
     except ServerUnreachable as error:
         raise UsageError(str(error), code="unreachable") from None
     if args.output == "jsonl":
@@ -105,6 +132,8 @@ def print_report(report: ConformanceReport) -> None:
     )
     from quiesce.tools.audit.present import whole_column, widened
 
+    if report.plane == "v2":
+        what = f"{what}, unified plane" if what else "unified plane"
     table = Table(title=f"conformance of {escape(report.url)}" + (f" ({what})" if what else ""))
     whole_column(table, "check", [result.name for result in report.results])
     table.add_column("result", no_wrap=True)
