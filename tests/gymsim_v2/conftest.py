@@ -109,7 +109,10 @@ def anyio_backend() -> str:
 
 @pytest.fixture
 async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(60.0, read=None)) as client:
+    limits = httpx.Limits(max_connections=1000)  # every episode's /run holds a connection
+    async with httpx.AsyncClient(
+        trust_env=False, timeout=httpx.Timeout(60.0, read=None), limits=limits
+    ) as client:
         yield client
 
 

@@ -355,7 +355,6 @@ class ControlPlane:
                 named = sorted(set(current.restarts) & {e.capture_key for e in request.episode_ids})
                 if named:
                     raise refuse(RESTART_IN_SCOPE, f"the commit scope names episodes that restart: {named}")
-            await self._injected_delay()
             write = await self._start_write(request)
             assert write.task is not None
             manifest = await within(request, asyncio.shield(write.task))
@@ -392,20 +391,23 @@ class ControlPlane:
                 f"checkpoint {request.checkpoint_id} is already written to another directory or scope",
             )
         if write.task is None or (write.task.done() and write.task.exception() is not None):
-            write.task = asyncio.create_task(
-                asyncio.to_thread(
-                    write_state,
-                    request.checkpoint_dir,
-                    kind=self.participant.kind,
-                    instance=self.instance,
-                    checkpoint_id=request.checkpoint_id,
-                    records=write.records,
-                    extra=self.participant.manifest_extra(),
-                    stop=write.stop,
-                )
-            )
+            write.task = asyncio.create_task(self._store(request, write))
             write.task.add_done_callback(lambda done: done.cancelled() or done.exception())
         return write
+
+    async def _store(self, request: CommitRequest, write: _Write) -> dict[str, Any]:
+        """The write itself (a slow-commit fault sleeps here, so the write outlives its caller)."""
+        await self._injected_delay()
+        return await asyncio.to_thread(
+            write_state,
+            request.checkpoint_dir,
+            kind=self.participant.kind,
+            instance=self.instance,
+            checkpoint_id=request.checkpoint_id,
+            records=write.records,
+            extra=self.participant.manifest_extra(),
+            stop=write.stop,
+        )
 
     async def _delete_unscoped(self, scope: list[EpisodeId] | None) -> None:
         if scope is None:

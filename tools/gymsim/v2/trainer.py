@@ -57,7 +57,10 @@ class Trainer:
     def __init__(self, env_url: str, *, http: httpx.AsyncClient | None = None) -> None:
         self.env_url = env_url.rstrip("/")
         self._own_http = http is None
-        self.http = http or httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(30.0, read=None))
+        # every episode's /run holds a connection until the episode ends
+        self.http = http or httpx.AsyncClient(
+            trust_env=False, timeout=httpx.Timeout(30.0, read=None), limits=httpx.Limits(max_connections=None)
+        )
         self.tasks: dict[str, Any] = {}
         self.attempts: dict[str, int] = {}
         self.results: dict[str, str] = {}
