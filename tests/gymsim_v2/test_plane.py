@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_status_of_every_kind_carries_its_extras(gym: V2) -> None:
-    extras = {
+    extras: dict[str, dict[str, Any]] = {
         "environment": {"restored_pending": []},
         "policy_model": {"restored_generation_cuts": []},
         "agent": {"accepting": True},
@@ -57,7 +58,7 @@ async def test_prepare_commit_resume_and_replays(gym: V2, tmp_path: object) -> N
         True,
     )
     for operation in ("prepare", "renew", "commit"):
-        fields = {"checkpoint_dir": str(tmp_path)} if operation == "commit" else {}
+        fields: dict[str, Any] = {"checkpoint_dir": str(tmp_path)} if operation == "commit" else {}
         reply = await gym.op("agent", operation, "c1", **fields)
         assert (reply.status_code, code(reply)) == (409, "stale_checkpoint"), operation
 
@@ -186,7 +187,7 @@ async def test_a_resume_during_the_wait_ends_the_prepare_at_once(gym: V2) -> Non
     waiting = asyncio.create_task(gym.op("environment", "prepare", "c1", deadline_s=60))
 
     async def preparing() -> bool:
-        return (await gym.state("environment"))["phase"] == "preparing"
+        return bool((await gym.state("environment"))["phase"] == "preparing")
 
     await eventually(preparing, what="prepare under way")
     assert (await gym.op("environment", "resume", "c1")).json() == {"phase": "idle", "idempotent": False}
