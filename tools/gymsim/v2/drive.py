@@ -91,9 +91,15 @@ class Control:
     async def _all(
         self, names: Iterable[str], operation: str, checkpoint_id: str, **fields: Any
     ) -> dict[str, dict[str, Any]]:
+        """The call on every one at once; once all answered, the first failure is raised."""
         names = list(names)
-        replies = await asyncio.gather(*(self.ok(n, operation, checkpoint_id, **fields) for n in names))
-        return dict(zip(names, replies, strict=True))
+        replies = await asyncio.gather(
+            *(self.ok(n, operation, checkpoint_id, **fields) for n in names), return_exceptions=True
+        )
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        return {n: r for n, r in zip(names, replies, strict=True) if not isinstance(r, BaseException)}
 
     async def prepare_all(self, checkpoint_id: str, *, deadline_s: float = 30.0) -> dict[str, dict[str, Any]]:
         """Prepare stage by stage; stops after the first stage with a reply not `prepared`."""
@@ -137,11 +143,16 @@ class Control:
         )
 
     async def restore_all(
-        self, checkpoint_id: str, checkpoint_dir: str, scope: list[EpisodeId]
+        self, checkpoint_id: str, checkpoint_dir: str, scope: list[EpisodeId], *, deadline_s: float = 30.0
     ) -> dict[str, dict[str, Any]]:
         episodes = [e.model_dump() for e in scope]
         return await self._all(
-            await self.kinds(), "restore", checkpoint_id, checkpoint_dir=checkpoint_dir, episode_ids=episodes
+            await self.kinds(),
+            "restore",
+            checkpoint_id,
+            deadline_s=deadline_s,
+            checkpoint_dir=checkpoint_dir,
+            episode_ids=episodes,
         )
 
     async def renew_all(self, checkpoint_id: str, *, deadline_s: float = 30.0) -> dict[str, dict[str, Any]]:
