@@ -10,6 +10,9 @@ import pytest
 
 from tests.conformance.fakegym import FakeGym, serve
 from tests.conformance.fakegym_v2 import FakeGymV2
+from tests.oracle.wire import oracle_v2
+
+__all__ = ["TOKEN", "StartFake", "StartFakeV2", "oracle_v2"]
 
 TOKEN = "conformance-test-token-5f1c"
 
