@@ -75,7 +75,7 @@ from quiesce.coordinator.discovery import Discovery, Member, discover
 from quiesce.coordinator.errors import AcknowledgementError, ConfigError, PhaseError, QuiesceError
 from quiesce.coordinator.heap import frozen_step, heap_frozen
 from quiesce.coordinator.lease import holder_text, keep_lease
-from quiesce.coordinator.phases import COMPONENT_OF_ROLE
+from quiesce.coordinator.phases import COMPONENT_OF_ROLE, V2_ROLE_OF_KIND
 from quiesce.coordinator.preflight import preflight
 from quiesce.coordinator.protocol import (
     AGENT,
@@ -559,6 +559,13 @@ class Coordinator:
         members: list[Member] = []
         for name in held:
             server = status.server(name)
+            if server is not None and server.plane == "v2" and server.kind in V2_ROLE_OF_KIND:
+                role_v2 = V2_ROLE_OF_KIND[server.kind]
+                policy = "policy" if role_v2 == "policy" else None
+                members.append(
+                    Member(name, server.kind, "export_restore", policy, role_v2, server.url, plane="v2")
+                )
+                continue
             caps = server.capabilities if server is not None else None
             role = next(
                 (r for r, c in COMPONENT_OF_ROLE.items() if caps is not None and c == caps.component), None

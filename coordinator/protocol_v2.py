@@ -3,7 +3,7 @@
 Both sides speak through these: the coordinator builds every v2 request from them and validates
 every reply with them; the reference servers (`tools/gymsim/v2`) validate requests and build
 replies with them. Written from Gym's `nemo_gym/_checkpoint/control.py`, `store.py` and
-`episode_types.py` (see `gym-control-v2.md`); v1's models live in `protocol.py`.
+`episode_types.py`; v1's models live in `protocol.py`.
 
 Rules kept here:
 - One route set for every participant kind (`environment`, `model`, `agent`, `resources`), all

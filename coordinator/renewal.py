@@ -77,9 +77,17 @@ async def renewing(ctx: Context, attempt: Attempt, horizon_s: float) -> AsyncIte
             await anyio.sleep(pause)
             await renew_all(ctx, attempt, horizon_s)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(loop)
-        try:
-            yield
-        finally:
-            tg.cancel_scope.cancel()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(loop)
+            try:
+                yield
+            finally:
+                tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # what the body raised (the caller's block, a failed save) goes on as itself, never
+        # wrapped by the renewals' task group: the renewal loop raises nothing of its own but a
+        # ledger failure, which is then the one exception
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise

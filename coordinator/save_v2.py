@@ -76,10 +76,15 @@ NAMED_BLOCKERS: Final = 5
 PREPARE_RETRY_S: Final = 0.2
 
 
+#: The longest a single prepare asks a server to wait before it answers how far it got: the
+#: server's report (its blockers) is then never older than this when the deadline ends the wait.
+PREPARE_SLICE_S: Final = 2.0
+
+
 def prepare_margin_s(budget_s: float) -> float:
     """How long before the attempt's deadline a prepare asks the server to answer: a tenth of the
-    budget, between 50 ms and 1 s — time for the not-ready reply to travel back."""
-    return min(1.0, max(0.05, budget_s * 0.1))
+    budget, between 250 ms and 1 s — time for the not-ready reply to travel back."""
+    return min(1.0, max(0.25, budget_s * 0.1))
 
 
 def require_scope(participants: Sequence[Member], episodes: Sequence[EpisodeId] | None) -> None:
@@ -117,14 +122,21 @@ async def _prepare_body(ctx: Context, attempt: Attempt, budget_s: float) -> dict
     reports: dict[str, PrepareReport] = {}
 
     async def one(m: Member) -> None:
-        body = CheckpointRequest(checkpoint_id=attempt.checkpoint_id, deadline_ts=asked_ts)
         while True:
+            # the same id each time; each call waits at most a slice, so its report is fresh
+            until = min(asked_ts, time.time() + PREPARE_SLICE_S)
+            body = CheckpointRequest(checkpoint_id=attempt.checkpoint_id, deadline_ts=until)
             ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
             result = await send_call(ctx, attempt, m, "prepare", phase, body=body, deadline_ts=asked_ts)
             reply = expect_reply(result, PrepareReply, phase, "prepare")
             reports[m.name] = reply.report
             if reply.phase == "prepared":
+                attempt.waiting_on.pop(m.name, None)
                 return
+            # what a deadline that ends the wait meanwhile reports (`run_phase`)
+            attempt.waiting_on[m.name] = PhaseFailure(
+                phase, m.name, f"not ready by the deadline — {blockers_text(reply.report)}", deadline=True
+            )
             if reply.phase != "preparing":
                 raise PhaseFailure(
                     phase,
@@ -134,7 +146,8 @@ async def _prepare_body(ctx: Context, attempt: Attempt, budget_s: float) -> dict
                 )
             if time.time() >= asked_ts - 0.01:
                 return  # not ready by the deadline: judged with the others below
-            await anyio.sleep(min(PREPARE_RETRY_S, max(0.0, asked_ts - time.time())))
+            if time.time() < until - 0.01:  # it answered before its slice ended: pause a little
+                await anyio.sleep(min(PREPARE_RETRY_S, max(0.0, asked_ts - time.time())))
 
     for role in V2_STAGES:
         members = attempt.group(role)
@@ -280,7 +293,7 @@ async def _commit_body(
     scope_keys = set(attempt.scope)
     entries = await anyio.to_thread.run_sync(
         lambda: [
-            (m, _verify_commit(staging, m, attempt.checkpoint_id, replies[m.name], scope_keys))
+            (m, _verify_commit(staging, m, attempt.checkpoint_id, replies[m.name], scope_keys, restart_keys))
             for m in attempt.participants
         ]
     )
@@ -312,7 +325,7 @@ async def _commit_body(
 
 
 def _verify_commit(
-    staging: Path, m: Member, checkpoint_id: str, reply: CommitReply, scope: set[str]
+    staging: Path, m: Member, checkpoint_id: str, reply: CommitReply, scope: set[str], restarts: set[str]
 ) -> tuple[dict[str, Any], list[str]]:
     """A commit reply against the rules of the module docstring and the files on disk; returns the
     publication entry of the participant and the problems found (none: it may be published)."""
@@ -328,7 +341,15 @@ def _verify_commit(
     if keys != sorted(keys):
         problems.append("its episode_ids are not sorted")
     outside = sorted(set(keys) - scope)
-    if outside:
+    restarted = [k for k in outside if k in restarts]
+    if restarted:
+        problems.append(
+            f"it exported {count(len(restarted), 'episode')} another participant reports as a restart"
+            f" ({', '.join(restarted[:NAMED_BLOCKERS])}): a restart cannot be continued, so no"
+            " participant may save it — Gym marks such an episode as a restart on every participant"
+            " (the seed reply's x-ng-checkpoint-restart header)"
+        )
+    elif outside:
         problems.append(f"it exported episodes outside the scope: {', '.join(outside[:NAMED_BLOCKERS])}")
     if m.component == "model":
         problems.extend(_staging_key_problems(reply, set(keys)))

@@ -143,13 +143,20 @@ async def _uninterrupted(env: dict[str, str], work: Path, ledger_url: str, snaps
     return client.final_results(rollouts)
 
 
-async def run_demo(folder: Path, console: Console, result: dict[str, Any] | None = None) -> int:
-    """Run the demo in `folder` (`prepare_folder` first: raises `FolderRefused`). Returns the exit
-    code (1 on any failure); fills `result` (the `--json` document) when given."""
+async def run_demo(
+    folder: Path, console: Console, result: dict[str, Any] | None = None, *, plane: str = "v1"
+) -> int:
+    """Run the demo in `folder` (`prepare_folder` first: raises `FolderRefused`) on `plane` (v1, or
+    Gym's unified plane: `demo_v2.py`). Returns the exit code (1 on any failure); fills `result`
+    (the `--json` document) when given."""
     where = await anyio.to_thread.run_sync(prepare_folder, folder)
     found: dict[str, Any] = {} if result is None else result
     found.update({"dir": str(where), "ok": False, "error": None})
     try:
+        if plane == "v2":
+            from quiesce.tools.demo_v2 import run_demo_v2
+
+            return await run_demo_v2(folder, console, found)
         return await _run(folder, console, found)
     except (DemoFailed, TimeoutError, client.RolloutError, httpx.HTTPError, RuntimeError) as error:
         found["error"] = str(error)

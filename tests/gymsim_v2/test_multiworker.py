@@ -1,6 +1,6 @@
-"""Multi-worker coordinator mode (`gym-control-v2.md` §8) of the environment: one phase machine over
-worker tables; merged report; one records file; restored records claimed by whichever worker runs
-the replacement."""
+"""Multi-worker coordinator mode (Gym's `_checkpoint/participant_workers.py`) of the environment:
+one phase machine over worker tables; merged report; one records file; restored records claimed
+by whichever worker runs the replacement."""
 
 from __future__ import annotations
 

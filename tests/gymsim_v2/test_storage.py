@@ -1,4 +1,4 @@
-"""Manifest-last storage (`gym-control-v2.md` §7): layout, digests, the manifest written once, and
+"""Manifest-last storage (Gym's `_checkpoint/store.py`): layout, digests, the manifest written once, and
 the restore-side checks of manifest and records."""
 
 from __future__ import annotations

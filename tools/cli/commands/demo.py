@@ -1,5 +1,6 @@
-"""`quiesce demo [--dir DIR] [--json]` — checkpoint a local reference Gym cluster mid-rollout, restore it
-into a fresh one, and check the rollouts finish exactly as an uninterrupted run (see `tools/demo.py`).
+"""`quiesce demo [--dir DIR] [--plane v1|v2] [--json]` — checkpoint a local reference Gym cluster
+mid-rollout, restore it into a fresh one, and check the rollouts finish exactly as an uninterrupted
+run (see `tools/demo.py`; `--plane v2`: Gym's unified plane, `tools/demo_v2.py`).
 
 Uses an embedded SQLite ledger and snapshots under DIR (default `./.quiesce-demo`); needs no config
 and no token (a random one is made, never printed). DIR must be new, empty, or one an earlier demo
@@ -37,6 +38,13 @@ def register(subparsers: Any) -> None:
         help="folder for the ledger, snapshots and cluster logs: new, empty, or made by an earlier demo"
         " (default ./.quiesce-demo)",
     )
+    parser.add_argument(
+        "--plane",
+        choices=("v1", "v2"),
+        default="v1",
+        help="the checkpoint control plane the reference cluster speaks: v1 (default), or v2 — Gym's"
+        " unified plane (/ng-control/v1/checkpoint/*)",
+    )
     parser.set_defaults(handler=handle)
 
 
@@ -48,7 +56,7 @@ def handle(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {}
     people = Console(stderr=True, highlight=False) if args.json else console
     try:
-        code: int = anyio.run(run_demo, args.dir, people, result)
+        code: int = anyio.run(lambda: run_demo(args.dir, people, result, plane=args.plane))
     except FolderRefused as error:
         raise UsageError(str(error)) from None
     if args.json:

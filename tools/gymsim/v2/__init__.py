@@ -1,5 +1,5 @@
 """Reference NeMo Gym servers of the unified checkpoint control plane ("v2",
-`/ng-control/v1/checkpoint/*`, `gym-control-v2.md`), beside v1's (`tools/gymsim/*.py`).
+`/ng-control/v1/checkpoint/*`, Gym's `nemo_gym/_checkpoint/`), beside v1's (`tools/gymsim/*.py`).
 
 Start: a spec whose servers say `plane: v2` (`spec.default_v2_spec()`: environment → agent →
 policy_model + resources), served by `cluster.start_cluster` / `spawn_cluster` or `quiesce sim

@@ -5,7 +5,7 @@ Data plane: `POST /v1/turn {episode_id, turn, observation}` → `{action}`; `POS
 resources session (`/seed_session`); every turn calls the policy model (`/v1/responses`) and the
 resources server (`/step`).
 
-Rules (`gym-control-v2.md` §4, agent):
+Rules (Gym's `_checkpoint/agent.py`):
 - `checkpoint_mode: export_restore` (native sessions): closed admission refuses a new session 409
   `checkpoint_parked`; a turn of an existing session waits for resume. Blockers: sessions running a
   turn. Export: `AgentSessionRecord{episode_id, session_key, session}` per session in the scope.

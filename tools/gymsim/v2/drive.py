@@ -1,9 +1,9 @@
 """Raw v2 control calls against a set of servers, in Gym's stage order — no ledger, no recovery.
 
 For tests, the demo and the bench (a baseline to compare the coordinator with); the coordinator
-itself never uses this. Order (`gym-control-v2.md` §9): prepare stage by stage (environment → model
-→ agent → resources), stopping at the first stage not prepared; commit, restore and renew all at
-once; resume in reverse stage order, past failures.
+itself never uses this. Order (Gym's `_checkpoint/coordination.py`): prepare stage by stage
+(environment → model → agent → resources), stopping at the first stage not prepared; commit,
+restore and renew all at once; resume in reverse stage order, past failures.
 
 ```python
 control = Control(cluster.urls, token="secret", http=http)

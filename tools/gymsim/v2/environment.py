@@ -5,7 +5,7 @@ Data plane: `POST /run {episode_id, task, paced}` runs one episode to its end an
 (which calls the policy model and the resources server); between turns the episode is at a
 boundary `{turn, state, turns}`.
 
-Rules (`gym-control-v2.md` §4, environment):
+Rules (Gym's `_checkpoint/environment.py` and `steps.py`):
 - Closed admission: a new `/run` gets 409 `checkpoint_parked`; running episodes park at their next
   boundary. Blockers are episodes mid-turn (and retired ones not yet stopped).
 - An agent reply with `x-ng-checkpoint-restart: 1` marks the episode a restart: reported, never

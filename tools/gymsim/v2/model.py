@@ -3,7 +3,7 @@
 Data plane: `POST /v1/responses {episode_id, input}` → `{id, output}`; the output depends on the
 input and on how many calls the ledger already holds for that capture key.
 
-Rules (`gym-control-v2.md` §4, model):
+Rules (Gym's `_checkpoint/model.py`):
 - Closed admission: a new call *waits* for resume (Gym's later model); a call already admitted runs
   on, but its response is held until resume (its ledger row stays undelivered). Nothing streams, so
   nothing blocks prepare.

@@ -6,7 +6,7 @@ idle --restore--> restored
 preparing | prepared | committed | restored --resume (or lease expiry)--> idle
 ```
 
-Rules (`gym-control-v2.md` §1–§6):
+Rules (Gym's `_checkpoint/control.py`: phases, models, routes, leases, retire marks):
 - Every transition runs under one asyncio lock; prepare's readiness wait runs outside it, re-checking on
   each change notice and at least every second, and ends early when the active id changes.
 - Recorded results are replayed: prepare (once prepared), commit, restore. A resume drops its id's.

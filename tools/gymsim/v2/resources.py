@@ -5,7 +5,7 @@ Data plane: `POST /seed_session {episode_id, seed}` → `{session_id}` (headers
 {episode_id, session_id, action}` → `{output}`, `POST /verify {session_id}` → `{reward}` (replay
 mode: always admitted), `POST /close_session {session_id}` (never refused).
 
-Rules (`gym-control-v2.md` §4, resources; `mode` from `checkpoint_mode`: `export_restore` →
+Rules (Gym's `_checkpoint/resources.py`; `mode` from `checkpoint_mode`: `export_restore` →
 `exported`, `stateless`, `restart_only`):
 - `exported`/`stateless`: closed admission makes data requests *wait* for resume (never refused);
   blockers are requests in flight and sessions of retired rollouts still being freed; export is

@@ -1,4 +1,4 @@
-"""Manifest-last storage of one v2 participant (`gym-control-v2.md` §7).
+"""Manifest-last storage of one v2 participant (Gym's `_checkpoint/store.py`).
 
 Layout: `<checkpoint_dir>/gym/<kind>/<instance>/records-<sha256>.jsonl` + `manifest.json`.
 

@@ -1,0 +1,150 @@
+"""Restarts, a failed restore's cleanup, and retire/forget through the coordinator, against real
+v2 reference servers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from quiesce.coordinator import ClusterConfig, Coordinator, EpisodeId, PhaseError, QuiesceError
+from quiesce.coordinator.protocol_v2 import PREFIX
+from quiesce.ledger import Ledger
+from quiesce.tools.gymsim.v2.trainer import Trainer, expected_results, make_tasks
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
+
+
+async def events(url: str, kind: str | None = None) -> list[Any]:
+    async with Ledger.open(url, readonly=True) as ledger:
+        return [ev async for ev in ledger.read() if kind is None or ev.kind == kind]
+
+
+async def sent(url: str, operation: str) -> list[Any]:
+    return [ev for ev in await events(url, "call.sent") if ev.data["path"] == f"{PREFIX}/{operation}"]
+
+
+async def phases(http: httpx.AsyncClient, urls: dict[str, str], token: str) -> dict[str, str]:
+    out = {}
+    for name, url in urls.items():
+        reply = await http.get(f"{url}{PREFIX}/status", headers={"authorization": f"Bearer {token}"})
+        out[name] = reply.json()["phase"]
+    return out
+
+
+async def test_restarts_are_left_out_of_the_scope_and_listed(
+    v2_cluster: Callable[..., Any],
+    config_of: Callable[..., ClusterConfig],
+    sqlite_url: str,
+    http: httpx.AsyncClient,
+) -> None:
+    tasks = make_tasks(3, turns=4)
+    with v2_cluster(resources={"checkpoint_mode": "restart_only"}) as running:
+        trainer = Trainer(running.urls["environment"], http=http)
+        await trainer.start(tasks, paced=True)
+        await trainer.advance(1)
+        await trainer.wait_parked()
+        async with Coordinator.open(config_of(running, sqlite_url)) as coord:
+            attempt = await coord.checkpoint(deadline_s=10)
+        await trainer.detach()
+    assert attempt.restarts == {"resources": ("r0", "r1", "r2")}
+    assert attempt.scope == ()
+    scoped = (await events(sqlite_url, "episodes.scoped"))[-1].data
+    assert scoped["restarts"] == {"resources": ["r0", "r1", "r2"]}
+    for ev in await sent(sqlite_url, "commit"):
+        if ev.server != "environment":
+            assert ev.data["body"]["episode_ids"] == []
+
+
+async def test_a_failed_restore_retires_the_next_attempts_everywhere_and_resumes_everyone(
+    v2_cluster: Callable[..., Any],
+    config_of: Callable[..., ClusterConfig],
+    sqlite_url: str,
+    http: httpx.AsyncClient,
+    token: str,
+) -> None:
+    tasks = make_tasks(3, turns=4)
+    with v2_cluster() as running:
+        trainer = Trainer(running.urls["environment"], http=http)
+        await trainer.start(tasks, paced=True)
+        await trainer.advance(2)
+        await trainer.wait_parked()
+        async with Coordinator.open(config_of(running, sqlite_url)) as coord:
+            saved = await coord.checkpoint(deadline_s=10)
+        await trainer.detach()
+    assert saved.snapshot is not None
+    fault = {"kind": "fail", "path": "/checkpoint/restore", "status": 409, "code": "checkpoint_error"}
+    with v2_cluster(resources={"faults": [fault]}) as fresh:
+        async with Coordinator.open(config_of(fresh, sqlite_url)) as coord:
+            with pytest.raises(PhaseError) as caught:
+                await coord.restore(saved.snapshot)
+        message = str(caught.value)
+        assert "restore failed at resources" in message
+        assert "retired the next attempts of its 3 episodes on every server" in message
+        assert "resumed everyone" in message
+        assert set((await phases(http, fresh.urls, token)).values()) == {"idle"}
+        # nothing restored runs: the replacement attempts are refused everywhere
+        reply = await http.post(
+            f"{fresh.urls['environment']}/run",
+            json={"episode_id": {"rollout_id": "r0", "attempt": 1}, "task": tasks["r0"]},
+            timeout=30,
+        )
+        assert reply.status_code == 409
+        assert reply.json()["error"]["code"] == "stale_attempt"
+    retires = await sent(sqlite_url, "retire")
+    order = [ev.server for ev in retires]
+    assert order[0] == "environment"
+    assert order[1] == "agent"
+    assert set(order[2:]) == {"policy_model", "resources"}
+    assert all(
+        ev.data["body"]["episode_ids"] == [{"rollout_id": f"r{i}", "attempt": 1} for i in range(3)]
+        for ev in retires
+    )
+    retired = (await events(sqlite_url, "episodes.retired"))[-1]
+    assert retired.data["episodes"] == ["r0-a1", "r1-a1", "r2-a1"]
+    aborted = (await events(sqlite_url, "attempt.aborted"))[-1].data
+    assert aborted["left_paused"] == []
+    assert sorted(aborted["resumed"]) == sorted(fresh.urls)
+
+
+async def test_retire_and_forget_go_callers_first_and_are_refused_while_a_save_is_open(
+    v2_cluster: Callable[..., Any],
+    config_of: Callable[..., ClusterConfig],
+    sqlite_url: str,
+    http: httpx.AsyncClient,
+) -> None:
+    tasks = make_tasks(2, turns=3)
+    with v2_cluster() as running:
+        trainer = Trainer(running.urls["environment"], http=http)
+        await trainer.start(tasks, paced=True)
+        await trainer.wait_parked()
+        async with Coordinator.open(config_of(running, sqlite_url)) as coord:
+            attempt = await coord.prepare(deadline_s=10)
+            with pytest.raises(QuiesceError, match="resume first"):
+                await coord.retire([EpisodeId(rollout_id="r0")])
+            assert await sent(sqlite_url, "retire") == []
+            await coord.abort(attempt)
+            outcome = await coord.retire([EpisodeId(rollout_id="r0")])
+            assert outcome.ok
+            assert outcome.items == ("r0",)
+            # r0's attempt 0 is stopped and refused from now on; r1 runs on
+            again = await http.post(
+                f"{running.urls['environment']}/run",
+                json={"episode_id": {"rollout_id": "r0", "attempt": 0}, "task": tasks["r0"]},
+                timeout=30,
+            )
+            assert again.json()["error"]["code"] == "stale_attempt"
+            forgotten = await coord.forget(["r0", "r0"])
+            assert forgotten.items == ("r0",)
+        await trainer.unpace(["r1"])
+        await trainer.wait_done(["r1"])
+        assert trainer.results["r1"] == expected_results(tasks)["r1"]
+    for operation in ("retire", "forget"):
+        order = [ev.server for ev in await sent(sqlite_url, operation)]
+        assert order[:2] == ["environment", "agent"], operation
+        assert set(order[2:]) == {"policy_model", "resources"}, operation
+    forget_body = (await sent(sqlite_url, "forget"))[0].data["body"]
+    assert forget_body["rollout_ids"] == ["r0"]
+    assert [ev.data["rollout_ids"] for ev in await events(sqlite_url, "rollouts.forgotten")] == [["r0"]]
