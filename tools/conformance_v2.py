@@ -2,8 +2,8 @@
 
 Point it at one participant's base URL: it drives the eight routes over plain HTTP (httpx, not
 the coordinator) and reports one `CheckResult` per row of `CHECKS` (what each row's passing
-proves). Wire models come from `quiesce.coordinator.protocol_v2`; the rules from
-`gym-control-v2.md`, where a "real Gym:" line wins.
+proves). Wire models come from `quiesce.coordinator.protocol_v2`; the rules from Gym's
+`_checkpoint/control.py` and `store.py`, and where running that code showed otherwise, from what it did.
 
 Rules the checker keeps:
 - Every probe uses a fresh id of this run (`qc-<hex>-<n>-<label>`); throwaway rollouts are
@@ -1292,7 +1292,7 @@ def _record_problem(model: type[BaseModel], line: bytes) -> tuple[str | None, st
     return None, episode.capture_key
 
 
-#: Every row the checker can emit, and what its passing proves (`gym-control-v2.md` sections).
+#: Every row the checker can emit, and what its passing proves ([§n]: sections of the team's v2 notes).
 CHECKS: Final[Mapping[str, str]] = {
     "plane.detected": "the server speaks the unified plane: GET /capabilities 404 and GET "
     "/checkpoint/status answered a valid status (or --plane v2 was given) [§11]",

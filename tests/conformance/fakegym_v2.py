@@ -2,7 +2,7 @@
 switchable faults.
 
 Independent of `tools/gymsim` on purpose: the checker must be proven against a server whose every
-deviation is known. It keeps the phase machine of `gym-control-v2.md` (§1-§7: replay of prepare
+deviation is known. It keeps the phase machine of Gym's `_checkpoint/control.py` (replay of prepare
 and commit, the resumed-id fence, conflicts, leases with a watcher, retire marks, deadlines,
 validation before auth) for one participant holding a few live episodes, writes the storage
 layout on commit, and never restores (restores go into fresh servers; it answers 422

@@ -1,6 +1,7 @@
 """Strict models of Gym's unified checkpoint plane (v2, `/ng-control/v1/checkpoint/*`), written
-from `gym-control-v2.md` (a "real Gym:" line wins), not from `quiesce.coordinator.protocol_v2`:
-they are the independent check, so a wrong field there cannot make itself right here.
+from the team's notes on Gym's `_checkpoint/control.py` (what running Gym's code showed wins), not
+from `quiesce.coordinator.protocol_v2`: they are the independent check, so a wrong field there
+cannot make itself right here.
 
 Rules kept:
 - Every model forbids extra fields; every field Gym always sends is required (a reply is a
