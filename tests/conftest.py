@@ -26,7 +26,7 @@ from quiesce.tools.gymsim import host as gymsim_host
 from quiesce.tools.gymsim.base import GymServer, HostContext
 from quiesce.tools.gymsim.spec import ServerSpec
 from quiesce.tools.pgtemp import PostgresUnavailable, TempPostgres
-from tests.oracle.wire import OracleMiddleware, Violations
+from tests.oracle.wire import OracleMiddleware, Violations, wrap_v2_maker
 from tests.recovery.matrices import MODULE, Running, start_matrices
 
 
@@ -97,6 +97,7 @@ def _oracle_session() -> Iterator[Violations]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gymsim_host, "make_server", make)
+        patch.setattr(gymsim_host, "make_v2_server", wrap_v2_maker(gymsim_host.make_v2_server, violations))
         yield violations
 
 

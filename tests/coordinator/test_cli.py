@@ -61,18 +61,21 @@ def test_discover_json(capsys: pytest.CaptureFixture[str], config_file: Path) ->
             "component": "responses_api_models",
             "checkpoint_mode": "export_restore",
             "instance_role": "policy",
+            "plane": "v1",
         },
         {
             "name": "simple_agent",
             "component": "responses_api_agents",
             "checkpoint_mode": "export_restore",
             "instance_role": None,
+            "plane": "v1",
         },
         {
             "name": "tools",
             "component": "resources_servers",
             "checkpoint_mode": "export_restore",
             "instance_role": None,
+            "plane": "v1",
         },
     ]
     assert [s["name"] for s in doc["skipped"]] == ["judge", "math_agent"]
@@ -86,7 +89,19 @@ def test_checkpoint_restore_resume_history(
 ) -> None:
     code, doc = _run(capsys, "checkpoint", "--config", str(config_file), "--json", "--deadline-s", "20")
     assert code == 0
-    assert set(doc) == {"checkpoint_id", "outcome", "snapshot", "participants", "skipped"}
+    assert set(doc) == {
+        "checkpoint_id",
+        "outcome",
+        "snapshot",
+        "participants",
+        "skipped",
+        "plane",
+        "scope",
+        "restarts",
+        "exported",
+        "stop",
+    }
+    assert doc["plane"] == "v1"
     assert doc["outcome"] == "published"
     assert doc["participants"] == ["policy_model", "simple_agent", "tools"]
     assert Path(doc["snapshot"]) == tmp_path / "snaps" / doc["checkpoint_id"]
