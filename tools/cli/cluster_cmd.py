@@ -11,7 +11,9 @@
 - `phase_error_json(error)`: the `error` object of the `--json` documents.
 - `print_resubmit(resubmit)`: after a restore, or the resume of one, one `send again: rollout X as
   attempt N on AGENT` line per execution the caller must send `/run` for again (Gym's restore runs
-  none of them by itself).
+  none of them by itself); on the unified plane `start: rollout X attempt N on SERVER`.
+- `require_unified(found, what)`: a flag or command of Gym's unified plane asked of a v1 cluster is
+  bad usage (exit 2), refused before anything is sent.
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ from quiesce.coordinator import (
     ClusterConfig,
     Coordinator,
     Discovery,
+    EpisodeId,
     Outcome,
     PhaseError,
     Resubmission,
+    RetireOutcome,
     load_config,
 )
 from quiesce.tools.cli import output
-from quiesce.tools.cli.flags import add_config, add_service
+from quiesce.tools.cli.flags import UsageError, add_config, add_service
 from quiesce.tools.cli.output import emit_json, print_error
 from quiesce.tools.cli.progress import progress_line
 
@@ -57,6 +61,7 @@ __all__ = [
     "print_resubmit",
     "print_warnings",
     "progress_line",
+    "require_unified",
     "run_outcome",
 ]
 
@@ -80,7 +85,13 @@ class Driver(Protocol):
 
     def discover(self) -> Awaitable[Discovery]: ...
 
-    def checkpoint(self, *, deadline_s: float | None = None) -> Awaitable[Attempt]: ...
+    def checkpoint(
+        self,
+        *,
+        deadline_s: float | None = None,
+        episodes: Sequence[EpisodeId] | None = None,
+        stop: bool = False,
+    ) -> Awaitable[Attempt]: ...
 
     def restore(
         self,
@@ -99,6 +110,14 @@ class Driver(Protocol):
     ) -> Awaitable[list[tuple[str, int]]]: ...
 
     def status(self) -> Awaitable[ClusterStatus]: ...
+
+    def retire(
+        self, episodes: Sequence[EpisodeId], *, deadline_s: float | None = None
+    ) -> Awaitable[RetireOutcome]: ...
+
+    def forget(
+        self, rollout_ids: Sequence[str], *, deadline_s: float | None = None
+    ) -> Awaitable[RetireOutcome]: ...
 
 
 def config_of(args: argparse.Namespace) -> ClusterConfig | None:
@@ -127,17 +146,33 @@ def frees(args: argparse.Namespace) -> str:
     return f"--service {service}" if service else f"--config {args.config}"
 
 
+def require_unified(found: Discovery, what: str) -> None:
+    """`UsageError` (exit 2, nothing sent) when `what` — a flag or command of Gym's unified plane —
+    is asked of a cluster that speaks control plane v1."""
+    if found.plane != "v2":
+        raise UsageError(
+            f"{what} is part of Gym's unified checkpoint plane (/ng-control/v1/checkpoint/*), and this"
+            " cluster's servers speak control plane v1; leave it out, or point the config at servers"
+            " of current Gym",
+            code="plane",
+        )
+
+
 def phase_error_json(error: PhaseError) -> dict[str, Any]:
     return {"phase": error.phase, "server": error.server, "code": error.code, "message": str(error)}
 
 
-def print_resubmit(resubmit: Sequence[Resubmission], indent: str = "") -> None:
-    """One line per execution a restore continues but does not run: the caller sends it again."""
+def print_resubmit(resubmit: Sequence[Resubmission], indent: str = "", *, plane: str = "v1") -> None:
+    """One line per execution a restore continues but does not run: the caller sends it again (v1:
+    `send again: rollout X as attempt N on AGENT`; the unified plane: `start: rollout X attempt N on
+    SERVER`, the replacement attempt the trainer starts there)."""
     for r in resubmit:
-        output.console.print(
-            escape(f"{indent}send again: rollout {r.rollout_id} as attempt {r.attempt_index} on {r.server}"),
-            soft_wrap=True,
+        line = (
+            f"start: rollout {r.rollout_id} attempt {r.attempt_index} on {r.server}"
+            if plane == "v2"
+            else f"send again: rollout {r.rollout_id} as attempt {r.attempt_index} on {r.server}"
         )
+        output.console.print(escape(indent + line), soft_wrap=True)
 
 
 def print_restored_again(names: Sequence[str], indent: str = "") -> None:

@@ -4,7 +4,8 @@
 the same name in the current folder never stands in for it), `latest`, or a snapshot folder's path;
 one that is not there is bad usage (exit 2).
 Verifies the snapshot (every file and checksum, participants equal to discovery's) before
-contacting any server, then restores policy → agents → resources. The servers stay paused until
+contacting any server, then restores policy → agents → resources (on Gym's unified plane: every
+server at once with the snapshot's episodes; all or nothing). The servers stay paused until
 `quiesce resume` — or, with `--resume`, are resumed at once: the restore is not finished until
 that resume is (killed on the way, `quiesce recover` finishes it). Refused before any request
 while a participant is held by another checkpoint id (the message names it and what frees it).
@@ -15,6 +16,8 @@ What to send again: the restore runs no restored rollout — Gym retired each sa
 continues it only when the trainer sends `/run` for it as its next attempt. A successful restore
 prints one line per such execution (`send again: rollout X as attempt N on AGENT`) and lists them
 under `resubmit` (`[{"server", "rollout_id", "attempt_index"}]`, empty when none; `Attempt.resubmit`).
+On the unified plane these are the replacement attempts the trainer starts once resumed (`start:
+rollout X attempt N on SERVER`, SERVER the environment that continues it); `--json` adds `plane`.
 
 `--service URL` drives a running `quiesce serve` instead of opening the ledger; the service looks
 the snapshot up in its own config's folder.
@@ -116,6 +119,7 @@ def handle(args: argparse.Namespace) -> int:
                 "outcome": outcome,
                 "servers": list(attempt.touched),
                 "resubmit": [r.as_json() for r in attempt.resubmit],
+                "plane": attempt.plane,
                 **({"restored_again": list(again)} if again else {}),
             }
         )
@@ -127,10 +131,18 @@ def handle(args: argparse.Namespace) -> int:
             soft_wrap=True,
         )
         print_restored_again(again)
-        if attempt.resubmit:
+        if attempt.resubmit and attempt.plane == "v2":
+            when = "now" if args.resume else "once resumed"
+            rollouts = count(len(attempt.resubmit), "restored rollout")
+            console.print(
+                f"{rollouts} continue only as their replacement attempts: start these attempts {when}"
+                " (each continues from its saved turn; Gym starts none by itself):",
+                soft_wrap=True,
+            )
+        elif attempt.resubmit:
             when = "now" if args.resume else "once resumed"
             rollouts = count(len(attempt.resubmit), "restored rollout")
             runs = "runs" if len(attempt.resubmit) == 1 else "run"
             console.print(f"{rollouts} {runs} only when sent again ({when}), as:", soft_wrap=True)
-        print_resubmit(attempt.resubmit)
+        print_resubmit(attempt.resubmit, plane=attempt.plane)
     return 0
