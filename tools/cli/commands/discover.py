@@ -8,11 +8,15 @@ a bearer token is a config error (exit 2), as for every command. `--service URL`
 `quiesce serve` (which holds the ledger) instead; a refused setup is then its error, listing every
 refusal.
 
-Output: a table of the participants, then the skipped and refused servers with their reasons
-(`-o wide`: each participant's URL and features too). `--json`: `{"participants": [{"name",
-"component", "checkpoint_mode", "instance_role"}], "skipped": [{"name", "reason"}], "refused": [...],
-"warnings"}`; `-o jsonl`: one object per server, `{"name", "status": "participant" | "skipped" |
-"refused", ...}`.
+A server without v1's capabilities route is asked for Gym's unified-plane checkpoint status
+instead (that needs the control token); a cluster speaks one plane.
+
+Output: a table of the participants with the control plane each speaks (`v1`, or `v2`: Gym's
+unified plane, whose `component` is the server's kind), then the skipped and refused servers with
+their reasons (`-o wide`: each participant's URL and features too). `--json`: `{"participants":
+[{"name", "component", "checkpoint_mode", "instance_role", "plane"}], "skipped": [{"name",
+"reason"}], "refused": [...], "warnings"}`; `-o jsonl`: one object per server, `{"name", "status":
+"participant" | "skipped" | "refused", ...}` (a participant with its `plane`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ def rows(found: Discovery) -> list[dict[str, Any]]:
             "role": m.role,
             "url": m.url,
             "features": list(m.features),
+            "plane": m.plane,
         }
         for m in found.participants
     ]
@@ -69,6 +74,7 @@ def _print(found: Discovery, *, wide: bool) -> None:
     table = Table(title="participants", title_justify="left")
     specs = [
         ColumnSpec("name", [m.name for m in members], "whole"),
+        ColumnSpec("plane", [m.plane for m in members], "compact"),
         ColumnSpec("component", [m.component for m in members], "compact"),
         ColumnSpec("checkpoint_mode", [m.checkpoint_mode for m in members], "compact"),
         ColumnSpec("instance_role", [m.instance_role or "-" for m in members], "compact"),

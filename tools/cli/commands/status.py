@@ -2,34 +2,41 @@
 frees it.
 
 Reads every configured server's capabilities now (its fence: phase, active checkpoint id, deadline)
-and looks each holding id up in the ledger: its kind (save, restore, or `unknown` when this ledger
+— or, for a server of Gym's unified plane (no capabilities route: 404), its checkpoint status
+(phase, checkpoint id, lease expiry, blocker count; that route needs the control token) — and
+looks each holding id up in the ledger: its kind (save, restore, or `unknown` when this ledger
 has no such attempt — another ledger's), since when (the first request of it the server received),
 and the exact command that frees the server (`coordinator/status.py` has the rules). Read-only: the
 ledger is opened read-only and no epoch is taken, so a coordinator at work is never disturbed;
-nothing is recorded. The control token is sent when it is set (capabilities need none, so the
-report is the same without it); a token that cannot be a bearer token is a config error (exit 2).
+nothing is recorded. The control token is sent when it is set (capabilities need none, so a v1
+report is the same without it; a unified-plane server cannot be read without it); a token that
+cannot be a bearer token is a config error (exit 2).
 
 Exit 0 when every server is reachable and idle, 1 when any is held or cannot be read, 2 on bad
 usage or config. `--json`: `{"idle", "held", "servers": [{"name", "url", "reachable", "phase",
 "active_checkpoint_id", "held", "held_by", "holder_kind", "since", "deadline_left_s", "frees",
-"error"}],
+"error", "plane", and on the unified plane "kind", "lease_expires_at", "blocker_count"}],
 "holders": [{"checkpoint_id", "kind", "state", "started_at", "finished", "frees"}],
 "unfinished": [ID...]}`: `finished` false for an attempt `quiesce recover` would finish. `-o jsonl`:
-one server object per line; `-o wide` adds each server's URL and the command that frees it.
+one server object per line. The table shows each server's plane; on the unified plane the lease's
+time left and the blocker count too. `-o wide` adds each server's URL and the command that frees it.
 `--service URL` asks a running `quiesce serve` for the same report.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import time
 from typing import Any
 
 import anyio
 
 from quiesce.coordinator import QuiesceError, load_config
-from quiesce.coordinator.calls import peek_capabilities
+from quiesce.coordinator.calls import CallResult, peek_capabilities, peek_read
 from quiesce.coordinator.config import find_token
 from quiesce.coordinator.http import HttpClient
+from quiesce.coordinator.protocol_v2 import STATUS_PATH, StatusReply
 from quiesce.coordinator.status import ClusterStatus, read_status
 from quiesce.ledger import Ledger
 from quiesce.tools.cli import output
@@ -84,6 +91,9 @@ def _local(args: argparse.Namespace) -> ClusterStatus:
                         client, name, url, token=token, deadline_ts=deadline
                     ),
                     config_path=args.config,
+                    peek_v2=lambda name, url, deadline: peek_unified(
+                        client, name, url, token=token, deadline_ts=deadline
+                    ),
                 )
 
             try:
@@ -100,29 +110,93 @@ def _local(args: argparse.Namespace) -> ClusterStatus:
     return status
 
 
+async def peek_unified(
+    client: HttpClient, name: str, url: str, *, token: str | None, deadline_ts: float
+) -> CallResult:
+    """The unified plane's `GET /ng-control/v1/checkpoint/status`, recorded nowhere (an observer's
+    read, like `peek_capabilities`) and validated as `StatusReply`; without a token it is not sent
+    (the route is bearer-protected) and the result says to set it."""
+    if token is None:
+        return CallResult(
+            call_id="",
+            server=name,
+            path=STATUS_PATH,
+            ok=False,
+            error="http",
+            status=401,
+            detail="a server of Gym's unified plane shows its checkpoint status only with the control"
+            " token, which is not set: set it to read this server",
+        )
+    result = await peek_read(
+        client, name, url, STATUS_PATH, token=token, params=None, deadline_ts=deadline_ts
+    )
+    if not result.ok:
+        return result
+    try:
+        reply = StatusReply.model_validate(result.body)
+    except ValueError as error:  # pydantic's ValidationError is a ValueError
+        first = str(error).splitlines()[0]
+        return CallResult(
+            call_id="",
+            server=name,
+            path=STATUS_PATH,
+            ok=False,
+            status=result.status,
+            error="protocol",
+            detail=f"its unified-plane status reply is invalid: {first}",
+        )
+    return dataclasses.replace(result, reply=reply)
+
+
+def time_left(seconds: float | None) -> str:
+    """`12.3s`, `passed 1.0s ago`, or empty for None."""
+    if seconds is None:
+        return ""
+    return f"{seconds:.1f}s" if seconds >= 0 else f"passed {-seconds:.1f}s ago"
+
+
+def lease_left(expires_at: float | None, now: float) -> str:
+    """A unified-plane lease as time left (`-` when the server holds none)."""
+    return "-" if expires_at is None else time_left(expires_at - now)
+
+
 def _print(status: ClusterStatus, *, wide: bool = False) -> None:
     from rich.table import Table  # people-facing output only: --json never loads rich
 
     from quiesce.tools.audit.present import ColumnSpec, add_columns, widened
 
     servers = status.servers
-
-    def left(seconds: float | None) -> str:
-        return (
-            "" if seconds is None else (f"{seconds:.1f}s" if seconds >= 0 else f"passed {-seconds:.1f}s ago")
-        )
-
+    now = time.time()
     phases = [(s.phase or "") if s.reachable else f"unreachable: {s.error or ''}" for s in servers]
     specs = [
         ColumnSpec("server", [s.name for s in servers], "whole"),
+        ColumnSpec("plane", [s.plane for s in servers], "compact"),
         ColumnSpec("phase", phases, "free"),
         ColumnSpec("held by", [(s.held_by or "-") if s.reachable else "" for s in servers], "whole"),
         ColumnSpec("kind", [(s.holder_kind or "") if s.reachable else "" for s in servers], "compact"),
         ColumnSpec("since", [(s.since or "") if s.reachable else "" for s in servers], "free"),
-        ColumnSpec(
-            "deadline left", [left(s.deadline_left_s) if s.reachable else "" for s in servers], "free"
-        ),
     ]
+    if any(s.plane == "v1" for s in servers):  # v1's fence deadline (the unified plane has leases)
+        specs.append(
+            ColumnSpec(
+                "deadline left",
+                [time_left(s.deadline_left_s) if s.reachable else "" for s in servers],
+                "free",
+            )
+        )
+    if any(s.plane == "v2" for s in servers):  # the unified plane's lease and prepare blockers
+        specs += [
+            ColumnSpec(
+                "lease left",
+                [lease_left(s.lease_expires_at, now) if s.plane == "v2" else "" for s in servers],
+                "free",
+            ),
+            ColumnSpec(
+                "blockers",
+                [str(s.blocker_count) if s.blocker_count is not None else "" for s in servers],
+                "compact",
+            ),
+        ]
     if wide:
         specs += [
             ColumnSpec("url", [s.url for s in servers], "whole"),
@@ -135,9 +209,9 @@ def _print(status: ClusterStatus, *, wide: bool = False) -> None:
     for server, row in zip(servers, zip(*(spec.values for spec in specs), strict=True), strict=True):
         cells = [escape(str(value)) for value in row]
         if not server.reachable:
-            cells[1] = f"[red]{cells[1]}[/]"
+            cells[2] = f"[red]{cells[2]}[/]"
         elif server.held:
-            cells[1] = f"[yellow]{cells[1]}[/]"
+            cells[2] = f"[yellow]{cells[2]}[/]"
         table.add_row(*cells)
     out.print(table)
     for holder in status.holders:
