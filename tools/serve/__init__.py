@@ -6,6 +6,7 @@ One file per concern:
   time every mutating request runs as; operations run in the service's own task group, so a client
   that disconnects never cancels one half-way.
 - `app` — the FastAPI routes of API v1, `/metrics`, `/healthz`, `/readyz` and the live page.
+- `unified` — the routes of Gym's unified plane only (`/v1/retire`, `/v1/forget`), an `APIRouter`.
 - `models` — the pydantic request and reply models of API v1 (the OpenAPI schema is built from them).
 - `auth` — the API bearer token (`QUIESCE_API_TOKEN`), compared in constant time.
 - `stream` — the live ledger tail behind the server-sent event streams.

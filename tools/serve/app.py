@@ -12,6 +12,10 @@ Rules kept here:
   recorded) and `POST /v1/acknowledge` (a trainer releasing a finished result may be what lets the
   save in progress prepare). Both need a ready (or stopping) service: a standby answers 503.
   `GET /v1/snapshots` reads the snapshots folder only (no ledger, no operation), in any state.
+- Gym's unified plane adds `POST /v1/retire` and `POST /v1/forget` (`unified`: the same auth and
+  operation rules; refused with 409 on a v1 cluster or while a save is open); a checkpoint takes
+  `episodes` and `stop`, a two-step save `episodes`; discovery, status and attempts carry each
+  server's `plane`.
 - `latest` in an attempt route (`/v1/attempts/latest`, `/events`, `/timeline`) is the attempt in
   progress, else the ledger's newest; 404 before the first.
 - Resume and abort act on any checkpoint id (`POST /v1/resume|abort` with `checkpoint_id`, or
@@ -41,7 +45,7 @@ from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from quiesce.coordinator import Attempt, Coordinator, Outcome
+from quiesce.coordinator import Attempt, Coordinator, Discovery, Outcome
 from quiesce.coordinator.errors import (
     AcknowledgementError,
     ConfigError,
@@ -63,6 +67,7 @@ from quiesce.tools.serve.models import (
     AcknowledgeReply,
     AcknowledgeRequest,
     AttemptModel,
+    CheckpointRequest,
     DiscoveryModel,
     ErrorBody,
     ErrorReply,
@@ -80,6 +85,7 @@ from quiesce.tools.serve.models import (
 )
 from quiesce.tools.serve.page import render_page
 from quiesce.tools.serve.service import Service
+from quiesce.tools.serve.unified import router as unified_router
 from quiesce.tools.serve.validation import invalid_request
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -164,6 +170,8 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         return await quiesce_error(request, invalid_request(error.errors(), secrets=[api_token or ""]))
 
     guarded = [Depends(authorized)]
+    app.state.service = service  # read by the routers' dependencies (`unified.service_of`)
+    app.include_router(unified_router, dependencies=guarded, responses=_ERRORS)
 
     # -- process -------------------------------------------------------------------------------
 
@@ -217,20 +225,32 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         return DiscoveryModel.of(found)
 
     @app.post("/v1/checkpoints", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
-    async def checkpoint(request: SaveRequest | None = None) -> AttemptModel:
-        """A whole save: prepare → commit → publish → resume. Returns the published attempt."""
-        deadline_s = request.deadline_s if request is not None else None
-        attempt: Attempt = await op("checkpoint", lambda coord: coord.checkpoint(deadline_s=deadline_s))
+    async def checkpoint(request: CheckpointRequest | None = None) -> AttemptModel:
+        """A whole save: prepare → commit → publish → resume. Returns the published attempt. Gym's
+        unified plane: `episodes` is the commit scope, `stop` leaves the servers paused for
+        shutdown once published (409 on a v1 cluster)."""
+        body = request or CheckpointRequest()
+        attempt: Attempt = await op(
+            "checkpoint",
+            lambda coord: coord.checkpoint(
+                deadline_s=body.deadline_s, episodes=body.episodes, stop=body.stop
+            ),
+        )
         return AttemptModel.of(attempt, outcome="published")
 
     async def start_attempt(request: SaveRequest | None = None) -> AttemptModel:
         """Step one of a save whose caller adds its own half: prepare + commit. Write into
         `staging_dir`, then `POST /v1/attempts/{id}/publish` (or `/abort`) before the deadline."""
         deadline_s = request.deadline_s if request is not None else None
+        episodes = request.episodes if request is not None else None
 
         async def prepare_commit(coord: Coordinator) -> Attempt:
+            if episodes is not None and (await coord_discovery(coord)).plane != "v2":
+                raise QuiesceError(  # before the prepare: a v1 commit would refuse it, servers paused
+                    "an episode scope is a notion of Gym's unified plane; this cluster speaks v1"
+                )
             attempt = await coord.prepare(deadline_s=deadline_s)
-            await coord.commit(attempt)
+            await coord.commit(attempt, episodes=episodes)
             service.pending = attempt
             return attempt
 
@@ -522,6 +542,11 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         return stream(service.hub.tail(reader, checkpoint_id=None, after=last_event_id(last_event_id_)))
 
     return app
+
+
+async def coord_discovery(coord: Coordinator) -> Discovery:
+    """The coordinator's last discovery, else a new one."""
+    return coord.discovery if coord.discovery is not None else await coord.discover()
 
 
 def _is_live(service: Service, checkpoint_id: str) -> bool:

@@ -65,6 +65,8 @@ from quiesce.coordinator.errors import (
     SnapshotError,
 )
 from quiesce.coordinator.http import ConnectFailed, ConnectTimeout, HttpClient, HttpFailure
+from quiesce.coordinator.protocol_v2 import EpisodeId
+from quiesce.coordinator.retire import RetireOutcome
 from quiesce.coordinator.snapshots import SnapshotInfo
 from quiesce.coordinator.status import ClusterStatus
 from quiesce.ledger import AttemptRow
@@ -84,6 +86,7 @@ from quiesce.tools.serve.models import (
     HistoryRow,
     OutcomeModel,
     RestoreReply,
+    RetireReply,
     SnapshotModel,
     StatusModel,
 )
@@ -154,13 +157,17 @@ class RemoteCoordinator:
         return found
 
     @asynccontextmanager
-    async def save(self, *, deadline_s: float | None = None) -> AsyncIterator[Attempt]:
+    async def save(
+        self, *, deadline_s: float | None = None, episodes: Sequence[EpisodeId] | None = None
+    ) -> AsyncIterator[Attempt]:
         """Prepare and commit on entry; yield the attempt (write into `attempt.staging_dir`).
 
         Normal exit publishes, then resumes (`attempt.snapshot` is then the published folder). An
         exception inside the block rolls back and is re-raised with a note on what was done.
+        `episodes` (Gym's unified plane): the commit scope, as `Coordinator.save` takes it.
         """
-        reply = await self._send("POST", "/v1/attempts", json=_deadline(deadline_s))
+        body = {**_deadline(deadline_s), **_episodes(episodes)}
+        reply = await self._send("POST", "/v1/attempts", json=body)
         attempt = AttemptModel.model_validate_json(reply).attempt()
         try:
             yield attempt
@@ -179,10 +186,32 @@ class RemoteCoordinator:
         )
         _update(attempt, AttemptModel.model_validate_json(reply))
 
-    async def checkpoint(self, *, deadline_s: float | None = None) -> Attempt:
-        """prepare → commit → publish → resume, with nothing added by the caller (one request)."""
-        reply = await self._request("POST", "/v1/checkpoints", json=_deadline(deadline_s))
+    async def checkpoint(
+        self,
+        *,
+        deadline_s: float | None = None,
+        episodes: Sequence[EpisodeId] | None = None,
+        stop: bool = False,
+    ) -> Attempt:
+        """prepare → commit → publish → resume, with nothing added by the caller (one request).
+        Gym's unified plane: `episodes` is the commit scope, `stop` leaves the servers paused for
+        shutdown once published (as `Coordinator.checkpoint`)."""
+        body = {**_deadline(deadline_s), **_episodes(episodes), **({"stop": True} if stop else {})}
+        reply = await self._request("POST", "/v1/checkpoints", json=body)
         return AttemptModel.model_validate(reply).attempt()
+
+    async def retire(
+        self, episodes: Sequence[EpisodeId], *, deadline_s: float | None = None
+    ) -> RetireOutcome:
+        """Retire these attempts on every server of Gym's unified plane (as `Coordinator.retire`);
+        `PhaseError` naming the servers that failed."""
+        body = {"episodes": [e.model_dump() for e in episodes], **_deadline(deadline_s)}
+        return RetireReply.model_validate(await self._request("POST", "/v1/retire", json=body)).outcome()
+
+    async def forget(self, rollout_ids: Sequence[str], *, deadline_s: float | None = None) -> RetireOutcome:
+        """Drop the retire marks of these rollouts on every server (as `Coordinator.forget`)."""
+        body = {"rollout_ids": list(rollout_ids), **_deadline(deadline_s)}
+        return RetireReply.model_validate(await self._request("POST", "/v1/forget", json=body)).outcome()
 
     async def restore(
         self,
@@ -350,6 +379,10 @@ class RemoteCoordinator:
 
 def _deadline(deadline_s: float | None) -> dict[str, Any]:
     return {"deadline_s": deadline_s} if deadline_s is not None else {}
+
+
+def _episodes(episodes: Sequence[EpisodeId] | None) -> dict[str, Any]:
+    return {"episodes": [e.model_dump() for e in episodes]} if episodes is not None else {}
 
 
 def _update(attempt: Attempt, model: AttemptModel) -> None:

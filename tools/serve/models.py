@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from quiesce.coordinator.attempt import Attempt, Outcome, Resubmission
 from quiesce.coordinator.discovery import Discovery, Member
 from quiesce.coordinator.protocol import AcknowledgeBody
+from quiesce.coordinator.protocol_v2 import EpisodeId
+from quiesce.coordinator.retire import RetireOutcome
 from quiesce.coordinator.snapshots import SnapshotInfo
 from quiesce.coordinator.status import ClusterStatus, Holder, ServerStatus
 from quiesce.ledger import AttemptRow
@@ -80,6 +82,10 @@ class MemberModel(BaseModel):
     instance_role: str | None
     role: str
     url: str
+    plane: Literal["v1", "v2"] = Field(
+        default="v1",
+        description="the control plane it speaks: `v2` is Gym's unified plane (`component` its kind)",
+    )
 
     @classmethod
     def of(cls, member: Member) -> MemberModel:
@@ -90,6 +96,7 @@ class MemberModel(BaseModel):
             instance_role=member.instance_role,
             role=member.role,
             url=member.url,
+            plane=member.plane,
         )
 
     def member(self) -> Member:
@@ -100,6 +107,7 @@ class MemberModel(BaseModel):
             instance_role=self.instance_role,
             role=self.role,  # type: ignore[arg-type]  # a Role the service sent
             url=self.url,
+            plane=self.plane,
         )
 
 
@@ -136,8 +144,25 @@ class DiscoveryModel(BaseModel):
 
 
 class SaveRequest(Request):
+    """A save (`POST /v1/attempts`, and the whole save of `CheckpointRequest`)."""
+
     deadline_s: float | None = Field(
         default=None, gt=0, description="budget of the attempt (default: config)"
+    )
+    episodes: list[EpisodeId] | None = Field(
+        default=None,
+        description="Gym's unified plane only: the episodes the trainer continues (the commit scope),"
+        " `[{rollout_id, attempt}]`; default: what the environment servers export",
+    )
+
+
+class CheckpointRequest(SaveRequest):
+    """`POST /v1/checkpoints`: a whole save."""
+
+    stop: bool = Field(
+        default=False,
+        description="Gym's unified plane only: a stop-checkpoint — published, then the servers stay paused"
+        " for shutdown (restore into freshly started servers to go on)",
     )
 
 
@@ -173,7 +198,26 @@ class AttemptModel(BaseModel):
     resubmit: list[ResubmissionModel] = Field(
         default=[],
         description="a successful restore: every execution to send `/run` for again once the servers"
-        " resume (Gym's restore runs none of them by itself), in order; empty otherwise",
+        " resume (Gym's restore runs none of them by itself), in order; empty otherwise. On the unified"
+        " plane: the replacement attempts the trainer starts once resumed",
+    )
+    plane: Literal["v1", "v2"] = Field(default="v1", description="the control plane of its servers")
+    scope: list[str] = Field(
+        default=[], description="unified plane: the episodes the commit (or restore) covered, capture keys"
+    )
+    restarts: dict[str, list[str]] = Field(
+        default={},
+        description="unified plane: per server, the episodes it cannot capture (left out of the scope;"
+        " the trainer starts them over)",
+    )
+    exported: dict[str, list[str]] = Field(
+        default={}, description="unified plane: per server, the episodes its commit exported"
+    )
+    restored: dict[str, list[str]] = Field(
+        default={}, description="unified plane: per server, the next attempts its restore installed"
+    )
+    stop: bool = Field(
+        default=False, description="unified plane: a stop-checkpoint (its servers stay paused for shutdown)"
     )
 
     @classmethod
@@ -190,6 +234,12 @@ class AttemptModel(BaseModel):
             touched=list(attempt.touched),
             outcome=outcome,
             resubmit=[ResubmissionModel.of(r) for r in attempt.resubmit],
+            plane=attempt.plane,
+            scope=list(attempt.scope),
+            restarts={server: list(keys) for server, keys in attempt.restarts.items()},
+            exported={server: list(keys) for server, keys in attempt.exported.items()},
+            restored={server: list(keys) for server, keys in attempt.restored.items()},
+            stop=attempt.stop,
         )
 
     def attempt(self) -> Attempt:
@@ -204,6 +254,11 @@ class AttemptModel(BaseModel):
             state=self.state,  # type: ignore[arg-type]  # an AttemptState the service sent
             touched=list(self.touched),
             resubmit=tuple(r.resubmission() for r in self.resubmit),
+            scope=tuple(self.scope),
+            restarts={server: tuple(keys) for server, keys in self.restarts.items()},
+            exported={server: tuple(keys) for server, keys in self.exported.items()},
+            restored={server: tuple(keys) for server, keys in self.restored.items()},
+            stop=self.stop,
         )
 
 
@@ -323,6 +378,55 @@ class AcknowledgeReply(BaseModel):
     acknowledged: list[tuple[str, int]]
 
 
+# -- retire and forget (Gym's unified plane) ----------------------------------------------------
+
+
+class RetireRequest(Request):
+    """`POST /v1/retire`: stop these attempts on every server, and refuse them until forgotten."""
+
+    episodes: list[EpisodeId] = Field(
+        min_length=1, description="the attempts to retire, `[{rollout_id, attempt}]` (attempt default 0)"
+    )
+    deadline_s: float | None = Field(default=None, gt=0, description="budget (default: config)")
+
+
+class ForgetRequest(Request):
+    """`POST /v1/forget`: drop the retire marks of these rollouts on every server."""
+
+    rollout_ids: list[str] = Field(min_length=1, description="rollout ids, as Gym accepts them")
+    deadline_s: float | None = Field(default=None, gt=0, description="budget (default: config)")
+
+    @field_validator("rollout_ids")
+    @classmethod
+    def _as_gym_accepts(cls, value: list[str]) -> list[str]:
+        for i, rollout_id in enumerate(value):
+            try:
+                EpisodeId(rollout_id=rollout_id)
+            except ValidationError as error:
+                raise ValueError(f"rollout_ids[{i}]: {error.errors()[0]['msg']}") from None
+        return value
+
+
+class RetireReply(BaseModel):
+    """What a retire or forget did (`coordinator.RetireOutcome`); a server that failed it makes the
+    request fail instead (502 `PhaseError` naming it)."""
+
+    operation: Literal["retire", "forget"]
+    checkpoint_id: str = Field(description="the id the requests carried")
+    items: list[str] = Field(description="retire: capture keys; forget: rollout ids (deduplicated, sorted)")
+    servers: list[str] = Field(description="the servers called, in order (callers first)")
+    failed: dict[str, str] = {}
+
+    @classmethod
+    def of(cls, outcome: RetireOutcome) -> RetireReply:
+        return cls.model_validate(outcome.as_json())
+
+    def outcome(self) -> RetireOutcome:
+        return RetireOutcome(
+            self.operation, self.checkpoint_id, tuple(self.items), tuple(self.servers), dict(self.failed)
+        )
+
+
 # -- status -----------------------------------------------------------------------------------
 
 
@@ -363,6 +467,14 @@ class ServerStatusModel(BaseModel):
     deadline_left_s: float | None
     frees: str | None
     error: str | None
+    plane: Literal["v1", "v2"] = "v1"
+    kind: str | None = Field(default=None, description="unified plane: the server's kind")
+    lease_expires_at: float | None = Field(
+        default=None, description="unified plane: when its lease runs out (Unix seconds; null: none held)"
+    )
+    blocker_count: int | None = Field(
+        default=None, description="unified plane: what its prepare still waits for"
+    )
 
 
 class StatusModel(BaseModel):
@@ -399,6 +511,10 @@ class StatusModel(BaseModel):
                     deadline_left_s=s.deadline_left_s,
                     holder=holders.get(s.held_by) if s.held_by is not None else None,
                     error=s.error,
+                    plane=s.plane,
+                    kind=s.kind,
+                    lease_expires_at=s.lease_expires_at,
+                    blocker_count=s.blocker_count,
                 )
                 for s in self.servers
             ),

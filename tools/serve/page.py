@@ -2,7 +2,8 @@
 published snapshots — kept current by the event stream.
 
 The page is static: it holds no ledger data, so it needs no token to load. Its script reads
-`GET /v1/status` (each server's fence, the checkpoint id holding it, since when, what frees it),
+`GET /v1/status` (each server's fence, the checkpoint id holding it, since when, what frees it,
+the control plane it speaks),
 `GET /v1/attempts`, `GET /v1/attempts/{id}/timeline` (the SVG `quiesce.tools.audit.report.gantt`
 draws, every ledger string escaped there) and `GET /v1/snapshots`; then follows `GET /v1/events`
 and, on each event, reads them again (at most every `REFRESH_MS`; the servers and snapshots also
@@ -163,6 +164,7 @@ SCRIPT: Final = (
       cell(tr, srv.deadline_left_s === null ? "-" : srv.deadline_left_s.toFixed(1) + " s", "num");
       var frees = cell(tr, srv.error, "frees");
       if (srv.frees) { code(frees, srv.frees); }
+      cell(tr, srv.plane || "v1");
       tbody.appendChild(tr);
     });
     var held = s.servers.filter(function (srv) { return srv.held; }).length;
@@ -342,7 +344,7 @@ where <code>quiesce serve</code> runs.</p>
 <main id="live">
 <section><h2>Servers</h2><p class="note" id="servers-summary">loading…</p>
 <table class="summary"><thead><tr><th>server</th><th>phase</th><th>held by</th><th>kind</th>
-<th>since (UTC)</th><th>deadline left</th><th>what frees it</th></tr></thead>
+<th>since (UTC)</th><th>deadline left</th><th>what frees it</th><th>plane</th></tr></thead>
 <tbody id="servers"></tbody></table></section>
 <section><h2>Attempts</h2><p class="note" id="attempts-summary">loading…</p>
 <table class="summary"><thead><tr><th>attempt</th><th>kind</th><th>outcome</th><th>started (UTC)</th>
