@@ -1,6 +1,6 @@
 """Running the command line as an operator does: `python -m quiesce.tools.cli.main ...` in a real process.
 
-`quiesce(*argv, cwd=..., env=...)` runs this tree's CLI (its root first on `PYTHONPATH`, the
+`quiesce(*argv, cwd=..., env=..., stdin=...)` runs this tree's CLI (its root first on `PYTHONPATH`, the
 caller's `QUIESCE_CONFIG` removed) in `cwd` and returns the finished process, output as text.
 `on_terminal(*argv, columns=..., typed=...)` runs it with stdin and stdout on a real terminal
 (a pseudo-terminal of that width), stderr piped, `typed` written to the terminal as keystrokes.
@@ -37,13 +37,19 @@ def command(*argv: str) -> list[str]:
 
 
 def quiesce(
-    *argv: str, cwd: Path, env: Mapping[str, str] | None = None, timeout: float = 240
+    *argv: str,
+    cwd: Path,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 240,
+    stdin: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `quiesce ARGV` as a real process in `cwd`."""
+    """Run `quiesce ARGV` as a real process in `cwd` (`stdin`: text given on its standard input;
+    None: an empty one)."""
     return subprocess.run(
         command(*argv),
         cwd=cwd,
         env=child_env(env),
+        input=stdin if stdin is not None else "",
         capture_output=True,
         text=True,
         timeout=timeout,

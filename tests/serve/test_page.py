@@ -182,7 +182,8 @@ async def test_servers_attempt_links_and_snapshots_on_the_page(
                 if not server["held"]:  # configured, not a participant (skipped by discovery)
                     assert row[1:4] == [server["phase"], "-", "-"]
                     continue
-                _, phase, held_by, kind, since, _, frees = row
+                _, phase, held_by, kind, since, _, frees, plane = row
+                assert plane == server["plane"] == "v1"
                 assert (phase, held_by, kind) == (server["phase"], cid, "save"), row
                 assert since.startswith(server["since"].replace("T", " ")[:19]), (since, server["since"])
                 assert frees == server["frees"]
