@@ -413,13 +413,15 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         done = await coord.acknowledge_completed(request.server, request.executions)
         return AcknowledgeReply(server=request.server, acknowledged=done)
 
-    @app.get("/v1/status", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
-    async def status() -> StatusModel:
+    @app.get(
+        "/v1/status", dependencies=guarded, responses=_ERRORS, tags=["cluster"], response_model=StatusModel
+    )
+    async def status() -> JSONResponse:
         """Live, read-only: every server's fence, what holds each held one (its kind, since when)
         and the command that frees it — what `quiesce status --json` prints. Claims no operation
         (served while an attempt runs) and records nothing."""
         coord, reader = service.require_observer()
-        return StatusModel.of(await coord.status(ledger=reader))
+        return JSONResponse(StatusModel.of(await coord.status(ledger=reader)).document())
 
     @app.get("/v1/snapshots", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
     async def snapshots() -> list[SnapshotModel]:

@@ -452,6 +452,9 @@ class HolderModel(BaseModel):
         )
 
 
+_UNIFIED_STATUS_FIELDS = ("kind", "lease_expires_at", "blocker_count")
+
+
 class ServerStatusModel(BaseModel):
     """One server's fence and what holds it (`quiesce.coordinator.status.ServerStatus.as_json`)."""
 
@@ -495,6 +498,16 @@ class StatusModel(BaseModel):
         document = status.as_json()
         document["holders"] = [HolderModel.of(h) for h in status.holders]
         return cls.model_validate(document)
+
+    def document(self) -> dict[str, Any]:
+        """The reply's JSON: `kind`, `lease_expires_at` and `blocker_count` only for a unified-plane
+        server — the document `ClusterStatus.as_json` (`quiesce status --json`) gives."""
+        document = self.model_dump(mode="json")
+        for server in document["servers"]:
+            if server["plane"] != "v2":
+                for name in _UNIFIED_STATUS_FIELDS:
+                    del server[name]
+        return document
 
     def status(self) -> ClusterStatus:
         holders = {h.checkpoint_id: h.holder() for h in self.holders}
