@@ -157,16 +157,12 @@ def test_the_cli_detects_the_unified_plane(
     assert TOKEN not in out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gymsim v2's multi-worker environment drifts from Gym's participant_workers.py: its status "
-    "sends `workers` as a list and `session_aliases` as a dict (Gym: counts, with expected_workers and "
-    "session_placements), its manifest `session_owners` as a dict (Gym: a sorted list)",
-)
 async def test_the_oracle_accepts_the_multi_worker_environments_traffic(oracle_v2: Violations) -> None:
     spec = {
         "servers": [
-            s for s in SPEC["servers"] if s["name"] in ("environment_workers", "agent", "policy_model")
+            s
+            for s in SPEC["servers"]
+            if s["name"] in ("environment_workers", "agent", "policy_model", "resources")
         ]
     }
     with start_cluster(spec, token=TOKEN) as running:

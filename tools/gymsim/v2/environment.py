@@ -15,10 +15,9 @@ Rules (Gym's `_checkpoint/environment.py` and `steps.py`):
   until that attempt's `/run` starts and continues from the boundary; a different task → 409.
 - `paced: true` episodes wait at each boundary until the trainer grants turns
   (`POST /gymsim/admin/episodes/advance`); `hold` keeps an episode mid-turn (a blocker) until `release`.
-- Multi-worker (`workers: N`, `worker_mode: coordinator`, §8): N worker tables, each closed and
-  reporting on its own; the merged report is the union of blockers and the sum of counts; an episode
-  runs on the least-loaded worker; restored records stay with the coordinator until one worker claims
-  them (records carry `owner`, the manifest `session_owners`).
+- Multi-worker (`workers: N` > 1, `worker_mode: coordinator`): N worker tables, each closed and
+  reporting on its own; an episode runs on the least-loaded worker. The coordinator's merged report,
+  status and manifest extras are `workers.py`'s (Gym's `_checkpoint/participant_workers.py`).
 """
 
 from __future__ import annotations
@@ -199,7 +198,7 @@ class EnvironmentParticipant(Participant):
             record = EnvironmentRecord(
                 episode_id=ep.episode, task_digest=ep.task_digest, boundary=ep.boundary()
             )
-            records.append(self._owned(record.model_dump(mode="json"), ep.worker))
+            records.append(record.model_dump(mode="json"))
         keep = None if scope is None else {e.capture_key for e in scope}
         for key in sorted(self.restored):
             if keep is None or key in keep:
@@ -208,9 +207,6 @@ class EnvironmentParticipant(Participant):
                     | {"episode_id": episode_of_key(key).model_dump()}
                 )
         return records
-
-    def _owned(self, record: dict[str, Any], worker: int) -> dict[str, Any]:
-        return record | {"owner": worker} if self.workers > 1 else record
 
     async def install(self, records: list[Any], scope: list[EpisodeId]) -> None:
         if self.live or self.restored:
@@ -223,25 +219,8 @@ class EnvironmentParticipant(Participant):
     async def delete_restored(self, episode: EpisodeId) -> None:
         self.restored.pop(episode.capture_key, None)
 
-    def manifest_extra(self) -> dict[str, Any]:
-        if self.workers == 1:
-            return {}
-        return {"session_owners": {ep.key: ep.worker for ep in self.live.values() if not ep.restart}}
-
     def status_extra(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {"restored_pending": sorted(self.restored)}
-        if self.workers > 1:
-            extra["session_aliases"] = {}
-            extra["workers"] = [
-                {
-                    "worker": w,
-                    "ready": self._worker_report(w).ready,
-                    "episodes": self._load(w),
-                    "closed": self.closed[w],
-                }
-                for w in range(self.workers)
-            ]
-        return extra
+        return {"restored_pending": sorted(self.restored)}
 
 
 class EnvironmentServer(V2Server):
@@ -249,8 +228,11 @@ class EnvironmentServer(V2Server):
     participant: EnvironmentParticipant
 
     def make_participant(self) -> EnvironmentParticipant:
-        workers = self.spec.workers if self.spec.worker_mode == "coordinator" else 1
-        return EnvironmentParticipant(workers)
+        if self.spec.worker_mode == "coordinator" and self.spec.workers > 1:
+            from quiesce.tools.gymsim.v2.workers import CoordinatedEnvironment  # it subclasses this module's
+
+            return CoordinatedEnvironment(self.spec.workers)
+        return EnvironmentParticipant()
 
     @property
     def env(self) -> EnvironmentParticipant:
@@ -326,7 +308,11 @@ class EnvironmentServer(V2Server):
         }
 
     def debug_state(self) -> dict[str, Any]:
-        return {"episodes": self.episodes()}
+        state: dict[str, Any] = {"episodes": self.episodes()}
+        worker_reports = getattr(self.env, "worker_reports", None)  # the coordinator's (workers.py)
+        if worker_reports is not None:
+            state["worker_reports"] = worker_reports()
+        return state
 
     async def run_episode(self, body: RunRequest) -> JSONResponse:
         env = self.env
