@@ -10,6 +10,9 @@ attempt's id, in seq order; other events are ignored) and returns an `AttemptVie
   `phase.failed` of the same phase name.
 - `recovery`: every `recovery.settled` of the attempt, in order.
 - `matrix()`: the participant × phase matrix (see `Cell`).
+- `plane` (`v1`, or `v2` for Gym's unified plane, as `attempt.started` records it) and, for a v2
+  attempt, `v2` (`V2Facts`): the episodes its `episodes.*` events recorded, its renewals, its
+  retires; the participants' kinds come from the last `discovery.completed` before it.
 
 Invariants: a call's `outcome` is `acknowledged` only for a `call.replied` with a 2xx status;
 any other reply and every `call.failed` is `failed`; a call with no outcome event is `unknown`.
@@ -24,14 +27,30 @@ from datetime import datetime
 from typing import Any, Final, Literal
 
 from quiesce.coordinator.protocol import CAPABILITIES_PATH, INVALID_PHASE, PREFIX, ROUTES
+from quiesce.coordinator.protocol_v2 import CHECKPOINT_CONFLICT
+from quiesce.coordinator.protocol_v2 import PREFIX as V2_PREFIX
+from quiesce.coordinator.protocol_v2 import ROUTES as V2_ROUTES
 from quiesce.ledger.events import Event
+from quiesce.tools.audit.operations import EpisodeOperation, episode_operation
 
 Outcome = Literal["acknowledged", "failed", "unknown"]
 
 #: Phases whose calls compensate (resume servers an attempt touched) rather than advance it.
 COMPENSATING_PHASES: Final = frozenset({"rollback", "recovery"})
 #: Column order of the participant × phase matrix.
-MATRIX_PHASES: Final = ("prepare", "commit", "restore", "resume", "rollback", "recovery")
+MATRIX_PHASES: Final = (
+    "prepare",
+    "commit",
+    "renew",
+    "restore",
+    "retire",
+    "forget",
+    "resume",
+    "rollback",
+    "recovery",
+)
+#: Operations of Gym's unified plane that act on episodes rather than on a checkpoint.
+EPISODE_OPERATIONS: Final = frozenset({"retire", "forget"})
 TERMINAL_KINDS: Final = frozenset({"attempt.aborted", "attempt.completed"})
 
 # Control path (without the v1 prefix) -> (component, operation), from the wire route table.
@@ -48,14 +67,46 @@ def classify_path(path: str) -> tuple[str | None, str | None]:
 
     The capabilities route gives `(None, "capabilities")`; an unknown path gives `(None, None)`.
     A query string is ignored; the path may be given with or without the `/ng-control/v1` prefix.
+    A unified-plane (v2) path gives `(None, operation)`: its routes are the same for every kind
+    (`is_v2_path` tells them apart; the kind comes from discovery).
     """
     bare = path.split("?", 1)[0]
     if bare == CAPABILITIES_PATH or bare == "/capabilities":
         return None, "capabilities"
+    if is_v2_path(bare):
+        operation = bare[len(V2_PREFIX) + 1 :]
+        return None, (operation if operation in V2_ROUTES else None)
     if bare.startswith(PREFIX):
         bare = bare[len(PREFIX) :]
     found = _BY_PATH.get(bare)
     return found if found is not None else (None, None)
+
+
+def is_v2_path(path: str) -> bool:
+    """Whether `path` is a route of Gym's unified plane (`/ng-control/v1/checkpoint/...`)."""
+    return path.split("?", 1)[0].startswith(V2_PREFIX + "/")
+
+
+def capture_key(episode: Any) -> str | None:
+    """The capture key of an episode as a request body carries it (`{"rollout_id", "attempt"}`:
+    `<rollout_id>` for attempt 0, `<rollout_id>-a<n>` after), or of a key given as a string."""
+    if isinstance(episode, str):
+        return episode
+    if not isinstance(episode, Mapping):
+        return None
+    rollout = episode.get("rollout_id")
+    attempt = episode.get("attempt", 0)
+    if not isinstance(rollout, str) or not isinstance(attempt, int) or isinstance(attempt, bool):
+        return None
+    return rollout if attempt == 0 else f"{rollout}-a{attempt}"
+
+
+def next_attempt_key(key: str) -> str:
+    """The capture key of the attempt after `key`'s (`r1` → `r1-a1`, `r1-a1` → `r1-a2`)."""
+    rollout, sep, n = key.rpartition("-a")
+    if sep and rollout and n.isdigit() and not n.startswith("0"):
+        return f"{rollout}-a{int(n) + 1}"
+    return f"{key}-a1"
 
 
 def _float(value: Any) -> float | None:
@@ -123,8 +174,11 @@ class Call:
 
     @property
     def not_paused(self) -> bool:
-        """A resume refused with 409 `invalid_phase`: the server was never paused (nothing to undo)."""
-        return self.operation == "resume" and self.status == 409 and self.code == INVALID_PHASE
+        """A resume refused with 409 `invalid_phase` (v1) or `checkpoint_conflict` (v2: another id
+        holds the server): the server was never paused by this attempt (nothing to undo)."""
+        if self.operation != "resume" or self.status != 409:
+            return False
+        return self.code == (CHECKPOINT_CONFLICT if is_v2_path(self.path) else INVALID_PHASE)
 
     @property
     def settles(self) -> bool:
@@ -238,6 +292,63 @@ class Cell:
         }
 
 
+def _keys(value: Any) -> tuple[str, ...]:
+    return tuple(str(k) for k in value) if isinstance(value, list) else ()
+
+
+def _per_server(value: Any) -> dict[str, tuple[str, ...]]:
+    return {str(k): _keys(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+@dataclass(slots=True)
+class V2Facts:
+    """What the ledger says of a unified-plane attempt beyond its calls.
+
+    `kinds`: each participant's kind (`environment|model|agent|resources`), from the last
+    `discovery.completed` before the attempt. `scope` / `scope_source` / `restarts`: its
+    `episodes.scoped` (the commit scope, `given` or `derived`, and the restarts left out of it);
+    `exported`: its `episodes.exported`; `blockers` / `blocker_counts`: its `episodes.blocked`
+    (a prepare not ready by the deadline); `restored` / `restored_from`: its `episodes.restored`;
+    `operations`: the retires and forgets recorded under it; `renewals`: renew calls sent, and
+    `last_lease`: the latest `lease_expires_at` a renewal was granted (Unix seconds).
+    """
+
+    stop: bool = False
+    kinds: dict[str, str] = field(default_factory=dict)
+    scope: tuple[str, ...] | None = None
+    scope_source: str | None = None
+    restarts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    exported: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    blockers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    blocker_counts: dict[str, int] = field(default_factory=dict)
+    restored: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    restored_from: str | None = None
+    inventory: tuple[str, ...] | None = None
+    operations: list[EpisodeOperation] = field(default_factory=list)
+    renewals: int = 0
+    last_lease: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stop": self.stop,
+            "kinds": dict(self.kinds),
+            "scope": list(self.scope) if self.scope is not None else None,
+            "scope_size": len(self.scope) if self.scope is not None else None,
+            "scope_source": self.scope_source,
+            "restarts": {n: list(k) for n, k in self.restarts.items()},
+            "exported": {n: list(k) for n, k in self.exported.items()},
+            "exported_counts": {n: len(k) for n, k in self.exported.items()},
+            "blockers": {n: list(k) for n, k in self.blockers.items()},
+            "blocker_counts": dict(self.blocker_counts),
+            "restored_from": self.restored_from,
+            "inventory": list(self.inventory) if self.inventory is not None else None,
+            "restored": {n: list(k) for n, k in self.restored.items()},
+            "operations": [o.to_json() for o in self.operations],
+            "renewals": self.renewals,
+            "last_lease": self.last_lease,
+        }
+
+
 @dataclass(slots=True)
 class AttemptView:
     """Everything the ledger says about one attempt. See the module docstring for the invariants."""
@@ -266,6 +377,8 @@ class AttemptView:
     published_dir: str | None = None
     publishing_seq: int | None = None
     pairing_errors: list[tuple[int, str]] = field(default_factory=list)
+    plane: str = "v1"
+    v2: V2Facts | None = None
 
     @property
     def terminal(self) -> bool:
@@ -382,6 +495,8 @@ class AttemptView:
             "matrix": {s: {p: c.to_json() for p, c in row.items()} for s, row in self.matrix().items()},
             "recovery": [r.to_json() for r in self.recovery],
             "pairing_errors": [{"seq": s, "message": m} for s, m in self.pairing_errors],
+            # v1 attempts keep their shape: the plane and its facts are added for v2 only
+            **({"plane": self.plane, "v2": self.v2.to_json()} if self.v2 is not None else {}),
         }
 
 
@@ -401,9 +516,17 @@ class AttemptBuilder:
         self.view = AttemptView(checkpoint_id=checkpoint_id)
         self._open: dict[str, Call] = {}
         self._closed: set[str] = set()
+        self._kinds: dict[str, str] = {}  # participant -> kind, as of the last discovery.completed
 
     def feed(self, event: Event) -> None:
         view = self.view
+        if event.kind == "discovery.completed" and view.started_seq is None:
+            self._kinds = {
+                str(p.get("name")): str(p.get("component"))
+                for p in event.data.get("participants") or ()
+                if isinstance(p, Mapping)
+            }
+            return
         if event.checkpoint_id != view.checkpoint_id and not (
             event.kind == "recovery.completed" and view.checkpoint_id in _outcomes(event)
         ):
@@ -432,6 +555,12 @@ class AttemptBuilder:
         parts = data.get("participants")
         view.participants = tuple(str(p) for p in parts) if isinstance(parts, list) else ()
         view.epoch = event.epoch
+        if data.get("plane") == "v2":
+            view.plane = "v2"
+            view.v2 = V2Facts(
+                stop=data.get("stop") is True,
+                kinds={p: self._kinds[p] for p in view.participants if p in self._kinds},
+            )
 
     def _phase_started(self, event: Event, ts: float) -> None:
         self.view.phases.append(PhaseSpan(str(event.data.get("phase", "")), event.seq, ts))
@@ -456,6 +585,10 @@ class AttemptBuilder:
             return
         path = str(data.get("path", ""))
         component, operation = classify_path(path)
+        if self.view.v2 is not None and is_v2_path(path):
+            component = self.view.v2.kinds.get(event.server or "")
+            if operation == "renew":
+                self.view.v2.renewals += 1
         call = Call(
             call_id=call_id,
             server=event.server or "?",
@@ -492,6 +625,12 @@ class AttemptBuilder:
             if not ok:
                 call.error = "http"
                 call.code = _error_code(data.get("body"))
+            elif call.operation == "renew" and self.view.v2 is not None:
+                body = data.get("body")
+                lease = _float(body.get("lease_expires_at")) if isinstance(body, Mapping) else None
+                if lease is not None:
+                    last = self.view.v2.last_lease
+                    self.view.v2.last_lease = lease if last is None else max(last, lease)
         else:
             call.outcome = "failed"
             call.error = _str(data.get("error"))
@@ -547,6 +686,37 @@ class AttemptBuilder:
     def _published(self, event: Event, ts: float) -> None:
         self.view.published_dir = _str(event.data.get("final_dir"))
 
+    def _in_order(self, value: Any) -> dict[str, tuple[str, ...]]:
+        """`_per_server(value)` with the participants first, in attempt order (the ledger stores
+        its keys sorted)."""
+        found = _per_server(value)
+        order = {name: i for i, name in enumerate(self.view.participants)}
+        return dict(sorted(found.items(), key=lambda item: (order.get(item[0], len(order)), item[0])))
+
+    def _episodes(self, event: Event, ts: float) -> None:
+        facts, data = self.view.v2, event.data
+        if facts is None:
+            return
+        if event.kind == "episodes.blocked":
+            facts.blockers = self._in_order(data.get("blockers"))
+            counts = data.get("counts")
+            if isinstance(counts, dict):
+                facts.blocker_counts = {str(k): v for k, v in counts.items() if _int(v) is not None}
+        elif event.kind == "episodes.scoped":
+            facts.scope = _keys(data.get("scope"))
+            facts.scope_source = _str(data.get("source"))
+            facts.restarts = self._in_order(data.get("restarts"))
+        elif event.kind == "episodes.exported":
+            facts.exported = self._in_order(data.get("exported"))
+        elif event.kind == "episodes.restored":
+            facts.restored_from = _str(data.get("source_checkpoint_id"))
+            facts.inventory = _keys(data.get("scope"))
+            facts.restored = self._in_order(data.get("restored"))
+        else:
+            operation = episode_operation(event)
+            if operation is not None:
+                facts.operations.append(operation)
+
 
 def _outcomes(event: Event) -> dict[str, str]:
     outcomes = event.data.get("outcomes") if event.kind == "recovery.completed" else None
@@ -570,6 +740,12 @@ _HANDLERS: Final = {
     "attempt.publishing": AttemptBuilder._publishing,
     "attempt.published": AttemptBuilder._published,
     "recovery.completed": AttemptBuilder._recovery_completed,
+    "episodes.blocked": AttemptBuilder._episodes,
+    "episodes.scoped": AttemptBuilder._episodes,
+    "episodes.exported": AttemptBuilder._episodes,
+    "episodes.restored": AttemptBuilder._episodes,
+    "episodes.retired": AttemptBuilder._episodes,
+    "rollouts.forgotten": AttemptBuilder._episodes,
 }
 
 

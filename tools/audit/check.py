@@ -47,6 +47,16 @@ Rules (each `Violation` names the seq of the offending event):
   its own `deadline_ts` (a restore re-driven under its id) is judged against that budget instead.
 - `epoch` — no event carries an epoch lower than one already seen at a smaller seq.
 - `pairing` — every outcome follows its `call.sent`, once (a second `call.sent` with one id too).
+
+Gym's unified plane (v2: `attempt.started {plane: v2}`, or a call on its routes): `order` is not
+judged — the v2 rules of `check_v2` are (stage order, same id, commit, scope, renew, publish,
+stop, restore, all or nothing, retire order, no retire or forget while a save is open).
+`unsettled` reads v2's replies: a request refused before it ran is
+`quiesce.coordinator.protocol_v2.refused_before_effect`'s, a resume refused with 409
+`checkpoint_conflict` (another id holds the server) settles it, a published stop-checkpoint
+leaves its servers paused by design. `deadline` exempts v2's renewals (they keep a caller's
+block that outlasts the deadline paused), retires and forgets (they have budgets of their own)
+and status reads where capabilities reads are exempt.
 """
 
 from __future__ import annotations
@@ -55,13 +65,23 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+from quiesce.coordinator import protocol_v2
 from quiesce.coordinator.phases import ORDER, Role, resume_order
 from quiesce.coordinator.protocol import AGENT, INVALID_PHASE, MODEL, RESOURCES, refused_before_effect
 from quiesce.ledger.events import Event
-from quiesce.tools.audit.attempts import COMPENSATING_PHASES, classify_path, parse_at
+from quiesce.tools.audit.attempts import (
+    COMPENSATING_PHASES,
+    EPISODE_OPERATIONS,
+    classify_path,
+    is_v2_path,
+    parse_at,
+)
+from quiesce.tools.audit.check_v2 import V2_RULES, Operations, V2Attempt, V2Rule
 
-Rule = Literal["order", "unsettled", "deadline", "epoch", "pairing"]
-RULES: Final[tuple[Rule, ...]] = ("order", "unsettled", "deadline", "epoch", "pairing")
+Rule = Literal["order", "unsettled", "deadline", "epoch", "pairing"] | V2Rule
+RULES: Final[tuple[Rule, ...]] = ("order", "unsettled", "deadline", "epoch", "pairing", *V2_RULES)
+#: v2 operations a save's deadline does not bind (see the module docstring).
+_V2_UNBOUND: Final = frozenset({"renew", "retire", "forget"})
 
 _ROLE_OF_COMPONENT: Final[dict[str, Role]] = {MODEL: "policy", AGENT: "agent", RESOURCES: "resources"}
 #: phase -> (role, operation) -> step index, from the coordinator's order table.
@@ -185,6 +205,7 @@ class _Open:
     run: tuple[str, int, int]
     rank: int | None
     sent_seq: int
+    v2: bool = False
 
 
 @dataclass(slots=True)
@@ -209,6 +230,7 @@ class _Attempt:
     checkpoint_id: str
     kind: str | None = None
     epoch: int | None = None  # the epoch that started the attempt
+    started_seq: int | None = None
     deadline_ts: float | None = None
     terminal_seq: int | None = None  # the last terminal event
     outcomes: set[str] = field(default_factory=set)  # every terminal outcome recorded
@@ -225,6 +247,7 @@ class _Attempt:
     # (phase, epoch) -> the budget the current run of that phase recorded in its `phase.started`
     run_deadline: dict[tuple[str, int], float] = field(default_factory=dict)
     servers: dict[str, _Server] = field(default_factory=dict)
+    v2: V2Attempt | None = None  # an attempt on Gym's unified plane: its rules' state
 
     def server(self, name: str) -> _Server:
         found = self.servers.get(name)
@@ -257,6 +280,9 @@ class ProtocolChecker:
         self._max_epoch: int | None = None
         self._max_epoch_seq: int | None = None
         self._drain_only: frozenset[str] = frozenset()  # as of the last discovery.completed
+        self._kinds: dict[str, str] = {}  # participant -> component, as of the last discovery.completed
+        self._open_saves: dict[str, int] = {}  # save attempts with no terminal event -> started seq
+        self._operations = Operations()  # retires and forgets outside any attempt
 
     def _violation(self, seq: int, rule: Rule, attempt: str | None, server: str | None, msg: str) -> None:
         self._report.violations.append(Violation(seq, rule, attempt, server, msg))
@@ -273,26 +299,45 @@ class ProtocolChecker:
                     if found is not None and value == "abandoned":
                         found.terminal_seq = event.seq
                         found.outcomes.add("abandoned")
+                        self._open_saves.pop(str(key), None)
         if event.kind == "discovery.completed":
+            participants = [p for p in event.data.get("participants", []) if isinstance(p, dict)]
             self._drain_only = frozenset(
-                str(p.get("name"))
-                for p in event.data.get("participants", [])
-                if isinstance(p, dict) and p.get("mode") not in (None, "export_restore")
+                str(p.get("name")) for p in participants if p.get("mode") not in (None, "export_restore")
             )
+            self._kinds = {str(p.get("name")): str(p.get("component")) for p in participants}
         if cid is None:
+            self._outside(event)
             return
         attempt = self._attempts.get(cid)
         if attempt is None:
             attempt = self._attempts[cid] = _Attempt(cid)
         kind = event.kind
+        if kind == "attempt.started" and attempt.kind is not None and event.data.get("plane") == "v2":
+            self._violation(
+                event.seq,
+                "restore" if event.data.get("kind") == "restore" else "same_id",
+                cid,
+                None,
+                f"an attempt started again under the id of the attempt started at seq {attempt.started_seq}",
+            )
         if kind == "attempt.started" and attempt.kind is None:
             data = event.data
             attempt.kind = data.get("kind") if isinstance(data.get("kind"), str) else None
             attempt.epoch = event.epoch
+            attempt.started_seq = event.seq
             attempt.drain_only = self._drain_only
             deadline = data.get("deadline_ts")
             if isinstance(deadline, int | float) and not isinstance(deadline, bool):
                 attempt.deadline_ts = float(deadline)
+            if attempt.kind == "save":
+                self._open_saves[cid] = event.seq
+            if data.get("plane") == "v2":
+                self._start_v2(attempt, event)
+        if attempt.v2 is not None and kind not in ("call.sent", "call.replied", "call.failed"):
+            attempt.v2.event(self._violation, event.seq, kind, event.epoch, event.data)
+        if kind == "attempt.started":
+            pass
         elif kind == "phase.started":
             key = (str(event.data.get("phase", "")), event.epoch)
             attempt.runs[key] = attempt.runs.get(key, 0) + 1
@@ -306,6 +351,7 @@ class ProtocolChecker:
         elif kind in ("call.replied", "call.failed"):
             self._outcome(attempt, event)
         elif kind in ("attempt.aborted", "attempt.completed"):
+            self._open_saves.pop(cid, None)
             attempt.terminal_seq = event.seq
             outcome = event.data.get("outcome") if kind == "attempt.completed" else "aborted"
             attempt.outcomes.add(outcome if isinstance(outcome, str) else "completed")
@@ -324,6 +370,64 @@ class ProtocolChecker:
                 attempt.recovered_publication_seq = event.seq
         elif kind == "recovery.settled" and event.server and event.data.get("result") == "other_checkpoint":
             attempt.server(event.server).other_checkpoint_seq = event.seq
+
+    def _start_v2(self, attempt: _Attempt, event: Event) -> None:
+        """The v2 rules' state of an attempt on Gym's unified plane; a restore's id must be new."""
+        data = event.data
+        parts = data.get("participants")
+        names = tuple(str(p) for p in parts) if isinstance(parts, list) else ()
+        source = data.get("source_checkpoint_id")
+        attempt.v2 = V2Attempt(
+            checkpoint_id=attempt.checkpoint_id,
+            kind=str(attempt.kind),
+            epoch=event.epoch,
+            stop=data.get("stop") is True,
+            participants=names,
+            kinds={n: self._kinds[n] for n in names if n in self._kinds},
+            source=source if isinstance(source, str) else None,
+        )
+        if attempt.kind == "restore" and source == attempt.checkpoint_id:
+            self._violation(
+                event.seq,
+                "restore",
+                attempt.checkpoint_id,
+                None,
+                "a restore under its snapshot's own checkpoint id",
+            )
+
+    def _during_save(self, event: Event, operation: str) -> None:
+        """`retire_during_save`: a retire or forget sent while a save of this ledger is open."""
+        open_saves = [(cid, seq) for cid, seq in self._open_saves.items() if cid != event.checkpoint_id]
+        if open_saves:
+            cid, seq = open_saves[0]
+            self._violation(
+                event.seq,
+                "retire_during_save",
+                event.checkpoint_id,
+                event.server,
+                f"{operation} sent while save {cid} (started at seq {seq}) was open",
+            )
+
+    def _outside(self, event: Event) -> None:
+        """Calls recorded outside any attempt: the retires and forgets of Gym's unified plane."""
+        call_id = event.call_id or f"seq-{event.seq}"
+        if event.kind == "call.sent":
+            path = str(event.data.get("path", ""))
+            _, operation = classify_path(path)
+            if is_v2_path(path) and operation in EPISODE_OPERATIONS:
+                server = event.server or "?"
+                self._during_save(event, operation)
+                self._operations.sent(
+                    self._violation,
+                    event.seq,
+                    server,
+                    call_id,
+                    operation,
+                    self._kinds.get(server),
+                    event.data,
+                )
+        elif event.kind in ("call.replied", "call.failed"):
+            self._operations.outcome(call_id)
 
     def _check_epoch(self, event: Event) -> None:
         if self._max_epoch is not None and event.epoch < self._max_epoch:
@@ -347,13 +451,20 @@ class ProtocolChecker:
             self._violation(event.seq, "pairing", cid, server, f"call_id {call_id} sent twice")
             return
         phase = str(data.get("phase", ""))
-        component, operation = classify_path(str(data.get("path", "")))
-        rank = _rank(phase, component, operation)
+        path = str(data.get("path", ""))
+        component, operation = classify_path(path)
+        v2 = attempt.v2 is not None or is_v2_path(path)
+        rank = None if v2 else _rank(phase, component, operation)
         run = (phase, event.epoch, attempt.runs.get((phase, event.epoch), 0))
         compensating = phase in COMPENSATING_PHASES
 
-        # order
-        if rank is None:
+        # order (v1), or the v2 rules
+        if v2:
+            if attempt.v2 is not None:
+                attempt.v2.sent(self._violation, event.seq, server, call_id, operation, phase, run, data)
+            if operation in EPISODE_OPERATIONS:
+                self._during_save(event, operation)
+        elif rank is None:
             allowed = phase in _LETTING_GO and operation == "capabilities"
             if not allowed:
                 what = f"{operation or data.get('path')} on {component or 'an unknown component'}"
@@ -386,6 +497,7 @@ class ProtocolChecker:
             or (operation == "capabilities" and phase in _LETTING_GO)
             or phase == "recovery"
             or by_recovery
+            or (v2 and (operation in _V2_UNBOUND or (operation == "status" and phase in _LETTING_GO)))
         )
         deadline = attempt.run_deadline.get((phase, event.epoch), attempt.deadline_ts)
         if deadline is not None and not exempt:
@@ -403,9 +515,9 @@ class ProtocolChecker:
         state = attempt.server(server)
         if operation == "resume":
             state.last_resume_sent_seq = event.seq
-        elif not compensating and operation is not None and operation != "capabilities":
+        elif not compensating and operation not in (None, "capabilities", *(("status",) if v2 else ())):
             state.touches.append(event.seq)
-        attempt.open[call_id] = _Open(server, phase, operation, run, rank, event.seq)
+        attempt.open[call_id] = _Open(server, phase, operation, run, rank, event.seq, v2)
 
     def _outcome(self, attempt: _Attempt, event: Event) -> None:
         call_id = event.call_id or ""
@@ -423,11 +535,17 @@ class ProtocolChecker:
             error = body.get("error") if isinstance(body, dict) else None
             code = error.get("code") if isinstance(error, dict) else None
         state = attempt.server(call.server)
+        v2 = attempt.v2 is not None or call.v2
+        if attempt.v2 is not None:
+            reply = event.data.get("body") if event.kind == "call.replied" else None
+            attempt.v2.outcome(self._violation, event.seq, call_id, acknowledged, reply)
         if call.operation == "commit" and acknowledged:
             state.commit_ack_seq = call.sent_seq
-        if call.sent_seq in state.touches and refused_before_effect(status, code):
+        refused = protocol_v2.refused_before_effect if v2 else refused_before_effect
+        if call.sent_seq in state.touches and refused(status, code):
             state.refused.add(call.sent_seq)
-        settles = call.operation == "resume" and (acknowledged or (status == 409 and code == INVALID_PHASE))
+        never_paused = protocol_v2.CHECKPOINT_CONFLICT if v2 else INVALID_PHASE
+        settles = call.operation == "resume" and (acknowledged or (status == 409 and code == never_paused))
         if settles and (state.settle_seq is None or call.sent_seq > state.settle_seq):
             state.settle_seq = call.sent_seq
             after_abort = attempt.abort_seq is not None and call.sent_seq > attempt.abort_seq
@@ -443,7 +561,11 @@ class ProtocolChecker:
                 report.attempts[cid] = "open"
                 continue
             report.attempts[cid] = "judged"
+            if attempt.v2 is not None:
+                attempt.v2.judge(self._violation, attempt.terminal_seq)
             if attempt.kind == "save":
+                if attempt.v2 is not None and attempt.v2.stop and attempt.v2.published_seq is not None:
+                    continue  # a published stop-checkpoint leaves its servers paused by design
                 self._judge_save(attempt)
             elif "resumed" in attempt.outcomes:
                 self._judge_resumed_restore(attempt)

@@ -25,8 +25,9 @@ from rich.text import Text
 from quiesce.tools.audit.timefmt import duration, short_at
 
 if TYPE_CHECKING:
-    from quiesce.tools.audit.attempts import AttemptView, Call
+    from quiesce.tools.audit.attempts import AttemptView, Call, V2Facts
     from quiesce.tools.audit.check import CheckReport
+    from quiesce.tools.audit.operations import EpisodeOperation
 
 OUTCOME_STYLE: Final = {
     "acknowledged": "green",
@@ -51,6 +52,12 @@ PHASE_LETTER: Final = {
     "rollback": "b",
     "recovery": "v",
 }
+#: The letters of the phases only Gym's unified plane (v2) has, added for its attempts.
+V2_PHASE_LETTER: Final = {"renew": "n", "retire": "x", "forget": "f"}
+#: What each plane is, for people.
+PLANES: Final = {"v1": "Gym's control plane v1", "v2": "Gym's unified checkpoint plane"}
+#: Episodes named in a line before the rest are counted.
+NAMED: Final = 5
 
 
 def whole_column(
@@ -210,6 +217,7 @@ def timeline(view: AttemptView, width: int = 60) -> Group:
     def col(ts: float) -> int:
         return min(width - 1, max(0, int((ts - t0) / span * (width - 1))))
 
+    letters = {**PHASE_LETTER, **(V2_PHASE_LETTER if view.plane == "v2" else {})}
     servers = view.servers()
     label_width = max(len(s) for s in servers)
     deadline_col = col(view.deadline_ts) if view.deadline_ts is not None and view.deadline_ts <= t1 else None
@@ -225,7 +233,7 @@ def timeline(view: AttemptView, width: int = 60) -> Group:
             style = OUTCOME_STYLE[call.outcome]
             if call.phase in ("rollback", "recovery") and call.settles:
                 style = OUTCOME_STYLE["compensated"]
-            letter = PHASE_LETTER.get(call.phase, "?")
+            letter = letters.get(call.phase, "?")
             for i in range(col(call.sent_ts), col(end) + 1):
                 chars[i], styles[i] = letter, style
         line = Text(server.ljust(label_width) + " ▕")
@@ -233,13 +241,81 @@ def timeline(view: AttemptView, width: int = 60) -> Group:
             line.append(ch, style=st)
         line.append("▏")
         lines.append(line)
-    legend = "  ".join(f"{letter} {phase}" for phase, letter in PHASE_LETTER.items())
+    legend = "  ".join(f"{letter} {phase}" for phase, letter in letters.items())
     axis = Text(
         " " * label_width + f"  0{' ' * (width - 2 - len(duration(span)))}{duration(span)}", style="dim"
     )
     lines.append(axis)
     lines.append(Text(f"{legend}   | deadline", style="dim"))
+    if view.v2 is not None:
+        lines.append(Text(renewals_text(view.v2), style="dim"))
     return Group(*lines)
+
+
+def renewals_text(facts: V2Facts) -> str:
+    """`renewals: 3, last lease until 2025-01-02 03:04:05 UTC` (or `renewals: none`)."""
+    if not facts.renewals:
+        return "renewals: none"
+    from datetime import UTC, datetime
+
+    text = f"renewals: {facts.renewals}"
+    if facts.last_lease is not None:
+        until = datetime.fromtimestamp(facts.last_lease, UTC).strftime("%Y-%m-%d %H:%M:%S")
+        text += f", last lease until {until} UTC"
+    return text
+
+
+def keys_text(keys: Sequence[str], limit: int = NAMED) -> str:
+    """`r0, r1, r2 and 4 more`: the first `limit` capture keys named, the rest counted."""
+    more = len(keys) - limit
+    return ", ".join(keys[:limit]) + (f" and {more} more" if more > 0 else "")
+
+
+def per_server_counts(values: dict[str, tuple[str, ...]]) -> str:
+    """`environment 5, policy_model 3`: how many episodes each server holds."""
+    return ", ".join(f"{name} {len(keys)}" for name, keys in values.items()) or "-"
+
+
+def operation_text(op: EpisodeOperation) -> str:
+    """One retire or forget in a line: what, of whom, and who failed."""
+    noun = "episode" if op.operation == "retire" else "rollout"
+    text = f"{op.operation} {count(len(op.items), noun)} ({keys_text(list(op.items))})"
+    text += f" on {', '.join(op.servers) or 'no server'}"
+    if op.reason:
+        text += f" — {op.reason}"
+    if op.failed:
+        text += "; failed: " + "; ".join(f"{n} ({why})" for n, why in op.failed.items())
+    return text
+
+
+def v2_lines(view: AttemptView) -> list[tuple[str, str]]:
+    """The unified plane's facts of an attempt, as (text, style) lines: its scope, restarts,
+    exports, blockers, restored attempts and episode operations (none for a v1 attempt)."""
+    facts = view.v2
+    if facts is None:
+        return []
+    lines: list[tuple[str, str]] = []
+    if facts.stop:
+        lines.append(("stop-checkpoint: its servers stay paused once published", ""))
+    if facts.blockers or facts.blocker_counts:
+        for name, total in facts.blocker_counts.items() or ((n, len(k)) for n, k in facts.blockers.items()):
+            named = keys_text(list(facts.blockers.get(name, ())))
+            lines.append((f"blocked: {name} by {count(total, 'episode')} ({named})", "red"))
+    if facts.scope is not None:
+        lines.append((f"scope: {count(len(facts.scope), 'episode')} ({facts.scope_source or '?'})", ""))
+    restarts = {n: k for n, k in facts.restarts.items() if k}
+    if restarts:
+        text = "; ".join(f"{n}: {keys_text(list(k))}" for n, k in restarts.items())
+        lines.append((f"restarts (left out of the scope): {text}", "yellow"))
+    if facts.exported:
+        lines.append((f"exported: {per_server_counts(facts.exported)}", ""))
+    if facts.restored_from is not None or facts.restored:
+        inventory = f"{count(len(facts.inventory), 'episode')} " if facts.inventory is not None else ""
+        lines.append((f"restored {inventory}from {facts.restored_from or '?'}", ""))
+        lines.append((f"restored attempts: {per_server_counts(facts.restored)}", ""))
+    for op in facts.operations:
+        lines.append((f"{op.operation} (seq {op.seq}): {operation_text(op)}", "red" if op.failed else ""))
+    return lines
 
 
 def attempt_header(view: AttemptView) -> Text:
@@ -254,6 +330,13 @@ def attempt_header(view: AttemptView) -> Text:
     if view.deadline_ts is not None and view.start_ts is not None:
         text.append(f"  budget {duration(view.deadline_ts - view.start_ts)}")
     text.append(f"\nparticipants: {', '.join(view.participants) or '-'}")
+    if view.v2 is not None:
+        kinds = ", ".join(f"{n} ({k})" for n, k in view.v2.kinds.items())
+        text.append(
+            f"\nplane: {view.plane} ({PLANES.get(view.plane, 'unknown')})" + (f": {kinds}" if kinds else "")
+        )
+        for line, style in v2_lines(view):
+            text.append(f"\n{line}", style=style)
     if view.abort_reason:
         text.append(f"\nabort reason: {view.abort_reason}")
     if view.left_paused:
@@ -261,6 +344,33 @@ def attempt_header(view: AttemptView) -> Text:
     if view.published_dir:
         text.append(f"\npublished: {view.published_dir}")
     return text
+
+
+def operations_table(operations: Sequence[EpisodeOperation], title: str = "operations") -> Table:
+    """The retires and forgets recorded outside any attempt (Gym's unified plane), oldest first."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("seq", justify="right")
+    table.add_column("at (UTC)")
+    table.add_column("operation")
+    whole_column(table, "servers", [", ".join(op.servers) or "-" for op in operations])
+    table.add_column("what")
+    table.add_column("failed")
+    for op in operations:
+        table.add_row(
+            Text(str(op.seq)),
+            Text(short_at(op.at)),
+            Text(op.operation),
+            Text(", ".join(op.servers) or "-"),
+            Text(
+                f"{count(len(op.items), 'episode' if op.operation == 'retire' else 'rollout')}: "
+                f"{keys_text(list(op.items))}"
+            ),
+            Text(
+                "; ".join(f"{n} ({why})" for n, why in op.failed.items()) or "-",
+                style="red" if op.failed else "",
+            ),
+        )
+    return table
 
 
 def widened(console: Console) -> Console:

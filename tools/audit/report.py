@@ -14,7 +14,10 @@ page holds:
   bands behind the lanes, labelled above them (a label that would run into the one before it moves
   up a row, so short phases never overprint each other), the deadline as a red line (or an
   arrow at the right edge when it lies far beyond the last event), and recovery actions
-  (`recovery.settled`) as diamonds on their lane.
+  (`recovery.settled`) as diamonds on their lane;
+- for an attempt on Gym's unified plane (v2), its plane and the facts its `episodes.*` events
+  recorded (scope, restarts, exports, blockers, restored attempts, retires and forgets) and its
+  renewals (`<ul class="v2">`, one `<li>` each).
 
 Invariants: every ledger-derived string reaches the page only through `html.escape` (text and
 attribute values alike); class names come from fixed vocabularies, never from ledger text; element
@@ -32,7 +35,7 @@ from html import escape
 from typing import Final
 
 from quiesce.tools.audit.attempts import AttemptView, Call, Settled, call_duration
-from quiesce.tools.audit.present import short_route
+from quiesce.tools.audit.present import PLANES, renewals_text, short_route, v2_lines
 from quiesce.tools.audit.timefmt import duration, short_at
 
 WIDTH: Final = 1100
@@ -301,12 +304,23 @@ def _attempt_section(index: int, view: AttemptView) -> str:
         f'<section class="attempt" id="attempt-{index}" data-checkpoint-id="{_e(view.checkpoint_id)}">'
         f"<h2>{_e(view.checkpoint_id)}</h2>"
         f'<p class="meta">{" · ".join(_e(f) for f in facts)}</p>'
+        f"{_v2_facts(view)}"
         f"{gantt(view)}"
         '<p class="legend"><span class="sw-ack"></span>acknowledged<span class="sw-fail"></span>failed'
         '<span class="sw-unk"></span>unknown<span class="sw-comp"></span>rollback / recovery'
         '<span class="sw-dead"></span>deadline<span class="sw-rec"></span>recovery action</p>'
         "</section>"
     )
+
+
+def _v2_facts(view: AttemptView) -> str:
+    """The unified plane's facts of an attempt as a list (nothing for v1)."""
+    if view.v2 is None:
+        return ""
+    lines = [f"plane {view.plane} ({PLANES.get(view.plane, 'unknown')})"]
+    lines += [text for text, _ in v2_lines(view)]
+    lines.append(renewals_text(view.v2))
+    return '<ul class="v2">' + "".join(f"<li>{_e(line)}</li>" for line in lines) + "</ul>"
 
 
 def render_report(views: Sequence[AttemptView], *, source: str, generated_at: datetime | None = None) -> str:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from quiesce.tools.audit.attempts import AttemptView
     from quiesce.tools.audit.bundle import ExportSummary, Verification
     from quiesce.tools.audit.check import ChainVerdict
+    from quiesce.tools.audit.operations import EpisodeOperation
 
 #: Coordinator-level events that give an attempt's events their context: who wrote them (epochs)
 #: and how recovery ended them.
@@ -57,14 +58,16 @@ async def attempt_rows(ledger: Ledger, checkpoint_id: str, *, head_seq: int | No
     """The stored rows of one attempt plus its context, in seq order, up to `head_seq` (if given).
 
     Context: every `coordinator.started` (so an epoch check knows every newer epoch) and each
-    `recovery.completed` naming the attempt. Raises `LedgerError` when no event names the id.
+    `recovery.completed` naming the attempt; for an attempt on Gym's unified plane (v2) also the
+    last `discovery.completed` before it (its participants' kinds: the stage order the check
+    judges it by). Raises `LedgerError` when no event names the id.
     """
     own = [row async for page in ledger.read_pages(checkpoint_id=checkpoint_id) for row in page]
     if not own:
         raise LedgerError(
             f"no attempt {checkpoint_id!r} in ledger {ledger.url}; `quiesce history` lists them"
         )
-    context: list[RawEvent] = []
+    context: list[RawEvent] = await _discovery_before(ledger, own)
     async for page in ledger.read_pages(kinds=CONTEXT_KINDS):
         for row in page:
             if row[3] == checkpoint_id:
@@ -74,10 +77,49 @@ async def attempt_rows(ledger: Ledger, checkpoint_id: str, *, head_seq: int | No
                 if not (isinstance(outcomes, dict) and checkpoint_id in outcomes):
                     continue
             context.append(row)
+    context.sort(key=lambda r: int(r[0]))
     merged = list(heapq.merge(own, context, key=lambda r: int(r[0])))
     if head_seq is not None:
         merged = [r for r in merged if int(r[0]) <= head_seq]
     return merged
+
+
+async def _discovery_before(ledger: Ledger, own: list[RawEvent]) -> list[RawEvent]:
+    """The last `discovery.completed` before a v2 attempt's `attempt.started` (none for v1)."""
+    started = next((row for row in own if row[2] == "attempt.started"), None)
+    if started is None or event_from_raw(started).data.get("plane") != "v2":
+        return []
+    last: RawEvent | None = None
+    async for page in ledger.read_pages(kinds=("discovery.completed",)):
+        for row in page:
+            if int(row[0]) > int(started[0]):
+                return [last] if last is not None else []
+            last = row
+    return [last] if last is not None else []
+
+
+async def load_operations(ledger: Ledger, *, since_seq: int = 0) -> list[EpisodeOperation]:
+    """The retires and forgets recorded outside any attempt (Gym's unified plane), oldest first:
+    `episodes.retired` without a checkpoint id, and every `rollouts.forgotten` (a forget names no
+    attempt even when sent under a restore's id). Reads those two kinds only (their index)."""
+    from quiesce.tools.audit.operations import episode_operation
+
+    out: list[EpisodeOperation] = []
+    async for event in ledger.read(after=since_seq, kinds=("episodes.retired", "rollouts.forgotten")):
+        if event.kind == "episodes.retired" and event.checkpoint_id is not None:
+            continue
+        operation = episode_operation(event)
+        if operation is not None:
+            out.append(operation)
+    return out
+
+
+async def read_operations(url: str, since_at: str | None = None) -> list[EpisodeOperation]:
+    """`load_operations` of the ledger at `url` (read-only), those recorded at or after `since_at`
+    (an ISO time, compared as the events' UTC `at`) when given."""
+    async with open_readonly(url) as ledger:
+        found = await load_operations(ledger)
+    return [op for op in found if since_at is None or op.at >= since_at]
 
 
 async def attempt_events(ledger: Ledger, checkpoint_id: str, *, head_seq: int | None = None) -> list[Event]:
