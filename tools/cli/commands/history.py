@@ -17,7 +17,9 @@ Read-only: opens the ledger without taking an epoch, so it never fences a runnin
 event yet). `--json` (`-o json`) prints a list of `{"checkpoint_id", "kind", "state", "outcome",
 "snapshot", "started_at", "ended_at", "duration_s", "participants", "epoch", "calls", "failures",
 "recovered_by"}`; `-o jsonl` one such object per line; `-o wide` adds the state, end and epoch
-columns. The checkpoint and snapshot ids are never cut: the other columns wrap.
+columns. The checkpoint and snapshot ids are never cut: the other columns wrap. As a table (no
+`--outcome`), the retires and forgets recorded outside any attempt (Gym's unified plane) follow,
+as operations (`quiesce.tools.audit.operations`); a ledger without any prints nothing more.
 """
 
 from __future__ import annotations
@@ -260,6 +262,21 @@ def print_plain(rows: list[Entry], *, wide: bool = False) -> None:
         os.dup2(devnull, out.fileno())
 
 
+def print_operations(args: argparse.Namespace) -> None:
+    """The operations outside attempts (retire, forget), when any and no `--outcome` is asked."""
+    if args.outcome is not None:
+        return
+    from quiesce.tools.audit.source import read_operations
+
+    since = args.since.strftime("%Y-%m-%dT%H:%M:%S.%fZ") if args.since is not None else None
+    operations = anyio.run(read_operations, args.ledger, since)
+    if operations:
+        from quiesce.tools.audit.present import operations_table, widened
+        from quiesce.tools.cli.output import console
+
+        widened(console).print(operations_table(operations))
+
+
 def handle(args: argparse.Namespace) -> int:
     rows = anyio.run(read_entries, args.ledger, args.since, args.outcome, args.limit)
     if args.output in ("json", "jsonl"):
@@ -271,10 +288,11 @@ def handle(args: argparse.Namespace) -> int:
         console.print(
             "no attempts recorded" if args.since is None and args.outcome is None else "no attempts match"
         )
-        return 0
-    wide = args.output == "wide"
-    if len(rows) > RICH_MAX_ROWS:
-        print_plain(rows, wide=wide)
     else:
-        print_rich(rows, wide=wide)
+        wide = args.output == "wide"
+        if len(rows) > RICH_MAX_ROWS:
+            print_plain(rows, wide=wide)
+        else:
+            print_rich(rows, wide=wide)
+    print_operations(args)
     return 0
