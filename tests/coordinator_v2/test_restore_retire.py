@@ -49,13 +49,21 @@ async def test_restarts_are_left_out_of_the_scope_and_listed(
         async with Coordinator.open(config_of(running, sqlite_url)) as coord:
             attempt = await coord.checkpoint(deadline_s=10)
         await trainer.detach()
-    assert attempt.restarts == {"resources": ("r0", "r1", "r2")}
+    # A restart-only resources server's seed reply carries x-ng-checkpoint-restart: 1, and Gym marks
+    # the seeding episode a restart wherever that reply lands: the environment (single-agent-turn
+    # environment server, `seed_restarts` → `checkpoint_restart`) and here also the agent, which
+    # seeds the resources session itself (Gym's legacy /run agent: `LegacyRun.mark_restart`).
+    everyone = ("r0", "r1", "r2")
+    assert attempt.restarts == {"environment": everyone, "agent": everyone, "resources": everyone}
     assert attempt.scope == ()
     scoped = (await events(sqlite_url, "episodes.scoped"))[-1].data
-    assert scoped["restarts"] == {"resources": ["r0", "r1", "r2"]}
+    assert scoped["restarts"] == {n: list(everyone) for n in ("environment", "agent", "resources")}
     for ev in await sent(sqlite_url, "commit"):
         if ev.server != "environment":
             assert ev.data["body"]["episode_ids"] == []
+    # nothing outside the (empty) scope was exported: not even by the environment's unscoped commit
+    assert attempt.exported == dict.fromkeys(attempt.exported, ())
+    assert set(attempt.exported) == {"environment", "agent", "policy_model", "resources"}
 
 
 async def test_a_failed_restore_retires_the_next_attempts_everywhere_and_resumes_everyone(

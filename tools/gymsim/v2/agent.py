@@ -9,8 +9,22 @@ Rules (Gym's `_checkpoint/agent.py`):
 - `checkpoint_mode: export_restore` (native sessions): closed admission refuses a new session 409
   `checkpoint_parked`; a turn of an existing session waits for resume. Blockers: sessions running a
   turn. Export: `AgentSessionRecord{episode_id, session_key, session}` per session in the scope.
-- `checkpoint_mode: restart_only`: every live session is reported under `restarts` (turn replies
-  carry `x-ng-checkpoint-restart: 1`), nothing is exported, a restore with records → 409.
+- `checkpoint_mode: restart_only`: every live session is reported under `restarts`, nothing is
+  exported, a restore with records → 409.
+- Restarts reach the environment on the reply of the turn that opened the session (gymsim's agent
+  seed): `x-ng-checkpoint-restart: 1` when this agent is restart-only (Gym's `RestartOnlyAgentParticipant`
+  sets it on its seed reply, `seed_agent_session` in `base_responses_api_agent.py`), or when the
+  resources seed reply carried it. Gym's single-agent-turn environment server reads both seed replies
+  itself (`seed_restarts` in `_checkpoint/steps.py`); here the agent seeds the resources server, so it
+  relays the header, and — like Gym's legacy `/run` agent, which calls `LegacyRun.mark_restart` on such
+  a seed reply — marks its own session a restart: listed under `restarts`, never a blocker, never
+  exported (a scope naming it → 409 `restart_in_scope`). Later turn replies carry no header (the
+  environment's mark sticks), as in Gym, where only a seed reply carries it: a restart-only agent
+  reports its in-flight `/run` and `/v1/responses` calls as restarts in its own prepare report
+  (`RestartOnlyTrackingMiddleware`), but those replies mark nothing.
+- Marks change no report already given: a session is marked while its opening turn runs, and a
+  session being opened (its resources seed in flight) or running unmarked blocks prepare, as Gym's
+  `AgentSessionParticipant.seeding` does; a new session is refused while admission is closed.
 - Restore needs no live sessions; sessions come back under the next-attempt key.
 - A request of a retired attempt is 409 `stale_attempt`; a missing rollout id is 400.
 """
@@ -60,6 +74,8 @@ class Session:
     resources_session: str | None
     turns: int = 0
     running: bool = False
+    #: the resources seed reply said it cannot capture its session: a restart (module docstring)
+    restart: bool = False
 
     def dump(self) -> dict[str, Any]:
         return {"digest": self.digest, "resources_session": self.resources_session, "turns": self.turns}
@@ -75,6 +91,9 @@ class AgentParticipant(Participant):
         self.accepting = True
         self.sessions: dict[str, Session] = {}
         self.restored: dict[str, Session] = {}
+        #: capture keys whose session is being opened (its resources seed in flight): blockers, so a
+        #: session never appears, or turns out a restart, after a prepare reported without it
+        self.seeding: set[str] = set()
 
     async def close_admission(self) -> None:
         self.accepting = False
@@ -87,8 +106,11 @@ class AgentParticipant(Participant):
     def readiness(self) -> PrepareReport:
         if self.restart_only:
             return report([], {"sessions": len(self.sessions)}, list(self.sessions))
-        running = [k for k, s in self.sessions.items() if s.running]
-        return report(running, {"sessions": len(self.sessions), "restored_pending": len(self.restored)})
+        running = [k for k, s in self.sessions.items() if s.running and not s.restart]
+        running += sorted(self.seeding)
+        restarts = [k for k, s in self.sessions.items() if s.restart]
+        counts = {"sessions": len(self.sessions), "restored_pending": len(self.restored)}
+        return report(running, counts, restarts)
 
     async def retire(self, episode: EpisodeId) -> None:
         for key in [k for k, s in self.sessions.items() if covers(episode, s.episode)]:
@@ -108,7 +130,7 @@ class AgentParticipant(Participant):
                 episode_id=episode_of_key(key), session_key=key, session=held[key].dump()
             ).model_dump(mode="json")
             for key in sorted(held)
-            if keep is None or key in keep
+            if (keep is None or key in keep) and not held[key].restart
         ]
 
     async def install(self, records: list[Any], scope: list[EpisodeId]) -> None:
@@ -154,11 +176,10 @@ class AgentServer(V2Server):
         @app.post("/v1/turn")
         async def turn(body: TurnRequest) -> JSONResponse:
             try:
-                action = await self.turn(body)
+                action, restart = await self.turn(body)
             except (ControlRejection, DownstreamError) as error:
                 return error.response()
-            headers = {RESTART_HEADER: "1"} if self.agent.restart_only else None
-            return JSONResponse({"action": action}, headers=headers)
+            return JSONResponse({"action": action}, headers={RESTART_HEADER: "1"} if restart else None)
 
         @app.post("/v1/close")
         async def close(body: CloseRequest) -> JSONResponse:
@@ -182,35 +203,46 @@ class AgentServer(V2Server):
             "restored_pending": sorted(self.agent.restored),
         }
 
-    async def _session(self, episode: EpisodeId, observation: str) -> Session:
+    async def _session(self, episode: EpisodeId, observation: str) -> tuple[Session, bool]:
+        """The episode's session, and whether this turn opened it (gymsim's agent seed)."""
         agent = self.agent
         key = episode.capture_key
         session = agent.sessions.get(key)
         if session is not None:
             while not agent.accepting:
                 await agent.changes.wait(None)
-            return session
+            return session, False
         if not agent.accepting:
             raise refuse(CHECKPOINT_PARKED, "agent admission is closed for a checkpoint")
         session = agent.restored.pop(key, None)
         if session is None:
             resources_session = None
+            restart = False
             if self.spec.resources is not None:
-                reply = await self.call(
-                    self.spec.resources,
-                    "/seed_session",
-                    {"episode_id": episode.model_dump(), "seed": logic.resources_seed(observation)},
-                    episode,
-                )
+                agent.seeding.add(key)
+                agent.notify()
+                try:
+                    reply = await self.call(
+                        self.spec.resources,
+                        "/seed_session",
+                        {"episode_id": episode.model_dump(), "seed": logic.resources_seed(observation)},
+                        episode,
+                    )
+                finally:
+                    agent.seeding.discard(key)
                 resources_session = str(reply.json()["session_id"])
-            session = Session(episode, logic.initial_session(observation), resources_session)
+                restart = reply.headers.get(RESTART_HEADER) == "1"
+            session = Session(episode, logic.initial_session(observation), resources_session, restart=restart)
         agent.sessions[key] = session
-        return session
+        agent.notify()
+        return session, True
 
-    async def turn(self, body: TurnRequest) -> str:
+    async def turn(self, body: TurnRequest) -> tuple[str, bool]:
+        """One turn: (the action, whether the reply carries `x-ng-checkpoint-restart: 1`)."""
         agent = self.agent
         agent.marks.check(body.episode_id)
-        session = await self._session(body.episode_id, body.observation)
+        session, opened = await self._session(body.episode_id, body.observation)
+        restart = opened and (agent.restart_only or session.restart)
         agent.marks.check(body.episode_id)
         session.running = True
         agent.notify()
@@ -241,7 +273,7 @@ class AgentServer(V2Server):
                 tool = str(step.json()["output"])
             session.digest, action = logic.agent_update(session.digest, output, tool)
             session.turns += 1
-            return action
+            return action, restart
         finally:
             session.running = False
             agent.notify()

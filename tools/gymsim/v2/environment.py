@@ -8,9 +8,20 @@ boundary `{turn, state, turns}`.
 Rules (Gym's `_checkpoint/environment.py` and `steps.py`):
 - Closed admission: a new `/run` gets 409 `checkpoint_parked`; running episodes park at their next
   boundary. Blockers are episodes mid-turn (and retired ones not yet stopped).
-- An agent reply with `x-ng-checkpoint-restart: 1` marks the episode a restart: reported, never
-  blocking, never exported.
-- Export: every live episode at its boundary, plus restored-but-unstarted records in the scope.
+- Restarts: an agent turn reply with `x-ng-checkpoint-restart: 1` marks the episode a restart for
+  good — listed under `restarts`, never a blocker (unless retired), never exported, so a commit with
+  no scope leaves it out and one whose scope names it is refused 409 `restart_in_scope`. The reply
+  that carries it is the one of the turn that opened the agent's session — gymsim's seed: the agent
+  sets it when it is restart-only, and relays it from a restart-only resources server's
+  `/seed_session` reply. Gym's single-agent-turn environment server does the same from its own two
+  seed replies (`seed_restarts`, then `checkpoint_restart`, which ends in `EpisodeSteps.mark_restart`
+  of `_checkpoint/steps.py`). Gym marks only while no checkpoint is open, so the restarts a prepare
+  reported never change during it; here a turn is a wait step, so an unmarked episode mid-turn
+  blocks prepare and is marked before the environment can report prepared — the same guarantee.
+- After a restore a restart has no record: its replacement attempt starts over from its task (turn
+  0), and, a result being a pure function of its task (`logic.py`), still finishes with it.
+- Export: every live episode that is not a restart, at its boundary, plus restored-but-unstarted
+  records in the scope.
 - Restore needs no live episodes; records are held under the next-attempt key (`restored_pending`)
   until that attempt's `/run` starts and continues from the boundary; a different task → 409.
 - `paced: true` episodes wait at each boundary until the trainer grants turns
