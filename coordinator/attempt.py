@@ -27,6 +27,14 @@ resumed}`: a restore is not terminal until its resume finished or it was explici
 caller. A failed restore is not rolled back (half-restored state must not run): `attempt.aborted`
 lists every server it may have restored as `left_paused`; an explicit `resume` resumes them.
 
+On Gym's unified plane (v2; `attempt.started {plane: v2}`) the same engine runs the plane's own
+driver (`save_v2.py`, `restore_v2.py`): prepare stage by stage (`episodes.blocked` when not
+ready), `episodes.scoped` before the commit is sent and `episodes.exported` after its replies, the
+caller's block and publication under lease renewals (`renewal.py`, calls of phase `renew`); a
+stop-checkpoint ends `attempt.completed {published}` with no resume. A restore fans out at once
+and records `episodes.restored`; a failed one retires the next attempts everywhere and resumes
+everyone before `attempt.aborted` (nothing half-restored is kept paused on this plane).
+
 A request the server refused before it ran it (`protocol.refused_before_effect`: a wrong token,
 another checkpoint id active) paused nothing: the server is in `Attempt.refused`, and neither a
 rollback nor recovery resumes it (`Attempt.may_hold`).
@@ -171,6 +179,8 @@ class Outcome:
     resubmit: tuple[Resubmission, ...] = ()
     #: the resume of a restore: servers that had restarted since it and were restored again first
     restored_again: tuple[str, ...] = ()
+    #: the control plane of its servers (`v2`: `resubmit` lists replacement attempts to start)
+    plane: str = "v1"
 
     def as_json(self) -> dict[str, Any]:
         """The `--json` document of `quiesce restore | resume | abort` (`also`, `resubmit` and
@@ -186,6 +196,8 @@ class Outcome:
             out["resubmit"] = [r.as_json() for r in self.resubmit]
         if self.restored_again:
             out["restored_again"] = list(self.restored_again)
+        if self.plane != "v1":
+            out["plane"] = self.plane
         return out
 
 

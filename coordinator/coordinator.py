@@ -428,8 +428,11 @@ class Coordinator:
         chosen = self._pick(attempt, "commit")
         if chosen.plane == "v2":
             await save_v2.commit(self._ctx, chosen, episodes=episodes, stop=chosen.stop)
-        elif episodes is not None:
-            raise QuiesceError("an episode scope is a notion of Gym's unified plane; this cluster speaks v1")
+        elif episodes is not None:  # prepared already: let go of the servers before refusing
+            reason = "an episode scope is a notion of Gym's unified plane; this cluster speaks v1"
+            with anyio.CancelScope(shield=True), heap_frozen():
+                error = await roll_back(self._ctx, chosen, None, reason=reason)
+            raise QuiesceError(f"{reason}. {error}")
         else:
             await saving.commit(self._ctx, chosen)
         return chosen
@@ -614,27 +617,32 @@ class Coordinator:
         attempt = await self.prepare(deadline_s=deadline_s, stop=stop)
         await self.commit(attempt, episodes=episodes)
         horizon = deadline_s if deadline_s is not None else self._ctx.config.deadline_s
+        raised: BaseException | None = None
+        # the renewals end before anything lets the servers go: no renew follows a resume
         async with renewing(self._ctx, attempt, horizon):
             try:
                 yield attempt
-            except BaseException as exc:
-                with anyio.CancelScope(shield=True), heap_frozen():
-                    error = await roll_back(
-                        self._ctx, attempt, None, reason=f"the caller's block raised {type(exc).__name__}"
-                    )
-                exc.add_note(str(error))
-                raise
-            if attempt.lease_lost is not None:
-                with heap_frozen():
-                    error = await roll_back(
-                        self._ctx, attempt, None, reason=f"a lease was lost: {attempt.lease_lost}"
-                    )
-                raise error
-            if attempt.stop:
-                with heap_frozen():
+            except BaseException as exc:  # rolled back below, once the renewals have stopped
+                raised = exc
+        if raised is not None:
+            with anyio.CancelScope(shield=True), heap_frozen():
+                error = await roll_back(
+                    self._ctx, attempt, None, reason=f"the caller's block raised {type(raised).__name__}"
+                )
+            raised.add_note(str(error))
+            raise raised
+        if attempt.lease_lost is not None:
+            with heap_frozen():
+                error = await roll_back(
+                    self._ctx, attempt, None, reason=f"a lease was lost: {attempt.lease_lost}"
+                )
+            raise error
+        if attempt.stop:
+            with heap_frozen():
+                async with renewing(self._ctx, attempt, horizon):
                     await saving.publish(self._ctx, attempt)
-                    await self._stopped(attempt)
-                return
+                await self._stopped(attempt)
+            return
         await self.publish_and_resume(attempt, renew_horizon=horizon)
 
     async def _stopped(self, attempt: Attempt) -> None:
@@ -791,10 +799,22 @@ class Coordinator:
         if current is not None and current.kind == "restore" and current.state == "restored":
             current.deadline_ts = time.time() + seconds
             return current
+        # what holds the servers now (read, recorded): a restore left `restored` — by any process —
+        # requires its own id; anything else holding them refuses both until it is resumed
+        status = await self._ask(discovery.names)
+        restored = {s.held_by for s in status.servers if s.held and s.phase == "restored"}
+        others = [s for s in status.servers if s.held and s.phase != "restored"]
+        if others or len(restored) > 1:
+            named = "; ".join(
+                f"{s.name} is {s.phase} under checkpoint {s.held_by}"
+                + (f" (free it with `{s.frees}`)" if s.frees else "")
+                for s in others or [s for s in status.servers if s.held]
+            )
+            raise QuiesceError(f"cannot {what}: {named}. Gym refuses both until then: resume first")
         self._changing()
-        return retiring.operation_attempt(
-            await next_checkpoint_id(self._ctx.ledger), discovery.participants, seconds
-        )
+        op_id = next(iter(restored)) if restored else await next_checkpoint_id(self._ctx.ledger)
+        assert op_id is not None
+        return retiring.operation_attempt(op_id, discovery.participants, seconds)
 
     async def retire(
         self, episodes: Sequence[EpisodeId], *, deadline_s: float | None = None

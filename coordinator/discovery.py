@@ -17,8 +17,16 @@ Rules (Gym's control plane v1, the coordinator's side), applied by the pure func
 - warning: more than one model claims the policy role (they are all paused, as one role group),
   naming them and the config key that fixes it (`instance_role: auxiliary`).
 
+Each server's plane is found per server: its v1 capabilities; or — when that route answers 404 —
+the unified plane's status (`GET /ng-control/v1/checkpoint/status`, with the token); a server
+answering 404 to both is not a participant (refused, naming both routes and what to do). A
+cluster whose servers speak different planes is refused as a whole, naming each server's plane
+(`mixed_planes`). On the unified plane every server that answers its status takes part, as its
+`kind` (`classify_v2`); its role group is its stage.
+
 `discover` fetches capabilities through `Caller` (so each GET is in the ledger), classifies, and
-appends `discovery.completed` — refusals included — before raising or returning.
+appends `discovery.completed` — refusals included, each participant's plane recorded — before
+raising or returning.
 """
 
 from __future__ import annotations

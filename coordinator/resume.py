@@ -436,6 +436,7 @@ async def finish_resume(ctx: Context, attempt: Attempt) -> Outcome:
         tuple(not_paused),
         (),
         restored_again=attempt.restored_again,
+        plane=attempt.plane,
     )
 
 

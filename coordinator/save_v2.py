@@ -127,7 +127,8 @@ async def _prepare_body(ctx: Context, attempt: Attempt, budget_s: float) -> dict
             until = min(asked_ts, time.time() + PREPARE_SLICE_S)
             body = CheckpointRequest(checkpoint_id=attempt.checkpoint_id, deadline_ts=until)
             ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
-            result = await send_call(ctx, attempt, m, "prepare", phase, body=body, deadline_ts=asked_ts)
+            # the server answers by `until`; the call itself may take until the attempt's deadline
+            result = await send_call(ctx, attempt, m, "prepare", phase, body=body)
             reply = expect_reply(result, PrepareReply, phase, "prepare")
             reports[m.name] = reply.report
             if reply.phase == "prepared":

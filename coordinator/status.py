@@ -32,6 +32,11 @@ A server's own deadline is shown (`deadline_left_s`) only while it still bounds 
 its holder can only end by its command (a restore left paused, a published save, a rollback that
 left it paused: `Holder.deadline_applies`), nor for a server resting after a restore past it.
 
+On Gym's unified plane (v2) a server's status shows every hold itself (its phase and active
+checkpoint id; a resume clears both), so no hidden hold is inferred from the ledger; its lease
+expiry and blocker count are shown, and a published stop-checkpoint is named as such (its servers
+stay paused for shutdown: a restore into fresh servers is the way on).
+
 Reading the status changes nothing and records nothing: `quiesce status` opens the ledger
 read-only and takes no epoch, so it never fences a coordinator at work.
 """
