@@ -1,6 +1,10 @@
 """The crash matrix: kill the coordinator at every instant of a save and of each restore, then recover.
 
-    python -m quiesce.tools.crashmatrix [--ledger sqlite|postgres] [--cycle CYCLE] [--sample K]
+    python -m quiesce.tools.crashmatrix [--ledger sqlite|postgres] [--plane v1|v2|both] [--cycle CYCLE]
+                                        [--sample K] [--sample-v2 K]
+
+`--plane v2` runs the same method on Gym's unified plane (`crashmatrix_v2.py`: cycles save, stop,
+restore, restore-resume); `both` runs v1, then v2 (a ledger of its own). What follows is v1's.
 
 CYCLE is `save`, `restore`, `restore-resume`, `restore-checkpoint`, `both` (save and restore) or
 `all`. For every *append point* (`QUIESCE_CRASH_AT=n`: SIGKILL right after the coordinator's n-th
@@ -143,8 +147,11 @@ class Run:
         return json.loads(self.stdout) if self.stdout.strip() else None
 
 
-def quiesce(argv: list[str], folder: Path, env: dict[str, str] | None = None) -> Run:
-    """Run the `quiesce` CLI with `argv` in a forked child (stdout/stderr captured to files)."""
+def quiesce(
+    argv: list[str], folder: Path, env: dict[str, str] | None = None, setup: Callable[[], None] | None = None
+) -> Run:
+    """Run the `quiesce` CLI with `argv` in a forked child (stdout/stderr captured to files);
+    `setup` runs in the child first."""
     out, err = folder / "stdout.txt", folder / "stderr.txt"
     started = time.monotonic()
     pid = os.fork()
@@ -160,6 +167,8 @@ def quiesce(argv: list[str], folder: Path, env: dict[str, str] | None = None) ->
             os.dup2(fd_err, 2)
             sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), write_through=True)
             sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), write_through=True)
+            if setup is not None:
+                setup()
             code = cli_main(argv)
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else 1
@@ -179,7 +188,7 @@ def quiesce(argv: list[str], folder: Path, env: dict[str, str] | None = None) ->
 class ForkedCluster:
     """A reference Gym cluster served by a forked child (sockets bound here, so URLs are known)."""
 
-    def __init__(self, spec: ClusterSpec, token: str) -> None:
+    def __init__(self, spec: ClusterSpec, token: str, *, probe: str = CAPABILITIES_PATH) -> None:
         host = Host(spec, token=token)
         self.spec = spec
         self.urls = dict(host.urls)
@@ -204,7 +213,7 @@ class ForkedCluster:
             for url in self.urls.values():
                 while True:
                     try:
-                        if http.get(url + CAPABILITIES_PATH).status_code == 200:
+                        if http.get(url + probe).status_code == 200:
                             break
                     except httpx.TransportError:
                         pass
@@ -334,7 +343,14 @@ def ledger_tail(url: str, after: int) -> list[dict[str, Any]]:
         async def run() -> list[dict[str, Any]]:
             async with Ledger.open(url, readonly=True) as ledger:
                 return [
-                    {"seq": e.seq, "kind": e.kind, "epoch": e.epoch, "server": e.server, "data": e.data}
+                    {
+                        "seq": e.seq,
+                        "kind": e.kind,
+                        "epoch": e.epoch,
+                        "server": e.server,
+                        "checkpoint_id": e.checkpoint_id,
+                        "data": e.data,
+                    }
                     async for e in ledger.read(after=after)
                 ]
 
@@ -838,8 +854,12 @@ class Matrix:
         )
 
     def summary(self) -> bool:
+        return self.summarize(CYCLES)
+
+    def summarize(self, cycles: tuple[str, ...]) -> bool:
+        """One line per cycle (points, failures, recovery time median and p95); whether all held."""
         ok = True
-        for cycle in CYCLES:
+        for cycle in cycles:
             mine = [p for p in self.points if p.cycle == cycle]
             if not mine:
                 continue
@@ -870,15 +890,38 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m quiesce.tools.crashmatrix", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--ledger", choices=("sqlite", "postgres"), default="sqlite")
-    parser.add_argument("--cycle", choices=(*CYCLES, "both", "all"), default="both")
+    parser.add_argument(
+        "--plane",
+        choices=("v1", "v2", "both"),
+        default="v1",
+        help="v1 (the seed-era routes), v2 (Gym's unified plane: tools/crashmatrix_v2.py), or both",
+    )
+    parser.add_argument(
+        "--cycle",
+        choices=(*CYCLES, "stop", "both", "all"),
+        default="both",
+        help="v1: save, restore, restore-resume, restore-checkpoint; v2: save, stop, restore,"
+        " restore-resume; both: save and restore; all: every cycle of the plane",
+    )
     parser.add_argument("--sample", type=int, default=1, metavar="K", help="run every K-th point only")
+    parser.add_argument(
+        "--sample-v2", type=int, default=None, metavar="K", help="v2's every K-th point (default: --sample)"
+    )
     parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (default: a temp folder)")
     parser.add_argument(
         "--ledger-url", metavar="URL", help="use this empty PostgreSQL database instead of starting one"
     )
     args = parser.parse_args(argv)
-    if args.sample < 1:
+    if args.sample < 1 or (args.sample_v2 is not None and args.sample_v2 < 1):
         parser.error("--sample must be >= 1")
+    v1_cycles = {"both": ("save", "restore"), "all": CYCLES, "stop": ()}.get(args.cycle, (args.cycle,))
+    v2_cycles = {"both": ("save", "restore"), "all": ("save", "stop", "restore", "restore-resume")}.get(
+        args.cycle, (args.cycle,)
+    )
+    if args.plane in ("v1", "both") and args.cycle == "stop":
+        parser.error("--cycle stop is a cycle of the unified plane (--plane v2)")
+    if args.plane in ("v2", "both") and args.cycle == "restore-checkpoint":
+        parser.error("--cycle restore-checkpoint is a cycle of v1 (--plane v1)")
 
     def out(line: str) -> None:
         print(line, flush=True)
@@ -887,25 +930,48 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(args.keep) if args.keep else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         folder.mkdir(parents=True, exist_ok=True)
         ledger = args.ledger_url if args.ledger_url else _ledger_url(args.ledger, folder, stack)
-        matrix = Matrix(folder, ledger, args.sample, out)
-        out(f"crash matrix: ledger {args.ledger}, cycle {args.cycle}, every {args.sample} point(s)")
-        columns = ("cycle", 18), ("point", 12), ("last event before death", 52), ("recovery", 10)
-        out(" ".join(f"{name:<{width}}" for name, width in columns) + f" {'time':>7}  invariants")
+        ok = True
         started = time.monotonic()
-        chosen = {"both": ("save", "restore"), "all": CYCLES}.get(args.cycle, (args.cycle,))
-        if "save" in chosen:
-            matrix.save_cycle()
-        if "restore" in chosen:
-            matrix.restore_cycle()
-        if "restore-resume" in chosen:
-            matrix.restore_resume_cycle()
-        if "restore-checkpoint" in chosen:
-            matrix.restore_checkpoint_cycle()
-        ok = matrix.summary()
+        if args.plane in ("v1", "both"):
+            matrix = Matrix(folder, ledger, args.sample, out)
+            every = f"every {args.sample} point(s)"
+            out(f"crash matrix: ledger {args.ledger}, plane v1, cycle {args.cycle}, {every}")
+            _header(out)
+            if "save" in v1_cycles:
+                matrix.save_cycle()
+            if "restore" in v1_cycles:
+                matrix.restore_cycle()
+            if "restore-resume" in v1_cycles:
+                matrix.restore_resume_cycle()
+            if "restore-checkpoint" in v1_cycles:
+                matrix.restore_checkpoint_cycle()
+            ok = matrix.summary()
+        if args.plane in ("v2", "both"):
+            from quiesce.tools.crashmatrix_v2 import MatrixV2
+
+            sample = args.sample_v2 or args.sample
+            v2_folder = folder / "v2" if args.plane == "both" else folder
+            v2_folder.mkdir(parents=True, exist_ok=True)
+            if args.plane == "both":  # a ledger of its own (v1's attempts stay v1's)
+                ledger = (
+                    _ledger_url(args.ledger, v2_folder, stack)
+                    if not args.ledger_url
+                    else ledger  # one given database: the v2 attempts follow v1's there
+                )
+            matrix_v2 = MatrixV2(v2_folder, ledger, sample, out)
+            out(f"crash matrix: ledger {args.ledger}, plane v2, cycle {args.cycle}, every {sample} point(s)")
+            _header(out)
+            matrix_v2.run(v2_cycles)
+            ok = matrix_v2.summary() and ok
         out(f"{'all invariants hold' if ok else 'INVARIANTS FAILED'} ({time.monotonic() - started:.0f}s)")
         if not args.keep:
             shutil.rmtree(folder / "runs", ignore_errors=True)
     return 0 if ok else 1
+
+
+def _header(out: Callable[[str], None]) -> None:
+    columns = ("cycle", 18), ("point", 12), ("last event before death", 52), ("recovery", 10)
+    out(" ".join(f"{name:<{width}}" for name, width in columns) + f" {'time':>7}  invariants")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
-"""The two crash matrices of `test_crashmatrix.py`, run as child processes beside the suite.
+"""The crash matrices of `test_crashmatrix.py`, run as child processes beside the suite.
 
-Rule: when a session selects a crash-matrix test, both matrices (SQLite: every point of every
-cycle; PostgreSQL: every third point, in a database of the session's cluster) are started at the
-session's first test (`tests/conftest.py`, `crash_matrices`) and run while the rest of the suite
-does: each mostly waits on its reference servers' latency and its ledger's fsyncs, so the suite
-takes little longer than without them. Each crash-matrix test then waits for its own child and
-judges its output; any child still running at the session's end is killed.
+Rule: when a session selects a crash-matrix test, every matrix is started at the session's first
+test (`tests/conftest.py`, `crash_matrices`) and runs while the rest of the suite does: each mostly
+waits on its reference servers' latency and its ledger's fsyncs, so the suite takes little longer
+than without them. Each crash-matrix test then waits for its own child and judges its output; any
+child still running at the session's end is killed. The matrices:
+- `sqlite`: v1, every point of every cycle; `postgres`: v1, every third point, in a database of
+  the session's cluster;
+- `v2-sqlite`: Gym's unified plane, every cycle (save, stop, restore, restore --resume), every
+  `V2_SAMPLE`-th of the points that matter (`crashmatrix_v2.MatrixV2.plan_v2`: from the append
+  before `attempt.started` on, and every send point); `v2-postgres`: every `V2_PG_SAMPLE`-th.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from pathlib import Path
 from quiesce.tools.gymsim.cluster import IMPORT_ROOT
 from quiesce.tools.pgtemp import TempPostgres
 
-__all__ = ["MODULE", "Running", "start_matrices"]
+__all__ = ["MODULE", "V2_PG_SAMPLE", "V2_SAMPLE", "Running", "start_matrices"]
 
 #: the test module whose selection starts the matrices
 MODULE = "test_crashmatrix.py"
+#: v2's points run in CI: every 2nd on SQLite (about 70 of 140), every 6th on PostgreSQL
+V2_SAMPLE = 2
+V2_PG_SAMPLE = 6
 
 
 @dataclass
@@ -58,10 +65,17 @@ def _start(log: Path, *args: str) -> Running:
 
 
 def start_matrices(folder: Path, postgres: TempPostgres | None) -> dict[str, Running]:
-    """Start the SQLite matrix, and the PostgreSQL one when a cluster is given."""
+    """Start the SQLite matrices (v1, v2), and the PostgreSQL ones when a cluster is given."""
     running = {"sqlite": _start(folder / "sqlite.log", "--ledger", "sqlite", "--cycle", "all")}
+    v2 = ("--plane", "v2", "--cycle", "all")
+    running["v2-sqlite"] = _start(
+        folder / "v2-sqlite.log", *v2, "--ledger", "sqlite", "--sample", str(V2_SAMPLE)
+    )
     if postgres is not None:
         url = postgres.create_database(f"t_{uuid.uuid4().hex[:20]}")
         args = ("--ledger", "postgres", "--ledger-url", url, "--cycle", "all", "--sample", "3")
         running["postgres"] = _start(folder / "postgres.log", *args)
+        url = postgres.create_database(f"t_{uuid.uuid4().hex[:20]}")
+        v2_pg = ("--ledger", "postgres", "--ledger-url", url, "--sample", str(V2_PG_SAMPLE))
+        running["v2-postgres"] = _start(folder / "v2-postgres.log", *v2, *v2_pg)
     return running
