@@ -109,7 +109,8 @@ def test_checkpoint_restore_resume_history(
 
     code, doc = _run(capsys, "restore", "--config", str(config_file), "--json")
     assert code == 0
-    assert set(doc) == {"checkpoint_id", "outcome", "servers", "resubmit"}
+    assert set(doc) == {"checkpoint_id", "outcome", "servers", "resubmit", "plane"}
+    assert doc["plane"] == "v1"
     assert doc["outcome"] == "restored"
     assert doc["servers"] == ["policy_model", "simple_agent", "tools"]
     assert doc["resubmit"] == []  # no rollout was saved
@@ -237,6 +238,11 @@ def test_checkpoint_failure_json(capsys: pytest.CaptureFixture[str], config_file
         "snapshot",
         "participants",
         "skipped",
+        "plane",
+        "scope",
+        "restarts",
+        "exported",
+        "stop",
         "error",
         "resumed",
         "not_resumed",
