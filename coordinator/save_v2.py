@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -172,7 +172,7 @@ async def _prepare_body(ctx: Context, attempt: Attempt, budget_s: float) -> dict
     }
 
 
-async def _failing_into(attempt: Attempt, m: Member, fn: Any) -> None:
+async def _failing_into(attempt: Attempt, m: Member, fn: Callable[[Member], Awaitable[None]]) -> None:
     """Run `fn(m)`; a `PhaseFailure` is kept in `attempt.settled` (siblings run to their end)."""
     try:
         await fn(m)
