@@ -1,7 +1,7 @@
 """The crash matrix as a test: every crash point of every cycle (save, restore, restore --resume,
 restore → checkpoint) on SQLite, a sampled third on PostgreSQL; on Gym's unified plane (v2) every
 cycle (save, stop, restore, restore --resume), every second of the points that matter on SQLite and
-every sixth on PostgreSQL (`tests/recovery/matrices.py`).
+every ninth on PostgreSQL (`tests/recovery/matrices.py`).
 
 Slow (minutes) but run by default: CI runs the full SQLite matrix. Both matrices are child
 processes started with the session and run beside the rest of the suite
