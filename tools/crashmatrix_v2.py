@@ -333,8 +333,8 @@ class MatrixV2(Matrix):
         first = next((n for n, _, kinds in rows if "attempt.started" in kinds), appends)
         points = [1, *range(max(2, first - 1), appends + 1)]
         self.out(
-            f"{cycle} cycle: {appends} append points ({len(points)} that matter: 1 and"
-            f" {max(2, first - 1)}-{appends}, attempt.started being {first}), {sends} send points"
+            f"{cycle} cycle: {appends} append points, {len(points)} of them run (1 and"
+            f" {max(2, first - 1)}-{appends}; attempt.started is append {first}), {sends} send points"
         )
         plan = [(CRASH_AT, n) for n in points] + [(CRASH_BEFORE_SEND, n) for n in range(1, sends + 1)]
         return [step for index, step in enumerate(plan) if index % self.sample == 0]
