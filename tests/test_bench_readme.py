@@ -57,3 +57,35 @@ def test_regenerate_replaces_only_the_block_and_needs_the_markers() -> None:
     assert regenerate(out, document) == out
     with pytest.raises(ValueError, match="no generated benchmark block"):
         regenerate("# no markers\n", document)
+
+
+def test_a_spliced_measure_replaces_its_row_and_names_the_run_it_came_from() -> None:
+    from quiesce.tools.bench.__main__ import splice
+    from quiesce.tools.bench.report import render_markdown
+
+    document = _latest()
+    first = copy.deepcopy(document["measures"][0])
+    newer = {**first, "value": "a later figure"}
+    added = {**first, "id": 99, "title": "a new measure", "value": "new"}
+    run = {
+        "command": "python -m quiesce.tools.bench --only 1,99 --splice",
+        "commit": "abc123",
+        "started": "2030-01-01T00:00:00Z",
+        "runs": 2,
+        "machine": {**document["machine"], "load_avg_at_start": [1.0, 2.0, 3.0]},
+        "measures": [newer, added],
+    }
+    spliced = splice(document, run)
+    ids = [m["id"] for m in spliced["measures"]]
+    assert ids == sorted(ids)
+    assert ids.count(first["id"]) == 1
+    assert 99 in ids
+    assert spliced["measures"][0]["value"] == "a later figure"
+    assert spliced["measures"][0]["source"]["commit"] == "abc123"
+    before = {m["id"]: m for m in document["measures"]}
+    assert all(m == before[m["id"]] for m in spliced["measures"] if m["id"] not in (first["id"], 99))
+    text = render(spliced)
+    assert f"#{first['id']} comes from `python -m quiesce.tools.bench --only 1,99 --splice`" in text
+    assert "commit `abc123`" in text
+    assert "\n| 99 | a new measure | new |" in text
+    assert "comes from `python -m quiesce.tools.bench --only 1,99 --splice`" in render_markdown(spliced)

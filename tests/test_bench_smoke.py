@@ -36,7 +36,7 @@ def test_quick_bench_runs_every_measure_and_writes_json_and_markdown(tmp_path: P
     assert document["commit"]
     assert {"cpu", "cores", "ram_gb", "disk", "python", "sqlite"} <= set(document["machine"])
     measures = {m["id"]: m for m in document["measures"]}
-    assert sorted(measures) == sorted(MEASURES) == list(range(1, 11))
+    assert sorted(measures) == sorted(MEASURES) == list(range(1, 12))
     for measure in measures.values():
         assert set(measure) == MEASURE_KEYS, measure["id"]
         assert measure["status"] in ("ok", "unavailable"), (measure["id"], measure["reason"])
@@ -60,6 +60,13 @@ def test_quick_bench_runs_every_measure_and_writes_json_and_markdown(tmp_path: P
     )
     assert {"beyond_resume_round_s", "fresh_beyond_resume_round_s"} <= set(measures[6]["metrics"])
     assert {"added_s", "added_cpu_s", "overhead"} <= set(measures[3]["metrics"])
+    assert {"v2_added_s", "v2_added_cpu_s", "v2_overhead"} <= set(measures[3]["metrics"])  # both planes
+    assert [row["plane"] for row in measures[3]["rows"]] == ["v1", "v2"]
+    # v2 save by quiesce vs Gym's own coordination: both modes, and the same control calls on both sides
+    assert {"reuse_ratio_8", "fresh_ratio_8", "reuse_gym_s_8", "fresh_quiesce_s_8"} <= set(
+        measures[11]["metrics"]
+    )
+    assert measures[11]["metrics"]["same_calls"]["min"] == 1.0, measures[11]["notes"]
     if measures[7]["status"] == "ok":  # PostgreSQL binaries are on the machine
         assert {"ratio", "renew_s", "overhead"} <= set(measures[7]["metrics"])
     assert {"ratio", "fresh_wall_s", "history_wall_s"} <= set(measures[8]["metrics"])

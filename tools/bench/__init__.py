@@ -6,7 +6,8 @@ run interleaved in the same run, in a rotating order, and each states its settin
 1. ``ledger``     — one recorded call (two durable appends) vs two raw ``sqlite3`` commits;
 2. ``remote``     — a recorded remote call vs a DBOS workflow of one step, at equal durability
    (fsync per step; fsync off) and with the same HTTP client code or no request;
-3. ``cycle``      — a 4-server save with rollouts running, real ledger vs ``NullLedger``: % and ms;
+3. ``cycle``      — a 4-server save with rollouts (v1) or episodes (v2) running, real ledger vs
+   ``NullLedger``, on both planes, each against its own baseline: % and ms;
 4. ``scale``      — a save and a discovery at N distinct origins (4 server processes, rollouts
    running), reusing connections and on fresh ones, vs a bare client's same requests
    (``bareclient``);
@@ -16,7 +17,9 @@ run interleaved in the same run, in a rotating order, and each states its settin
 7. ``postgres``   — a recorded call vs raw asyncpg, a save real vs null ledger, the lease renewal;
 8. ``growth``     — ``quiesce checkpoint`` from a cold process, fresh vs 1M-event ledger;
 9. ``durability`` — ``durability: process`` vs ``full``, side by side;
-10. ``service``   — a save through ``quiesce serve`` vs embedded, and a ``/metrics`` scrape.
+10. ``service``   — a save through ``quiesce serve`` vs embedded, and a ``/metrics`` scrape;
+11. ``gymscale``  — a v2 save at 8, 64, 512 distinct origins (episodes running) vs Gym's own stateless
+    coordination (``gymcoord``), reusing connections and on fresh ones.
 
 ``harness`` runs every repetition in a fresh process (``child``) and reports median, min, max
 and peak RSS; ``report`` writes ``latest.md``; ``readme`` makes README's table from

@@ -8,6 +8,10 @@ RSS, each side's settings, the commit and the machine. ``--quick`` (tiny sizes, 
 measure: a smoke check of the harness, not a measurement) writes ``quick.*`` instead, and
 ``--only 3,5`` writes ``only-3,5.*``: neither ever replaces ``latest.*``. ``--readme`` then
 rewrites README.md's benchmark table from ``DIR/latest.json`` (``quiesce.tools.bench.readme``).
+``--only N,... --splice`` also puts the measures of that run into ``DIR/latest.json`` (and
+``latest.md``) in place of theirs, each marked with the command, commit and start of the run it
+came from (``source``), which the report and README's table name: a measure added or changed
+since the last full run gets its row without rerunning every other measure.
 Exit status: 0 when every selected measure ran (goals met or not), 1 when one failed to run.
 """
 
@@ -33,7 +37,7 @@ from quiesce.tools.bench.report import render_markdown
 MEASURES: dict[int, tuple[str, str]] = {
     1: ("ledger", "recorded call = two durable appends"),
     2: ("remote", "recorded remote call vs DBOS"),
-    3: ("cycle", "save cycle, real vs null ledger"),
+    3: ("cycle", "save cycle, real vs null ledger, planes v1 and v2"),
     4: ("scale", "save and discovery at N distinct origins vs a bare client"),
     5: ("replay", "replay 1M events"),
     6: ("recover", "quiesce recover after SIGKILL"),
@@ -41,6 +45,7 @@ MEASURES: dict[int, tuple[str, str]] = {
     8: ("growth", "quiesce checkpoint from a cold process: fresh vs 1M-event ledger"),
     9: ("durability", "durability process vs full"),
     10: ("service", "quiesce serve: save through the service vs embedded; /metrics scrape"),
+    11: ("gymscale", "v2 save at N distinct origins vs Gym's own stateless coordination"),
 }
 
 
@@ -63,6 +68,22 @@ def _parse_only(text: str | None) -> list[int]:
             raise argparse.ArgumentTypeError(f"no measure {number}; choose from {sorted(MEASURES)}")
         chosen.append(number)
     return sorted(set(chosen))
+
+
+def splice(latest: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """``latest`` with the measures of ``run`` (an ``--only`` run) in place of its own (added when
+    new; ordered by id), each marked with the run's ``source``: command, commit, start, load."""
+    source = {
+        "command": run["command"],
+        "commit": run["commit"],
+        "started": run["started"],
+        "runs": run["runs"],
+        "load_avg_at_start": run["machine"].get("load_avg_at_start"),
+        "cpu": f"{run['machine'].get('cpu')}, {run['machine'].get('cores')} cores",
+    }
+    replaced = {m["id"]: {**m, "source": source} for m in run["measures"]}
+    kept = [m for m in latest["measures"] if m["id"] not in replaced]
+    return {**latest, "measures": sorted([*kept, *replaced.values()], key=lambda m: int(m["id"]))}
 
 
 def compile_bytecode(prefix: Path) -> str:
@@ -99,7 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dbos-venv", type=Path, default=None, help="create or reuse the DBOS venv here (default: temp)"
     )
-    parser.add_argument("--sizes", type=str, default=None, help="measure 4's N values, e.g. 8,64,256")
+    parser.add_argument(
+        "--sizes", type=str, default=None, help="measures 4 and 11: the N values, e.g. 8,64,512"
+    )
+    parser.add_argument(
+        "--splice",
+        action="store_true",
+        help="with --only: put these measures into OUT/latest.json, marked with this run's source",
+    )
     parser.add_argument(
         "--readme",
         action="store_true",
@@ -110,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         only = _parse_only(args.only)
     except (ValueError, argparse.ArgumentTypeError) as error:
         parser.error(str(error))
+    if args.splice and (args.quick or not args.only):
+        parser.error("--splice needs --only and a full (not --quick) run")
     runs = args.runs if args.runs is not None else (1 if args.quick else 5)
     out: Path = args.out.resolve()  # children run in other folders: every path they get is absolute
     out.mkdir(parents=True, exist_ok=True)
@@ -162,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{stem}.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     (out / f"{stem}.md").write_text(render_markdown(document), encoding="utf-8")
     ctx.log(f"wrote {out / f'{stem}.md'} and {out / f'{stem}.json'}")
+    if args.splice:
+        latest = json.loads((out / "latest.json").read_text(encoding="utf-8"))
+        spliced = splice(latest, document)
+        (out / "latest.json").write_text(json.dumps(spliced, indent=2) + "\n", encoding="utf-8")
+        (out / "latest.md").write_text(render_markdown(spliced), encoding="utf-8")
+        ids = ", ".join(str(m["id"]) for m in document["measures"])
+        ctx.log(f"spliced measures {ids} into {out / 'latest.json'}")
     if args.readme:
         from quiesce.tools.bench.readme import update_readme
 

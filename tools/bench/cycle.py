@@ -1,4 +1,12 @@
-"""Measure #3 — a full save cycle against the 4-server reference cluster, real ledger vs null ledger.
+"""Measure #3 — a full save cycle against a 4-server reference cluster, real ledger vs null ledger, on
+both planes.
+
+Each plane has its own cluster, its own three sides and its own ratio, with the same settings:
+v1 (``SPEC``) runs 4 rollouts on ``simple_agent``; v2 (``SPEC_V2``: environment → agent → policy
+model + resources, Gym's unified plane) runs 4 endless episodes on the environment
+(``episodes.running_episodes``, the trainer client of ``tools/gymsim/v2``), and every v2 save is
+``Coordinator.checkpoint(episodes=...)`` with those 4 episodes as the scope, as a trainer gives it.
+Below, what is said of the v1 cluster holds for v2's with "episodes" for "rollouts".
 
 The cluster (``quiesce.tools.gymsim``, its own process, a fresh one per run): ``policy_model`` (20 ms per
 model call), ``judge`` (auxiliary: never paused), ``simple_agent`` and ``tools``; 4 rollouts run
@@ -56,8 +64,10 @@ from quiesce.coordinator.attempt import Context as CoordContext
 from quiesce.coordinator.calls import Caller
 from quiesce.coordinator.config import ClusterConfig
 from quiesce.coordinator.protocol import TOKEN_ENV
+from quiesce.coordinator.protocol_v2 import EpisodeId
 from quiesce.ledger import Ledger
 from quiesce.tools.bench.barelog import BareLog
+from quiesce.tools.bench.episodes import running_episodes
 from quiesce.tools.bench.harness import Context, Result, Stats, run_child, stats_of
 from quiesce.tools.bench.nullledger import NullLedger
 from quiesce.tools.gymsim import client
@@ -72,6 +82,19 @@ SPEC: dict[str, Any] = {
     ]
 }
 
+#: The same cluster on Gym's unified plane: the environment's turns call the agent, which calls the
+#: policy model (20 ms per call) and the resources server.
+SPEC_V2: dict[str, Any] = {
+    "servers": [
+        {"kind": "environment", "plane": "v2", "name": "environment", "agent": "agent"},
+        {"kind": "model", "plane": "v2", "name": "policy_model", "latency_s": 0.02},
+        {"kind": "agent", "plane": "v2", "name": "agent", "policy": "policy_model", "resources": "resources"},
+        {"kind": "resources", "plane": "v2", "name": "resources"},
+    ]
+}
+#: Rollouts (v1) or episodes (v2) running throughout a run.
+ROLLOUTS = 4
+PLANES = ("v1", "v2")
 
 #: Measured cycles per side in one run (see the module docstring).
 CYCLES = 100
@@ -161,10 +184,11 @@ class LedgerClock:
         return timed
 
 
-async def timed_cycle(coord: Coordinator) -> float:
-    """Seconds of one ``Coordinator.checkpoint()`` (prepare → commit → publish → resume)."""
+async def timed_cycle(coord: Coordinator, episodes: list[EpisodeId] | None = None) -> float:
+    """Seconds of one ``Coordinator.checkpoint()`` (prepare → commit → publish → resume); ``episodes``:
+    the commit scope on the unified plane (v2)."""
     start = time.perf_counter()
-    await coord.checkpoint()
+    await coord.checkpoint(episodes=episodes)
     return time.perf_counter() - start
 
 
@@ -176,6 +200,7 @@ async def run_cycles(
     ledger_url: str | None = None,
     sides: list[str] | None = None,
     clock: bool = False,
+    episodes: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One run of #3: ``cycles`` measured cycles per side (after one warm-up each), rotating order.
 
@@ -183,8 +208,10 @@ async def run_cycles(
     ``durability: process`` (measure #9). The real ledger is a new SQLite file in ``dir``, or
     ``ledger_url`` (an empty database: #7 runs this on PostgreSQL). ``clock`` (measure #3 only)
     times the real side's ledger calls (``LedgerClock``); its wrapper then runs on that side
-    alone, so a measure comparing two real ledgers (#9) leaves it off."""
+    alone, so a measure comparing two real ledgers (#9) leaves it off. ``episodes`` (a v2
+    cluster): every save's commit scope, ``{"rollout_id", "attempt"}`` each."""
     folder = Path(dir)
+    scope = None if episodes is None else [EpisodeId.model_validate(e) for e in episodes]
     chosen = sides or ["real", "null", "bare"]
     ledger_url = ledger_url or f"sqlite+aiosqlite:///{folder / 'ledger.db'}"
     extra: dict[str, dict[str, Any]] = {
@@ -221,7 +248,7 @@ async def run_cycles(
                 )
         for coord in coords.values():
             await coord.discover()
-            await timed_cycle(coord)
+            await timed_cycle(coord, scope)
         timer = LedgerClock(coords["real"].ledger) if clock and "real" in coords else None
         in_ledger: list[float] = []
         for i in range(cycles):
@@ -230,7 +257,7 @@ async def run_cycles(
                 await anyio.sleep(settle_s)
                 start = time.process_time()
                 before = timer.total if timer is not None and side == "real" else 0.0
-                took[side].append(await timed_cycle(coords[side]))
+                took[side].append(await timed_cycle(coords[side], scope))
                 cpu[side].append(time.process_time() - start)
                 if timer is not None and side == "real":
                     in_ledger.append(timer.total - before)
@@ -265,116 +292,165 @@ async def run_cycles(
     return out
 
 
+def one_run(ctx: Context, plane: str, index: int, token: str, cycles: int) -> dict[str, Any]:
+    """One run of #3 on ``plane``: a fresh cluster, its rollouts (v1) or episodes (v2), one child."""
+    with cluster(SPEC if plane == "v1" else SPEC_V2, token, ctx.work) as running:
+        folder = ctx.work / f"cycle-{plane}-{index}"
+        folder.mkdir()
+        params = {
+            "config": running.config(),
+            "token": token,
+            "cycles": cycles,
+            "dir": str(folder),
+            "clock": True,
+        }
+        if plane == "v1":
+            anyio.run(start_rollouts, running.urls, ["simple_agent"], ROLLOUTS, 1_000_000)
+            return run_child("cycle:run_cycles", params)
+        with running_episodes({"environment": running.urls["environment"]}, ROLLOUTS) as scope:
+            return run_child("cycle:run_cycles", {**params, "episodes": scope})
+
+
+def _plane_figures(result: Result, runs: list[dict[str, Any]], plane: str) -> dict[str, Stats]:
+    """Record one plane's metrics (v1 under the names #3 always had, v2's prefixed ``v2_``)."""
+    prefix = "" if plane == "v1" else "v2_"
+    names = {
+        "real_cycle_s": "real_s", "null_cycle_s": "null_s", "overhead": "overhead", "bare_cycle_s": "bare_s",
+        "bare_overhead": "bare_overhead", "real_cpu_s": "real_cpu_s", "null_cpu_s": "null_cpu_s",
+        "bare_cpu_s": "bare_cpu_s", "added_s": "added_s", "added_cpu_s": "added_cpu_s",
+        "in_ledger_s": "real_in_ledger_s",
+    }  # fmt: skip
+    figures: dict[str, Stats] = {}
+    for metric, key in names.items():
+        figures[metric] = stats_of(runs, key)
+        unit = "fraction" if "overhead" in metric else "s"
+        result.metric(prefix + metric, figures[metric], unit)
+    figures["events"] = Stats.of([r["events_per_cycle"] for r in runs])
+    figures["bare_events"] = Stats.of([r["bare_events_per_cycle"] for r in runs])
+    return figures
+
+
 def measure(ctx: Context) -> Result:
-    """Measure #3 (see the module docstring)."""
+    """Measure #3 (see the module docstring): both planes, each against its own null ledger."""
     cycles = 2 if ctx.quick else CYCLES
     result = Result(
         3,
-        "save cycle, 4-server reference cluster: real vs null ledger",
-        "ledger adds <= 10% and <= 6 ms per save (medians)",
+        "save cycle, 4-server reference cluster, planes v1 and v2: real vs null ledger",
+        "ledger adds <= 10% and <= 6 ms per save (medians), on each plane",
     )
     token = "bench-" + secrets.token_hex(8)
-    runs: list[dict[str, Any]] = []
+    table: dict[str, list[dict[str, Any]]] = {plane: [] for plane in PLANES}
     for index in range(ctx.runs):
-        with cluster(SPEC, token, ctx.work) as running:
-            anyio.run(start_rollouts, running.urls, ["simple_agent"], 4, 1_000_000)
-            folder = ctx.work / f"cycle-{index}"
-            folder.mkdir()
-            params = {
-                "config": running.config(),
-                "token": token,
-                "cycles": cycles,
-                "dir": str(folder),
-                "clock": True,
-            }
-            runs.append(run_child("cycle:run_cycles", params))
-        last = runs[-1]
-        ctx.log(f"  run {index + 1}/{ctx.runs}: real {last['real_s'] * 1e3:.1f} ms,"
-                f" null {last['null_s'] * 1e3:.1f} ms, bare log {last['bare_s'] * 1e3:.1f} ms")  # fmt: skip
-    real, null, overhead = stats_of(runs, "real_s"), stats_of(runs, "null_s"), stats_of(runs, "overhead")
-    bare, bare_overhead = stats_of(runs, "bare_s"), stats_of(runs, "bare_overhead")
-    result.runs = len(runs)
-    result.metric("real_cycle_s", real, "s")
-    result.metric("null_cycle_s", null, "s")
-    result.metric("overhead", overhead, "fraction")
-    result.metric("bare_cycle_s", bare, "s")
-    result.metric("bare_overhead", bare_overhead, "fraction")
-    real_cpu, null_cpu = stats_of(runs, "real_cpu_s"), stats_of(runs, "null_cpu_s")
-    bare_cpu = stats_of(runs, "bare_cpu_s")
-    result.metric("real_cpu_s", real_cpu, "s")
-    result.metric("null_cpu_s", null_cpu, "s")
-    result.metric("bare_cpu_s", bare_cpu, "s")
-    result.metric("peak_rss_mb", stats_of(runs, "peak_rss_mb"), "MB")
-    added, added_cpu = stats_of(runs, "added_s"), stats_of(runs, "added_cpu_s")
-    result.metric("added_s", added, "s")
-    result.metric("added_cpu_s", added_cpu, "s")
-    in_ledger = stats_of(runs, "real_in_ledger_s")
-    result.metric("in_ledger_s", in_ledger, "s")
-    result.value = (
-        f"{real.fmt(1e3, 1, 'ms')} per save; the ledger adds {overhead.fmt(100, 1, '%')} ="
-        f" {added.fmt(1e3, 1, 'ms')} wall and {added_cpu.fmt(1e3, 1, 'ms')} CPU per save"
-        f" (CPU per save: {real_cpu.fmt(1e3, 1, 'ms')})"
-    )
-    result.baseline = (
-        f"{null.fmt(1e3, 1, 'ms')} per save with a null ledger (CPU {null_cpu.fmt(1e3, 1, 'ms')})"
-    )
-    result.met = overhead.median <= 0.10 and added.median <= 0.006
+        for plane in PLANES if index % 2 == 0 else PLANES[::-1]:  # which plane runs first alternates
+            last = one_run(ctx, plane, index, token, cycles)
+            table[plane].append(last)
+            ctx.log(f"  run {index + 1}/{ctx.runs} {plane}: real {last['real_s'] * 1e3:.1f} ms, null"
+                    f" {last['null_s'] * 1e3:.1f} ms, bare log {last['bare_s'] * 1e3:.1f} ms")  # fmt: skip
+    result.runs = ctx.runs
+    result.metric("peak_rss_mb", Stats.of([r["peak_rss_mb"] for runs in table.values() for r in runs]), "MB")
+    values, baselines = [], []
+    met = True
+    for plane in PLANES:
+        f = _plane_figures(result, table[plane], plane)
+        met = met and f["overhead"].median <= 0.10 and f["added_s"].median <= 0.006
+        values.append(
+            f"{plane}: {f['real_cycle_s'].fmt(1e3, 1, 'ms')} per save; the ledger adds"
+            f" {f['overhead'].fmt(100, 1, '%')} = {f['added_s'].fmt(1e3, 1, 'ms')} wall and"
+            f" {f['added_cpu_s'].fmt(1e3, 1, 'ms')} CPU per save"
+            f" (CPU per save: {f['real_cpu_s'].fmt(1e3, 1, 'ms')})"
+        )
+        baselines.append(
+            f"{plane}: {f['null_cycle_s'].fmt(1e3, 1, 'ms')} per save with a null ledger"
+            f" (CPU {f['null_cpu_s'].fmt(1e3, 1, 'ms')})"
+        )
+        result.rows.append({
+            "plane": plane,
+            "real ledger (ms per save)": f["real_cycle_s"].fmt(1e3, 1),
+            "null ledger (ms)": f["null_cycle_s"].fmt(1e3, 1),
+            "bare log (ms)": f["bare_cycle_s"].fmt(1e3, 1),
+            "ledger adds (%)": f["overhead"].fmt(100, 1),
+            "adds, paired (ms wall)": f["added_s"].fmt(1e3, 1),
+            "adds (ms CPU)": f["added_cpu_s"].fmt(1e3, 1),
+            "in ledger calls (ms)": f["in_ledger_s"].fmt(1e3, 2),
+            "bare log adds (%)": f["bare_overhead"].fmt(100, 1),
+            "ledger events per save": f"{f['events'].median:.0f}",
+            "bare log events per save": f"{f['bare_events'].median:.0f}",
+        })  # fmt: skip
+    result.value = "; ".join(values)
+    result.baseline = "; ".join(baselines)
+    result.met = met
     result.side(
         "real ledger",
         durability="full (SQLite WAL; attempt.started fsynced before the first request)",
         transport="loopback HTTP, coordinator/http.py",
         order="rotated: each round runs the three sides"
         " in the next of the six orders, after the same settle time",
+        cluster="per plane, a fresh one per run: v1 `SPEC` (4 rollouts), v2 `SPEC_V2` (4 episodes,"
+        " the scope of every save)",
     )
     result.side(
         "null ledger (tools/bench/nullledger.py)",
         durability="none: stores nothing",
         transport="the same",
         order="the same",
+        cluster="the same cluster as the real ledger, in the same process",
     )
     result.side(
         "bare log (tools/bench/barelog.py)",
         durability="the same fsyncs as the real ledger",
         transport="the same",
         order="the same",
+        cluster="the same",
     )
-    per_cycle = Stats.of([r["events_per_cycle"] for r in runs])
     result.notes.append(
-        f"inside the ledger, in the same real-ledger saves: {in_ledger.fmt(1e3, 2, 'ms')} per save is spent"
-        " in calls to the ledger (wall time while a call to one of its public coroutines is in"
-        " progress: `LedgerClock`). It bounds the ledger's time on the save's path from above: the calls"
-        " are sequential, but the last ones overlap work the save waits for anyway (the deletion of a"
-        " snapshot that retention removed runs beside the resume), and the clock's wrapper counts in"
-        " it. The paired difference holds what this misses (cold caches after each reply, allocator,"
-        " garbage collector) and the noise of two saves at different points of the rollouts' turns."
+        "each plane's ratio is against its own null ledger, measured in the same child process on the same"
+        " cluster: the planes are never compared with each other's baseline. Which plane runs first"
+        " alternates from run to run; every run starts a fresh cluster (the v2 model's ledger of calls"
+        " grows with every turn, and every commit writes all of it)"
+    )
+    result.notes.append(
+        "'in ledger calls': wall time while a call to one of the ledger's public coroutines is in progress"
+        " (`LedgerClock`), in the same real-ledger saves. It bounds the ledger's time on the save's path from"
+        " above: the calls are sequential, but the last ones overlap work the save waits for anyway (the"
+        " deletion of a snapshot that retention removed runs beside the resume), and the clock's wrapper"
+        " counts in it. The paired difference holds what this misses (cold caches after each reply,"
+        " allocator, garbage collector) and the noise of two saves at different points of the turns."
         " The goal is judged on the paired difference"
     )
     result.notes.append(
-        "'adds ... ms' is the median over a run's rounds of real minus null for the two cycles of one round"
+        "'adds, paired' is the median over a run's rounds of real minus null for the two cycles of one round"
         " (same settle time): paired, so it moves less than the difference of the two medians"
     )
     result.notes.append(
-        f"{cycles} measured cycles per side per run (rotating order, after one warm-up each); about"
-        f" {per_cycle.median:.0f} ledger events per cycle; 4 rollouts running on simple_agent;"
-        f" policy model 20 ms per call; before each cycle the rollouts run {SETTLE_S * 1e3:.0f}"
-        f"-{(SETTLE_S + SETTLE_JITTER_S) * 1e3:.0f} ms (random, the same for the three sides of a round;"
-        " untimed), so a cycle starts at a random point of the rollouts' turns"
-    )
-    bare_per_cycle = Stats.of([r["bare_events_per_cycle"] for r in runs])
-    result.notes.append(
-        f"floor, in the same runs: a bare hash-chained SQLite log (canonical JSON, chain hash, one plain"
-        f" transaction per append and the same fsync; no validation, redaction, projection or fencing:"
-        f" `tools/bench/barelog.py`; {bare_per_cycle.median:.0f} events per cycle) adds"
-        f" {bare_overhead.fmt(100, 1, '%')} ({bare.fmt(1e3, 1, 'ms')} per cycle)"
+        f"{cycles} measured cycles per side per run and plane (rotating order, after one warm-up each);"
+        f" v1: {ROLLOUTS} rollouts running on simple_agent; v2: {ROLLOUTS} episodes running on the"
+        " environment (each turn: agent, policy model, resources); policy model 20 ms per call on both;"
+        f" before each cycle the rollouts run {SETTLE_S * 1e3:.0f}-{(SETTLE_S + SETTLE_JITTER_S) * 1e3:.0f}"
+        " ms (random, the same for the three sides of a round; untimed), so a cycle starts at a random"
+        " point of the turns"
     )
     result.notes.append(
-        f"coordinator CPU per cycle (this process, all its threads): {real_cpu.fmt(1e3, 1, 'ms')} with the"
-        f" real ledger, {bare_cpu.fmt(1e3, 1, 'ms')} with the bare log, {null_cpu.fmt(1e3, 1, 'ms')} with"
-        " the null ledger. On this VM a few milliseconds of idle leave the CPU cold, and each ledger step"
-        " runs right after a server's reply: it costs 3-10 times what it costs in a tight loop (see the"
-        " closing notes of issue 7)"
+        "floor, in the same runs: a bare hash-chained SQLite log (canonical JSON, chain hash, one plain"
+        " transaction per append and the same fsync; no validation, redaction, projection or fencing:"
+        " `tools/bench/barelog.py`): the 'bare log' columns"
+    )
+    result.notes.append(
+        "coordinator CPU per cycle is this process's, all its threads. On this VM a few milliseconds of"
+        " idle leave the CPU cold, and each ledger step runs right after a server's reply: it costs 3-10"
+        " times what it costs in a tight loop (see the closing notes of issue 7)"
     )
     return result
 
 
-__all__ = ["cluster", "measure", "open_bare", "open_null", "run_cycles", "start_rollouts", "timed_cycle"]
+__all__ = [
+    "SPEC",
+    "SPEC_V2",
+    "cluster",
+    "measure",
+    "one_run",
+    "open_bare",
+    "open_null",
+    "run_cycles",
+    "start_rollouts",
+    "timed_cycle",
+]

@@ -227,7 +227,7 @@ class Context:
     work: Path  #: a temporary folder for this run (removed at the end)
     cache: Path  #: kept between runs (generated ledgers); under ``bench-results/.cache``
     dbos_venv: Path | None = None  #: reuse (or create) the DBOS venv here instead of a temp dir
-    sizes: tuple[int, ...] = ()  #: measure #4's N values (empty: the default)
+    sizes: tuple[int, ...] = ()  #: measures #4's and #11's N values (empty: the default)
     log: Callable[[str], None] = field(default=lambda text: print(text, file=sys.stderr, flush=True))
 
 

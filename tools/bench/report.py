@@ -39,6 +39,21 @@ def summary_table(document: dict[str, Any]) -> list[str]:
     return lines
 
 
+def source_line(measure: dict[str, Any]) -> str | None:
+    """Where a measure spliced in from another run came from (None: from this document's run)."""
+    source = measure.get("source")
+    if not source:
+        return None
+    load = source.get("load_avg_at_start")
+    return (
+        f"#{measure['id']} comes from `{source['command']}` ({source['started']}, commit"
+        f" `{source['commit']}`, {source['runs']} fresh process(es) per figure"
+        + (f", CPU: {source['cpu']}" if source.get("cpu") else "")
+        + (f", load average at start {', '.join(f'{x:.2f}' for x in load)}" if load else "")
+        + ")"
+    )
+
+
 def machine_line(document: dict[str, Any]) -> str:
     m = document["machine"]
     load = m.get("load_avg_at_start")
@@ -65,11 +80,19 @@ def render_markdown(document: dict[str, Any]) -> str:
         "",
         *summary_table(document),
     ]
+    spliced = [line for r in document["measures"] if (line := source_line(r)) is not None]
+    if spliced:
+        lines += [
+            "",
+            "Measures spliced in from later runs (`--only ... --splice`): " + "; ".join(spliced) + ".",
+        ]
     for r in document["measures"]:
         settings = r.get("settings") or []
         if not r["rows"] and not r["notes"] and not settings:
             continue
         lines += ["", f"### {r['id']}. {r['title']}", ""]
+        if (source := source_line(r)) is not None:
+            lines += [source + ".", ""]
         if settings:
             columns: list[str] = []
             for side in settings:
