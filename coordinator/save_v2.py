@@ -49,6 +49,7 @@ from quiesce.coordinator.attempt import (
     run_phase,
     send_call,
 )
+from quiesce.coordinator.digests import DigestCache, regular_facts
 from quiesce.coordinator.discovery import Member
 from quiesce.coordinator.errors import QuiesceError
 from quiesce.coordinator.phases import V2_STAGES
@@ -294,7 +295,18 @@ async def _commit_body(
     scope_keys = set(attempt.scope)
     entries = await anyio.to_thread.run_sync(
         lambda: [
-            (m, _verify_commit(staging, m, attempt.checkpoint_id, replies[m.name], scope_keys, restart_keys))
+            (
+                m,
+                _verify_commit(
+                    staging,
+                    m,
+                    attempt.checkpoint_id,
+                    replies[m.name],
+                    scope_keys,
+                    restart_keys,
+                    attempt.digests,
+                ),
+            )
             for m in attempt.participants
         ]
     )
@@ -326,10 +338,17 @@ async def _commit_body(
 
 
 def _verify_commit(
-    staging: Path, m: Member, checkpoint_id: str, reply: CommitReply, scope: set[str], restarts: set[str]
+    staging: Path,
+    m: Member,
+    checkpoint_id: str,
+    reply: CommitReply,
+    scope: set[str],
+    restarts: set[str],
+    cache: DigestCache,
 ) -> tuple[dict[str, Any], list[str]]:
     """A commit reply against the rules of the module docstring and the files on disk; returns the
-    publication entry of the participant and the problems found (none: it may be published)."""
+    publication entry of the participant and the problems found (none: it may be published). The
+    records file's facts go into `cache`: publication does not hash it again."""
     problems: list[str] = []
     manifest = reply.manifest
     if manifest.kind != m.component:
@@ -382,14 +401,10 @@ def _verify_commit(
         return entry, [f"its manifest {folder}/{MANIFEST} is not JSON"]
     if on_disk != manifest.model_dump(mode="json"):
         problems.append(f"its manifest {folder}/{MANIFEST} differs from the one its commit reply names")
-    records = base / name
-    try:
-        digest, lines = _digest_lines(records)
-    except OSError as error:
-        return entry, [
-            *problems,
-            f"its records file {folder}/{name} cannot be read: {error.strerror or error}",
-        ]
+    facts = regular_facts(base / name, records=True, cache=cache)  # never through a symlink
+    if isinstance(facts, str):
+        return entry, [*problems, f"its records file {folder}/{name} is {facts}"]
+    digest, lines = facts.sha256, facts.records or 0
     if digest != manifest.records_sha256:
         problems.append(f"its records file {folder}/{name} does not match the manifest's sha256")
     if lines != manifest.record_count:
@@ -415,14 +430,3 @@ def _staging_key_problems(reply: CommitReply, exported: set[str]) -> list[str]:
     if strays:
         problems.append(f"staging_keys_by_episode names episodes it did not export: {', '.join(strays[:5])}")
     return problems
-
-
-def _digest_lines(path: Path) -> tuple[str, int]:
-    """The sha256 of a file's bytes and its number of lines, in one read."""
-    digest = hashlib.sha256()
-    lines = 0
-    with open(path, "rb", buffering=0) as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-            lines += chunk.count(b"\n")
-    return digest.hexdigest(), lines
