@@ -1,3 +1,3 @@
-"""The conformance checker of control plane v1, against the reference servers and a fake Gym that
-breaks each rule.
+"""The conformance checker of both control planes, against the reference servers and fake Gyms that
+break each rule.
 """

@@ -1,2 +1,3 @@
-"""The wire oracle: strict models of the RL anchor's request and reply field sets, and the hook that
-checks every control request the coordinator sends and every reply a reference server gives."""
+"""The wire oracle: strict models of both planes' request and reply field sets, and the hook that
+checks every control request the coordinator sends and every reply a reference server gives.
+"""
