@@ -277,8 +277,11 @@ async def test_a_retry_cut_short_by_the_deadline_still_names_the_unacknowledged_
     # The agent's first refusal says nothing readable (an injected 409); its status shows a finished
     # result nobody acknowledged and a rollout still running, so the prepare asks again — and that
     # retry hangs until the deadline ends the phase in the middle of it. The error is still the
-    # agent's last refusal, with the result its status named.
-    with make_cluster(spec({"latency_s": 0.01})) as running:
+    # agent's last refusal, with the result its status named. The model's latency keeps the long
+    # rollout inside a call whenever the status is read, even on a loaded machine (a status read
+    # that found it between calls would show nothing running: then no retry could succeed, and the
+    # prepare would rightly fail at once).
+    with make_cluster(spec({"latency_s": 0.3})) as running:
         agent = running.urls["simple_agent"]
         config = configure(running, ledger_url)
         async with httpx.AsyncClient(timeout=60) as http:
