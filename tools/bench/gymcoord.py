@@ -2,7 +2,7 @@
 module makes for a save, in its order, with no ledger: what a user runs instead of quiesce.
 
 The calls and their order are those of Gym's ``nemo_gym/_checkpoint/coordination.py`` (read it
-there; ``gym-control-v2.md`` §9), written here from its behaviour, not its code:
+there), written here from its behaviour, not its code:
 
 - discover: ``GET …/status`` on every server at once; a 404 is not a participant; participants
   sorted by (stage, name); at least one model.
