@@ -499,30 +499,35 @@ class Caller:
         return await peek_capabilities(self._http(), name, url, token=self._token, deadline_ts=deadline_ts)
 
     async def peek_v2_status(self, name: str, url: str, *, deadline_ts: float) -> CallResult:
-        """The unified plane's `GET /checkpoint/status`, recorded nowhere — for an observer, like
-        `peek_capabilities` (a status read changes nothing). Without a token it is not sent: that
-        status is bearer-protected."""
-        if self._token is None:
-            return CallResult(
-                call_id="", server=name, path=V2_STATUS_PATH, ok=False, error="http", status=401,
-                detail="the unified plane's status needs the control token, which is not set",
-            )  # fmt: skip
-        timeout_s = max(0.001, deadline_ts - time.time())
-        started = time.monotonic()
-        exchange = await _request(
-            self._http(), self._token, "GET", url + V2_STATUS_PATH, None, None, timeout_s
-        )
-        reply: StatusReply | None = None
-        if exchange.error is None:
-            try:
-                reply = StatusReply.model_validate(exchange.body)
-            except ValidationError as error:
-                exchange = _Exchange(
-                    status=exchange.status,
-                    error="protocol",
-                    detail=f"reply does not match StatusReply: {_summarize(error)}",
-                )
-        return _result("", name, V2_STATUS_PATH, exchange, reply, time.monotonic() - started)
+        """The unified plane's status, recorded nowhere (see `peek_v2_status`)."""
+        return await peek_v2_status(self._http(), name, url, token=self._token, deadline_ts=deadline_ts)
+
+
+async def _peek(
+    client: HttpClient,
+    name: str,
+    url: str,
+    path: str,
+    model: type[BaseModel],
+    *,
+    token: str | None,
+    deadline_ts: float,
+) -> CallResult:
+    """A GET recorded nowhere, its reply validated as `model`. `call_id` is empty."""
+    timeout_s = max(0.001, deadline_ts - time.time())
+    started = time.monotonic()
+    exchange = await _request(client, token, "GET", url + path, None, None, timeout_s)
+    reply: BaseModel | None = None
+    if exchange.error is None:
+        try:
+            reply = model.model_validate(exchange.body)
+        except ValidationError as error:
+            exchange = _Exchange(
+                status=exchange.status,
+                error="protocol",
+                detail=f"reply does not match {model.__name__}: {_summarize(error)}",
+            )
+    return _result("", name, path, exchange, reply, time.monotonic() - started)
 
 
 async def peek_capabilities(
@@ -531,20 +536,23 @@ async def peek_capabilities(
     """`GET /capabilities` that is recorded nowhere: for an observer (`quiesce status`), which
     changes nothing on a server and takes no epoch, so it never fences a coordinator at work.
     The token is sent when there is one (capabilities need none). `call_id` is empty."""
-    timeout_s = max(0.001, deadline_ts - time.time())
-    started = time.monotonic()
-    exchange = await _request(client, token, "GET", url + CAPABILITIES_PATH, None, None, timeout_s)
-    reply: Capabilities | None = None
-    if exchange.error is None:
-        try:
-            reply = Capabilities.model_validate(exchange.body)
-        except ValidationError as error:
-            exchange = _Exchange(
-                status=exchange.status,
-                error="protocol",
-                detail=f"reply does not match Capabilities: {_summarize(error)}",
-            )
-    return _result("", name, CAPABILITIES_PATH, exchange, reply, time.monotonic() - started)
+    path = CAPABILITIES_PATH
+    return await _peek(client, name, url, path, Capabilities, token=token, deadline_ts=deadline_ts)
+
+
+async def peek_v2_status(
+    client: HttpClient, name: str, url: str, *, token: str | None, deadline_ts: float
+) -> CallResult:
+    """The unified plane's `GET /checkpoint/status`, recorded nowhere — for an observer, like
+    `peek_capabilities` (a status read changes nothing). Without a token it is not sent: that
+    status is bearer-protected."""
+    if token is None:
+        return CallResult(
+            call_id="", server=name, path=V2_STATUS_PATH, ok=False, error="http", status=401,
+            detail="a server of Gym's unified plane shows its checkpoint status only with the control"
+            " token, which is not set: set it to read this server",
+        )  # fmt: skip
+    return await _peek(client, name, url, V2_STATUS_PATH, StatusReply, token=token, deadline_ts=deadline_ts)
 
 
 async def peek_read(

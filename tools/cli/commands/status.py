@@ -26,17 +26,15 @@ time left and the blocker count too. `-o wide` adds each server's URL and the co
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from typing import Any
 
 import anyio
 
 from quiesce.coordinator import QuiesceError, load_config
-from quiesce.coordinator.calls import CallResult, peek_capabilities, peek_read
+from quiesce.coordinator.calls import peek_capabilities, peek_v2_status
 from quiesce.coordinator.config import find_token
 from quiesce.coordinator.http import HttpClient
-from quiesce.coordinator.protocol_v2 import STATUS_PATH, StatusReply
 from quiesce.coordinator.status import ClusterStatus, read_status
 from quiesce.ledger import Ledger
 from quiesce.tools.cli import output
@@ -91,7 +89,7 @@ def _local(args: argparse.Namespace) -> ClusterStatus:
                         client, name, url, token=token, deadline_ts=deadline
                     ),
                     config_path=args.config,
-                    peek_v2=lambda name, url, deadline: peek_unified(
+                    peek_v2=lambda name, url, deadline: peek_v2_status(
                         client, name, url, token=token, deadline_ts=deadline
                     ),
                 )
@@ -108,44 +106,6 @@ def _local(args: argparse.Namespace) -> ClusterStatus:
     status = anyio.run(run)
     print_warnings(warnings)
     return status
-
-
-async def peek_unified(
-    client: HttpClient, name: str, url: str, *, token: str | None, deadline_ts: float
-) -> CallResult:
-    """The unified plane's `GET /ng-control/v1/checkpoint/status`, recorded nowhere (an observer's
-    read, like `peek_capabilities`) and validated as `StatusReply`; without a token it is not sent
-    (the route is bearer-protected) and the result says to set it."""
-    if token is None:
-        return CallResult(
-            call_id="",
-            server=name,
-            path=STATUS_PATH,
-            ok=False,
-            error="http",
-            status=401,
-            detail="a server of Gym's unified plane shows its checkpoint status only with the control"
-            " token, which is not set: set it to read this server",
-        )
-    result = await peek_read(
-        client, name, url, STATUS_PATH, token=token, params=None, deadline_ts=deadline_ts
-    )
-    if not result.ok:
-        return result
-    try:
-        reply = StatusReply.model_validate(result.body)
-    except ValueError as error:  # pydantic's ValidationError is a ValueError
-        first = str(error).splitlines()[0]
-        return CallResult(
-            call_id="",
-            server=name,
-            path=STATUS_PATH,
-            ok=False,
-            status=result.status,
-            error="protocol",
-            detail=f"its unified-plane status reply is invalid: {first}",
-        )
-    return dataclasses.replace(result, reply=reply)
 
 
 def time_left(seconds: float | None) -> str:
