@@ -10,28 +10,10 @@ import httpx
 import pytest
 
 from quiesce.coordinator import ClusterConfig, Coordinator, EpisodeId, PhaseError, QuiesceError
-from quiesce.coordinator.protocol_v2 import PREFIX
-from quiesce.ledger import Ledger
 from quiesce.tools.gymsim.v2.trainer import Trainer, expected_results, make_tasks
+from tests.coordinator_v2.helpers import events, phases, sent
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
-
-
-async def events(url: str, kind: str | None = None) -> list[Any]:
-    async with Ledger.open(url, readonly=True) as ledger:
-        return [ev async for ev in ledger.read() if kind is None or ev.kind == kind]
-
-
-async def sent(url: str, operation: str) -> list[Any]:
-    return [ev for ev in await events(url, "call.sent") if ev.data["path"] == f"{PREFIX}/{operation}"]
-
-
-async def phases(http: httpx.AsyncClient, urls: dict[str, str], token: str) -> dict[str, str]:
-    out = {}
-    for name, url in urls.items():
-        reply = await http.get(f"{url}{PREFIX}/status", headers={"authorization": f"Bearer {token}"})
-        out[name] = reply.json()["phase"]
-    return out
 
 
 async def test_restarts_are_left_out_of_the_scope_and_listed(

@@ -10,15 +10,10 @@ import httpx
 import pytest
 
 from quiesce.coordinator import ClusterConfig, Coordinator
-from quiesce.ledger import Ledger
 from quiesce.tools.gymsim.v2.trainer import Trainer, expected_results, make_tasks
+from tests.coordinator_v2.helpers import events
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
-
-
-async def events_of(url: str, kind: str) -> list[Any]:
-    async with Ledger.open(url, readonly=True) as ledger:
-        return [ev async for ev in ledger.read() if ev.kind == kind]
 
 
 async def test_mid_rollout_save_then_exact_restore_into_a_fresh_cluster(
@@ -55,10 +50,10 @@ async def test_mid_rollout_save_then_exact_restore_into_a_fresh_cluster(
     assert [e.capture_key for e in in_flight] == list(attempt.scope)
     assert attempt.snapshot is not None
     assert (attempt.snapshot / "manifest.json").is_file()
-    scoped = await events_of(sqlite_url, "episodes.scoped")
+    scoped = await events(sqlite_url, "episodes.scoped")
     assert scoped[-1].data["source"] == "derived"
     assert scoped[-1].data["scope"] == list(attempt.scope)
-    exported = (await events_of(sqlite_url, "episodes.exported"))[-1].data["exported"]
+    exported = (await events(sqlite_url, "episodes.exported"))[-1].data["exported"]
     assert exported["environment"] == list(attempt.scope)
 
     with v2_cluster() as second:
@@ -71,6 +66,6 @@ async def test_mid_rollout_save_then_exact_restore_into_a_fresh_cluster(
         assert [e.capture_key for e in started] == [f"r{i}-a1" for i in range(5)]
         results = await trainer.wait_results()
     assert results == expected_results(tasks)
-    restored = (await events_of(sqlite_url, "episodes.restored"))[-1].data
+    restored = (await events(sqlite_url, "episodes.restored"))[-1].data
     assert restored["source_checkpoint_id"] == attempt.checkpoint_id
     assert restored["restored"]["environment"] == [f"r{i}-a1" for i in range(5)]
