@@ -29,6 +29,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -238,28 +239,62 @@ async def _run(folder: Path, console: Console, result: dict[str, Any]) -> int:
                     f"acknowledged the {consumed} finished results read, as a trainer does once it holds them"
                 )
     results = client.final_results(rollouts)
+    return await judge(
+        expected,
+        results,
+        client.turn_log_problems(rollouts),
+        Judged(attempt.snapshot, ledger_url, snapshots, folder, started, "rollouts"),
+        console,
+        result,
+    )
+
+
+@dataclass(frozen=True)
+class Judged:
+    """What the end of a demo run reports on: the snapshot saved mid-run, where the ledger and
+    snapshots are, when the run started, and what its units are called (rollouts, episodes)."""
+
+    snapshot: Path | None
+    ledger_url: str
+    snapshots: Path
+    folder: Path
+    started: float
+    noun: str
+
+
+async def judge(
+    expected: dict[str, str],
+    results: dict[str, str],
+    problems: list[str],
+    run: Judged,
+    console: Console,
+    result: dict[str, Any],
+) -> int:
+    """The end of a demo run, either plane: every result must equal the uninterrupted run's, the
+    trainer's half must be in the snapshot; prints the ledger's history and the verdict, fills
+    `result`; the exit code."""
     differences = [
         f"{rid}: expected {expected.get(rid)!r}, got {results.get(rid)!r}"
         for rid in sorted(set(expected) | set(results))
         if expected.get(rid) != results.get(rid)
     ]
-    differences += client.turn_log_problems(rollouts)
-    snapshot = load_snapshot(attempt.snapshot)
+    differences += problems
+    assert run.snapshot is not None
+    snapshot = load_snapshot(run.snapshot)
     if not any(f["path"] == "trainer/state.json" for f in snapshot.manifest["files"]):
         differences.append("the trainer's half is missing from the snapshot")
-
-    await _print_history(ledger_url, console)
-    elapsed = time.monotonic() - started
+    await _print_history(run.ledger_url, console)
+    elapsed = time.monotonic() - run.started
     result.update({"differences": differences, "elapsed_s": round(elapsed, 3), "ok": not differences})
     if differences:
-        console.print("[bold red]✗ the restored rollouts differ from the uninterrupted run:[/]")
+        console.print(f"[bold red]✗ the restored {run.noun} differ from the uninterrupted run:[/]")
         for line in differences:
             console.print(f"  {escape(line)}", soft_wrap=True)
         return 1
-    say(f"all {len(results)} rollouts finished exactly as the uninterrupted run ({elapsed:.1f}s)")
+    _say(console)(f"all {len(results)} {run.noun} finished exactly as the uninterrupted run ({elapsed:.1f}s)")
     console.print(
-        f"ledger: {escape(ledger_url)}\nsnapshots: {escape(str(snapshots))}\n"
-        f"try: quiesce history --ledger {escape(str(folder / 'ledger.db'))}",
+        f"ledger: {escape(run.ledger_url)}\nsnapshots: {escape(str(run.snapshots))}\n"
+        f"try: quiesce history --ledger {escape(str(run.folder / 'ledger.db'))}",
         soft_wrap=True,
     )
     return 0

@@ -28,11 +28,10 @@ from typing import Any
 import anyio
 import httpx
 from rich.console import Console
-from rich.markup import escape
 
-from quiesce.coordinator import Coordinator, load_snapshot
+from quiesce.coordinator import Coordinator
 from quiesce.coordinator.protocol import TOKEN_ENV
-from quiesce.tools.demo import DemoFailed, _print_history, _say
+from quiesce.tools.demo import DemoFailed, Judged, _say, judge
 from quiesce.tools.gymsim.cluster import spawn_cluster
 from quiesce.tools.gymsim.v2.trainer import EpisodeFailed, Trainer, expected_results, make_tasks
 
@@ -139,26 +138,11 @@ async def run_demo_v2(folder: Path, console: Console, result: dict[str, Any]) ->
                 results = await trainer.wait_results()
             except EpisodeFailed as error:
                 raise DemoFailed(str(error)) from None
-    differences = [
-        f"{rid}: expected {expected.get(rid)!r}, got {results.get(rid)!r}"
-        for rid in sorted(set(expected) | set(results))
-        if expected.get(rid) != results.get(rid)
-    ]
-    snapshot = load_snapshot(attempt.snapshot)
-    if not any(f["path"] == "trainer/state.json" for f in snapshot.manifest["files"]):
-        differences.append("the trainer's half is missing from the snapshot")
-    await _print_history(ledger_url, console)
-    elapsed = time.monotonic() - started
-    result.update({"differences": differences, "elapsed_s": round(elapsed, 3), "ok": not differences})
-    if differences:
-        console.print("[bold red]✗ the restored episodes differ from the uninterrupted run:[/]")
-        for line in differences:
-            console.print(f"  {escape(line)}", soft_wrap=True)
-        return 1
-    say(f"all {len(results)} episodes finished exactly as the uninterrupted run ({elapsed:.1f}s)")
-    console.print(
-        f"ledger: {escape(ledger_url)}\nsnapshots: {escape(str(snapshots))}\n"
-        f"try: quiesce history --ledger {escape(str(folder / 'ledger.db'))}",
-        soft_wrap=True,
+    return await judge(
+        expected,
+        results,
+        [],
+        Judged(attempt.snapshot, ledger_url, snapshots, folder, started, "episodes"),
+        console,
+        result,
     )
-    return 0
