@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         Ledger,
         downgrade_schema,
         event_from_raw,
+        restore_triggers,
         upgrade_schema,
         utc_now,
     )
@@ -54,6 +55,7 @@ _EXPORTS: dict[str, str] = {
     "event_from_raw": "quiesce.ledger.store",
     "fold": "quiesce.ledger.projections",
     "replay_url": "quiesce.ledger.replay",
+    "restore_triggers": "quiesce.ledger.store",
     "row_bytes": "quiesce.ledger.canonical",
     "upgrade_schema": "quiesce.ledger.store",
     "utc_now": "quiesce.ledger.store",
@@ -92,6 +94,7 @@ __all__ = [
     "event_from_raw",
     "fold",
     "replay_url",
+    "restore_triggers",
     "row_bytes",
     "upgrade_schema",
     "utc_now",

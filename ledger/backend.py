@@ -170,6 +170,8 @@ class Backend(ABC):
     """One open ledger database. Methods are called from one event loop; the Ledger serialises appends."""
 
     where: str
+    #: "sqlite" or "postgresql": the key of the dialect's names (``quiesce.ledger.layout``)
+    dialect: str
 
     @abstractmethod
     async def claim_writer(self) -> None:
@@ -196,6 +198,10 @@ class Backend(ABC):
 
         Not cancellable: once called, it completes (or fails) before returning.
         """
+
+    @abstractmethod
+    async def event_triggers(self) -> frozenset[str]:
+        """The names of the triggers defined on ``events`` (user triggers only)."""
 
     @abstractmethod
     async def head(self) -> RawEvent | None: ...

@@ -15,6 +15,14 @@ VERSION_TABLE: Final = "quiesce_alembic_version"
 #: ledger whose stored revision equals it skips alembic entirely — the common case, kept cheap.
 HEAD_REVISION: Final = "0004"
 
+#: The triggers on ``events`` that make it append-only at the head revision, per dialect (revision
+#: 0001: no UPDATE, DELETE or TRUNCATE; revision 0003: inserts only at the head of the chain). A
+#: writer refuses a ledger that lacks one (``quiesce.ledger.store``); ``quiesce db upgrade`` restores them.
+APPEND_ONLY_TRIGGERS: Final = {
+    "sqlite": ("events_insert_at_head", "events_no_delete", "events_no_update"),
+    "postgresql": ("events_insert_at_head", "events_no_truncate", "events_no_update_delete"),
+}
+
 #: The columns of ``events``, in table order (``quiesce.ledger.backend.RawEvent`` follows it).
 EVENT_COLUMNS: Final = (
     "seq",

@@ -1,7 +1,8 @@
 """Schema management through alembic, programmatically (no alembic.ini).
 
-The only ways a schema changes are ``upgrade`` (``quiesce db upgrade``) and, for an empty
-database opened by a writer, creation at head (``ensure_schema(create=True)``). Opening checks the
+The only ways a schema changes are ``upgrade`` (``quiesce db upgrade``, which also restores
+append-only triggers someone dropped: ``restore_triggers_sync``) and, for an empty database
+opened by a writer, creation at head (``ensure_schema(create=True)``). Opening checks the
 stored revision: behind head is refused with the command that upgrades, ahead of this code is
 refused with a request to upgrade quiesce.
 
@@ -20,9 +21,10 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
-from sqlalchemy import Connection, inspect
+from sqlalchemy import Connection, inspect, text
 
 from quiesce.ledger.errors import LedgerError
+from quiesce.ledger.layout import APPEND_ONLY_TRIGGERS
 from quiesce.ledger.schema import VERSION_TABLE
 
 State = Literal["empty", "current", "behind", "ahead", "unmanaged"]
@@ -96,6 +98,43 @@ def upgrade_sync(connection: Connection) -> tuple[str | None, str]:
     if state != "current":
         command.upgrade(alembic_config(connection), "head")
     return before, head_revision()
+
+
+def restore_triggers_sync(connection: Connection) -> list[str]:
+    """Recreate the append-only triggers missing from a ledger at head, each with the statements
+    of the revision that created it (a dropped trigger leaves its PostgreSQL function behind: it
+    is replaced); returns the names restored. The caller holds writership and the transaction."""
+    from quiesce.migrations.versions import r0001_initial, r0003_insert_at_head
+
+    dialect = connection.dialect.name
+    key = "sqlite" if dialect == "sqlite" else "postgresql"
+    if key == "sqlite":
+        query = "SELECT name FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'events'"
+        update, delete = r0001_initial._SQLITE_TRIGGERS
+        statements = {
+            "events_no_update": [update],
+            "events_no_delete": [delete],
+            "events_insert_at_head": [r0003_insert_at_head._SQLITE],
+        }
+    else:
+        query = "SELECT tgname FROM pg_trigger WHERE tgrelid = to_regclass('events') AND NOT tgisinternal"
+        function, update_delete, truncate = r0001_initial._PG_TRIGGERS
+        at_head_function, at_head = r0003_insert_at_head._PG
+        statements = {
+            "events_no_update_delete": [_or_replace(function), update_delete],
+            "events_no_truncate": [_or_replace(function), truncate],
+            "events_insert_at_head": [_or_replace(at_head_function), at_head],
+        }
+    present = {str(row[0]) for row in connection.execute(text(query))}
+    missing = [name for name in APPEND_ONLY_TRIGGERS[key] if name not in present]
+    for name in missing:
+        for statement in statements[name]:
+            connection.exec_driver_sql(statement)
+    return missing
+
+
+def _or_replace(statement: str) -> str:
+    return statement.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
 
 
 def downgrade_sync(connection: Connection, revision: str) -> None:

@@ -170,6 +170,8 @@ def read_last_statement(kind: str, before: int) -> Select[Any]:
 
 
 class PostgresBackend(Backend):
+    dialect = "postgresql"
+
     def __init__(self, url: URL, *, where: str, durability: str, readonly: bool) -> None:
         self.where = where
         self._durability = durability
@@ -430,6 +432,12 @@ class PostgresBackend(Backend):
                 return [tuple(row) for row in result.all()]
         except DBAPIError as error:
             raise self._error("read", error) from None
+
+    async def event_triggers(self) -> frozenset[str]:
+        found = await self._rows(
+            text("SELECT tgname FROM pg_trigger WHERE tgrelid = to_regclass('events') AND NOT tgisinternal")
+        )
+        return frozenset(str(row[0]) for row in found)
 
     async def head(self) -> RawEvent | None:
         rows = await self._rows(select(*_EVENT_COLS).order_by(events.c.seq.desc()).limit(1))

@@ -155,22 +155,29 @@ class Replayer:
 
     def compare(self, live: Iterable[AttemptRow]) -> None:
         """Record every difference between ``live`` rows and the rebuilt ones."""
-        diffs = self.report.differences
-        seen: set[str] = set()
-        for row in live:
-            seen.add(row.checkpoint_id)
-            rebuilt = self.rows.get(row.checkpoint_id)
-            if rebuilt is None:
-                diffs.append(Difference(row.checkpoint_id, "(row)", "present", None))
-                continue
-            if rebuilt == row:
-                continue
-            for column in COLUMNS:
-                a, b = getattr(row, column), getattr(rebuilt, column)
-                if a != b:
-                    diffs.append(Difference(row.checkpoint_id, column, _plain(a), _plain(b)))
-        for cid in sorted(self.rows.keys() - seen):
-            diffs.append(Difference(cid, "(row)", None, "present"))
+        self.report.differences.extend(compare_projection(live, self.rows))
+
+
+def compare_projection(live: Iterable[AttemptRow], rebuilt: dict[str, AttemptRow]) -> list[Difference]:
+    """Every difference between the ``live`` projection rows and ``rebuilt`` (checkpoint id -> row,
+    folded from the events): per column of a row both have, or a row only one side has."""
+    diffs: list[Difference] = []
+    seen: set[str] = set()
+    for row in live:
+        seen.add(row.checkpoint_id)
+        other = rebuilt.get(row.checkpoint_id)
+        if other is None:
+            diffs.append(Difference(row.checkpoint_id, "(row)", "present", None))
+            continue
+        if other == row:
+            continue
+        for column in COLUMNS:
+            a, b = getattr(row, column), getattr(other, column)
+            if a != b:
+                diffs.append(Difference(row.checkpoint_id, column, _plain(a), _plain(b)))
+    for cid in sorted(rebuilt.keys() - seen):
+        diffs.append(Difference(cid, "(row)", None, "present"))
+    return diffs
 
 
 def _plain(value: Any) -> Any:

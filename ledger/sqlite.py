@@ -60,6 +60,7 @@ _HEAD_SEQ_EPOCH = "SELECT seq, epoch FROM events ORDER BY seq DESC LIMIT 1"
 _HEAD_ROW = f"SELECT {_EV_COLS} FROM events ORDER BY seq DESC LIMIT 1"
 _TAIL_ROWS = f"SELECT {_EV_COLS} FROM events ORDER BY seq DESC LIMIT ?"
 _PROJECTION_LAST_SEQ = "SELECT max(last_seq) FROM attempts"
+_EVENT_TRIGGERS = "SELECT name FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'events'"
 #: Appends whose commits take less than this on average run on the event loop's thread.
 INLINE_COMMIT_MAX_S = 0.002
 
@@ -106,6 +107,8 @@ class _SqliteTx:
 
 
 class SqliteBackend(Backend, InlineAppend):
+    dialect = "sqlite"
+
     def __init__(self, url: str | URL, *, where: str, durability: str, readonly: bool) -> None:
         database = plain_sqlite_path(url) if isinstance(url, str) else None
         if database is None:  # a URL object, or a string only SQLAlchemy reads
@@ -126,6 +129,7 @@ class SqliteBackend(Backend, InlineAppend):
         self._wal_fd: int | None = None  # the WAL file, for fdatasync after a durable commit
         self._unsynced = False  # a write-behind commit since the last fdatasync ("full" only)
         self._cache = ProjectionCache()
+        self._triggers: frozenset[str] | None = None  # read by the writer when it starts
         if readonly and not sqlitefile.inspect_existing(self._path, where):
             raise LedgerError(f"no ledger at {where}: the file {self._path} does not exist")
 
@@ -203,6 +207,7 @@ class SqliteBackend(Backend, InlineAppend):
                     if mode is None or str(mode[0]).lower() != "wal":
                         raise LedgerError(f"could not put {self.where} in WAL mode (journal_mode={mode})")
                     w.execute("PRAGMA synchronous=NORMAL")
+                    self._triggers = frozenset(str(row[0]) for row in w.execute(_EVENT_TRIGGERS))
                 except BaseException:
                     w.close()
                     raise
@@ -351,6 +356,11 @@ class SqliteBackend(Backend, InlineAppend):
                 raise self._problem(error, "read") from error
 
         return await anyio.to_thread.run_sync(run, limiter=self._rlimiter)
+
+    async def event_triggers(self) -> frozenset[str]:
+        if self._triggers is not None:
+            return self._triggers
+        return frozenset(str(row[0]) for row in await self._query(_EVENT_TRIGGERS, ()))
 
     async def head(self) -> RawEvent | None:
         rows = await self._query(_HEAD_ROW, ())

@@ -70,7 +70,7 @@ from quiesce.ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
 from quiesce.ledger.chain import check_rows, truncation
 from quiesce.ledger.errors import BrokenChainError, FencedError, LedgerError, require_extra
 from quiesce.ledger.events import COLUMN_RULES, KINDS, AppendItem, Event, new_event
-from quiesce.ledger.layout import HEAD_REVISION
+from quiesce.ledger.layout import APPEND_ONLY_TRIGGERS, HEAD_REVISION
 from quiesce.ledger.projections import AttemptRow
 from quiesce.ledger.redact import Redactor
 from quiesce.ledger.urls import SQLITE_PREFIX, parse, plain_sqlite_path, safe
@@ -174,6 +174,21 @@ async def upgrade_schema(url: str) -> tuple[str | None, str]:
         await backend.close()
     assert isinstance(result, tuple)
     return cast("tuple[str | None, str]", result)
+
+
+async def restore_triggers(url: str) -> list[str]:
+    """``quiesce db upgrade``, after the upgrade: recreate the append-only triggers missing from
+    the ledger at ``url`` (at head); returns their names. Claims writership for the duration."""
+    backend = make_backend(url)
+    try:
+        await backend.claim_writer()
+        from quiesce.ledger import migrate
+
+        result = await backend.run_schema(migrate.restore_triggers_sync)
+    finally:
+        await backend.close()
+    assert isinstance(result, list)
+    return cast("list[str]", result)
 
 
 async def downgrade_schema(url: str, revision: str) -> None:
@@ -318,7 +333,9 @@ class Ledger:
             await backend.start()
             await ledger._load_head()
             if not readonly and verify_tail:
-                await ledger._verify_tail()
+                await ledger._verify_tail()  # a broken chain is named first: it says where
+            if not readonly:
+                await ledger._check_triggers()
             if lease is not None:
                 asked = time.monotonic()
                 await backend.lease_take(lease.name, lease.holder, lease.ttl_s, force=True)
@@ -467,6 +484,22 @@ class Ledger:
             self._last_seq, self._last_hash, self._head_epoch = int(raw[0]), raw[9], int(raw[6])
         self._tail_seq, self._tail_hash = self._last_seq, self._last_hash
         self._stale = False
+
+    async def _check_triggers(self) -> None:
+        """Refuse to write to a ledger whose append-only triggers were dropped: its database would
+        no longer stop a row from being changed or removed."""
+        expected = APPEND_ONLY_TRIGGERS[self._backend.dialect]
+        missing = sorted(set(expected) - await self._backend.event_triggers())
+        if missing:
+            url = self.url
+            raise LedgerError(
+                f"ledger {url}: the append-only trigger{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(missing)} on its events table {'are' if len(missing) > 1 else 'is'} missing"
+                " (dropped by hand?), so the database no longer stops rows from being changed or removed;"
+                " nothing was written. Verify the chain and the projections with"
+                f" `quiesce replay --verify --ledger {url}` (and compare its head with an audit bundle"
+                f" kept elsewhere), then restore the triggers with `quiesce db upgrade --ledger {url}`"
+            )
 
     async def _verify_tail(self) -> None:
         """Refuse (``BrokenChainError``) a ledger whose chain is broken at its end (module docstring)."""

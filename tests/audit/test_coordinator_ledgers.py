@@ -25,6 +25,7 @@ from quiesce.tools.audit.cli import check_ledger
 from quiesce.tools.audit.source import load_views
 from quiesce.tools.cli.main import main
 from tests.coordinator.helpers import clear_faults, set_faults
+from tests.ledger.helpers import raw_sql
 
 
 async def _run_scenarios(cluster: Any, config: Any) -> dict[str, str]:
@@ -113,6 +114,7 @@ def test_coordinator_ledger_obeys_the_protocol(
     assert [v for v in report.violations if not _known_race(v, ids)] == []
     assert report.warnings == []
     assert report.attempts == {cid: "judged" for cid in ids.values()}
+    assert (report.projection.ok, report.projection.rows) == (True, len(ids))
 
     views = {v.checkpoint_id: v for v in anyio.run(load_views, url, None, 50)}
     assert views[ids["published"]].outcome == "published"
@@ -135,6 +137,7 @@ def test_coordinator_ledger_obeys_the_protocol(
         code = main(["check", cid, "--ledger", url, "--json"])
         doc = json.loads(capsys.readouterr().out)
         assert [v for v in doc["violations"] if not _known_race(v, ids)] == []
+        assert doc["projection"] == {"verified": True, "ok": True, "rows": 1, "differences": []}
         assert code == (0 if doc["ok"] else 1)
     capsys.readouterr()
     code = main(["replay", "--verify", "--ledger", url, "--json"])
@@ -171,3 +174,42 @@ def test_show_export_report_on_coordinator_ledger(
     assert html.count('<section class="attempt"') == len(ids)
     total_calls = sum(len(v.calls) for v in anyio.run(load_views, url, None, 50))
     assert html.count('<rect class="bar ') == total_calls
+
+
+def test_check_finds_an_edited_projection_and_names_the_row(
+    written: tuple[str, dict[str, str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Someone rewrites the `attempts` table so `history` shows an aborted save as published (the
+    events are untouched, so the chain verifies): `check` — of the whole ledger and of that attempt
+    — fails naming the row and the columns; `replay --rebuild` puts the projection back."""
+    url, ids = written
+    edited = ids["commit_500"]
+    anyio.run(
+        lambda: raw_sql(
+            url,
+            "UPDATE attempts SET outcome = 'published', state = 'published' WHERE checkpoint_id = :c",
+            params={"c": edited},
+        )
+    )
+    views = {v.checkpoint_id: v for v in anyio.run(load_views, url, None, 50)}
+    assert views[edited].outcome == "aborted"  # the events still say so
+    report: CheckReport = anyio.run(check_ledger, url)
+    assert report.chain.ok is True
+    assert not report.ok
+    assert {(d.checkpoint_id, d.column, d.live, d.rebuilt) for d in report.projection.differences} == {
+        (edited, "outcome", "published", "aborted"),
+        (edited, "state", "published", "aborted"),
+    }
+    capsys.readouterr()
+    assert main(["check", "--ledger", url]) == 1
+    out = capsys.readouterr().out
+    assert "projection: DIFFERS from the events in 2 places" in out
+    assert edited in out
+    assert main(["check", edited, "--ledger", url, "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["projection"]["ok"] is False
+    assert {d["column"] for d in doc["projection"]["differences"]} == {"outcome", "state"}
+    main(["check", ids["published"], "--ledger", url, "--json"])  # another attempt: its own row holds
+    assert json.loads(capsys.readouterr().out)["projection"]["ok"] is True
+    assert main(["replay", "--rebuild", "--ledger", url]) == 0
+    assert anyio.run(check_ledger, url).projection.ok is True

@@ -25,7 +25,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from quiesce.ledger import BrokenChainError, Ledger, chain_hash, replay_url, row_bytes
+from quiesce.ledger import BrokenChainError, Ledger, chain_hash, replay_url, restore_triggers, row_bytes
 from quiesce.ledger.store import TAIL_ROWS
 from quiesce.tools.audit.bundle import verify_bundle
 from quiesce.tools.audit.cli import check_ledger
@@ -42,8 +42,11 @@ assert OLD <= EVENTS - TAIL_ROWS
 Tamper = Callable[[sqlite3.Connection], object]
 
 
+TRIGGERS = ("events_no_update", "events_no_delete", "events_insert_at_head")
+
+
 def _drop_triggers(db: sqlite3.Connection) -> None:
-    for name in ("events_no_update", "events_no_delete", "events_insert_at_head"):
+    for name in TRIGGERS:
         db.execute(f"DROP TRIGGER {name}")
 
 
@@ -190,6 +193,7 @@ async def test_who_finds_the_tampering_and_which_seq_they_name(case: str, tmp_pa
     with sqlite3.connect(path) as db:
         _drop_triggers(db)
         tamper(db)
+    assert await restore_triggers(url) == sorted(TRIGGERS)  # a careful tamperer puts them back
     assert await _findings(url, bundle) == expected
 
 

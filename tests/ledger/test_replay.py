@@ -202,7 +202,13 @@ async def test_schema_behind_is_refused_and_db_upgrade_fixes_it(
 
     code, doc = await _run_cli(capsys, "db", "upgrade", "--ledger", ledger_url, "--json")
     assert code == 0
-    assert doc == {"ledger": ledger_url, "before": None, "after": "0004", "changed": True}
+    assert doc == {
+        "ledger": ledger_url,
+        "before": None,
+        "after": "0004",
+        "changed": True,
+        "restored_triggers": [],
+    }
     code, doc = await _run_cli(capsys, "db", "upgrade", "--ledger", ledger_url, "--json")
     assert (code, doc["changed"]) == (0, False)
     async with Ledger.open(ledger_url) as ledger:

@@ -18,7 +18,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quiesce.ledger import GENESIS_HASH, AppendItem, Event, Ledger, LedgerError, chain_hash, fold, row_bytes
+from quiesce.ledger import (
+    GENESIS_HASH,
+    AppendItem,
+    Event,
+    Ledger,
+    LedgerError,
+    chain_hash,
+    fold,
+    restore_triggers,
+    row_bytes,
+)
 from quiesce.ledger import replay_worker as worker_module
 from quiesce.ledger.canonical import canonical
 from quiesce.ledger.chain import _check_exact, _escapes, check_rows
@@ -455,6 +465,9 @@ def test_workers_rebuild_what_fold_over_every_event_gives_on_an_odd_ledger(sqlit
         assert single.chain_ok
         assert not single.projections_ok, "the live projection holds the rows of the events as written"
         assert parallel.to_json() == single.to_json()
+        with pytest.raises(LedgerError, match="append-only triggers"):  # the forger dropped them
+            await replay_url(sqlite_url, rebuild=True, workers=2, chunk_events=97)
+        await restore_triggers(sqlite_url)  # `quiesce db upgrade`, as the refusal says
         assert (await replay_url(sqlite_url, rebuild=True, workers=2, chunk_events=97)).rebuilt
         async with Ledger.open(sqlite_url, readonly=True) as ledger:
             live = await ledger.attempts()

@@ -62,13 +62,14 @@ and status reads where capabilities reads are exempt.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Final, Literal
 
 from quiesce.coordinator import protocol_v2
 from quiesce.coordinator.phases import ORDER, Role, resume_order
 from quiesce.coordinator.protocol import AGENT, INVALID_PHASE, MODEL, RESOURCES, refused_before_effect
 from quiesce.ledger.events import Event
+from quiesce.ledger.replay import Difference
 from quiesce.tools.audit.attempts import (
     COMPENSATING_PHASES,
     EPISODE_OPERATIONS,
@@ -161,19 +162,55 @@ class ChainVerdict:
 
 
 @dataclass(slots=True)
+class ProjectionVerdict:
+    """The `attempts` projection (what `history`, `status` and the service show) against a fold of
+    the events: `rows` live rows compared, every differing column named. `verified` is False when
+    nothing was compared (`ok` is then None)."""
+
+    verified: bool = False
+    rows: int = 0
+    differences: list[Difference] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool | None:
+        return not self.differences if self.verified else None
+
+    def describe(self) -> str:
+        if not self.verified:
+            return "projection: NOT compared"
+        if not self.differences:
+            return f"projection: matches the events ({self.rows} attempt row{'' if self.rows == 1 else 's'})"
+        return (
+            f"projection: DIFFERS from the events in {len(self.differences)} place"
+            f"{'' if len(self.differences) == 1 else 's'} (edited by hand?): `quiesce replay --rebuild`"
+            " rebuilds it from the events once the chain is verified"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "verified": self.verified,
+            "ok": self.ok,
+            "rows": self.rows,
+            "differences": [asdict(d) for d in self.differences],
+        }
+
+
+@dataclass(slots=True)
 class CheckReport:
-    """The result of a check. `ok` is true when there is no violation (warnings do not count) and
-    the hash chain, as far as it was verified (`chain`), holds."""
+    """The result of a check. `ok` is true when there is no violation (warnings do not count), the
+    hash chain, as far as it was verified (`chain`), holds and the projection, where compared,
+    matches the events."""
 
     violations: list[Violation] = field(default_factory=list)
     warnings: list[Violation] = field(default_factory=list)
     attempts: dict[str, str] = field(default_factory=dict)  # checkpoint id -> "judged" | "open"
     events: int = 0
     chain: ChainVerdict = field(default_factory=ChainVerdict)
+    projection: ProjectionVerdict = field(default_factory=ProjectionVerdict)
 
     @property
     def ok(self) -> bool:
-        return not self.violations and self.chain.ok is not False
+        return not self.violations and self.chain.ok is not False and self.projection.ok is not False
 
     def for_attempt(self, checkpoint_id: str) -> CheckReport:
         return CheckReport(
@@ -182,6 +219,7 @@ class CheckReport:
             attempts={k: v for k, v in self.attempts.items() if k == checkpoint_id},
             events=self.events,
             chain=self.chain,
+            projection=self.projection,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -189,6 +227,7 @@ class CheckReport:
             "ok": self.ok,
             "events": self.events,
             "chain": self.chain.to_json(),
+            "projection": self.projection.to_json(),
             "attempts": dict(sorted(self.attempts.items())),
             "violations": [v.to_json() for v in self.violations],
             "warnings": [v.to_json() for v in self.warnings],

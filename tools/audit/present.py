@@ -399,10 +399,22 @@ def print_check(console: Console, report: CheckReport) -> None:
     verdict = report.chain
     style = "green" if verdict.ok else ("bold red" if verdict.ok is False else "yellow")
     console.print(Text(verdict.describe(), style=style))
+    projection = report.projection
+    style = "green" if projection.ok else ("bold red" if projection.ok is False else "yellow")
+    console.print(Text(projection.describe(), style=style))
+    if projection.differences:
+        table = Table(title="projection differences", title_justify="left", title_style="red")
+        whole_column(table, "checkpoint", [d.checkpoint_id for d in projection.differences])
+        table.add_column("column")
+        table.add_column("in the projection")
+        table.add_column("from the events")
+        for d in projection.differences:
+            table.add_row(_cell(d.checkpoint_id), Text(d.column), Text(repr(d.live)), Text(repr(d.rebuilt)))
+        widened(console).print(table)
     judged = sum(1 for v in report.attempts.values() if v == "judged")
     opened = len(report.attempts) - judged
     summary = Text(f"protocol: {count(len(report.attempts), 'attempt')} ({judged} ended, {opened} open), ")
-    if report.ok:
+    if not report.violations:
         summary.append("no violations", style="green")
     else:
         summary.append(count(len(report.violations), "violation"), style="bold red")

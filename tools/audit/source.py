@@ -127,8 +127,11 @@ async def attempt_events(ledger: Ledger, checkpoint_id: str, *, head_seq: int | 
     return [event_from_raw(row) for row in await attempt_rows(ledger, checkpoint_id, head_seq=head_seq)]
 
 
-async def checked_attempt_events(ledger: Ledger, checkpoint_id: str) -> tuple[list[Event], ChainVerdict]:
-    """The events of `attempt_rows`, and the verdict of recomputing each one's hash from its content.
+async def checked_attempt_events(
+    ledger: Ledger, checkpoint_id: str
+) -> tuple[list[Event], ChainVerdict, list[RawEvent]]:
+    """The events of `attempt_rows`, the verdict of recomputing each one's hash from its content,
+    and the stored rows themselves.
 
     The rows of one attempt are not consecutive: their links to the rows between them are not
     checked here (the verdict says so); `check_ledger` checks the whole chain.
@@ -144,7 +147,7 @@ async def checked_attempt_events(ledger: Ledger, checkpoint_id: str) -> tuple[li
         problem[1] if problem else None,
         len(rows),
     )
-    return [event_from_raw(row) for row in rows], verdict
+    return [event_from_raw(row) for row in rows], verdict, rows
 
 
 async def load_attempt(ledger: Ledger, checkpoint_id: str) -> tuple[AttemptView, list[Event]]:

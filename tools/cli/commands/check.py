@@ -5,9 +5,11 @@ From the events alone.
 With an ID, checks that attempt (its events plus every `coordinator.started`, so stale epochs
 are seen) and recomputes each of those events' hashes; without, checks every attempt of the
 ledger and verifies the whole hash chain in the same pass. The output says which of the two was
-verified. Rules and their meaning: `tools/audit/check.py`. Exit 0 with no violation (warnings
-allowed) and an intact chain, 1 with any violation, a broken chain, or when the attempt does not
-exist. `-o jsonl` prints one line per violation and warning (`"severity"` says which).
+verified. Either way the `attempts` projection (what `history` and `status` show) is compared
+with a fold of the events, every differing column named. Rules and their meaning:
+`tools/audit/check.py`. Exit 0 with no violation (warnings allowed), an intact chain and a
+matching projection, 1 with any violation, a broken chain, a projection that differs, or when the
+attempt does not exist. `-o jsonl` prints one line per violation and warning (`"severity"` says which).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import anyio
 
 from quiesce.tools.audit.check import CheckReport, check_events
-from quiesce.tools.audit.cli import check_ledger
+from quiesce.tools.audit.cli import attempt_projection, check_ledger
 from quiesce.tools.audit.present import print_check
 from quiesce.tools.audit.source import checked_attempt_events, open_readonly, resolve_attempt_id
 from quiesce.tools.cli.flags import add_ledger, add_output
@@ -43,9 +45,11 @@ def register(subparsers: Any) -> None:
 async def _check_one(url: str, checkpoint_id: str) -> CheckReport:
     async with open_readonly(url) as ledger:
         checkpoint_id = await resolve_attempt_id(ledger, checkpoint_id)
-        events, chain = await checked_attempt_events(ledger, checkpoint_id)
+        live = await ledger.attempt(checkpoint_id)  # before its events: see `attempt_projection`
+        events, chain, rows = await checked_attempt_events(ledger, checkpoint_id)
     report = check_events(events).for_attempt(checkpoint_id)
     report.chain = chain
+    report.projection = attempt_projection(checkpoint_id, live, rows)
     return report
 
 

@@ -1,7 +1,8 @@
 """`quiesce db upgrade --ledger URL|FILE | --config C` — bring a ledger's schema to the head revision.
 
-Exit 0 when the schema is at head afterwards, 1 when it cannot be (a schema newer than this
-quiesce, an unreachable database, another writer holding the ledger).
+It also restores the append-only triggers of the events table if someone dropped them (a writer
+refuses such a ledger). Exit 0 when the schema is at head afterwards, 1 when it cannot be (a
+schema newer than this quiesce, an unreachable database, another writer holding the ledger).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from quiesce.ledger import upgrade_schema
+from quiesce.ledger import restore_triggers, upgrade_schema
 from quiesce.ledger.urls import safe
 from quiesce.tools.cli.flags import Commands, add_ledger
 from quiesce.tools.cli.output import console, emit_json
@@ -26,7 +27,8 @@ def register(subparsers: Any) -> None:
         "upgrade",
         help="upgrade the ledger schema to the head revision",
         description=(
-            "Apply the ledger's alembic migrations up to head. Creates the tables in an empty database. "
+            "Apply the ledger's alembic migrations up to head. Creates the tables in an empty database "
+            "and restores append-only triggers someone dropped. "
             "Takes the ledger's writer lock while it runs, so stop the coordinator first."
         ),
     )
@@ -36,11 +38,26 @@ def register(subparsers: Any) -> None:
 
 def handle_upgrade(args: argparse.Namespace) -> int:
     before, after = anyio.run(upgrade_schema, args.ledger)
+    restored = anyio.run(restore_triggers, args.ledger)
     where = safe(args.ledger)
     if args.json:
-        emit_json({"ledger": where, "before": before, "after": after, "changed": before != after})
-    elif before == after:
+        emit_json(
+            {
+                "ledger": where,
+                "before": before,
+                "after": after,
+                "changed": before != after or bool(restored),
+                "restored_triggers": restored,
+            }
+        )
+        return 0
+    if before == after:
         console.print(f"ledger {where} is already at revision {after}")
     else:
         console.print(f"ledger {where} upgraded: {before or 'empty'} -> {after}")
+    if restored:
+        console.print(
+            f"restored the append-only trigger{'s' if len(restored) > 1 else ''} {', '.join(restored)}"
+            " of its events table"
+        )
     return 0
