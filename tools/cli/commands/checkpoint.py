@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
@@ -50,6 +50,10 @@ from quiesce.tools.cli.cluster_cmd import (
 from quiesce.tools.cli.episodes import FILE_HELP, read_episodes
 from quiesce.tools.cli.flags import FILE_COMPLETION, seconds
 from quiesce.tools.cli.output import emit_json, print_error
+from quiesce.tools.cli.signals import SignalStop, abandoned, interrupted, past_the_point, records_since
+
+if TYPE_CHECKING:
+    from quiesce.ledger import Event
 
 #: Capture keys named in a line of the outcome (the rest are counted).
 NAMED: Final = 10
@@ -96,27 +100,40 @@ def handle(args: argparse.Namespace) -> int:
     failure: PhaseError | None = None
     refused: ServersHeld | None = None
 
+    stop = SignalStop()
+    records: list[Event] = []
+
     async def run() -> None:
         nonlocal found, attempt, failure, refused
-        with progress_line() as progress:
-            async with driving(args, config, on_progress=progress) as coord:
-                found = await coord.discover()
-                print_warnings(found.warnings)
-                if scope is not None:
-                    require_unified(found, "--episodes")
-                if args.stop:
-                    require_unified(found, "--stop")
-                try:
-                    attempt = await coord.checkpoint(
-                        deadline_s=args.deadline_s, episodes=scope, stop=args.stop
-                    )
-                except PhaseError as error:
-                    failure = error
-                    attempt = coord.current if isinstance(coord, Coordinator) else None
-                except ServersHeld as error:
-                    refused = error
+        async with stop.watching():
+            with progress_line() as progress:
+                async with driving(args, config, on_progress=progress) as coord:
+                    local = coord if isinstance(coord, Coordinator) else None
+                    after = await local.ledger.last_seq() if local is not None else 0
+                    with stop.operation(lambda: past_the_point(local.current if local else None)):
+                        found = await coord.discover()
+                        print_warnings(found.warnings)
+                        if scope is not None:
+                            require_unified(found, "--episodes")
+                        if args.stop:
+                            require_unified(found, "--stop")
+                        try:
+                            attempt = await coord.checkpoint(
+                                deadline_s=args.deadline_s, episodes=scope, stop=args.stop
+                            )
+                        except PhaseError as error:
+                            failure = error
+                            attempt = local.current if local is not None else None
+                        except ServersHeld as error:
+                            refused = error
+                    if stop.received is not None and local is not None:
+                        records.extend(await records_since(local.ledger, after))
 
     anyio.run(run)
+    if stop.received is not None:
+        if args.service:
+            raise abandoned(stop.received, args.service)
+        raise interrupted(stop.received, records, frees(args))
     assert found is not None
     if refused is not None:
         if args.json:

@@ -26,10 +26,9 @@ the snapshot up in its own config's folder.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
-from rich.markup import escape
 
 from quiesce.coordinator import Attempt, Coordinator, PhaseError, ServersHeld, SnapshotError
 from quiesce.coordinator.publish import resolve_snapshot
@@ -47,6 +46,11 @@ from quiesce.tools.cli.cluster_cmd import (
 )
 from quiesce.tools.cli.flags import UsageError
 from quiesce.tools.cli.output import console, emit_json, print_error
+from quiesce.tools.cli.safe_text import escape
+from quiesce.tools.cli.signals import SignalStop, abandoned, interrupted, past_the_point, records_since
+
+if TYPE_CHECKING:
+    from quiesce.ledger import Event
 
 
 def register(subparsers: Any) -> None:
@@ -77,21 +81,34 @@ def handle(args: argparse.Namespace) -> int:
     failure: PhaseError | None = None
     refused: ServersHeld | None = None
 
+    stop = SignalStop()
+    records: list[Event] = []
+
     async def run() -> None:
         nonlocal attempt, failure, refused
-        with progress_line() as progress:
-            async with driving(args, config, on_progress=progress) as coord:
-                found = await coord.discover()
-                print_warnings(found.warnings)
-                try:
-                    attempt = await coord.restore(args.snapshot, resume=args.resume)
-                except PhaseError as error:
-                    failure = error
-                    attempt = coord.current if isinstance(coord, Coordinator) else None
-                except ServersHeld as error:
-                    refused = error
+        async with stop.watching():
+            with progress_line() as progress:
+                async with driving(args, config, on_progress=progress) as coord:
+                    local = coord if isinstance(coord, Coordinator) else None
+                    after = await local.ledger.last_seq() if local is not None else 0
+                    with stop.operation(lambda: past_the_point(local.current if local else None)):
+                        found = await coord.discover()
+                        print_warnings(found.warnings)
+                        try:
+                            attempt = await coord.restore(args.snapshot, resume=args.resume)
+                        except PhaseError as error:
+                            failure = error
+                            attempt = local.current if local is not None else None
+                        except ServersHeld as error:
+                            refused = error
+                    if stop.received is not None and local is not None:
+                        records.extend(await records_since(local.ledger, after))
 
     anyio.run(run)
+    if stop.received is not None:
+        if args.service:
+            raise abandoned(stop.received, args.service)
+        raise interrupted(stop.received, records, frees(args))
     if refused is not None:
         if args.json:
             emit_json({"checkpoint_id": None, "outcome": "refused", "servers": [], "held": refused.held})
