@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from quiesce.ledger.backend import LeaseState
     from quiesce.ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
-    from quiesce.ledger.errors import BrokenChainError, FencedError, LedgerError, QuiesceError
+    from quiesce.ledger.errors import BrokenChainError, FencedError, LedgerError, LedgerUrlError, QuiesceError
     from quiesce.ledger.events import KINDS, PAYLOADS, AppendItem, Event, Payload
     from quiesce.ledger.projections import AttemptRow, fold
     from quiesce.ledger.redact import BODY_CAP_BYTES, REDACTED
@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "LeaseTerms": "quiesce.ledger.store",
     "Ledger": "quiesce.ledger.store",
     "LedgerError": "quiesce.ledger.errors",
+    "LedgerUrlError": "quiesce.ledger.errors",
     "PAYLOADS": "quiesce.ledger.events",
     "Payload": "quiesce.ledger.events",
     "QuiesceError": "quiesce.ledger.errors",
@@ -86,6 +87,7 @@ __all__ = [
     "LeaseTerms",
     "Ledger",
     "LedgerError",
+    "LedgerUrlError",
     "Payload",
     "QuiesceError",
     "ReplayReport",

@@ -17,6 +17,11 @@ class LedgerError(QuiesceError):
     """The ledger cannot be used as asked: bad URL, schema behind or ahead, broken chain, refused kind."""
 
 
+class LedgerUrlError(LedgerError):
+    """The ledger URL itself cannot be used: not a URL, an unsupported database, options quiesce
+    would ignore, a character no file name holds. A setup error: nothing was opened."""
+
+
 class FencedError(LedgerError):
     """Another writer owns the ledger (a newer epoch, or a concurrent append took our seq).
 

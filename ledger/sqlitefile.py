@@ -12,10 +12,12 @@ Standard library only (the replay workers import it).
   database file itself (its inode), kept for the ledger's lifetime and released by the kernel
   when the process dies; whatever path a second writer takes to the same file, it finds the lock.
   SQLite's own locks are POSIX record locks, which ``flock`` neither takes nor releases.
-- **Read-only filesystems are readable.** A WAL database normally needs its ``-shm`` file created
-  even to read; on a filesystem (or folder) nobody can write, with no ``-wal`` file left behind,
-  nothing can change the file, so it is opened ``immutable``; with a ``-wal`` file present it is
-  opened read-only and SQLite uses the existing ``-shm``.
+- **Read-only filesystems and full disks are readable.** A WAL database normally needs its
+  ``-shm`` file created even to read; on a filesystem (or folder) nobody can write, or a disk
+  too full to hold it, with nothing left in a ``-wal`` file, every commit is in the file itself
+  and no writer can be adding to it (it would need the same room), so it is opened
+  ``immutable``; with a ``-wal`` file holding commits it is opened read-only and SQLite uses the
+  existing ``-shm``.
 - Every failure is a ``LedgerError`` saying what is wrong and what to do: not a SQLite file, a
   full disk, a read-only filesystem, a missing folder.
 """
@@ -207,12 +209,33 @@ def lock_holder(st: os.stat_result) -> str | None:
     return None
 
 
+#: Free space a reader needs beside the ledger to create the ``-shm`` index of a WAL database
+#: (32 KiB) with room to spare; with less, and nothing in the WAL, it reads the file as immutable.
+READER_ROOM_BYTES: Final = 256 * 1024
+
+
 def read_uri(path: Path) -> str:
-    """The URI a reader opens the ledger file with (see the module docstring)."""
+    """The URI a reader opens the ledger file with (see the module docstring).
+
+    ``immutable`` (no ``-shm`` created, no locks) only when the WAL holds nothing — every commit
+    is in the file itself — and the reader could not create the ``-shm`` index: a read-only
+    folder or filesystem, or a disk too full for it. Otherwise ``mode=ro``."""
     uri = path.as_uri()
-    if os.access(path.parent, os.W_OK) or Path(f"{path}-wal").exists():
-        return f"{uri}?mode=ro"
-    return f"{uri}?immutable=1"
+    try:
+        wal_bytes = os.stat(f"{path}-wal").st_size
+    except OSError:
+        wal_bytes = 0
+    if wal_bytes == 0 and (not os.access(path.parent, os.W_OK) or _no_room(path.parent)):
+        return f"{uri}?immutable=1"
+    return f"{uri}?mode=ro"
+
+
+def _no_room(folder: Path) -> bool:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < READER_ROOM_BYTES
 
 
 def connect_reader(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Final, Literal
 
-from quiesce.ledger.errors import LedgerError
+from quiesce.ledger.errors import LedgerUrlError
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL
@@ -46,19 +46,32 @@ def parse(url: str | URL) -> tuple[Backend, URL]:
     try:
         parsed = make_url(url)
     except ArgumentError:
-        raise LedgerError(
+        raise LedgerUrlError(
             f"not a database URL: {safe(url)!r}; use sqlite+aiosqlite:///PATH or postgresql+asyncpg://USER@HOST/DB"
         ) from None
+    parts = (parsed.database, parsed.username, parsed.password, parsed.host, *map(str, parsed.query.values()))
+    if any("\x00" in part for part in parts if part):
+        raise LedgerUrlError(
+            f"the ledger URL {safe(parsed)!r} holds a NUL byte (%00), which no file or database name"
+            " can hold; check how the URL was written or escaped"
+        )
     name = parsed.get_backend_name()
     if name == "sqlite":
         if not parsed.database or parsed.database == ":memory:" or parsed.database.startswith("file:"):
-            raise LedgerError(
+            raise LedgerUrlError(
                 f"a SQLite ledger needs a file path: {safe(parsed)!r} (sqlite+aiosqlite:///PATH)"
+            )
+        if parsed.query:
+            options = ", ".join(sorted(parsed.query))
+            raise LedgerUrlError(
+                f"a SQLite ledger URL takes no options, but {safe(parsed)!r} has {options}: quiesce opens"
+                " the file itself (read-only for the read commands, with its writer lock for the"
+                " others), so such options would be ignored; remove everything from the '?'"
             )
         return "sqlite", parsed.set(drivername="sqlite+aiosqlite")
     if name == "postgresql":
         return "postgresql", parsed.set(drivername="postgresql+asyncpg")
-    raise LedgerError(f"unsupported ledger database {safe(parsed)!r}: use SQLite or PostgreSQL")
+    raise LedgerUrlError(f"unsupported ledger database {safe(parsed)!r}: use SQLite or PostgreSQL")
 
 
 def safe(url: str | URL) -> str:

@@ -12,11 +12,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from quiesce.coordinator import ConfigError, Coordinator, parse_config
 from quiesce.coordinator.config import MAX_DEADLINE_S, check_deadline
-from quiesce.ledger import Ledger
+from quiesce.ledger import Ledger, LedgerUrlError
 from tests.hostile.helpers import no_traceback, run_cli
 from tests.ledger.helpers import COORDINATOR
 
@@ -121,3 +122,56 @@ async def test_an_output_file_in_a_missing_folder_is_bad_usage(tmp_path: Path, c
     done = run_cli(command, "--ledger", url, "--out", str(tmp_path))  # a folder, not a file
     assert done.returncode == 2
     assert "is a folder" in done.stderr
+
+
+# -- ledger URLs that cannot be used -------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("options", ["mode=ro", "nolock=1", "immutable=1", "mode=ro&cache=shared"])
+async def test_sqlite_url_options_are_refused_not_ignored(tmp_path: Path, options: str) -> None:
+    """SQLite's URI options would be dropped on the way to the file (a `mode=ro` writer wrote
+    anyway): refused, naming them, before anything is created — for writers and readers, in the
+    embedded API and on the command line (exit 2, one line)."""
+    path = tmp_path / "q.db"
+    url = f"sqlite+aiosqlite:///{path}?{options}"
+    for readonly in (False, True):
+        with pytest.raises(LedgerUrlError, match="takes no options") as refused:
+            await Ledger.connect(url, readonly=readonly)
+        for key in (pair.split("=")[0] for pair in options.split("&")):
+            assert key in str(refused.value)
+    assert not path.exists()
+    config = tmp_path / "cluster.yaml"
+    config.write_text(f"ledger: '{url}'\nservers:\n  - {{name: m, url: 'http://127.0.0.1:9'}}\n")
+    done = run_cli("recover", "--config", str(config))
+    assert done.returncode == 2, done.stderr
+    assert "takes no options" in done.stderr
+    no_traceback(done)
+    done = run_cli("history", "--ledger", url)
+    assert done.returncode == 2
+    assert "takes no options" in done.stderr
+    assert not path.exists()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "url",
+    ["sqlite+aiosqlite:///{tmp}/x%00y.db", "postgresql+asyncpg://quiesce:se%00cret@127.0.0.1:9/db"],
+)
+async def test_a_nul_byte_in_a_ledger_url_is_one_line_and_exit_2(tmp_path: Path, url: str) -> None:
+    url = url.format(tmp=tmp_path)
+    with pytest.raises(LedgerUrlError, match="NUL byte"):
+        await Ledger.connect(url)
+    for args in (("db", "upgrade", "--ledger", url), ("history", "--ledger", url)):
+        done = run_cli(*args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert "NUL byte (%00)" in done.stderr
+        assert "cret" not in done.stderr  # the password stays hidden
+        no_traceback(done)
+    config = tmp_path / "cluster.yaml"
+    config.write_text(f"ledger: '{url}'\nservers:\n  - {{name: m, url: 'http://127.0.0.1:9'}}\n")
+    done = run_cli("recover", "--config", str(config))
+    assert done.returncode == 2, done.stderr
+    assert "NUL byte" in done.stderr
+    no_traceback(done)
+    assert [p.name async for p in anyio.Path(tmp_path).iterdir()] == [config.name]  # nothing created

@@ -8,6 +8,7 @@ CLI one line with no traceback (exit 1; 2 for bad usage). Full and read-only fil
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -217,6 +218,42 @@ async def test_a_full_disk_at_open_is_one_clear_error(mounts: Mounts, tmp_path: 
     async with Ledger.open(_url(existing)) as writer:  # space again: it opens, its chain intact
         await writer.start_epoch(COORDINATOR)
     assert (await replay_url(_url(existing))).chain_ok
+
+
+async def test_every_read_command_reads_a_ledger_on_a_full_disk(mounts: Mounts, tmp_path: Path) -> None:
+    """A WAL database needs its -shm index created even to be read; on a disk with no room for it
+    (the ledger closed cleanly: nothing left in a -wal file) the read commands read the file as it
+    stands, and a writer is still refused with the disk named."""
+    disk = mounts.small_fs(1 << 20)
+    path = disk / "q.db"
+    url = _url(path)
+    await _ledger_with_one_attempt(url)
+    assert not await anyio.Path(f"{path}-shm").exists()
+    fill(disk)
+    out = tmp_path / "out"
+    out.mkdir()
+    for args in (
+        ("history", "--ledger", url, "--json"),
+        ("show", "c1", "--ledger", url),
+        ("check", "--ledger", url),
+        ("replay", "--verify", "--ledger", url),
+        ("export", "--ledger", url, "--out", str(out / "bundle.jsonl")),
+        ("report", "--ledger", url, "--out", str(out / "report.html")),
+    ):
+        done = run_cli(*args)
+        no_traceback(done)
+        assert "full" not in done.stderr, (args, done.stderr)
+        assert "disk" not in done.stderr, (args, done.stderr)
+        assert done.returncode in (0, 1), (args, done.stderr)  # 1: a protocol finding, not a failure to read
+    history = run_cli("history", "--ledger", url, "--json")
+    assert [row["checkpoint_id"] for row in json.loads(history.stdout)] == ["c1"]
+    assert await anyio.Path(out / "bundle.jsonl").exists()
+    config = tmp_path / "cluster.yaml"
+    config.write_text(f"ledger: {url}\nservers:\n  - {{name: m, url: 'http://127.0.0.1:9'}}\n")
+    done = run_cli("recover", "--config", str(config))
+    assert done.returncode == 1
+    assert "full" in done.stderr
+    no_traceback(done)
 
 
 @pytest.mark.parametrize("left_behind", ["closed cleanly", "writer killed (WAL left behind)"])

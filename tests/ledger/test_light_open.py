@@ -7,6 +7,7 @@ SQLAlchemy (and exactly as SQLAlchemy reads it), and a readonly open loads no pa
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -73,6 +74,7 @@ def test_plain_sqlite_path_reads_urls_as_sqlalchemy_does(scheme: str, slashes: s
 
 
 def test_payload_models_cover_the_vocabulary_and_stay_importable_from_events() -> None:
+    importlib.import_module("quiesce.ledger.payloads")  # run alone, nothing has loaded it yet
     assert frozenset(ledger.payloads.PAYLOADS) == ledger.events.KINDS
     assert ledger.events.PAYLOADS is ledger.payloads.PAYLOADS is ledger.PAYLOADS
     assert ledger.Payload is ledger.payloads.Payload
@@ -133,9 +135,11 @@ async def test_relative_and_unusual_sqlite_urls_open_the_same_file(
         await writer.start_epoch(COORDINATOR)
         assert writer.url == "sqlite+aiosqlite:///rel/q.db"
     assert (tmp_path / "rel" / "q.db").is_file()
-    # the same file through SQLAlchemy's parser (a query string), and through the plain form
-    async with Ledger.open("sqlite:///rel/q.db?timeout=5", readonly=True) as reader:
+    # the same file through SQLAlchemy's parser (a %-escape), and through the plain form
+    async with Ledger.open("sqlite:///rel/q%2Edb", readonly=True) as reader:
         assert (await reader.head()) is not None
+    with pytest.raises(LedgerError, match="takes no options"):  # it would be ignored: refused
+        await Ledger.connect("sqlite:///rel/q.db?timeout=5", readonly=True)
     async with Ledger.open(f"sqlite:///{tmp_path / 'rel' / 'q.db'}", readonly=True) as reader:
         assert (await reader.head()) is not None
     with pytest.raises(LedgerError, match="needs a file path"):

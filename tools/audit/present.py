@@ -400,8 +400,8 @@ def print_check(console: Console, report: CheckReport) -> None:
     style = "green" if verdict.ok else ("bold red" if verdict.ok is False else "yellow")
     console.print(Text(verdict.describe(), style=style))
     projection = report.projection
-    style = "green" if projection.ok else ("bold red" if projection.ok is False else "yellow")
-    console.print(Text(projection.describe(), style=style))
+    if projection.verified:
+        console.print(Text(projection.describe(), style="green" if projection.ok else "bold red"))
     if projection.differences:
         table = Table(title="projection differences", title_justify="left", title_style="red")
         whole_column(table, "checkpoint", [d.checkpoint_id for d in projection.differences])

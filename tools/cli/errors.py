@@ -113,15 +113,16 @@ def _table() -> list[tuple[type[BaseException], str, Callable[[Any], dict[str, A
 
 
 def exit_code_for(error: BaseException) -> int:
-    """Usage, config, a missing extra and refused-setup errors are 2; an interrupt 130; every
-    other failure 1."""
+    """Usage, config (a ledger URL that cannot be used too), a missing extra and refused-setup
+    errors are 2; an interrupt 130; every other failure 1."""
     from quiesce.coordinator.errors import ConfigError, DiscoveryError, MissingExtra
+    from quiesce.ledger.errors import LedgerUrlError
 
     if isinstance(error, CommandError):
         return error.exit_code
     if isinstance(error, KeyboardInterrupt):
         return 130
-    return 2 if isinstance(error, ConfigError | DiscoveryError | MissingExtra) else 1
+    return 2 if isinstance(error, ConfigError | DiscoveryError | MissingExtra | LedgerUrlError) else 1
 
 
 def describe_os_error(error: OSError) -> str:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from quiesce.ledger.errors import LedgerError
+from quiesce.ledger.errors import LedgerError, LedgerUrlError
 from quiesce.ledger.urls import SQLITE_PREFIX, plain_sqlite_path
 
 #: The environment variable naming the default cluster config.
@@ -125,6 +125,8 @@ def ledger_url(text: str, *, must_exist: bool) -> str:
 
         try:
             backend, url = parse(text)
+        except LedgerUrlError as error:  # says what is wrong with it
+            raise argparse.ArgumentTypeError(str(error)) from None
         except (LedgerError, ValueError):  # ValueError: SQLAlchemy on a bad port, for one
             raise argparse.ArgumentTypeError(
                 f"{shown(text)!r} is not a ledger URL: use a file path, sqlite+aiosqlite:///PATH or"
