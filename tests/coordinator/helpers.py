@@ -73,10 +73,19 @@ def routes_by_server(log: list[dict[str, Any]], checkpoint_id: str | None = None
 
 
 async def assert_protocol_ok(ledger_url: str) -> None:
-    """The audit's independent protocol check (order, settlement, deadline, epochs, pairing) passes."""
+    """The audit's independent protocol check (order, settlement, deadline, epochs, pairing) passes,
+    over the whole ledger and for each attempt alone (`quiesce check ID`, which reads only that
+    attempt's events and their context), and the projection matches the events either way."""
+    from quiesce.tools.cli.commands.check import check_one
+
     report = await check_ledger(ledger_url)
     assert report.violations == [], report.violations
     assert all(state == "judged" for state in report.attempts.values()), report.attempts
+    assert report.projection.ok, report.projection.differences
+    for checkpoint_id in report.attempts:
+        alone = await check_one(ledger_url, checkpoint_id)
+        assert alone.violations == [], (checkpoint_id, alone.violations)
+        assert alone.projection.ok, (checkpoint_id, alone.projection.differences)
 
 
 @asynccontextmanager

@@ -39,6 +39,7 @@ from tests.coordinator.helpers import (
     server_states,
     set_faults,
 )
+from tests.hostile.helpers import run_cli
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 
@@ -809,7 +810,12 @@ async def test_a_drain_only_policy_model_is_paused_and_resumed_but_never_committ
                 "GET /capabilities"
             ]
             await assert_all_accepting(http, fresh)
-    await assert_protocol_ok(ledger_url)
+    await assert_protocol_ok(ledger_url)  # each attempt alone too: the model's resume is by design
+    shown = await anyio.to_thread.run_sync(
+        lambda: run_cli("show", snapshot.name, "--ledger", ledger_url, "--json")
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["check"]["violations"] == []
 
 
 # -- replies about another checkpoint, and honest rollbacks --------------------------------------

@@ -57,10 +57,11 @@ async def resolve_attempt_id(ledger: Ledger, checkpoint_id: str) -> str:
 async def attempt_rows(ledger: Ledger, checkpoint_id: str, *, head_seq: int | None = None) -> list[RawEvent]:
     """The stored rows of one attempt plus its context, in seq order, up to `head_seq` (if given).
 
-    Context: every `coordinator.started` (so an epoch check knows every newer epoch) and each
-    `recovery.completed` naming the attempt; for an attempt on Gym's unified plane (v2) also the
-    last `discovery.completed` before it (its participants' kinds: the stage order the check
-    judges it by). Raises `LedgerError` when no event names the id.
+    Context: every `coordinator.started` (so an epoch check knows every newer epoch), each
+    `recovery.completed` naming the attempt, and the last `discovery.completed` before it: its
+    participants' kinds (the stage order a v2 attempt is judged by) and modes (a drain-only
+    policy model is paused and resumed, never committed), as the whole-ledger check sees them.
+    Raises `LedgerError` when no event names the id.
     """
     own = [row async for page in ledger.read_pages(checkpoint_id=checkpoint_id) for row in page]
     if not own:
@@ -85,9 +86,9 @@ async def attempt_rows(ledger: Ledger, checkpoint_id: str, *, head_seq: int | No
 
 
 async def _discovery_before(ledger: Ledger, own: list[RawEvent]) -> list[RawEvent]:
-    """The last `discovery.completed` before a v2 attempt's `attempt.started` (none for v1)."""
+    """The last `discovery.completed` before the attempt's `attempt.started` (none without one)."""
     started = next((row for row in own if row[2] == "attempt.started"), None)
-    if started is None or event_from_raw(started).data.get("plane") != "v2":
+    if started is None:
         return []
     last: RawEvent | None = None
     async for page in ledger.read_pages(kinds=("discovery.completed",)):

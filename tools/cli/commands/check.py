@@ -42,7 +42,8 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=handle)
 
 
-async def _check_one(url: str, checkpoint_id: str) -> CheckReport:
+async def check_one(url: str, checkpoint_id: str) -> CheckReport:
+    """`quiesce check ID`: one attempt's events and their context, each row's hash, its projection row."""
     async with open_readonly(url) as ledger:
         checkpoint_id = await resolve_attempt_id(ledger, checkpoint_id)
         live = await ledger.attempt(checkpoint_id)  # before its events: see `attempt_projection`
@@ -57,7 +58,7 @@ def handle(args: argparse.Namespace) -> int:
     if args.checkpoint_id is None:
         report = anyio.run(check_ledger, args.ledger)
     else:
-        report = anyio.run(_check_one, args.ledger, args.checkpoint_id)
+        report = anyio.run(check_one, args.ledger, args.checkpoint_id)
     if args.output == "jsonl":
         emit_jsonl(
             [{**v.to_json(), "severity": "violation"} for v in report.violations]
