@@ -28,7 +28,9 @@ proves. What it drives, in order (each probe uses a fresh checkpoint id of this 
 Real Gym's own leniencies are accepted (what running NeMo Gym's own control-plane code showed): a
 resources status `state` is the admission state (`paused` after prepare); a non-finite
 `deadline_ts` answered with 500 instead of 422 (FastAPI cannot render the input) counts as refused
-and is reported as a warning (`warn`), not a failure.
+and is reported as a warning (`warn`), not a failure; the server then closes that connection
+without saying so, and a request that meets such a closed connection is sent once more on a new
+one.
 
 An auxiliary model gets the `not_a_policy_instance` probes instead of 3-5; a
 `stateless` agent or resources server, and any `restart_only` server, is not driven at all (the
@@ -295,14 +297,22 @@ class _Checker:
             content = json.dumps(json_body, allow_nan=True).encode("utf-8")
         if content is not None:
             headers["Content-Type"] = "application/json"
-        response = await self.client.request(
-            method,
-            self.base + path,
-            headers=headers,
-            content=content,
-            params=params,
-            timeout=timeout_s if timeout_s is not None else self.timeout_s,
-        )
+        for attempt in (1, 2):
+            try:
+                response = await self.client.request(
+                    method,
+                    self.base + path,
+                    headers=headers,
+                    content=content,
+                    params=params,
+                    timeout=timeout_s if timeout_s is not None else self.timeout_s,
+                )
+                break
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                # A kept-alive connection the server had closed (FastAPI does so after a 500 its
+                # error handler raised, without `connection: close`): the pool opens a new one.
+                if attempt == 2:
+                    raise
         try:
             parsed: Any = response.json()
         except (json.JSONDecodeError, UnicodeDecodeError):

@@ -243,3 +243,24 @@ async def test_servers_hosted_under_a_path_prefix() -> None:
             report = await run_conformance(url, TOKEN, timeout_s=20)
             assert _failures(report) == []
             assert report.name == name
+
+
+async def test_a_connection_the_server_dropped_after_a_500_is_reopened(cluster: RunningCluster) -> None:
+    """A real Gym agent answers a non-finite `deadline_ts` with a 500 and closes the connection
+    without saying so: the checker's next request on that connection must go out again on a new
+    one, so only the check that met the 500 is marked and no later row fails for the dropped
+    connection."""
+    from tests.hostile.front import Rule, hostile_front, status_500_then_drop
+
+    rule = Rule("/agent-checkpoint/prepare", status_500_then_drop)
+    async with hostile_front(cluster.urls["simple_agent"], rule) as url:
+        report = await run_conformance(url, TOKEN, timeout_s=20)
+    assert len(rule.fired) == 1
+    dropped = [f"{r.name}: {r.detail}" for r in report.results if "disconnect" in r.detail.lower()]
+    assert dropped == []
+    hit = [r for r in report.results if r.status != "pass" and "500" in r.detail]
+    assert len(hit) <= 1, hit  # the one check whose request met the 500
+    others = [f for f in _failures(report) if not (hit and f.startswith(hit[0].name + ":"))]
+    assert others == []
+    async with httpx.AsyncClient() as client:
+        assert await _fence(client, cluster.urls["simple_agent"]) == ("idle", None)

@@ -10,6 +10,7 @@ Acts (each a coroutine that owns the connection until it returns; False closes i
 
 - `hang` — reads the request and never answers;
 - `status_500` — a 500 with a control-error body;
+- `status_500_then_drop` — a 500 kept alive, then the connection dropped at the next request;
 - `not_json` — a 200 whose body is an HTML page;
 - `huge` — a 200 announcing and sending 50 MB;
 - `trickle` — the real reply, one byte per second;
@@ -135,6 +136,15 @@ async def status_500(front: Front, stream: anyio.abc.ByteStream, request: Reques
     body = json.dumps({"error": {"code": "internal_error", "detail": "the front failed on purpose"}})
     await stream.send(whole(500, body.encode()))
     return True
+
+
+async def status_500_then_drop(front: Front, stream: anyio.abc.ByteStream, request: Request) -> bool:
+    """What a FastAPI server does when its error handler itself fails (Gym's agents on a
+    non-finite `deadline_ts`): a 500 without `connection: close`, then the connection is closed —
+    here only once the client has sent its next request on it, so the client always meets it."""
+    await stream.send(whole(500, b"Internal Server Error", "text/plain; charset=utf-8"))
+    await stream.receive()
+    return False
 
 
 async def not_json(front: Front, stream: anyio.abc.ByteStream, request: Request) -> bool:
