@@ -23,6 +23,8 @@ PostgreSQL.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +35,8 @@ import pytest
 from quiesce.coordinator import Attempt, ConfigError, QuiesceError
 from quiesce.coordinator.errors import AcknowledgementError, ServersHeld
 from quiesce.coordinator.status import ClusterStatus
-from quiesce.tools.cli.main import main as cli
 from quiesce.tools.gymsim import client as gym
-from quiesce.tools.gymsim.cluster import RunningCluster
+from quiesce.tools.gymsim.cluster import IMPORT_ROOT, RunningCluster
 from quiesce.tools.serve.client import RemoteCoordinator
 from quiesce.tools.serve.errors import Busy
 from tests.coordinator.helpers import assert_all_accepting, control_log, server_states
@@ -47,16 +48,18 @@ API = "api-secret-for-tests"
 RIGHT = {"Authorization": f"Bearer {API}"}
 
 
-async def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
-    """The CLI in a worker thread (it runs its own event loop); `--json` output parsed."""
-
-    def run() -> tuple[int, Any]:
-        capsys.readouterr()
-        code = cli(list(argv))
-        out = capsys.readouterr().out
-        return code, json.loads(out) if out.strip() else None
-
-    return await anyio.to_thread.run_sync(run)
+async def _cli(*argv: str) -> tuple[int, Any]:
+    """The CLI as a child process (it takes signals, which only a main thread can); `--json`
+    output parsed. The control token is in the environment (the `token` fixture)."""
+    done = await anyio.run_process(
+        [sys.executable, "-m", "quiesce", *argv],
+        cwd=str(IMPORT_ROOT),
+        env={**os.environ, "PYTHONPATH": str(IMPORT_ROOT)},
+        check=False,
+    )
+    out = done.stdout.decode()
+    assert "Traceback" not in done.stderr.decode(), done.stderr.decode()
+    return done.returncode, json.loads(out) if out.strip() else None
 
 
 def _without(document: dict[str, Any], *keys: str) -> dict[str, Any]:
@@ -74,11 +77,11 @@ def _comparable(status: dict[str, Any]) -> dict[str, Any]:
 
 
 async def test_status_names_a_restore_a_cli_left_held_and_resume_without_id_frees_it(
-    cluster: RunningCluster, tmp_path: Path, ledger_url: str, spawn_service: Any, capsys: Any
+    cluster: RunningCluster, tmp_path: Path, ledger_url: str, spawn_service: Any
 ) -> None:
     config = cluster.write_config(tmp_path / "cluster.yaml", ledger_url, tmp_path / "snaps")
-    assert (await _cli(capsys, "checkpoint", "--config", str(config), "--json"))[0] == 0
-    code, restored = await _cli(capsys, "restore", "--config", str(config), "--json")
+    assert (await _cli("checkpoint", "--config", str(config), "--json"))[0] == 0
+    code, restored = await _cli("restore", "--config", str(config), "--json")
     assert code == 0
     held_by = restored["checkpoint_id"]
     service: ServiceProcess = spawn_service(config, api_token=API)
@@ -88,7 +91,9 @@ async def test_status_names_a_restore_a_cli_left_held_and_resume_without_id_free
             for method, path in (("GET", "/v1/status"), ("POST", "/v1/acknowledge"), ("POST", "/v1/resume"),
                                  ("POST", "/v1/abort"), ("POST", f"/v1/attempts/{held_by}/resume"),
                                  ("POST", f"/v1/attempts/{held_by}/abort")):  # fmt: skip
-                reply = await http.request(method, path, headers=headers)
+                reply = await http.request(
+                    method, path, headers=headers, json=None if method == "GET" else {}
+                )
                 assert reply.status_code == 401, (method, path, reply.text)
                 assert reply.json()["error"]["type"] == "Unauthorized"
         assert (await server_states(http, cluster))["policy_model"][0] != "idle"  # nothing freed them
@@ -104,11 +109,11 @@ async def test_status_names_a_restore_a_cli_left_held_and_resume_without_id_free
         held = {s["name"] for s in status["servers"] if s["held"]}
         assert {"policy_model", "simple_agent", "tools"} <= held
         assert all(s["frees"] == holder["frees"] for s in status["servers"] if s["held"])
-        code, printed = await _cli(capsys, "status", "--config", str(config), "--json")
+        code, printed = await _cli("status", "--config", str(config), "--json")
         assert code == 1
         assert _comparable(status) == _comparable(printed)  # what `quiesce status --json` prints
 
-        refused = await http.post("/v1/checkpoints", headers=RIGHT)
+        refused = await http.post("/v1/checkpoints", headers=RIGHT, json={})
         assert refused.status_code == 409, refused.text
         error = refused.json()["error"]
         assert error["type"] == "ServersHeld"
@@ -128,22 +133,22 @@ async def test_status_names_a_restore_a_cli_left_held_and_resume_without_id_free
                 await coord.checkpoint()
             assert set(caught.value.held.values()) == {held_by}
 
-        resumed = await http.post("/v1/resume", headers=RIGHT)  # no id: whatever holds the servers
+        resumed = await http.post("/v1/resume", headers=RIGHT, json={})  # no id: whatever holds the servers
         assert resumed.status_code == 200, resumed.text
         assert (resumed.json()["checkpoint_id"], resumed.json()["outcome"]) == (held_by, "resumed")
         after = (await http.get("/v1/status", headers=RIGHT)).json()
         assert (after["idle"], after["held"], after["holders"]) == (True, False, [])
         await assert_all_accepting(http, cluster)
-        nothing = await http.post("/v1/resume", headers=RIGHT)
+        nothing = await http.post("/v1/resume", headers=RIGHT, json={})
         assert (nothing.json()["checkpoint_id"], nothing.json()["outcome"]) == (None, "none")
 
 
 async def test_resume_and_abort_by_id_of_attempts_the_service_did_not_start(
-    cluster: RunningCluster, tmp_path: Path, ledger_url: str, spawn_service: Any, capsys: Any
+    cluster: RunningCluster, tmp_path: Path, ledger_url: str, spawn_service: Any
 ) -> None:
     other = cluster.write_config(tmp_path / "other.yaml", f"sqlite+aiosqlite:///{tmp_path / 'other.db'}", "o")
-    assert (await _cli(capsys, "checkpoint", "--config", str(other), "--json"))[0] == 0
-    code, restored = await _cli(capsys, "restore", "--config", str(other), "--json")
+    assert (await _cli("checkpoint", "--config", str(other), "--json"))[0] == 0
+    code, restored = await _cli("restore", "--config", str(other), "--json")
     assert code == 0
     foreign = restored["checkpoint_id"]  # another ledger's id holds the servers
     config = cluster.write_config(tmp_path / "cluster.yaml", ledger_url, tmp_path / "snaps")
@@ -203,7 +208,7 @@ async def test_status_is_served_while_a_save_runs(
             assert (holder["kind"], holder["verb"]) == ("save", "abort")
             cid = holder["checkpoint_id"]
             assert holder["frees"] == f"quiesce abort --service {service.url} {cid}"
-            busy = await http.post("/v1/checkpoints")
+            busy = await http.post("/v1/checkpoints", json={})
             assert busy.status_code == 409
             assert busy.json()["error"]["checkpoint_id"] == holder["checkpoint_id"]
             # an acknowledgement claims no operation either: it reaches the agent (which holds no
