@@ -3,7 +3,9 @@ encoded, hashed and written, so neither the database file nor the chain ever con
 
 1. Redaction: the value of any object key equal to ``authorization`` (any case) becomes
    ``"<redacted>"``; every occurrence of a configured secret string inside any string, object
-   keys included, is replaced by ``"<redacted>"``.
+   keys included, is replaced by ``"<redacted>"``, and so is the password of every URL written
+   with one (``scheme://user:PASSWORD@host``: ``mask_url_passwords``) — a server URL in the
+   config may carry one, and it would reach the ledger in every call's ``url``.
 2. Body capping: the value under any key named ``body`` whose canonical encoding is longer than
    ``BODY_CAP_BYTES`` becomes ``{"sha256": <hex of those bytes>, "bytes": <their length>,
    "prefix": <the first 1024 characters of that canonical text>}``.
@@ -12,12 +14,26 @@ encoded, hashed and written, so neither the database file nor the chain ever con
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 from typing import Any, Final
 
 from quiesce.ledger.canonical import canonical_text
 
 REDACTED: Final = "<redacted>"
+#: ``scheme://user:`` then the password, up to the ``@`` of the userinfo (RFC 3986: no ``/``,
+#: ``?``, ``#`` or ``@`` inside it; whitespace ends a URL inside a message).
+_URL_PASSWORD: Final = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^/?#@\s:]*:)[^/?#@\s]+@")
+
+
+def mask_url_passwords(text: str) -> str:
+    """``text`` with the password of every URL in it (``scheme://user:PASSWORD@``) replaced by
+    ``<redacted>``; for stored payloads and for messages alike."""
+    if "@" not in text or "://" not in text:
+        return text
+    return _URL_PASSWORD.sub(rf"\1{REDACTED}@", text)
+
+
 BODY_CAP_BYTES: Final = 64 * 1024
 PREFIX_CHARS: Final = 1024
 
@@ -33,11 +49,11 @@ class Redactor:
         self._plain_secrets = all(canonical_text(s)[1:-1] == s for s in self._secrets)
 
     def text(self, value: str) -> str:
-        """``value`` with every configured secret replaced."""
+        """``value`` with every configured secret and every URL password replaced."""
         for secret in self._secrets:
             if secret in value:
                 value = value.replace(secret, REDACTED)
-        return value
+        return mask_url_passwords(value)
 
     def columns(
         self, checkpoint_id: str | None, server: str | None, call_id: str | None
@@ -72,7 +88,7 @@ class Redactor:
         if isinstance(value, list | tuple):
             return [self.redact(item) for item in value]
         if isinstance(value, str):
-            return self.text(value) if self._secrets else value
+            return self.text(value)
         return value
 
     def apply(self, value: Any) -> Any:
@@ -89,7 +105,12 @@ class Redactor:
         """
         text = canonical_text(value)
         small = len(text) * 4 <= BODY_CAP_BYTES or len(text.encode("utf-8")) <= BODY_CAP_BYTES
-        if small and self._plain_secrets and "authorization" not in text.lower():
+        if (
+            small
+            and self._plain_secrets
+            and "authorization" not in text.lower()
+            and mask_url_passwords(text) is text
+        ):
             for secret in self._secrets:
                 if secret in text:
                     break

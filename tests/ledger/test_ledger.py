@@ -268,6 +268,37 @@ async def test_append_is_durable_when_it_returns(ledger_url: str) -> None:
     assert report.events == 3
 
 
+async def test_url_passwords_never_reach_the_database(ledger_url: str) -> None:
+    """A server URL in the config may carry a password (`http://user:PASSWORD@host`): in a call's
+    `url`, in an error text naming the server, anywhere in a payload, it is stored redacted —
+    with no secret configured, and the rest of the URL kept."""
+    password = "pw-5e4d3c2b1a"
+    url = f"http://alice:{password}@gym.example:8000"
+    async with Ledger.open(ledger_url) as ledger:
+        await ledger.append("attempt.started", checkpoint_id="c", data=started())
+        sent = await ledger.append(
+            "call.sent", checkpoint_id="c", server="m", call_id="k", data={**SENT, "url": url + "/prepare"}
+        )
+        assert sent.data["url"] == "http://alice:<redacted>@gym.example:8000/prepare"
+        failed = await ledger.append(
+            "call.failed",
+            checkpoint_id="c",
+            server="m",
+            call_id="k",
+            data={"error": "connect", "status": None, "code": None, "detail": f"cannot reach {url}: refused",
+                  "elapsed_s": 0.1},
+        )  # fmt: skip
+        assert failed.data["detail"] == "cannot reach http://alice:<redacted>@gym.example:8000: refused"
+        plain = await ledger.append(  # no password: stored as given
+            "call.sent", checkpoint_id="c", server="m", call_id="k2", data={**SENT, "url": "http://h:1/a@b"}
+        )
+        assert plain.data["url"] == "http://h:1/a@b"
+        assert password not in str([e async for e in ledger.read()])
+    dump = await raw_sql(ledger_url, "SELECT data FROM events")
+    assert password not in str(dump)
+    assert (await replay_url(ledger_url)).ok
+
+
 async def test_secrets_never_reach_the_database(ledger_url: str, tmp_path: Path) -> None:
     token = "tok-9f8e7d6c5b4a-secret"
     async with Ledger.open(ledger_url, secrets=[token]) as ledger:
