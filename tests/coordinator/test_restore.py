@@ -48,9 +48,10 @@ async def _checkpoint_mid_rollout(running: Any, config: Any) -> Path:
     async with httpx.AsyncClient() as http:
         for name in ("policy_model", "tools"):
             await http.post(f"{running.urls[name]}/gymsim/admin/options", json={"latency_s": 0.1})
-        await client.start_rollouts(http, agent, ROLLOUTS)
-        await client.wait_turns(http, agent, 2)
         async with Coordinator.open(config) as coord:
+            await coord.discover()  # before the rollouts: on a loaded machine they could all end meanwhile
+            await client.start_rollouts(http, agent, ROLLOUTS)
+            await client.wait_turns(http, agent, 2)
             attempt = await coord.checkpoint(deadline_s=30)
         rollouts = await client.get_rollouts(http, agent)
         assert any(r["status"] != "completed" for r in rollouts.values()), "checkpoint was not mid-rollout"
