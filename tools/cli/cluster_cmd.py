@@ -67,10 +67,11 @@ __all__ = [
 
 
 def escape(text: str) -> str:
-    """rich markup escaping, loading rich only once something is printed for people."""
-    from rich.markup import escape as rich_escape
+    """Outside text made safe for a rich markup line (`safe_text.escape`: control characters
+    escaped, length capped, markup escaped), loading rich only once something is printed."""
+    from quiesce.tools.cli.safe_text import escape as safe_escape
 
-    return rich_escape(text)
+    return safe_escape(text)
 
 
 def add_common(parser: argparse.ArgumentParser, *, service: bool = False) -> None:

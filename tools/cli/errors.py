@@ -160,7 +160,8 @@ def emit(error: BaseException | ErrorReport, output: str | None) -> int:
             sys.stdout.write(json.dumps(document, indent=2, sort_keys=True, default=str) + "\n")
         sys.stdout.flush()
     else:
-        from quiesce.tools.cli.output import print_error  # rich: only once there is something to say
+        from quiesce.tools.cli.output import carries_replies, print_error  # rich: only when needed
 
-        print_error(described.message)
+        single = isinstance(error, ErrorReport) or carries_replies(error)
+        print_error(described.message, one_line=single)
     return described.exit_code

@@ -6,7 +6,9 @@ function taking the parsed namespace and returning the exit code. This file only
 dispatches and reports errors (`tools/cli/errors.py`: one table from error class to `--json` code
 and exit code):
 
-- 0 success; 1 the operation failed; 2 bad usage, bad config, or discovery refused; 130 interrupted.
+- 0 success; 1 the operation failed; 2 bad usage, bad config, or discovery refused; 130 interrupted
+  (Ctrl-C); a `checkpoint` or `restore` stopped by SIGTERM or SIGHUP 128 + its number (143, 129),
+  once its attempt was rolled back or finished (`tools/cli/signals.py`).
 - An error is one line on stderr (no traceback unless `--debug`), or with `--json` / `-o json|jsonl`
   one JSON document on stdout — argparse's own usage errors too.
 - A mistyped command (or choice) is answered with the nearest one: `did you mean 'history'?`.
@@ -75,15 +77,17 @@ class Parser(argparse.ArgumentParser):
     document on stdout when the command line asks for JSON output (`flags.wants_json`). Exit 2."""
 
     def error(self, message: str) -> NoReturn:
+        from quiesce.tools.cli.safe_text import one_line
+
         message = did_you_mean(message)
         output = flags.wants_json(sys.argv[1:] if _ARGV is None else _ARGV)
         if output is not None:
             emit(ErrorReport("usage", 2, message, {"usage": self.format_usage().strip()}), output)
         elif message.startswith("unknown command"):
-            sys.stderr.write(f"error: {message}\n(run `{self.prog} --help` for the commands)\n")
-        else:
+            sys.stderr.write(f"error: {one_line(message)}\n(run `{self.prog} --help` for the commands)\n")
+        else:  # the message may quote the command line: made safe for the terminal
             self.print_usage(sys.stderr)
-            sys.stderr.write(f"{self.prog}: error: {message}\n")
+            sys.stderr.write(f"{self.prog}: error: {one_line(message)}\n")
         sys.exit(2)
 
 

@@ -24,7 +24,10 @@ def _console(name: str) -> Console:
     if made is None:
         from rich.console import Console  # rich: loaded by the first line printed for people
 
+        from quiesce.tools.cli.safe_text import safe_segments
+
         made = _consoles[name] = Console(stderr=name == "err_console", highlight=False)
+        made.push_render_hook(safe_segments())  # the last guard against raw control characters
     return made
 
 
@@ -45,17 +48,31 @@ def emit_json(document: Any) -> None:
 
 def emit_jsonl(rows: Iterable[Any]) -> None:
     """Write each row as one compact JSON object on its own line."""
+    from quiesce.tools.cli.safe_text import json_text
+
     encode = json.JSONEncoder(sort_keys=True, ensure_ascii=False, default=str).encode
-    sys.stdout.write("".join(encode(row) + "\n" for row in rows))
+    sys.stdout.write(json_text("".join(encode(row) + "\n" for row in rows)))
     sys.stdout.flush()
 
 
-def print_error(error: BaseException | str) -> None:
-    """Print an error message for people: no traceback, the message says what to do."""
-    from rich.markup import escape
-
+def print_error(error: BaseException | str, *, one_line: bool | None = None) -> None:
+    """Print an error message for people: no traceback, the message says what to do. Made safe
+    (`safe_text`): on one line when `one_line` (default: for an error that carries servers'
+    replies, `carries_replies`), else lines after the first indented."""
     from quiesce.coordinator.wording import plain
+    from quiesce.tools.cli.safe_text import MESSAGE_MAX, block_markup, markup
 
-    _console("err_console").print(
-        f"[bold red]error:[/] {escape(plain(str(error)))}", markup=True, soft_wrap=True
-    )
+    single = carries_replies(error) if one_line is None else one_line
+    text = plain(str(error))
+    shown = markup(text, MESSAGE_MAX) if single else block_markup(text)
+    _console("err_console").print(f"[bold red]error:[/] {shown}", markup=True, soft_wrap=True)
+
+
+def carries_replies(error: BaseException | str) -> bool:
+    """Whether `error`'s message is one line by nature and quotes servers' replies (a failed
+    phase, a refusal naming holders, an acknowledgement refused, an interruption): then a newline
+    in it is a server's, printed escaped."""
+    from quiesce.coordinator.errors import AcknowledgementError, PhaseError, ServersHeld
+    from quiesce.tools.cli.signals import Interrupted
+
+    return isinstance(error, PhaseError | ServersHeld | AcknowledgementError | Interrupted)

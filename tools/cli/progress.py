@@ -14,21 +14,40 @@ here changes what a command prints on stdout.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Final, TextIO
 
 from quiesce.coordinator.wording import count
 from quiesce.tools.audit.timefmt import duration
 from quiesce.tools.cli import output
+from quiesce.tools.cli.safe_text import markup, one_line
 
 if TYPE_CHECKING:
     from rich.text import Text
 
     from quiesce.coordinator import Progress
+
+
+#: How the coordinator words a phase the command's own cancellation (a signal) interrupted.
+_CANCELLED: Final = re.compile(
+    r"interrupted by CancelledError: Cancelled via cancel scope [0-9a-f]+(?: by <.*?>)?(?:; reason: (.*))?"
+)
+
+
+def reason_text(error: str | None) -> str:
+    """A failed phase's reason as the line shows it: safe (`safe_text.one_line`), and a
+    cancellation by a signal said as `interrupted: SIGTERM received by the command`."""
+    if error is None:
+        return "no reason given"
+    found = _CANCELLED.fullmatch(error)
+    if found is not None:
+        error = f"interrupted: {found.group(1) or 'cancelled'}"
+    return one_line(error)
 
 
 def _seconds(value: float) -> str:
@@ -77,7 +96,7 @@ class PhaseBoard:
             self.calling = self.inflight = None
             what = [count(report.servers, "server")] if report.servers is not None else []
             what += [self.deadline_left()] if report.deadline_ts is not None else []
-            return f"{report.phase} started" + (f": {', '.join(what)}" if what else "")
+            return f"{one_line(report.phase)} started" + (f": {', '.join(what)}" if what else "")
         if report.phase != self.phase or report.checkpoint_id != self.checkpoint_id:
             return None  # a report of no phase this board started (e.g. from an older caller)
         took = duration(time.monotonic() - self.phase_started)
@@ -91,28 +110,28 @@ class PhaseBoard:
         elif step == "done":
             self.calling = self.inflight = None
             counted = self.counted()
-            return f"{report.phase} done in {took}" + (f": {counted}" if counted else "")
+            return f"{one_line(report.phase)} done in {took}" + (f": {counted}" if counted else "")
         elif step == "failed":
             key = (report.checkpoint_id, report.phase)
             if key in self.failed:
                 return None  # one line per failed phase
             self.failed.add(key)
-            where = f" at {report.server}" if report.server else ""
-            return f"{report.phase} FAILED{where} after {took}: {report.error or 'no reason given'}"
+            where = f" at {one_line(report.server)}" if report.server else ""
+            return f"{one_line(report.phase)} FAILED{where} after {took}: {reason_text(report.error)}"
         return None
 
     def status(self) -> str:
         """The live line's text, computed when it is drawn (elapsed and deadline keep moving)."""
         if self.phase is None:
             return f"starting… · {_seconds(self.elapsed())} elapsed"
-        parts = [f"{self.checkpoint_id} {self.phase}"]
+        parts = [one_line(f"{self.checkpoint_id} {self.phase}")]
         counted = self.counted()
         if counted:
             parts.append(counted)
         if self.inflight is not None:
             parts.append(f"draining, {self.inflight} in flight")
         elif self.calling:
-            parts.append(f"calling {self.calling}")
+            parts.append(f"calling {one_line(self.calling)}")
         parts.append(f"{_seconds(self.elapsed())} elapsed")
         left = self.deadline_left()
         if left:
@@ -150,11 +169,12 @@ class ProgressLine:
             if report.step == "failed":
                 from rich.markup import escape
 
-                output.err_console.print(f"[bold red]✗[/] {escape(report.checkpoint_id)} {escape(line)}")
+                # every piece of `line` is safe already (`feed`): only its markup is escaped here
+                output.err_console.print(f"[bold red]✗[/] {markup(report.checkpoint_id)} {escape(line)}")
             return
         stream = self._stream if self._stream is not None else sys.stderr
         stamp = time.strftime("%H:%M:%S", time.gmtime())
-        stream.write(f"quiesce {stamp}Z {report.checkpoint_id} {line}\n")
+        stream.write(f"quiesce {stamp}Z {one_line(report.checkpoint_id)} {line}\n")
         stream.flush()
 
 

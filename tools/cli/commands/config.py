@@ -62,8 +62,9 @@ def handle(args: argparse.Namespace) -> int:
 
 
 def _print(report: ConfigReport) -> None:
-    from rich.markup import escape
     from rich.table import Table
+
+    from quiesce.tools.cli.safe_text import escape
 
     table = Table(box=None, pad_edge=False, show_edge=False)
     table.add_column("check", no_wrap=True)

@@ -18,7 +18,6 @@ import os
 from typing import Any
 
 import anyio
-from rich.markup import escape
 from rich.table import Table
 
 from quiesce.coordinator.calls import token_problem
@@ -26,6 +25,7 @@ from quiesce.coordinator.protocol import TOKEN_ENV, TOKEN_ENV_FALLBACK
 from quiesce.coordinator.wording import count, plain
 from quiesce.tools.cli.flags import UsageError, add_output
 from quiesce.tools.cli.output import console, emit_json, emit_jsonl
+from quiesce.tools.cli.safe_text import escape
 from quiesce.tools.conformance import DEFAULT_TIMEOUT_S
 from quiesce.tools.conformance_report import ConformanceReport, ServerUnreachable
 from quiesce.tools.conformance_v2 import LEASE_CHECK_MAX_GRACE_S, check_server

@@ -68,7 +68,9 @@ def _print(found: Discovery, *, wide: bool) -> None:
     from rich.table import Table
 
     from quiesce.tools.audit.present import ColumnSpec, add_columns, widened
+    from quiesce.tools.cli.safe_text import cleaned, markup
 
+    found = cleaned(found)  # what the servers said of themselves: on one line, capped
     out = widened(console)
     members = found.participants
     table = Table(title="participants", title_justify="left")
@@ -87,7 +89,7 @@ def _print(found: Discovery, *, wide: bool) -> None:
         ]
     add_columns(table, specs, out.width)
     for row in zip(*(spec.values for spec in specs), strict=True):
-        table.add_row(*(escape(str(value)) for value in row))
+        table.add_row(*(markup(value) for value in row))
     out.print(table)
     for title, pairs in (("skipped", found.skipped), ("refused", found.refused)):
         if pairs:

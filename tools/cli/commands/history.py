@@ -160,11 +160,13 @@ def emit_rows(rows: list[Entry], *, lines: bool = False) -> None:
     """One JSON array on stdout, one compact row per line (`lines`: the rows alone, JSON Lines):
     the C encoder keeps this fast on tens of thousands of attempts (an indented dump goes through
     the pure-Python encoder)."""
+    from quiesce.tools.cli.safe_text import json_text
+
     encode = json.JSONEncoder(sort_keys=True, ensure_ascii=False).encode
     if lines:
-        sys.stdout.write("".join(encode(to_json(row)) + "\n" for row in rows))
+        sys.stdout.write(json_text("".join(encode(to_json(row)) + "\n" for row in rows)))
     else:
-        body = ",\n".join(encode(to_json(row)) for row in rows)
+        body = json_text(",\n".join(encode(to_json(row)) for row in rows))
         sys.stdout.write(f"[\n{body}\n]\n" if rows else "[]\n")
     sys.stdout.flush()
 
@@ -193,6 +195,13 @@ RICH_MAX_ROWS: Final = 500
 
 
 def cells(item: Entry, *, wide: bool = False) -> list[str]:
+    """One row's cells, each on one line and capped (`safe_text.one_line`)."""
+    from quiesce.tools.cli.safe_text import one_line
+
+    return [one_line(cell) for cell in _cells(item, wide=wide)]
+
+
+def _cells(item: Entry, *, wide: bool = False) -> list[str]:
     row = item.row
     extra = [row.state, short_at(row.ended_at) if row.ended_at else "-", str(row.epoch)] if wide else []
     return [

@@ -63,7 +63,7 @@ def handle(args: argparse.Namespace) -> int:
 
 
 def _print_report(report: RecoveryReport) -> None:
-    from rich.markup import escape  # people-facing output only: --json never loads rich
+    from quiesce.tools.cli.safe_text import escape  # people-facing output only: --json never loads rich
 
     console = output.console
     if not report.attempts:

@@ -20,7 +20,6 @@ from dataclasses import asdict
 from typing import Any
 
 import anyio
-from rich.markup import escape
 from rich.table import Table
 
 from quiesce.coordinator.wording import count
@@ -30,6 +29,7 @@ from quiesce.tools.audit.cli import check_ledger
 from quiesce.tools.audit.present import print_check
 from quiesce.tools.cli.flags import add_ledger, add_output
 from quiesce.tools.cli.output import console, emit_json, emit_jsonl
+from quiesce.tools.cli.safe_text import escape
 
 MAX_SHOWN = 50
 

@@ -24,6 +24,7 @@ from quiesce.tools.audit.present import print_attempt, print_check
 from quiesce.tools.audit.source import load_attempt, open_readonly
 from quiesce.tools.cli.flags import add_ledger, add_output
 from quiesce.tools.cli.output import console, emit_json, emit_jsonl
+from quiesce.tools.cli.safe_text import cleaned, markup
 
 #: What each plane is, for people.
 PLANES = {"v1": "Gym's control plane v1", "v2": "Gym's unified checkpoint plane"}
@@ -68,7 +69,8 @@ def handle(args: argparse.Namespace) -> int:
     elif args.json:
         emit_json({**view.to_json(), "plane": plane, "check": report.to_json()})
     else:
-        print_attempt(console, view, wide=args.output == "wide")
-        console.print(f"plane: {plane} ({PLANES.get(plane, 'unknown')})", highlight=False)
-        print_check(console, report)
+        # the ledger holds servers' replies as they came: every text on one line, capped
+        print_attempt(console, cleaned(view), wide=args.output == "wide")
+        console.print(f"plane: {markup(plane)} ({PLANES.get(plane, 'unknown')})", highlight=False)
+        print_check(console, cleaned(report))
     return 0

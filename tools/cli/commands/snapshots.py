@@ -77,10 +77,10 @@ def would_prune(listed: list[SnapshotInfo], keep: int) -> list[SnapshotInfo]:
 
 
 def _print(listed: list[SnapshotInfo], removed: list[SnapshotInfo], folder: str, *, wide: bool) -> None:
-    from rich.markup import escape
     from rich.table import Table
 
     from quiesce.tools.audit.present import ColumnSpec, add_columns, widened
+    from quiesce.tools.cli.safe_text import escape
 
     for info in removed:
         console.print(f"removed {escape(info.id)} ({size_text(info.size)})", soft_wrap=True)
@@ -106,9 +106,8 @@ def _print(listed: list[SnapshotInfo], removed: list[SnapshotInfo], folder: str,
 
 def _confirmed(doomed: list[SnapshotInfo], keep: int, folder: Path) -> bool:
     """Ask on the terminal whether to remove `doomed` (listed first); True only for yes."""
-    from rich.markup import escape
-
     from quiesce.tools.cli import output
+    from quiesce.tools.cli.safe_text import escape
 
     err = output.err_console
     err.print(
@@ -162,7 +161,7 @@ def handle(args: argparse.Namespace) -> int:
         emit_json(document)
     else:
         if args.dry_run and doomed is not None:
-            from rich.markup import escape
+            from quiesce.tools.cli.safe_text import escape
 
             for info in doomed:
                 console.print(f"would remove {escape(info.id)} ({size_text(info.size)})", soft_wrap=True)

@@ -124,7 +124,9 @@ def _print(status: ClusterStatus, *, wide: bool = False) -> None:
     from rich.table import Table  # people-facing output only: --json never loads rich
 
     from quiesce.tools.audit.present import ColumnSpec, add_columns, widened
+    from quiesce.tools.cli.safe_text import cleaned, markup
 
+    status = cleaned(status)  # servers' replies: every field on one line, capped
     servers = status.servers
     now = time.time()
     phases = [(s.phase or "") if s.reachable else f"unreachable: {s.error or ''}" for s in servers]
@@ -167,7 +169,7 @@ def _print(status: ClusterStatus, *, wide: bool = False) -> None:
     table = Table(show_edge=False, pad_edge=False)
     add_columns(table, specs, out.width)
     for server, row in zip(servers, zip(*(spec.values for spec in specs), strict=True), strict=True):
-        cells = [escape(str(value)) for value in row]
+        cells = [markup(value) for value in row]
         if not server.reachable:
             cells[2] = f"[red]{cells[2]}[/]"
         elif server.held:
