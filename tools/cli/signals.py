@@ -25,6 +25,7 @@ The signals are taken from the event loop (`anyio.open_signal_receiver`) only wh
 from __future__ import annotations
 
 import signal
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any, Final
@@ -99,6 +100,11 @@ class SignalStop:
             raise raised
 
     async def _watch(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            # the command line run from another thread (a test, an embedding program): signals
+            # go to the main thread only, which keeps its own handlers
+            task_status.started()
+            return
         with anyio.open_signal_receiver(*SIGNALS) as signals:
             task_status.started()
             async for signum in signals:
