@@ -3,7 +3,8 @@
 `spawn_service(config, api_token=None)` starts `python -m quiesce serve --config C --listen
 127.0.0.1:0 --json` as a child process (the worktree's code, the control token in its environment, the
 API token in `QUIESCE_API_TOKEN` when given) and returns once it printed its address: a
-`ServiceProcess` with `.url`, `.announced` (the JSON line) and the process. Every service started
+`ServiceProcess` with `.url`, `.announced` (the JSON line) and the process (`env_extra`: more
+of its environment, e.g. `QUIESCE_ALLOW_HOSTS`). Every service started
 is stopped at the end of the test (SIGTERM, then SIGKILL). stderr goes to a file (`.log()`).
 
 The coordinator tests' fixtures (`token`, `make_cluster`, `cluster`, `configure`) are reused.
@@ -26,6 +27,7 @@ import pytest
 from quiesce.coordinator.protocol import TOKEN_ENV
 from quiesce.tools.gymsim.cluster import IMPORT_ROOT, RunningCluster
 from quiesce.tools.serve.auth import API_TOKEN_ENV
+from quiesce.tools.serve.hosts import ALLOW_HOSTS_ENV
 from quiesce.tools.serve.spawn import ServiceDidNotStart, start_service
 from tests.coordinator.conftest import cluster, configure, make_cluster, sqlite_url, token
 
@@ -80,9 +82,17 @@ class ServiceProcess:
 def spawn_service(token: str, tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
     started: list[ServiceProcess] = []
 
-    def spawn(config: Path, *, api_token: str | None = None, extra: tuple[str, ...] = ()) -> ServiceProcess:
+    def spawn(
+        config: Path,
+        *,
+        api_token: str | None = None,
+        extra: tuple[str, ...] = (),
+        env_extra: dict[str, str] | None = None,
+    ) -> ServiceProcess:
         env = {**os.environ, TOKEN_ENV: token, "PYTHONPATH": str(IMPORT_ROOT)}
         env.pop(API_TOKEN_ENV, None)
+        env.pop(ALLOW_HOSTS_ENV, None)
+        env.update(env_extra or {})
         if api_token is not None:
             env[API_TOKEN_ENV] = api_token
         log_path = tmp_path / f"serve-{len(started)}.log"

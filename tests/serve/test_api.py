@@ -143,12 +143,12 @@ async def test_two_step_save_and_409_while_it_waits(
         states = await server_states(http, cluster)
         assert states["policy_model"][0] == "committed_paused"
         for method, path in (("POST", "/v1/attempts"), ("POST", "/v1/checkpoints"), ("POST", "/v1/resume")):
-            busy = await http.request(method, path)
+            busy = await http.request(method, path, json={})
             assert busy.status_code == 409, busy.text
             assert busy.json()["error"]["type"] == "Busy"
             assert busy.json()["error"]["checkpoint_id"] == cid
             assert cid in busy.json()["error"]["message"]
-        wrong = await http.post("/v1/attempts/e9-999999/publish")
+        wrong = await http.post("/v1/attempts/e9-999999/publish", json={})
         assert wrong.status_code == 404
         published = await http.post(f"/v1/attempts/{cid}/publish", json={"resume": True})
         assert published.status_code == 200, published.text
@@ -220,7 +220,7 @@ async def test_409_names_the_save_in_progress(
     await wait_ready(service.url)
     async with httpx.AsyncClient(base_url=service.url, trust_env=False, timeout=120) as http:
         async with save_in_progress(http, cluster) as result:
-            busy = await http.post("/v1/checkpoints")
+            busy = await http.post("/v1/checkpoints", json={})
             assert busy.status_code == 409
             error = busy.json()["error"]
             assert error["checkpoint_id"] is not None

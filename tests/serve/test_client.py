@@ -65,7 +65,7 @@ async def test_same_shapes_as_the_embedded_api(
                 raise Boom("the trainer's half failed")
         assert any("rolled back" in note for note in boom.value.__notes__)
         async with httpx.AsyncClient(trust_env=False, headers={"Authorization": "Bearer secret-api"}) as raw:
-            waiting = (await raw.post(f"{service.url}/v1/attempts")).json()["checkpoint_id"]
+            waiting = (await raw.post(f"{service.url}/v1/attempts", json={})).json()["checkpoint_id"]
         aborted = await coord.abort()  # no attempt named: the one in progress
         assert (aborted.checkpoint_id, aborted.outcome) == (waiting, "aborted")
         restored = await coord.restore(attempt.snapshot)

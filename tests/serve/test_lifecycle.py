@@ -96,7 +96,7 @@ async def test_sigterm_mid_save_rolls_back_within_its_deadline_and_exits(
                 await patience.wait(
                     '(await http.get(f"{service.url}/healthz")).json()["state"] != "stopping"'
                 )
-            refused = await http.post(f"{service.url}/v1/checkpoints")
+            refused = await http.post(f"{service.url}/v1/checkpoints", json={})
             assert refused.status_code == 503
             assert refused.json()["error"]["state"] == "stopping"
         reply = result["reply"]
@@ -139,9 +139,9 @@ async def test_a_two_step_save_nobody_continues_is_rolled_back_after_its_deadlin
             await patience.wait("(await _outcomes(sqlite_url))[0][1] is None")
         assert await _outcomes(sqlite_url) == [(started["checkpoint_id"], "aborted")]
         await assert_all_accepting(http, cluster)
-        late = await http.post(f"{service.url}/v1/attempts/{started['checkpoint_id']}/publish")
+        late = await http.post(f"{service.url}/v1/attempts/{started['checkpoint_id']}/publish", json={})
         assert late.status_code == 404
         shown = (await http.get(f"{service.url}/v1/attempts/{started['checkpoint_id']}")).json()
         assert "deadline" in shown["abort_reason"]
-        again = await http.post(f"{service.url}/v1/checkpoints")
+        again = await http.post(f"{service.url}/v1/checkpoints", json={})
         assert again.status_code == 200, again.text

@@ -65,10 +65,10 @@ async def test_metrics_after_a_recovery_a_save_and_a_rollback(
     assert [a["action"] for a in ready["recovery"]["attempts"]] == ["resumed"]
     epoch = ready["epoch"]
     async with httpx.AsyncClient(base_url=service.url, trust_env=False, timeout=120) as http:
-        assert (await http.post("/v1/checkpoints")).status_code == 200
+        assert (await http.post("/v1/checkpoints", json={})).status_code == 200
         fault = {"kind": "fail", "path": "/resources-checkpoint/commit", "status": 500, "times": 1}
         await set_faults(http, cluster.urls["tools"], [fault])
-        failed = await http.post("/v1/checkpoints")
+        failed = await http.post("/v1/checkpoints", json={})
         assert failed.status_code == 502
         assert failed.json()["error"]["phase"] == "commit"
         await assert_all_accepting(http, cluster)

@@ -107,7 +107,7 @@ async def test_without_a_token_the_page_says_it_needs_one_and_takes_it(
     async with httpx.AsyncClient(base_url=service.url, trust_env=False, timeout=60) as http:
         page = await http.get("/")  # the page itself needs no token: it holds no ledger data
         assert page.status_code == 200
-        saved = await http.post("/v1/checkpoints", headers={"Authorization": f"Bearer {API_TOKEN}"})
+        saved = await http.post("/v1/checkpoints", headers={"Authorization": f"Bearer {API_TOKEN}"}, json={})
         assert saved.status_code == 200, saved.text
     cid = saved.json()["checkpoint_id"]
     with Browser(tmp_path / "profile", loopback_only=True) as browser:

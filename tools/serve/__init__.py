@@ -9,6 +9,9 @@ One file per concern:
 - `unified` — the routes of Gym's unified plane only (`/v1/retire`, `/v1/forget`), an `APIRouter`.
 - `models` — the pydantic request and reply models of API v1 (the OpenAPI schema is built from them).
 - `auth` — the API bearer token (`QUIESCE_API_TOKEN`), compared in constant time.
+- `guard` — what every request passes before a route: its `Host`, its `Origin`, JSON for a state
+  change, a body of at most 1 MiB.
+- `hosts` — the names the service answers to (`QUIESCE_ALLOW_HOSTS`) and the origin it trusts.
 - `stream` — the live ledger tail behind the server-sent event streams.
 - `metrics` — the Prometheus metrics, folded from the events the coordinator commits.
 - `page` — the live page at `/`.

@@ -25,11 +25,16 @@ Rules kept here:
 - A save's two requests (`POST /v1/attempts`, `POST /v1/attempts/{id}/publish`) are `hot_route`s:
   the ordinary request skips FastAPI's per-request dependency solving and double validation
   (`fastpath`); every other request, and the OpenAPI document, are FastAPI's as declared here.
+- Before any route, `guard` refuses a `Host` this service does not answer to (421
+  `MisdirectedHost`), another site's `Origin` (403 `CrossOrigin`), a request that may change
+  state without `Content-Type: application/json` (415 `UnsupportedMediaType`) and a body over
+  1 MiB (413 `BodyTooLarge`), on every route.
 - Errors are `{"error": {...}}` (`models.ErrorReply`) with these statuses: 401 `Unauthorized`;
   404 `NotFound`; 409 `Busy` (another attempt is in progress; names it), `ServersHeld` (names each
   holder and what frees it; `held`), `AcknowledgementError` (the agent refused; its `status` and
   `code`) and any other refusal of the current state; 400 `ConfigError`; 422 `SnapshotError` and
   `InvalidRequest` (a body, path or query that does not validate: `fields` says why, `validation`);
+  400 `InvalidHeader` (a `Last-Event-ID` that is no event id: before the stream starts);
   502 `PhaseError`, `DeadlineExceeded`, `DiscoveryError` (a Gym server or the deadline failed the
   operation; what was rolled back is in the body); 503 `Unavailable` (standby, recovering,
   stopping; a standby names the active one in `active`), `FencedError`, `LedgerError`.
@@ -38,7 +43,7 @@ Rules kept here:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import anyio.to_thread
 from fastapi import Depends, FastAPI, Header, Query, Request
@@ -59,8 +64,21 @@ from quiesce.coordinator.errors import (
 from quiesce.ledger import AttemptRow, Ledger
 from quiesce.tools.serve.auth import BearerCheck
 from quiesce.tools.serve.docs import mount_docs
-from quiesce.tools.serve.errors import Busy, InvalidRequest, NotFound, Unauthorized, Unavailable
+from quiesce.tools.serve.errors import (
+    BodyTooLarge,
+    Busy,
+    CrossOrigin,
+    InvalidHeader,
+    InvalidRequest,
+    MisdirectedHost,
+    NotFound,
+    Unauthorized,
+    Unavailable,
+    UnsupportedMediaType,
+)
 from quiesce.tools.serve.fastpath import hot_route
+from quiesce.tools.serve.guard import RequestGuard
+from quiesce.tools.serve.hosts import ServedHosts
 from quiesce.tools.serve.metrics import CONTENT_TYPE
 from quiesce.tools.serve.models import (
     AbortRequest,
@@ -89,14 +107,26 @@ from quiesce.tools.serve.unified import router as unified_router
 from quiesce.tools.serve.validation import invalid_request
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorReply} for code in (401, 404, 409, 400, 422, 502, 503)
+    code: {"model": ErrorReply} for code in (400, 401, 403, 404, 409, 413, 415, 421, 422, 502, 503)
 }
+#: The largest `Last-Event-ID` (an event's seq): the ledger's seq is a signed 64-bit integer.
+MAX_EVENT_ID: Final = 2**63 - 1
 
 
 def status_of(error: QuiesceError) -> int:
     """The HTTP status of an error (see the module docstring)."""
     if isinstance(error, Unauthorized):
         return 401
+    if isinstance(error, CrossOrigin):
+        return 403
+    if isinstance(error, BodyTooLarge):
+        return 413
+    if isinstance(error, UnsupportedMediaType):
+        return 415
+    if isinstance(error, MisdirectedHost):
+        return 421
+    if isinstance(error, InvalidHeader):
+        return 400
     if isinstance(error, NotFound):
         return 404
     if isinstance(error, Busy):
@@ -136,8 +166,23 @@ def error_body(error: QuiesceError) -> ErrorBody:
     return body
 
 
-def build_app(service: Service, *, api_token: str | None) -> FastAPI:
-    """The ASGI app of one service. `api_token` None: no authentication (loopback only)."""
+def error_reply(error: QuiesceError) -> JSONResponse:
+    """The reply to `error`: `ErrorReply` with its status (`status_of`) and, for 401 and 503, the
+    header saying what to do."""
+    status = status_of(error)
+    headers = {}
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    elif status == 503:
+        headers["Retry-After"] = "1"
+    body = ErrorReply(error=error_body(error)).model_dump(mode="json", exclude_none=True)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def build_app(service: Service, *, api_token: str | None, hosts: ServedHosts | None = None) -> FastAPI:
+    """The ASGI app of one service. `api_token` None: no authentication (loopback only); `hosts`:
+    the `Host` values it answers to (`guard` refuses the others, and foreign origins) — None: the
+    loopback names at any port (`ServedHosts.loopback`, for a harness that binds its own socket)."""
     check = BearerCheck(api_token)
     app = FastAPI(
         title="quiesce",
@@ -147,6 +192,7 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         redoc_url=None,
     )
     mount_docs(app)
+    app.add_middleware(RequestGuard, hosts=hosts or ServedHosts.loopback(), refuse=error_reply)
 
     async def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
         if not check.allows(authorization):
@@ -156,14 +202,7 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
 
     @app.exception_handler(QuiesceError)
     async def quiesce_error(request: Request, error: QuiesceError) -> JSONResponse:
-        status = status_of(error)
-        headers = {}
-        if status == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        elif status == 503:
-            headers["Retry-After"] = "1"
-        body = ErrorReply(error=error_body(error)).model_dump(mode="json", exclude_none=True)
-        return JSONResponse(body, status_code=status, headers=headers)
+        return error_reply(error)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -508,10 +547,15 @@ def build_app(service: Service, *, api_token: str | None) -> FastAPI:
         )
 
     def last_event_id(value: str | None) -> int:
-        try:
-            return max(0, int(value)) if value else 0
-        except ValueError:
+        """The seq a stream resumes after: 0 without the header; 400 unless it is a seq the ledger
+        can hold (a whole number from 0 to `MAX_EVENT_ID`, as the streams send in `id:`)."""
+        text = (value or "").strip()
+        if not text:
             return 0
+        if text.isascii() and text.isdigit() and len(text) <= 19 and int(text) <= MAX_EVENT_ID:
+            return int(text)
+        problem = f"must be an event id this service sent: a whole number from 0 to {MAX_EVENT_ID}"
+        raise InvalidHeader(f"header Last-Event-ID: {problem}", [("header.Last-Event-ID", problem)])
 
     @app.get("/v1/attempts/{checkpoint_id}/events", dependencies=guarded, responses=_ERRORS, tags=["ledger"])
     async def attempt_events(
@@ -558,4 +602,4 @@ def _is_live(service: Service, checkpoint_id: str) -> bool:
     return current is not None and current.checkpoint_id == checkpoint_id
 
 
-__all__ = ["build_app", "error_body", "status_of"]
+__all__ = ["build_app", "error_body", "error_reply", "status_of"]

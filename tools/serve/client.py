@@ -30,6 +30,8 @@ Rules kept here:
   A request whose connection broke after it was sent is *not* repeated (the save may have run):
   `OutcomeUnknown` says so; `history()` shows how it ended.
 - The token defaults to `QUIESCE_API_TOKEN`; it is sent only as the bearer header, never logged.
+- Every request but a GET carries a JSON body (`{}` when there is nothing to say) with
+  `Content-Type: application/json`: the service refuses any other (`tools/serve/guard.py`).
 - Requests go through the coordinator's own HTTP/1.1 client (`quiesce.coordinator.http.HttpClient`, the
   one under every control call): on the bench machine a request's round trip on loopback took
   ~0.5 ms with it and ~1.7 ms with httpx, whose per-request cost was most of what a save through
@@ -328,8 +330,8 @@ class RemoteCoordinator:
         tried = 0
         headers = self._headers
         body: bytes | None = None
-        if json is not None:
-            body = jsonlib.dumps(json).encode()
+        if json is not None or method != "GET":  # the service takes no state change but as JSON
+            body = jsonlib.dumps(json if json is not None else {}).encode()
             headers = {**headers, "Content-Type": "application/json"}
         while True:
             url = self._urls[self._current]

@@ -6,7 +6,12 @@
   recovering, or stopping; or (client side) no service answered.
 - `NotFound` (HTTP 404): no such attempt (in the ledger, or awaiting its next step here).
 - `InvalidRequest` (HTTP 422): the request's body, path or query did not validate; a `ConfigError`,
-  as the embedded API raises for the same bad input.
+  as the embedded API raises for the same bad input. `InvalidHeader` (HTTP 400): a header did
+  not (`Last-Event-ID` that is no event id).
+- The refusals of `guard`, before any route runs: `MisdirectedHost` (HTTP 421: a `Host` this
+  service does not answer to — DNS rebinding), `CrossOrigin` (HTTP 403: another site's page),
+  `UnsupportedMediaType` (HTTP 415: a request that changes state without a JSON body),
+  `BodyTooLarge` (HTTP 413).
 - `OutcomeUnknown`: the connection broke after a request was sent: the client cannot tell whether
   it ran (the ledger can: `history()`).
 """
@@ -53,6 +58,26 @@ class InvalidRequest(ConfigError):
     def __init__(self, message: str, fields: Sequence[tuple[str, str]] = ()) -> None:
         super().__init__(message)
         self.fields = list(fields)
+
+
+class InvalidHeader(InvalidRequest):
+    """A request header did not validate; `fields` names it as `header.NAME`."""
+
+
+class MisdirectedHost(QuiesceError):
+    """The request's `Host` is not one this service answers to."""
+
+
+class CrossOrigin(QuiesceError):
+    """The request's `Origin` is not the service's own."""
+
+
+class UnsupportedMediaType(QuiesceError):
+    """A request that changes state came without `Content-Type: application/json`."""
+
+
+class BodyTooLarge(QuiesceError):
+    """The request's body is larger than the service reads."""
 
 
 class OutcomeUnknown(QuiesceError):

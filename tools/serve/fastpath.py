@@ -18,8 +18,9 @@ Rules kept here:
   FastAPI's serializer writes for that model — with the route's success status.
 - Anything else (no or a wrong token, a bad body, another content type) goes to FastAPI's own
   handler with the body already read: the 401, the 422 and every other reply are FastAPI's,
-  unchanged. An error the endpoint raises propagates as from FastAPI's handler (the app's
-  exception handlers turn it into the error reply).
+  unchanged (in the service, `guard` has already refused another content type). An error the
+  endpoint raises propagates as from FastAPI's handler (the app's exception handlers turn it
+  into the error reply).
 """
 
 from __future__ import annotations

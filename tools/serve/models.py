@@ -26,7 +26,10 @@ from quiesce.ledger import AttemptRow
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Every request body: unknown fields refused, and NaN or an infinity in a number field too
+    (JSON decoders accept `NaN` and `Infinity`; no deadline or count is one)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # -- errors -----------------------------------------------------------------------------------

@@ -4,6 +4,9 @@
   bound is printed on stdout once the service is taking requests (or waiting as a standby) — with
   `as_json`, as one JSON line (`{"listening": "http://127.0.0.1:41234", ...}`).
 - Listening beyond loopback needs `QUIESCE_API_TOKEN` (`auth.require_token_beyond_loopback`).
+- The app answers only to the hosts of the address bound, of `advertise`, and those allowed
+  (`allow_hosts` and `QUIESCE_ALLOW_HOSTS`; `hosts.ServedHosts`); a malformed entry is a
+  `ConfigError` before anything is bound.
 - uvicorn's own signal handling is replaced: on SIGTERM (or SIGINT) the service stops first
   (`Service.stop`: no new operation, the one in progress finishes or rolls back within its
   deadline, a waiting two-step save is settled, the lease released), and only then does uvicorn
@@ -19,7 +22,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import anyio
 import uvicorn
@@ -28,6 +31,7 @@ from quiesce.coordinator import ClusterConfig
 from quiesce.coordinator.errors import ConfigError, QuiesceError
 from quiesce.tools.serve.app import build_app
 from quiesce.tools.serve.auth import api_token_from_env, require_token_beyond_loopback
+from quiesce.tools.serve.hosts import ServedHosts, allowed_hosts_from_env
 from quiesce.tools.serve.listen import parse_listen
 from quiesce.tools.serve.service import Service
 
@@ -51,11 +55,14 @@ async def serve(
     advertise: str | None = None,
     as_json: bool = True,
     config_path: str | None = None,
+    allow_hosts: Sequence[str] = (),
 ) -> int:
     """Serve until SIGTERM/SIGINT (see the module docstring); the exit status."""
     host, port = parse_listen(listen)
     api_token = api_token_from_env()
     require_token_beyond_loopback(host, api_token)
+    allowed = [*allow_hosts, *allowed_hosts_from_env()]
+    ServedHosts.of(host, port, advertise=advertise, allowed=allowed)  # a bad entry: before the bind
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
     # without it a keep-alive reply written in two parts waits ~40 ms for a delayed ACK
@@ -69,11 +76,13 @@ async def serve(
         raise ConfigError(f"--listen {listen}: cannot bind ({error.strerror}); choose another port") from None
     sock.listen(128)
     sock.setblocking(False)
-    bound = _url(host, sock.getsockname()[1])
+    bound_port = sock.getsockname()[1]
+    bound = _url(host, bound_port)
     service = Service(config, advertise=advertise or bound, config_path=config_path)
+    hosts = ServedHosts.of(host, bound_port, advertise=advertise, allowed=allowed)
     server = _Server(
         uvicorn.Config(
-            build_app(service, api_token=api_token),
+            build_app(service, api_token=api_token, hosts=hosts),
             log_level="warning",
             access_log=False,
             lifespan="off",
