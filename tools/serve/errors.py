@@ -53,7 +53,7 @@ class NotFound(QuiesceError):
 
 class InvalidRequest(ConfigError):
     """The request did not validate; `fields` holds each problem as (where, what), e.g.
-    `("body.deadline_s", "must be greater than 0")`; the message joins them."""
+    `("body.deadline_s", "must be more than 0")`; the message joins them."""
 
     def __init__(self, message: str, fields: Sequence[tuple[str, str]] = ()) -> None:
         super().__init__(message)

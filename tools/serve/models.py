@@ -39,7 +39,7 @@ class FieldProblem(BaseModel):
     """One reason a request did not validate (`InvalidRequest`, HTTP 422)."""
 
     field: str = Field(description="where, e.g. `body.deadline_s` or `body.executions[0][1]`")
-    problem: str = Field(description="what, e.g. `must be greater than 0`")
+    problem: str = Field(description="what, e.g. `must be more than 0`")
 
 
 class ErrorBody(BaseModel):

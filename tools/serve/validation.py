@@ -3,7 +3,7 @@
 Rules kept here:
 - A request whose body, path or query does not validate gets HTTP 422 and the same shape as every
   other error: `{"error": {"type": "InvalidRequest", "message": ..., "fields": [...]}}`.
-- Each problem is `{"field": "body.deadline_s", "problem": "must be greater than 0"}` (list items
+- Each problem is `{"field": "body.deadline_s", "problem": "must be more than 0"}` (list items
   as `[0]`); `message` joins them with `; `.
 - Nothing the caller sent is repeated: pydantic's `input`, `ctx`, `url` and `type` are dropped,
   and a secret given (the API token) is masked even in a field name.
