@@ -6,7 +6,8 @@ one error line naming the signal and no traceback; every server is accepting aga
 servers themselves) and the ledger shows the attempt aborted (`quiesce history --json`, `quiesce
 show --json`). A restore signalled in its restore phase is stopped and recorded, its servers left
 paused as half-restored state must be, the line naming both ways out; a signal once a save is
-publishing is held until its resume is done.
+publishing is held until its resume is done. On Gym's unified plane (v2) a signal while every
+server holds the prepare rolls it back the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ import pytest
 
 from quiesce.tools.gymsim.cluster import RunningCluster
 from tests.cli.helpers import child_env, command, json_of, quiesce
+from tests.cli.test_v2_commands import v2_cluster, v2_config
 from tests.coordinator.helpers import clear_faults, server_states, set_faults
+from tests.coordinator_v2.helpers import phases
+
+__all__ = ["v2_cluster", "v2_config"]  # fixtures of the unified plane's cluster
 
 PARTICIPANTS = ("policy_model", "simple_agent", "tools")
 #: Generous: the machine is shared; nothing here measures wall-clock time.
@@ -249,3 +254,42 @@ def test_a_signal_during_a_restore_stops_it_and_names_the_ways_out(
     freed = quiesce("resume", "--config", str(config_file), restore_id, cwd=tmp_path)
     assert freed.returncode == 0, freed.stderr
     _assert_all_accepting(cluster)
+
+
+def _v2_phases(cluster: RunningCluster, token: str) -> dict[str, str]:
+    async def go() -> dict[str, str]:
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+            return await phases(http, cluster.urls, token)
+
+    return anyio.run(go)
+
+
+def test_a_signal_during_a_unified_plane_prepare_rolls_back(
+    v2_config: Path, v2_cluster: RunningCluster, tmp_path: Path, token: str
+) -> None:
+    # the last stage prepares, then answers late: every server holds the save when the signal comes
+    _faults(
+        v2_cluster,
+        "resources",
+        [{"kind": "delay", "path": "/ng-control/v1/checkpoint/prepare", "when": "after", "seconds": 600}],
+    )
+    process = _start("checkpoint", "--config", str(v2_config), "--deadline-s", "300", cwd=tmp_path)
+    try:
+        give_up = time.monotonic() + WAIT_S
+        while "idle" in _v2_phases(v2_cluster, token).values():
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < give_up
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        done = _finish(process)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        _clear(v2_cluster)
+    assert done.returncode == 143, done.stderr
+    line = _one_error_line(done)
+    assert "interrupted by SIGTERM (exit 143): checkpoint" in line, line
+    assert "rolled back, nothing published" in line, line
+    assert set(_v2_phases(v2_cluster, token).values()) == {"idle"}
+    history = json_of(quiesce("history", "--ledger", "q.db", "--json", cwd=tmp_path))
+    assert [row["outcome"] for row in history] == ["aborted"], history
