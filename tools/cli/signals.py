@@ -24,6 +24,7 @@ The signals are taken from the event loop (`anyio.open_signal_receiver`) only wh
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -125,9 +126,17 @@ class SignalStop:
             return
         if self._scope is None:
             return
+        # decided on the event loop itself, between two steps of the operation: what `hold` reads
+        # there is what the cancellation meets (and the coordinator records the reason, not this
+        # task's description; the command line runs on asyncio: `Coordinator.open` refuses trio)
+        asyncio.get_running_loop().call_soon(self._stop, signum)
+
+    def _stop(self, signum: int) -> None:
+        if self._scope is None:
+            return  # the operation ended meanwhile
         self.held = self._hold()
         if self.held is None:
-            _cancel(self._scope, f"{signal_name(signum)} received by the command")
+            self._scope.cancel(f"{signal_name(signum)} received by the command")
         else:
             _say(f"{signal_name(signum)} received: {self.held}; then this command exits")
 
@@ -143,15 +152,6 @@ class SignalStop:
                 yield
             finally:
                 self._scope = None
-
-
-def _cancel(scope: anyio.CancelScope, reason: str) -> None:
-    """Cancel `scope` from the event loop itself rather than from the watching task, so the
-    reason the coordinator records reads `...; reason: SIGTERM received by the command`, not the
-    watching task's description (the command line runs on asyncio: `Coordinator.open` refuses trio)."""
-    import asyncio
-
-    asyncio.get_running_loop().call_soon(scope.cancel, reason)
 
 
 def _say(line: str) -> None:
