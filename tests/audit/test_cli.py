@@ -163,9 +163,14 @@ def test_one_attempt_bundle_carries_anchors(
     assert lines[0]["checkpoint"] == "ck-bad"
     events = [line for line in lines if line.get("type") == "event"]
     assert {e["checkpoint_id"] for e in events} == {None, "ck-bad"}
-    assert [e["kind"] for e in events if e["checkpoint_id"] is None] == ["coordinator.started"]
+    # context: the coordinator's start, and the discovery the attempt ran on (which servers are
+    # drain-only, and in which stage each is)
+    assert [e["kind"] for e in events if e["checkpoint_id"] is None] == [
+        "coordinator.started",
+        "discovery.completed",
+    ]
     anchors = [(i, line) for i, line in enumerate(lines) if line.get("type") == "anchor"]
-    assert len(anchors) == 2  # seq 1 (coordinator.started), then the attempt's run
+    assert len(anchors) == 2  # seq 1 (coordinator.started, then the discovery), then the attempt's run
     for index, anchor in anchors:
         nxt = lines[index + 1]
         assert nxt["seq"] == anchor["seq"] + 1
@@ -218,8 +223,10 @@ def test_tampered_bundles_name_the_seq(
     edited = [line for i, line in enumerate(lines) if i != event_at[target]]
     assert target + 1 in seqs(verify("removed.jsonl", edited))
 
-    # a forged anchor
-    edited = [dict(line) for line in lines]
+    # a forged anchor (in a bundle of ck-bad, whose events are not next to the ledger's start)
+    bad = tmp_path / "bad.jsonl"
+    assert main(["export", "--ledger", ledger_url, "--checkpoint", "ck-bad", "--out", str(bad)]) == 0
+    edited = [dict(line) for line in _lines(bad)]
     anchor_index = next(
         i for i, line in enumerate(edited) if line.get("type") == "anchor" and line["seq"] != 0
     )
