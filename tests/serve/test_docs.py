@@ -73,6 +73,18 @@ async def test_docs_names_no_host_and_every_asset_is_served(
         assert "SwaggerUIBundle" in scripts[0]
         # the API itself still needs the token
         assert (await http.get("/v1/attempts")).status_code == 401
+        # every POST takes a JSON body (optional where nothing need be said), so /docs' "Try it
+        # out" sends Content-Type: application/json — the only type a state change is taken with
+        schema = (await http.get("/openapi.json")).json()
+        posts = {
+            path: op for path, methods in schema["paths"].items() for m, op in methods.items() if m == "post"
+        }
+        assert "/v1/attempts/{checkpoint_id}/resume" in posts
+        assert [
+            p
+            for p, op in posts.items()
+            if "application/json" not in op.get("requestBody", {}).get("content", {})
+        ] == []
 
 
 async def test_docs_renders_every_operation_with_loopback_only(

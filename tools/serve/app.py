@@ -388,10 +388,15 @@ def build_app(service: Service, *, api_token: str | None, hosts: ServedHosts | N
     @app.post(
         "/v1/attempts/{checkpoint_id}/resume", dependencies=guarded, responses=_ERRORS, tags=["cluster"]
     )
-    async def resume_attempt(checkpoint_id: str) -> OutcomeModel:
+    async def resume_attempt(checkpoint_id: str, request: ResumeRequest | None = None) -> OutcomeModel:
         """Resume checkpoint `checkpoint_id`: the last step of a two-step save waiting here, or any
         id that holds servers — a restore left paused (finished first if interrupted), a published
-        save's unfinished resume, what a rollback left paused, another ledger's id."""
+        save's unfinished resume, what a rollback left paused, another ledger's id. The body is
+        optional (`{}`): it is there so every POST of the API takes JSON, /docs' forms included."""
+        if request is not None and request.checkpoint_id not in (None, checkpoint_id):
+            raise ConfigError(
+                f"the path names checkpoint {checkpoint_id} and the body {request.checkpoint_id}: give one"
+            )
         return await let_go("resume", checkpoint_id, "resumed by request before publication")
 
     @app.post("/v1/attempts/{checkpoint_id}/abort", dependencies=guarded, responses=_ERRORS, tags=["cluster"])
