@@ -175,3 +175,27 @@ async def test_a_nul_byte_in_a_ledger_url_is_one_line_and_exit_2(tmp_path: Path,
     assert "NUL byte" in done.stderr
     no_traceback(done)
     assert [p.name async for p in anyio.Path(tmp_path).iterdir()] == [config.name]  # nothing created
+
+
+def test_a_password_in_a_server_url_is_shown_and_stored_hidden(tmp_path: Path) -> None:
+    """A server URL with a password (`http://user:PASSWORD@host`): the error naming the server, its
+    `--json` document and every ledger event show `<redacted>` in its place, the rest of the URL
+    as given."""
+    password = "pw-6d5c4b3a29"
+    url = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        f"ledger: {url}\nservers:\n  - {{name: m, url: 'http://alice:{password}@127.0.0.1:9'}}\n"
+    )
+    for args in (("discover", "--config", str(config)), ("discover", "--config", str(config), "--json")):
+        done = run_cli(*args)
+        assert done.returncode == 2, done.stderr
+        no_traceback(done)
+        shown = done.stdout + done.stderr
+        assert password not in shown
+        assert "http://alice:<redacted>@127.0.0.1:9" in shown
+    stored = (tmp_path / "q.db").read_bytes() + b"".join(
+        p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("q.db-")
+    )
+    assert b"alice:<redacted>@127.0.0.1" in stored
+    assert password.encode() not in stored

@@ -18,6 +18,7 @@ Codes, first matching class wins: `usage`, `config`, `missing_extra`, `discovery
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quiesce.coordinator.wording import plain
+from quiesce.ledger.redact import mask_url_passwords
 from quiesce.tools.cli.flags import CommandError
 
 
@@ -86,7 +88,7 @@ def _table() -> list[tuple[type[BaseException], str, Callable[[Any], dict[str, A
         (
             DiscoveryError,
             "discovery",
-            lambda e: {"refused": [{"server": s, "reason": r} for s, r in e.reasons]},
+            lambda e: {"refused": [{"server": s, "reason": mask_url_passwords(r)} for s, r in e.reasons]},
         ),
         (DeadlineExceeded, "deadline", phase),
         (PhaseError, "phase_failed", phase),
@@ -132,7 +134,13 @@ def describe_os_error(error: OSError) -> str:
 
 
 def report(error: BaseException) -> ErrorReport:
-    """The `ErrorReport` of `error` (see the module docstring for the codes)."""
+    """The `ErrorReport` of `error` (see the module docstring for the codes); a URL's password in
+    its message is hidden, as everywhere quiesce shows or stores one."""
+    described = _report(error)
+    return dataclasses.replace(described, message=mask_url_passwords(described.message))
+
+
+def _report(error: BaseException) -> ErrorReport:
     code = exit_code_for(error)
     if isinstance(error, CommandError):
         return ErrorReport(error.code, code, plain(str(error)), dict(error.fields))

@@ -41,17 +41,20 @@ def __getattr__(name: str) -> Console:
 
 
 def emit_json(document: Any) -> None:
-    """Write one JSON document to stdout."""
-    sys.stdout.write(json.dumps(document, indent=2, sort_keys=True, default=str) + "\n")
+    """Write one JSON document to stdout (a URL's password in it hidden: `mask_url_passwords`)."""
+    from quiesce.ledger.redact import mask_url_passwords
+
+    sys.stdout.write(mask_url_passwords(json.dumps(document, indent=2, sort_keys=True, default=str)) + "\n")
     sys.stdout.flush()
 
 
 def emit_jsonl(rows: Iterable[Any]) -> None:
     """Write each row as one compact JSON object on its own line."""
+    from quiesce.ledger.redact import mask_url_passwords
     from quiesce.tools.cli.safe_text import json_text
 
     encode = json.JSONEncoder(sort_keys=True, ensure_ascii=False, default=str).encode
-    sys.stdout.write(json_text("".join(encode(row) + "\n" for row in rows)))
+    sys.stdout.write(json_text(mask_url_passwords("".join(encode(row) + "\n" for row in rows))))
     sys.stdout.flush()
 
 

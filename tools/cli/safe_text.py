@@ -8,6 +8,8 @@ such text for people goes through here.
   one too in a one-line field (`one_line`); in a message (`block`) it is kept, and every line after
   the first starts indented, so no text can begin a line of its own and pass for one the
   command printed.
+- A URL's password (`scheme://user:PASSWORD@host`, say in a server URL of the config) is shown
+  as `<redacted>`, as the ledger stores it.
 - Length is capped: `LINE_MAX` characters for a field, `MESSAGE_MAX` for a message; what is cut
   is counted (`… [N more characters]`). `--json` keeps the whole text (JSON escapes it).
 - `markup` / `block_markup`: the same, with rich markup escaped too (`[red]` prints literally),
@@ -27,6 +29,8 @@ import dataclasses
 import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+from quiesce.ledger.redact import mask_url_passwords
 
 if TYPE_CHECKING:
     from rich.console import (
@@ -70,8 +74,8 @@ def _capped(text: str, limit: int) -> str:
 
 def one_line(text: object, limit: int = LINE_MAX) -> str:
     """`text` on one line: every control character (newline included) escaped, at most `limit`
-    characters kept."""
-    value = text if isinstance(text, str) else str(text)
+    characters kept, URL passwords hidden."""
+    value = mask_url_passwords(text if isinstance(text, str) else str(text))
     if len(value) <= limit and _UNSAFE.search(value) is None:
         return value
     return _UNSAFE.sub(_visible, _capped(value, limit))
@@ -79,8 +83,8 @@ def one_line(text: object, limit: int = LINE_MAX) -> str:
 
 def block(text: object, limit: int = MESSAGE_MAX) -> str:
     """`text` as a message: control characters escaped but the newline, every line after the first
-    indented (at least two spaces), at most `limit` characters kept."""
-    value = _capped(text if isinstance(text, str) else str(text), limit)
+    indented (at least two spaces), at most `limit` characters kept, URL passwords hidden."""
+    value = _capped(mask_url_passwords(text if isinstance(text, str) else str(text)), limit)
     if _UNSAFE.search(value) is None:
         return value
     lines = _UNSAFE_BUT_NEWLINE.sub(_visible, value).split("\n")

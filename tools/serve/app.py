@@ -62,6 +62,7 @@ from quiesce.coordinator.errors import (
     SnapshotError,
 )
 from quiesce.ledger import AttemptRow, Ledger
+from quiesce.ledger.redact import mask_url_passwords
 from quiesce.tools.serve.auth import BearerCheck
 from quiesce.tools.serve.docs import mount_docs
 from quiesce.tools.serve.errors import (
@@ -143,7 +144,8 @@ def status_of(error: QuiesceError) -> int:
 
 
 def error_body(error: QuiesceError) -> ErrorBody:
-    body = ErrorBody(type=type(error).__name__, message=str(error))
+    """The JSON error of `error`; a URL's password in its message is hidden (`mask_url_passwords`)."""
+    body = ErrorBody(type=type(error).__name__, message=mask_url_passwords(str(error)))
     if isinstance(error, PhaseError):
         body.phase, body.server, body.reason, body.code = error.phase, error.server, error.reason, error.code
         body.checkpoint_id = error.checkpoint_id
@@ -156,7 +158,7 @@ def error_body(error: QuiesceError) -> ErrorBody:
     elif isinstance(error, SnapshotError):
         body.differences = list(error.differences)
     elif isinstance(error, DiscoveryError):
-        body.reasons = list(error.reasons)
+        body.reasons = [(name, mask_url_passwords(reason)) for name, reason in error.reasons]
     elif isinstance(error, ServersHeld):
         body.held = dict(error.held)
     elif isinstance(error, AcknowledgementError):
