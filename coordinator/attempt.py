@@ -90,7 +90,7 @@ import anyio.to_thread
 from pydantic import BaseModel
 
 from quiesce.coordinator import ids, protocol_v2
-from quiesce.coordinator.calls import Caller, CallResult
+from quiesce.coordinator.calls import Body, Caller, CallResult
 from quiesce.coordinator.config import ClusterConfig
 from quiesce.coordinator.digests import DigestCache
 from quiesce.coordinator.discovery import Member
@@ -396,14 +396,15 @@ async def send_call(
     operation: str,
     phase: str,
     *,
-    body: BaseModel | None = None,
+    body: BaseModel | Body | None = None,
     params: dict[str, Any] | None = None,
     deadline_ts: float | None = None,
     expect_checkpoint: str | None = None,
 ) -> CallResult:
     """Send one control call for `attempt` (marks the server touched first). With
     `expect_checkpoint`, a reply naming another checkpoint id is a failed call (`calls.py`).
-    The route is the member's plane's: v1's per-component route, or the unified plane's."""
+    The route is the member's plane's: v1's per-component route, or the unified plane's.
+    `body`: a request model, or one encoded once for many servers (`calls.encode_body`)."""
     spec: Any = protocol_v2.ROUTES[operation] if member.plane == "v2" else route(member.component, operation)
     settles = spec.method == "POST" and operation != "resume"
     if spec.method == "POST":

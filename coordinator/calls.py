@@ -50,6 +50,7 @@ an error message or a log line. Each call has a unique `call_id`: `<checkpoint_i
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -110,6 +111,23 @@ class Target:
     name: str
     component: str
     url: str
+
+
+@dataclass(frozen=True, slots=True)
+class Body:
+    """A request body encoded once (`encode_body`): its JSON form — what `call.sent` records — and
+    the bytes sent. The same `Body` may go to many servers (a fan-out whose servers all get the
+    same request): the model is dumped and encoded once, not once per server."""
+
+    model: BaseModel
+    data: dict[str, Any]
+    raw: bytes
+
+
+def encode_body(model: BaseModel) -> Body:
+    """`model` as a request body: `model_dump(mode="json")`, and that as compact JSON in UTF-8."""
+    data = model.model_dump(mode="json")
+    return Body(model, data, _encode_json(data).encode("utf-8"))
 
 
 @dataclass(frozen=True)
@@ -289,18 +307,20 @@ class Caller:
         phase: str,
         checkpoint_id: str | None,
         deadline_ts: float,
-        body: BaseModel | None = None,
+        body: BaseModel | Body | None = None,
         params: dict[str, Any] | None = None,
         expect_checkpoint: str | None = None,
         check: Callable[[BaseModel], str | None] | None = None,
     ) -> CallResult:
         """One control call on `route`: POST with `body`, or GET with `params` (a status query).
 
-        `checkpoint_id` None: a call outside any attempt (e.g. acknowledging completed results),
-        whose call id is `e<epoch>-<phase>/<n>`. `check` judges a validated reply: the problem it
-        returns makes the call a `protocol` failure (recorded as such)."""
+        `body` is a request model, or one already encoded (`encode_body`: for a request sent to
+        many servers). `checkpoint_id` None: a call outside any attempt (e.g. acknowledging
+        completed results), whose call id is `e<epoch>-<phase>/<n>`. `check` judges a validated
+        reply: the problem it returns makes the call a `protocol` failure (recorded as such)."""
         if route.method == "POST" and body is None:
             raise ValueError(f"{route.full_path} needs a request body")
+        encoded = body if isinstance(body, Body) or body is None else encode_body(body)
         return await self._send(
             server=target.name,
             base_url=target.url,
@@ -308,7 +328,7 @@ class Caller:
             path=route.full_path,
             phase=phase,
             checkpoint_id=checkpoint_id,
-            body=body.model_dump(mode="json") if body is not None else None,
+            body=encoded,
             params=params,
             deadline_ts=deadline_ts,
             reply_model=route.reply,
@@ -325,7 +345,7 @@ class Caller:
         path: str,
         phase: str,
         checkpoint_id: str | None,
-        body: dict[str, Any] | None,
+        body: Body | None,
         params: dict[str, Any] | None,
         deadline_ts: float,
         reply_model: type[BaseModel],
@@ -349,7 +369,12 @@ class Caller:
         call_id = self._call_id(checkpoint_id, phase)
         timeout_s = max(0.001, left)
         url = base_url + path
-        recorded_body: Any = body if method == "POST" else ({"query": params} if params else None)
+        raw = body.raw if body is not None else None
+        recorded_body: Any = None
+        if method == "POST":
+            recorded_body = body.data if body is not None else None
+        elif params:
+            recorded_body = {"query": params}
         sent_data = {
             "phase": phase,
             "method": method,
@@ -375,7 +400,7 @@ class Caller:
             if read:
                 exchange = await self._read_committing_late(url, params, timeout_s)
             else:
-                exchange = await self._exchange(method, url, body, params, timeout_s)
+                exchange = await self._exchange(method, url, raw, params, timeout_s)
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
                 await self._record(
@@ -488,7 +513,7 @@ class Caller:
         self,
         method: str,
         url: str,
-        body: dict[str, Any] | None,
+        body: bytes | None,
         params: dict[str, Any] | None,
         timeout_s: float,
     ) -> _Exchange:
@@ -605,23 +630,31 @@ def _result(
     )
 
 
+@functools.lru_cache(maxsize=16)
+def _headers(token: str | None, post: bool) -> dict[str, str]:
+    """A request's headers (never changed by the client: one dict per token and method kind)."""
+    headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    if post:
+        headers["Content-Type"] = "application/json"
+    return headers
+
+
 async def _request(
     client: HttpClient,
     token: str | None,
     method: str,
     url: str,
-    body: dict[str, Any] | None,
+    body: bytes | None,
     params: dict[str, Any] | None,
     timeout_s: float,
 ) -> _Exchange:
-    """One HTTP exchange; its outcome classified (see the module docstring). Never raises."""
-    headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
-    if token is not None:
-        headers["Authorization"] = f"Bearer {token}"
-    data: bytes | None = None
-    if method == "POST":
-        headers["Content-Type"] = "application/json"
-        data = _encode_json(body).encode("utf-8")
+    """One HTTP exchange; its outcome classified (see the module docstring). Never raises.
+    `body`: a POST's JSON bytes (`encode_body`)."""
+    post = method == "POST"
+    headers = _headers(token, post)
+    data: bytes | None = (body if body is not None else b"null") if post else None
     if params:
         query = urlencode({k: _param(v) for k, v in params.items() if v is not None})
         if query:

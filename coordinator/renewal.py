@@ -24,6 +24,7 @@ from typing import Final
 import anyio
 
 from quiesce.coordinator.attempt import Attempt, Context, send_call
+from quiesce.coordinator.calls import encode_body
 from quiesce.coordinator.protocol_v2 import CheckpointRequest, RenewReply
 
 #: The longest pause between two renewals.
@@ -40,7 +41,7 @@ def interval_s(horizon_s: float) -> float:
 async def renew_all(ctx: Context, attempt: Attempt, horizon_s: float) -> None:
     """Renew every participant once (in parallel); the first refusal sets `attempt.lease_lost`."""
     deadline_ts = time.time() + horizon_s
-    body = CheckpointRequest(checkpoint_id=attempt.checkpoint_id, deadline_ts=deadline_ts)
+    body = encode_body(CheckpointRequest(checkpoint_id=attempt.checkpoint_id, deadline_ts=deadline_ts))
     call_deadline = time.time() + min(horizon_s, ctx.config.control_timeout_s)
 
     async def one(name: str) -> None:

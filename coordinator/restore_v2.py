@@ -35,6 +35,7 @@ from quiesce.coordinator.attempt import (
     run_phase,
     send_call,
 )
+from quiesce.coordinator.calls import encode_body
 from quiesce.coordinator.discovery import Discovery, Member
 from quiesce.coordinator.errors import DeadlineExceeded, FencedError, PhaseError, SnapshotError
 from quiesce.coordinator.protocol_v2 import (
@@ -161,11 +162,13 @@ async def _restore_body(
 ) -> dict[str, Any]:
     phase = "restore"
     exported = exported_by(snapshot)
-    body = RestoreRequest(
-        checkpoint_id=attempt.checkpoint_id,
-        deadline_ts=attempt.deadline_ts,
-        checkpoint_dir=str(snapshot.path),
-        episode_ids=scope,
+    body = encode_body(  # the same request to every server: encoded once
+        RestoreRequest(
+            checkpoint_id=attempt.checkpoint_id,
+            deadline_ts=attempt.deadline_ts,
+            checkpoint_dir=str(snapshot.path),
+            episode_ids=scope,
+        )
     )
 
     async def one(m: Member) -> None:

@@ -43,7 +43,7 @@ from quiesce.coordinator.attempt import (
     recovery_budget,
     send_call,
 )
-from quiesce.coordinator.calls import CallResult
+from quiesce.coordinator.calls import Body, CallResult, encode_body
 from quiesce.coordinator.discovery import Member
 from quiesce.coordinator.errors import DeadlineExceeded, FencedError, LedgerError, PhaseError
 from quiesce.coordinator.phases import resume_order
@@ -51,7 +51,6 @@ from quiesce.coordinator.protocol import (
     INVALID_PHASE,
     RESOURCES,
     Capabilities,
-    CommonBody,
 )
 from quiesce.coordinator.protocol_v2 import CHECKPOINT_CONFLICT
 from quiesce.coordinator.publish import (
@@ -192,15 +191,14 @@ async def resume_members(
     not_paused: list[str] = []
     failures: list[tuple[str, CallResult]] = []
 
-    async def one(m: Member, deadline_ts: float) -> None:
+    async def one(m: Member, deadline_ts: float, body: Body) -> None:
         called.append(m.name)
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
         if m.plane == "v2":
-            await one_v2(m, deadline_ts)
+            await one_v2(m, deadline_ts, body)
             return
         if m.name in check_first:
             await operation_ended(ctx, attempt, m, phase=phase, deadline_ts=deadline_ts)
-        body = CommonBody(checkpoint_id=attempt.checkpoint_id, deadline_ts=deadline_ts)
         for _ in range(_RESUME_TRIES):
             result = await send_call(ctx, attempt, m, "resume", phase, body=body, deadline_ts=deadline_ts)
             if result.ok:
@@ -221,11 +219,10 @@ async def resume_members(
             # the operation ended meanwhile and left this checkpoint paused there: resume again
         failures.append((m.name, result))
 
-    async def one_v2(m: Member, deadline_ts: float) -> None:
+    async def one_v2(m: Member, deadline_ts: float, body: Body) -> None:
         # the unified plane's resume is legal in every phase and aborts whatever runs there (the
         # writer is stopped first: no manifest is published after it), so nothing is waited for;
         # `checkpoint_conflict`: another id holds the server — this attempt holds nothing there
-        body = plain_body(m, attempt.checkpoint_id, deadline_ts)
         result = await send_call(ctx, attempt, m, "resume", phase, body=body, deadline_ts=deadline_ts)
         if result.ok:
             resumed.append(m.name)
@@ -242,14 +239,19 @@ async def resume_members(
         # each group its own budget: a slow group (a multi-worker model acknowledging its workers)
         # does not use up the time of the groups after it
         group_deadline = max(deadline_ts, time.time() + ctx.config.control_timeout_s)
+        # the group's resume body, built and encoded once per plane (a cluster speaks one)
+        bodies: dict[str, Body] = {}
+        for m in members:
+            if m.plane not in bodies:
+                bodies[m.plane] = encode_body(plain_body(m, attempt.checkpoint_id, group_deadline))
         with anyio.CancelScope(deadline=anyio_deadline(group_deadline)):
             if ctx.config.fanout == "parallel" and len(members) > 1:
                 async with anyio.create_task_group() as tg:
                     for m in members:
-                        tg.start_soon(one, m, group_deadline)
+                        tg.start_soon(one, m, group_deadline, bodies[m.plane])
             else:
                 for m in members:
-                    await one(m, group_deadline)
+                    await one(m, group_deadline, bodies[m.plane])
     # whoever is neither resumed nor known never-paused is left paused: a failed call, the budget
     # running out before (or during) its call, or a server the config no longer names
     settled = set(resumed) | set(not_paused)

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import anyio
+from pydantic import BaseModel
 
 from quiesce.coordinator.attempt import Attempt, Context, anyio_deadline, send_call
-from quiesce.coordinator.calls import CallResult
+from quiesce.coordinator.calls import CallResult, encode_body
 from quiesce.coordinator.discovery import Member
 from quiesce.coordinator.protocol_v2 import (
     INVALID_PHASE,
@@ -90,6 +91,8 @@ async def _fan(
 ) -> tuple[list[str], dict[str, str]]:
     called: list[str] = []
     failed: dict[str, str] = {}
+    if isinstance(body, BaseModel):
+        body = encode_body(body)  # the same request to every server: encoded once
 
     async def one(m: Member) -> None:
         called.append(m.name)
