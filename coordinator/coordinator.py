@@ -74,6 +74,7 @@ from quiesce.coordinator.config import ClusterConfig, check_deadline, find_token
 from quiesce.coordinator.discovery import Discovery, Member, discover
 from quiesce.coordinator.errors import AcknowledgementError, ConfigError, PhaseError, QuiesceError
 from quiesce.coordinator.heap import frozen_step, heap_frozen
+from quiesce.coordinator.http import HttpClient
 from quiesce.coordinator.lease import holder_text, keep_lease
 from quiesce.coordinator.phases import COMPONENT_OF_ROLE, V2_ROLE_OF_KIND
 from quiesce.coordinator.preflight import preflight
@@ -148,6 +149,7 @@ class Coordinator:
         observe: AfterAppend | None = None,
         config_path: str | os.PathLike[str] | None = None,
         require_token: bool = True,
+        client: HttpClient | None = None,
     ) -> AsyncIterator[Coordinator]:
         """Load the config (a `ClusterConfig` or a YAML path), open the ledger, take a new epoch.
 
@@ -173,6 +175,10 @@ class Coordinator:
         while it runs, a command that opens the ledger itself would find it taken.
         `observe` is called with the events of each of this coordinator's ledger commits, in seq
         order, once committed — its recovery's too (`Ledger.after_append`; it must not raise).
+
+        `client`: the HTTP client every control call is sent on (`coordinator/http.py`), e.g. one the
+        host shares between coordinators; the caller keeps it and closes it — the coordinator never
+        does. Default: a client of its own, closed when the coordinator closes.
 
         It runs on asyncio (uvloop included): its HTTP client and the PostgreSQL driver are
         asyncio's. Under another event loop (trio) it raises `QuiesceError` before anything opens.
@@ -220,7 +226,7 @@ class Coordinator:
             after_append=_chained(points.after_append if points is not None else None, observe),
         ) as ledger:
             await ledger.start_epoch({"coordinator": identity, "version": quiesce_version()})
-            caller = Caller(ledger, secret, epoch=ledger.epoch, no_token=missing_token(cfg))
+            caller = Caller(ledger, secret, epoch=ledger.epoch, client=client, no_token=missing_token(cfg))
             try:
                 async with _lease_kept(ledger, cfg.lease_s / 3):
                     path = os.fspath(source) if source is not None else None

@@ -16,11 +16,12 @@ One run (``run_gymscale``, a fresh process) holds both sides over the same serve
 - Gym: ``GymCoordination.save(scope)`` (``gymcoord.py``: Gym's calls in Gym's order, no ledger).
 
 Both: the same scope (every running episode), the same 120 s deadline, the same HTTP client code
-(``coordinator/http.py``), in two connection modes — ``reuse`` (one pooled client per side) and
-``fresh`` (``FreshClient``: one new connection per call) — with saves in pairs, which side goes
-first alternating, each save after the same settle time (the episodes run a random part of a
-turn, untimed). One untimed pair first reads every server's control log to check that both sides
-sent the same control calls (``same_calls``). Goal (N=512): quiesce / Gym ≤ 1.2 in both modes.
+(``coordinator/http.py``; quiesce's given to ``Coordinator.open(client=...)``), one client per side
+(``ModeClient``) in two connection modes — ``reuse`` (pooled) and ``fresh`` (one new connection per
+call) — with saves in pairs, which side goes first alternating, each save after the same settle
+time (the episodes run a random part of a turn, untimed). One untimed pair first reads every
+server's control log to check that both sides sent the same control calls (``same_calls``).
+Goal (N=512): quiesce / Gym ≤ 1.2 in both modes.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import anyio
 import httpx
 
 from quiesce.coordinator import ClusterConfig, Coordinator, parse_config
-from quiesce.coordinator.http import HttpClient
+from quiesce.coordinator.http import HttpClient, _Connection
 from quiesce.coordinator.protocol import TOKEN_ENV
 from quiesce.coordinator.protocol_v2 import EpisodeId
 from quiesce.tools.bench.episodes import running_episodes
@@ -65,23 +66,33 @@ MODES = ("reuse", "fresh")
 SIDES = ("quiesce", "gym")
 
 
-class FreshClient(HttpClient):
-    """The coordinator's HTTP client with no pool: every call opens (and then closes) its own
-    connection. Bench-only: it replaces the pool lookup, a private step of ``HttpClient``."""
+class ModeClient(HttpClient):
+    """The coordinator's HTTP client in one of the two connection modes: ``reuse`` (its pool, as
+    ``HttpClient``) or ``fresh`` — no pool: every call opens (and then closes) its own connection.
+    Each side holds one for the whole run (quiesce's given to ``Coordinator.open(client=...)``);
+    ``use(mode)`` switches it between saves. Bench-only: ``fresh`` replaces the pool lookup, a
+    private step of ``HttpClient``."""
 
-    def _take_idle(self, key: tuple[str, str, int], now: float) -> None:
+    def __init__(self, mode: str = "fresh") -> None:
+        super().__init__()
+        self.fresh = mode == "fresh"
+
+    def use(self, mode: str) -> None:
+        """Switch to ``mode``; the idle pooled connections are closed now (outside a timed save)."""
+        self.fresh = mode == "fresh"
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.close()
+                self._all.discard(conn)
+        self._idle.clear()
+
+    def _take_idle(self, key: tuple[str, str, int], now: float) -> _Connection | None:
+        if not self.fresh:
+            return super()._take_idle(key, now)
         for conn in self._idle.pop(key, []):
             conn.close()
             self._all.discard(conn)
         return None
-
-
-def use_client(coord: Coordinator, client: HttpClient) -> None:
-    """Send the coordinator's control calls on ``client`` (the one the Gym side uses too).
-
-    Bench-only: ``Coordinator.open`` takes no client, so this sets the one its caller was given
-    (``Caller(client=...)``), a private field; the caller never closes a given client."""
-    coord._ctx.caller._given = client
 
 
 def spec_parts(n: int, processes: int = PROCESSES, policy_url: str | None = None) -> list[dict[str, Any]]:
@@ -184,7 +195,7 @@ async def run_gymscale(
     folder = Path(dir)
     config = quiesce_config(urls, folder)
     episodes = [EpisodeId.model_validate(e) for e in scope]
-    clients = {"reuse": (HttpClient(), HttpClient()), "fresh": (FreshClient(), FreshClient())}
+    clients = {side: ModeClient("reuse") for side in SIDES}  # one per side, switched per mode
     took: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
     servers_cpu: dict[str, list[float]] = {}
@@ -202,9 +213,8 @@ async def run_gymscale(
 
     out: dict[str, Any] = {}
     try:
-        async with Coordinator.open(config, token=token) as coord:
-            gym = GymCoordination(urls, token, folder / "gym-snapshots", clients["reuse"][1])
-            use_client(coord, clients["reuse"][0])
+        async with Coordinator.open(config, token=token, client=clients["quiesce"]) as coord:
+            gym = GymCoordination(urls, token, folder / "gym-snapshots", clients["gym"])
             logs = [await control_logs(urls)]
             discovered = await coord.discover()
             logs.append(await control_logs(urls))
@@ -230,21 +240,22 @@ async def run_gymscale(
             differ = (sent["quiesce"] - sent["gym"]) + (sent["gym"] - sent["quiesce"])
             out["calls_differ"] = sorted(" ".join(k) for k in differ)[:10]
             for mode in MODES:
-                use_client(coord, clients[mode][0])
-                gym.client = clients[mode][1]
+                for client in clients.values():
+                    client.use(mode)
                 for index in range(cycles):
                     settle_s = SETTLE_S + rng.random() * MODEL_LATENCY_S
                     order = SIDES if (index + (first == "gym")) % 2 == 0 else SIDES[::-1]
                     for side in order:
                         await anyio.sleep(settle_s)
                         await timed(f"{mode}_{side}", actions[side])
-            for index in range(cycles):  # discovery, fresh connections
+            for client in clients.values():  # discovery, fresh connections
+                client.use("fresh")
+            for index in range(cycles):
                 for side in SIDES if index % 2 == 0 else SIDES[::-1]:
                     await timed(f"discover_{side}", coord.discover if side == "quiesce" else gym.discover)
     finally:
-        for pair in clients.values():
-            for client in pair:
-                await client.aclose()
+        for client in clients.values():
+            await client.aclose()
     out["participants"] = len(discovered.participants)
     out["episodes"] = len(scope)
     for key, values in took.items():
@@ -338,7 +349,7 @@ def measure(ctx: Context) -> Result:
         "quiesce (Coordinator.checkpoint(episodes=scope))",
         durability="full (SQLite WAL ledger; every call recorded before it leaves and after its reply)",
         transport="loopback HTTP, coordinator/http.py; reuse: one pooled client; fresh: a new connection"
-        " per call (FreshClient)",
+        " per call (ModeClient)",
         order="pairs, which side goes first alternating; the same settle time before both saves of a pair",
         work="prepare by stage, commit with the scope, every reply verified against the files (sha256),"
         " publication (manifest, fsync, rename, LATEST), resume in reverse stage order",
@@ -383,11 +394,10 @@ def measure(ctx: Context) -> Result:
 
 
 __all__ = [
-    "FreshClient",
     "GymCoordination",
+    "ModeClient",
     "measure",
     "run_gymscale",
     "spawn_parts",
     "spec_parts",
-    "use_client",
 ]
