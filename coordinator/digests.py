@@ -29,7 +29,15 @@ from typing import Final
 
 from quiesce.coordinator.durable import fsync_file
 
-__all__ = ["RACY_S", "DigestCache", "FileFacts", "file_digest", "read_facts", "regular_facts"]
+__all__ = [
+    "RACY_S",
+    "DigestCache",
+    "FileFacts",
+    "file_digest",
+    "read_facts",
+    "regular_bytes",
+    "regular_facts",
+]
 
 _CHUNK: Final = 1 << 20
 #: A file stamped less than this before its read began is not cached (see the module docstring).
@@ -37,6 +45,8 @@ RACY_S: Final = 0.025
 _RACY_NS: Final = int(RACY_S * 1e9)
 
 _StatKey = tuple[int, int, int, int, int]
+#: A file's path, as text or a `Path` (the hot paths pass text: no `Path` object per file).
+StrPath = str | Path
 
 
 @dataclass(frozen=True)
@@ -70,18 +80,20 @@ class DigestCache:
         with self._lock:
             self._facts.clear()
 
-    def get(self, path: Path, st: os.stat_result) -> FileFacts | None:
+    def get(self, path: StrPath, st: os.stat_result) -> FileFacts | None:
+        key = path if isinstance(path, str) else str(path)
         with self._lock:
-            found = self._facts.get(str(path))
+            found = self._facts.get(key)
         if found is None or found[0] != _key(st):
             return None
         return found[1]
 
-    def put(self, path: Path, st: os.stat_result, facts: FileFacts, read_started_ns: int) -> None:
+    def put(self, path: StrPath, st: os.stat_result, facts: FileFacts, read_started_ns: int) -> None:
         if max(st.st_mtime_ns, st.st_ctime_ns) > read_started_ns - _RACY_NS:
             return
+        key = path if isinstance(path, str) else str(path)
         with self._lock:
-            self._facts[str(path)] = (_key(st), facts)
+            self._facts[key] = (_key(st), facts)
 
 
 def _count_records(data: bytes, carry: bytes) -> tuple[int, bytes]:
@@ -92,7 +104,7 @@ def _count_records(data: bytes, carry: bytes) -> tuple[int, bytes]:
 
 
 def read_facts(
-    path: Path,
+    path: StrPath,
     *,
     records: bool = False,
     fsync: bool = False,
@@ -141,7 +153,46 @@ def file_digest(path: Path) -> tuple[int, str]:
     return facts.size, facts.sha256
 
 
-def regular_facts(path: Path, *, records: bool = False, cache: DigestCache | None = None) -> FileFacts | str:
+def regular_bytes(path: StrPath, *, cache: DigestCache | None = None) -> tuple[bytes, FileFacts] | str:
+    """The bytes of a regular file and its facts (size, sha256), never through a symlink, read once
+    through one descriptor; the facts go into `cache` by the same rules as ``read_facts`` (kept
+    only when the file's stat identity did not change while it was read and it is not racy), so a
+    later ``read_facts`` of the unchanged file does not read it again. Else what is wrong with it,
+    as ``regular_facts`` says it."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as error:
+        return f"cannot be read: {error.strerror or error}"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    started = time.time_ns()
+    chunks: list[bytes] = []
+    try:
+        # O_NOFOLLOW: a symlink swapped in since the lstat is refused, never followed
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        try:
+            before = os.fstat(fd)
+            while chunk := os.read(fd, _CHUNK):
+                chunks.append(chunk)
+            after = os.fstat(fd)
+        finally:
+            os.close(fd)
+    except OSError as error:
+        return f"cannot be read: {error.strerror or error}"
+    if not stat.S_ISREG(before.st_mode):
+        return "not a regular file"
+    data = b"".join(chunks)
+    facts = FileFacts(len(data), hashlib.sha256(data).hexdigest())
+    if cache is not None and _key(before) == _key(after):
+        cache.put(path, after, facts, started)
+    return data, facts
+
+
+def regular_facts(
+    path: StrPath, *, records: bool = False, cache: DigestCache | None = None
+) -> FileFacts | str:
     """``read_facts`` of a regular file, never through a symlink; else what is wrong with it:
     ``"missing"``, ``"not a regular file"`` (a folder, a symlink, ...) or ``"cannot be read: ..."``."""
     try:

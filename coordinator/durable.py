@@ -15,7 +15,7 @@ from pathlib import Path
 __all__ = ["fsync_dir", "fsync_file", "syncfs", "syncfs_available"]
 
 
-def _fsync(path: Path, flags: int) -> None:
+def _fsync(path: str | Path, flags: int) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | flags)
     try:
         os.fsync(fd)
@@ -28,7 +28,7 @@ def fsync_dir(path: Path) -> None:
     _fsync(path, getattr(os, "O_DIRECTORY", 0))
 
 
-def fsync_file(path: Path) -> None:
+def fsync_file(path: str | Path) -> None:
     """fsync a file (its data and inode) without reading it."""
     _fsync(path, 0)
 

@@ -21,12 +21,13 @@ import contextlib
 import errno
 import os
 from pathlib import Path
+from typing import Final
 
 from quiesce.coordinator.config import ClusterConfig
 from quiesce.coordinator.errors import SnapshotError
-from quiesce.coordinator.publish import read_latest
+from quiesce.coordinator.publish import MANIFEST, read_latest
 
-__all__ = ["preflight", "snapshot_bytes"]
+__all__ = ["preflight", "remember_snapshot_bytes", "snapshot_bytes"]
 
 _PROBE = ".quiesce-preflight"
 
@@ -49,15 +50,53 @@ def _os_reason(error: OSError) -> str:
     return error.strerror or str(error)
 
 
+#: snapshot folder → (its manifest's stat identity, the bytes it lists): what a save published
+#: here (`remember_snapshot_bytes`) or a preflight read, so the next preflight does not parse that
+#: manifest again while the file is the one it was (a rewrite changes its identity)
+_KNOWN_BYTES: dict[str, tuple[tuple[int, int, int, int, int], int]] = {}
+_KNOWN_MAX: Final = 16
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _keep_bytes(snapshot: Path, st: os.stat_result, total: int) -> None:
+    if len(_KNOWN_BYTES) >= _KNOWN_MAX:
+        _KNOWN_BYTES.clear()
+    _KNOWN_BYTES[str(snapshot)] = (_identity(st), total)
+
+
+def remember_snapshot_bytes(snapshot: Path, total: int) -> None:
+    """Note that the snapshot just published at `snapshot` lists `total` bytes (its manifest as it
+    is now on disk), for the next preflight's `snapshot_bytes`."""
+    try:
+        st = os.stat(snapshot / MANIFEST)
+    except OSError:
+        return
+    _keep_bytes(snapshot, st, total)
+
+
 def snapshot_bytes(snapshot: Path) -> int:
-    """The bytes a published snapshot's manifest lists (0 when it cannot be read)."""
+    """The bytes a published snapshot's manifest lists (0 when it cannot be read); a manifest
+    unchanged since this process published or read it is not parsed again."""
     from quiesce.coordinator.publish import load_snapshot
 
+    try:
+        st: os.stat_result | None = os.stat(snapshot / MANIFEST)
+    except OSError:
+        st = None
+    known = _KNOWN_BYTES.get(str(snapshot))
+    if st is not None and known is not None and known[0] == _identity(st):
+        return known[1]
     try:
         files = load_snapshot(snapshot).manifest.get("files", [])
     except SnapshotError:
         return 0
-    return sum(f["bytes"] for f in files if isinstance(f, dict) and isinstance(f.get("bytes"), int))
+    total: int = sum(f["bytes"] for f in files if isinstance(f, dict) and isinstance(f.get("bytes"), int))
+    if st is not None:
+        _keep_bytes(snapshot, st, total)
+    return total
 
 
 def preflight(config: ClusterConfig) -> list[str]:

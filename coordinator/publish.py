@@ -425,6 +425,16 @@ def load_snapshot(path: Path) -> Snapshot:
     return Snapshot(path, manifest)
 
 
+def _candidates(snapshots: Path) -> int:
+    """How many entries of `snapshots` `list_snapshots` would read a manifest of (folders, not
+    symlinks, not hidden): at least as many as it finds snapshots. Each is one `scandir` entry,
+    no manifest read."""
+    if not snapshots.is_dir():
+        return 0
+    with os.scandir(snapshots) as entries:
+        return sum(1 for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False))
+
+
 def list_snapshots(snapshots: Path) -> list[Snapshot]:
     """Every readable snapshot under `snapshots`, oldest first (a symlink is never one of ours)."""
     found: list[Snapshot] = []
@@ -542,6 +552,8 @@ def apply_retention(
     With `defer_delete`, each is only renamed into `<snapshots>/.trash/` (one rename: it is no
     longer a snapshot at once) and `empty_trash` deletes it later — off the path of whoever waits.
     """
+    if keep >= 0 and _candidates(snapshots) <= keep:
+        return []  # no more folders than `keep` could be snapshots: no manifest needs reading
     protected = {p.resolve() for p in protect}
     latest = read_latest(snapshots)
     if latest is not None:

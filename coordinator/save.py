@@ -57,6 +57,7 @@ from quiesce.coordinator.calls import CallResult
 from quiesce.coordinator.digests import DigestCache, regular_facts
 from quiesce.coordinator.discovery import Discovery, Member
 from quiesce.coordinator.errors import SnapshotError
+from quiesce.coordinator.preflight import remember_snapshot_bytes
 from quiesce.coordinator.protocol import (
     AGENT_PREPARE_INCOMPLETE as _AGENT_PREPARE_INCOMPLETE,
 )
@@ -534,25 +535,34 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
     }
 
 
-def _verify_entry(staging: Path, entry: dict[str, Any], cache: DigestCache | None = None) -> list[str]:
+def _verify_entry(
+    staging: Path, entry: dict[str, Any], cache: DigestCache | None = None, *, walk: bool = True
+) -> list[str]:
     """A participant's manifest digest and artifact references against the files in `staging`
-    (read now, or taken from `cache` for a file unchanged since it was read)."""
+    (read now, or taken from `cache` for a file unchanged since it was read).
+
+    With `walk` (the default) its own folder is walked too: it may hold only what can be
+    published. `walk=False` only where the whole tree was just refused for any such entry
+    (`tree_digests(strict=True)`, which publish runs first)."""
     name = entry["name"]
     problems: list[str] = []
     rel = entry["manifest"]
-    # its own folder holds only what can be published (no symlink, FIFO, socket, device, outside link)
-    parts = PurePosixPath(rel).parent.parts
-    folder = staging.joinpath(*parts)
-    # the first folder on the way down from `staging` that is a symlink (lstat of each, no Path
-    # arithmetic: this runs for every participant of every commit)
-    base = os.fspath(staging)
-    linked = next((i for i in range(1, len(parts) + 1) if os.path.islink(os.path.join(base, *parts[:i]))), 0)
-    if linked:
-        problems.append(f"{name}: {'/'.join(parts[:linked])} is a symlink, not a folder")
-    elif folder.is_dir():
-        problems.extend(
-            f"{name}: {folder.relative_to(staging).as_posix()}/{odd}" for odd in unpublishable(folder)
+    if walk:
+        # its own folder holds only what can be published (no symlink, FIFO, socket, device, outside link)
+        parts = PurePosixPath(rel).parent.parts
+        folder = staging.joinpath(*parts)
+        # the first folder on the way down from `staging` that is a symlink (lstat of each, no Path
+        # arithmetic: this runs for every participant of every commit)
+        base = os.fspath(staging)
+        linked = next(
+            (i for i in range(1, len(parts) + 1) if os.path.islink(os.path.join(base, *parts[:i]))), 0
         )
+        if linked:
+            problems.append(f"{name}: {'/'.join(parts[:linked])} is a symlink, not a folder")
+        elif folder.is_dir():
+            problems.extend(
+                f"{name}: {folder.relative_to(staging).as_posix()}/{odd}" for odd in unpublishable(folder)
+            )
     facts = regular_facts(staging / rel, cache=cache)  # no symlink: the tree's digests leave them out
     digest = facts.sha256 if not isinstance(facts, str) else None
     if isinstance(facts, str):
@@ -625,10 +635,11 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
 
         def verify() -> tuple[dict[str, tuple[int, str]], list[str]]:
             # one pass hashes (what commit did not) and fsyncs every file and folder; the checks
-            # and the manifest reuse it
+            # and the manifest reuse it. Strict: it refuses anything unpublishable anywhere in the
+            # tree, so the participants' own folders need no walk of their own
             cache = attempt.digests
             digests = tree_digests(staging, sync=True, skip=[MANIFEST], cache=cache, strict=True)
-            return digests, [p for entry in entries for p in _verify_entry(staging, entry, cache)]
+            return digests, [p for entry in entries for p in _verify_entry(staging, entry, cache, walk=False)]
 
         try:
             digests, problems = await anyio.to_thread.run_sync(verify)
@@ -701,7 +712,13 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
     )
     attempt.state = "published"
     attempt.snapshot = final
-    await anyio.to_thread.run_sync(write_latest, ctx.config.snapshots, final.name)
+    total = sum(f["bytes"] for f in manifest["files"])
+
+    def point_latest() -> None:
+        write_latest(ctx.config.snapshots, final.name)
+        remember_snapshot_bytes(final, total)  # the next save's preflight reads no manifest for it
+
+    await anyio.to_thread.run_sync(point_latest)
     removed = await anyio.to_thread.run_sync(
         lambda: apply_retention(
             ctx.config.snapshots, ctx.config.keep_latest, protect=[final], defer_delete=defer_delete

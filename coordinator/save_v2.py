@@ -20,20 +20,23 @@ rollback, publication — is the one v1 uses: `attempt.py`, `resume.py`, `save.p
   everyone else. A cluster without an environment server needs the caller's scope (the model
   refuses a commit without one); `require_scope` says so before any request.
 - **Commit** fans out with `checkpoint_dir` = the staging folder, the scope and `stop`. Every
-  reply is verified before anything is published: phase `committed`, the manifest's kind and
-  checkpoint id, `episode_ids` unique and within the scope, the records file on disk against the
-  manifest's sha256 and count, the manifest on disk equal to the reply's, a model's staging keys
-  consistent with its per-episode keys, no episode exported by two environment servers.
+  reply is verified before the phase ends (so before anything is published): phase `committed`,
+  the manifest's kind and checkpoint id, `episode_ids` unique and within the scope, the records
+  file on disk against the manifest's sha256 and count, the manifest on disk equal to the
+  reply's, a model's staging keys consistent with its per-episode keys, no episode exported by
+  two environment servers. Each reply is checked against its files as it comes in, in a worker
+  thread, while the fan-out waits for the slower servers — once its files are `digests.RACY_S`
+  old, so their facts are kept for publication —, the last ones once every reply is in.
   `episodes.exported` records what each exported.
 """
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import Any, Final
 
 import anyio
@@ -49,7 +52,8 @@ from quiesce.coordinator.attempt import (
     run_phase,
     send_call,
 )
-from quiesce.coordinator.digests import DigestCache, regular_facts
+from quiesce.coordinator.calls import Body, encode_body
+from quiesce.coordinator.digests import RACY_S, DigestCache, regular_bytes, regular_facts
 from quiesce.coordinator.discovery import Member
 from quiesce.coordinator.errors import QuiesceError
 from quiesce.coordinator.phases import V2_STAGES
@@ -75,6 +79,8 @@ from quiesce.coordinator.wording import count
 NAMED_BLOCKERS: Final = 5
 #: Longest pause before a `preparing` server is asked again when its reply came early.
 PREPARE_RETRY_S: Final = 0.2
+#: How often, while a commit's fan-out runs, the replies that arrived are verified (in a thread).
+VERIFY_EVERY_S: Final = 0.05
 
 
 #: The longest a single prepare asks a server to wait before it answers how far it got: the
@@ -122,11 +128,14 @@ async def _prepare_body(ctx: Context, attempt: Attempt, budget_s: float) -> dict
     asked_ts = attempt.deadline_ts - prepare_margin_s(budget_s)
     reports: dict[str, PrepareReport] = {}
 
-    async def one(m: Member) -> None:
+    def ask() -> tuple[float, Body]:
+        # the same id each time; each call waits at most a slice, so its report is fresh
+        until = min(asked_ts, time.time() + PREPARE_SLICE_S)
+        return until, encode_body(CheckpointRequest(checkpoint_id=attempt.checkpoint_id, deadline_ts=until))
+
+    async def one(m: Member, first: tuple[float, Body]) -> None:
+        until, body = first  # a stage's first asks: one body for all its servers, encoded once
         while True:
-            # the same id each time; each call waits at most a slice, so its report is fresh
-            until = min(asked_ts, time.time() + PREPARE_SLICE_S)
-            body = CheckpointRequest(checkpoint_id=attempt.checkpoint_id, deadline_ts=until)
             ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
             # the server answers by `until`; the call itself may take until the attempt's deadline
             result = await send_call(ctx, attempt, m, "prepare", phase, body=body)
@@ -150,14 +159,16 @@ async def _prepare_body(ctx: Context, attempt: Attempt, budget_s: float) -> dict
                 return  # not ready by the deadline: judged with the others below
             if time.time() < until - 0.01:  # it answered before its slice ended: pause a little
                 await anyio.sleep(min(PREPARE_RETRY_S, max(0.0, asked_ts - time.time())))
+            until, body = ask()
 
     for role in V2_STAGES:
         members = attempt.group(role)
         if not members:
             continue
+        first = ask()
         async with anyio.create_task_group() as tg:
             for m in members:
-                tg.start_soon(_failing_into, attempt, m, one)
+                tg.start_soon(_failing_into, attempt, m, functools.partial(one, first=first))
         failed = [attempt.settled[m.name] for m in members if m.name in attempt.settled]
         if failed:
             raise failed[0].with_others(failed[1:])
@@ -245,23 +256,28 @@ async def _commit_body(
     assert staging is not None
     restart_keys = {key for keys in attempt.restarts.values() for key in keys}
     replies: dict[str, CommitReply] = {}
+    arrived: list[tuple[float, Member]] = []  # replies not verified yet, with when they arrived
 
-    async def one(m: Member, scope: list[EpisodeId] | None) -> None:
+    async def one(m: Member, body: Body) -> None:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
-        body = CommitRequest(
-            checkpoint_id=attempt.checkpoint_id,
-            deadline_ts=attempt.deadline_ts,
-            checkpoint_dir=str(staging),
-            episode_ids=scope,
-            stop=stop,
-        )
         result = await send_call(ctx, attempt, m, "commit", phase, body=body)
         replies[m.name] = expect_reply(result, CommitReply, phase, "commit")
+        arrived.append((time.monotonic(), m))
 
     async def fan_out(members: Sequence[Member], scope: list[EpisodeId] | None) -> None:
+        # every server of the fan-out gets the same request: built and encoded once
+        body = encode_body(
+            CommitRequest(
+                checkpoint_id=attempt.checkpoint_id,
+                deadline_ts=attempt.deadline_ts,
+                checkpoint_dir=str(staging),
+                episode_ids=scope,
+                stop=stop,
+            )
+        )
         async with anyio.create_task_group() as tg:
             for m in members:
-                tg.start_soon(_failing_into, attempt, m, lambda m: one(m, scope))
+                tg.start_soon(_failing_into, attempt, m, lambda m: one(m, body))
         failed = [attempt.settled[m.name] for m in members if m.name in attempt.settled]
         if failed:
             raise failed[0].with_others(failed[1:])
@@ -291,27 +307,53 @@ async def _commit_body(
         },
     )
     rest = [m for m in attempt.participants if m not in first]
-    await fan_out(rest, scope)
     scope_keys = set(attempt.scope)
-    entries = await anyio.to_thread.run_sync(
-        lambda: [
-            (
-                m,
-                _verify_commit(
-                    staging,
-                    m,
-                    attempt.checkpoint_id,
-                    replies[m.name],
-                    scope_keys,
-                    restart_keys,
-                    attempt.digests,
-                ),
-            )
-            for m in attempt.participants
-        ]
-    )
+    checked: dict[str, tuple[dict[str, Any], list[str]]] = {}
+
+    def verify(members: list[Member]) -> list[tuple[Member, tuple[dict[str, Any], list[str]]]]:
+        # in a worker thread: each reply against the files on disk (`_verify_commit`)
+        folder = str(staging)
+        return [
+            (m, _verify_commit(folder, m, attempt.checkpoint_id, replies[m.name], scope_keys,
+                               restart_keys, attempt.digests))
+            for m in members
+        ]  # fmt: skip
+
+    async def verify_due(everything: bool) -> None:
+        # the replies whose files are old enough for their facts to be kept (`digests.RACY_S`);
+        # at the end, every one left
+        now = time.monotonic()
+        due = [m for at, m in arrived if everything or now - at >= RACY_S]
+        if not due:
+            return
+        arrived[:] = [(at, m) for at, m in arrived if not (everything or now - at >= RACY_S)]
+        for m, outcome in await anyio.to_thread.run_sync(verify, due):
+            checked[m.name] = outcome
+
+    # replies are verified as they come in, while the fan-out waits for the slower servers
+    fanned_out = anyio.Event()
+    failure: PhaseFailure | None = None
+
+    async def verifier() -> None:
+        while not fanned_out.is_set():
+            with anyio.move_on_after(VERIFY_EVERY_S):
+                await fanned_out.wait()
+            await verify_due(False)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(verifier)
+        try:
+            await fan_out(rest, scope)
+        except PhaseFailure as error:
+            failure = error
+        finally:
+            fanned_out.set()
+    if failure is not None:
+        raise failure
+    await verify_due(True)
     owners: dict[str, str] = {}
-    for m, (entry, problems) in entries:
+    for m in attempt.participants:
+        entry, problems = checked[m.name]
         if problems:
             raise PhaseFailure(phase, m.name, "; ".join(problems))
         if m.component == "environment":
@@ -338,7 +380,7 @@ async def _commit_body(
 
 
 def _verify_commit(
-    staging: Path,
+    staging: str,
     m: Member,
     checkpoint_id: str,
     reply: CommitReply,
@@ -348,7 +390,8 @@ def _verify_commit(
 ) -> tuple[dict[str, Any], list[str]]:
     """A commit reply against the rules of the module docstring and the files on disk; returns the
     publication entry of the participant and the problems found (none: it may be published). The
-    records file's facts go into `cache`: publication does not hash it again."""
+    facts of its manifest and records file go into `cache`: publication does not hash them again.
+    Neither is read through a symlink."""
     problems: list[str] = []
     manifest = reply.manifest
     if manifest.kind != m.component:
@@ -389,19 +432,20 @@ def _verify_commit(
     name = manifest.records_file
     if not (RECORDS_PATTERN.match(name) or name == LEGACY_RECORDS):
         return entry, [f"its records file name {name!r} is not records-<sha256>.jsonl"]
-    base = staging / folder
-    try:
-        raw = (base / MANIFEST).read_bytes()
-    except OSError as error:
-        return entry, [f"its manifest {folder}/{MANIFEST} cannot be read: {error.strerror or error}"]
-    entry["manifest_digest"] = hashlib.sha256(raw).hexdigest()
+    base = os.path.join(staging, folder)  # text, not `Path`: this runs for every participant
+    # read once, never through a symlink; its facts go into `cache`: publication does not read it again
+    read = regular_bytes(os.path.join(base, MANIFEST), cache=cache)
+    if isinstance(read, str):
+        return entry, [f"its manifest {folder}/{MANIFEST} {'is ' if read[0] in 'mn' else ''}{read}"]
+    raw, manifest_facts = read
+    entry["manifest_digest"] = manifest_facts.sha256
     try:
         on_disk = json.loads(raw)
     except ValueError:
         return entry, [f"its manifest {folder}/{MANIFEST} is not JSON"]
     if on_disk != manifest.model_dump(mode="json"):
         problems.append(f"its manifest {folder}/{MANIFEST} differs from the one its commit reply names")
-    facts = regular_facts(base / name, records=True, cache=cache)  # never through a symlink
+    facts = regular_facts(os.path.join(base, name), records=True, cache=cache)  # never through a symlink
     if isinstance(facts, str):
         return entry, [*problems, f"its records file {folder}/{name} is {facts}"]
     digest, lines = facts.sha256, facts.records or 0
