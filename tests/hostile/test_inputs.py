@@ -1,4 +1,5 @@
-"""Bad input gets one clear message, the right exit code and no traceback: deadlines and output paths.
+"""Bad input gets one clear message, the right exit code and no traceback: deadlines, output paths,
+ledger URLs that cannot be used, and a password in a server URL (shown and stored hidden).
 
 - `--deadline-s` NaN, inf, 0, negative → exit 2 naming the flag; above `max_deadline_s` (config,
   default one day) → exit 2 naming the bound. The same values through the embedded API raise

@@ -144,13 +144,14 @@ async def test_a_rebinding_host_is_refused_and_the_served_names_work(
     service = spawn_service(
         _config(cluster, tmp_path, sqlite_url),
         env_extra={ALLOW_HOSTS_ENV: "quiesce.example, other.example:7"},
+        extra=("--allow-host", "flag.example", "--allow-host", "port.example:8"),
     )
     await wait_ready(service.url)
     port = urlsplit(service.url).port or 80
     async with httpx.AsyncClient(base_url=service.url, trust_env=False, timeout=60) as http:
         for host in ("evil.example", f"evil.example:{port}", f"localhost.evil.example:{port}",
                      f"127.0.0.1.evil.example:{port}", f"other.example:{port}", "",
-                     "127.0.0.1:1"):  # fmt: skip
+                     "127.0.0.1:1", f"port.example:{port}"):  # fmt: skip
             for method, path, body in (
                 ("GET", "/", None),
                 ("GET", "/v1/status", None),
@@ -169,7 +170,8 @@ async def test_a_rebinding_host_is_refused_and_the_served_names_work(
         await _nothing_recorded(sqlite_url)
 
         for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"LOCALHOST:{port}", "quiesce.example",
-                     f"quiesce.example:{port}", "other.example:7"):  # fmt: skip
+                     f"quiesce.example:{port}", "other.example:7", "flag.example", f"flag.example:{port}",
+                     "port.example:8"):  # fmt: skip
             reply = await http.get("/v1/status", headers={"Host": host, "Origin": f"http://{host}"})
             assert reply.status_code == 200, (host, reply.text)
         # a proxy that terminates TLS for an allowed name: its page's origin is https://NAME

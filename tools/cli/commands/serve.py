@@ -1,11 +1,14 @@
-"""`quiesce serve --config C [--listen HOST:PORT] [--advertise URL] [--json]` — the ledger as a service.
+"""`quiesce serve --config C [--listen HOST:PORT] [--advertise URL] [--allow-host NAME[:PORT]]... [--json]`
+— the ledger as a service.
 
 Serves HTTP API v1 (`/docs` for the OpenAPI page), server-sent event streams, `/metrics`,
 `/healthz`, `/readyz` and a live page at `/` until SIGTERM or Ctrl-C; see `quiesce.tools.serve`. The API
 token comes from `QUIESCE_API_TOKEN` (required when listening beyond loopback), the Gym control
 token from the config's `token_env`, as for every command. On a PostgreSQL ledger a second
 `quiesce serve` on the same config is a standby: it answers 503 naming the active one, and takes
-over when that one's lease expires. Once serving (or waiting as a standby) it prints where, on
+over when that one's lease expires. It answers only to the Host names of its own address (and
+`--allow-host` / `QUIESCE_ALLOW_HOSTS`), and takes state changes only as JSON from its own origin.
+Once serving (or waiting as a standby) it prints where, on
 stdout: `serving http://HOST:PORT (ready)`, or with `--json` one line `{"listening": URL, "state",
 "auth", "pid"}`. Exit 0 after a clean stop, 1 when the service failed, 2 on bad usage or config.
 """
@@ -44,6 +47,15 @@ def register(subparsers: Any) -> None:
         default=None,
         help="the address a standby names for this service (default: http://HOST:PORT as bound)",
     )
+    parser.add_argument(
+        "--allow-host",
+        metavar="NAME[:PORT]",
+        action="append",
+        default=[],
+        help="another name the service answers to in the Host header (repeatable; also"
+        " $QUIESCE_ALLOW_HOSTS, comma-separated): any other name is refused (421), as a page of another"
+        " site rebound to this address would use",
+    )
     parser.set_defaults(handler=handle)
 
 
@@ -59,6 +71,11 @@ def handle(args: argparse.Namespace) -> int:
     resolve_token(config)  # no control token: a config error now, not at the first request
     return anyio.run(
         lambda: serve(
-            config, args.listen, advertise=args.advertise, as_json=args.json, config_path=args.config
+            config,
+            args.listen,
+            advertise=args.advertise,
+            as_json=args.json,
+            config_path=args.config,
+            allow_hosts=args.allow_host,
         )
     )
