@@ -31,7 +31,13 @@ def mask_url_passwords(text: str) -> str:
     ``<redacted>``; for stored payloads and for messages alike."""
     if "@" not in text or "://" not in text:
         return text
-    return _URL_PASSWORD.sub(rf"\1{REDACTED}@", text)
+    return _URL_PASSWORD.sub(_masked, text)
+
+
+def _masked(match: re.Match[str]) -> str:
+    # `***` is how a database URL shows with its password already hidden (``urls.safe``): kept
+    whole = match.group(0)
+    return whole if whole.endswith(":***@") else f"{match.group(1)}{REDACTED}@"
 
 
 BODY_CAP_BYTES: Final = 64 * 1024
