@@ -29,6 +29,21 @@ from typing import Final
 
 from quiesce.coordinator.durable import fsync_file
 
+
+def _regular_stat(path: str | os.PathLike[str]) -> os.stat_result | str:
+    """The ``lstat`` of a regular file (never followed through a symlink); else what is wrong with
+    it: ``"missing"``, ``"not a regular file"`` or ``"cannot be read: ..."``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as error:
+        return f"cannot be read: {error.strerror or error}"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    return st
+
+
 __all__ = [
     "RACY_S",
     "DigestCache",
@@ -159,14 +174,9 @@ def regular_bytes(path: StrPath, *, cache: DigestCache | None = None) -> tuple[b
     only when the file's stat identity did not change while it was read and it is not racy), so a
     later ``read_facts`` of the unchanged file does not read it again. Else what is wrong with it,
     as ``regular_facts`` says it."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return "missing"
-    except OSError as error:
-        return f"cannot be read: {error.strerror or error}"
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
+    st = _regular_stat(path)
+    if isinstance(st, str):
+        return st
     started = time.time_ns()
     chunks: list[bytes] = []
     try:
@@ -195,14 +205,9 @@ def regular_facts(
 ) -> FileFacts | str:
     """``read_facts`` of a regular file, never through a symlink; else what is wrong with it:
     ``"missing"``, ``"not a regular file"`` (a folder, a symlink, ...) or ``"cannot be read: ..."``."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return "missing"
-    except OSError as error:
-        return f"cannot be read: {error.strerror or error}"
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
+    st = _regular_stat(path)
+    if isinstance(st, str):
+        return st
     try:
         return read_facts(path, records=records, cache=cache, st=st)
     except OSError as error:
