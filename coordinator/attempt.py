@@ -239,6 +239,9 @@ class Attempt:
     deadline_ts: float
     participants: tuple[Member, ...]
     staging_dir: Path | None = None
+    #: save: (device, inode) of the staging folder this attempt made (`publish.make_staging`);
+    #: publication takes that very folder only (`publish.staging_problem`)
+    staging_identity: tuple[int, int] | None = None
     snapshot: Path | None = None
     source_checkpoint_id: str | None = None
     #: restore: the sha256 of the snapshot's manifest when the restore began (recorded in
@@ -570,9 +573,12 @@ async def ledger_id(ledger: Ledger) -> str | None:
 
 
 async def next_checkpoint_id(ledger: Ledger) -> str:
-    """The id of a new attempt: `q<ledger id>-<seq>-e<epoch>` (`quiesce.coordinator.ids`), unique across
-    ledgers, with the seq its `attempt.started` will get (single writer)."""
-    return ids.checkpoint_id(await ledger_id(ledger), ledger.epoch, await ledger.last_seq() + 1)
+    """The id of a new attempt: `q<ledger id>-<seq>-e<epoch>-w<writer>` (`quiesce.coordinator.ids`),
+    unique across ledgers and across copies of one, with the seq its `attempt.started` will get
+    (single writer)."""
+    return ids.checkpoint_id(
+        await ledger_id(ledger), ledger.epoch, await ledger.last_seq() + 1, ledger.epoch_hash
+    )
 
 
 def command_line(config_path: str | None, verb: str, *args: str, service: str | None = None) -> str:

@@ -4,7 +4,7 @@ A Gym server remembers every checkpoint id it retired and answers 409 `stale_che
 forever, so an id must never repeat for the life of the servers — across ledgers too, not only
 within one. The rule:
 
-    q<ledger id>-<seq>-e<epoch>          e.g. q3f9a0c2e71-0000000042-e7
+    q<ledger id>-<seq>-e<epoch>-w<writer>     e.g. q3f9a0c2e71-0000000042-e7-w5c01d2
 
 - `<ledger id>`: the first 10 hex digits of the hash of the ledger's first event. That event is
   the first `coordinator.started` (its payload holds a random uuid, its hash covers its time), so
@@ -14,12 +14,16 @@ within one. The rule:
   to 10 digits, so ids of one ledger sort as their attempts started (`e10` never sorts before
   `e9`: the epoch comes after the seq, which alone orders them).
 - `e<epoch>`: the writing coordinator's epoch, so a zombie's id is visibly another epoch's.
+- `w<writer>`: the first 6 hex digits of the hash of this writer's own `coordinator.started`
+  (random uuid, time). Two copies of one ledger — a backup restored beside its original — share
+  the ledger id, and their writers can reach the same epoch and seq; this part still tells their
+  ids apart, so a server that retired one copy's id never sees it again from the other.
 - The leading `q` keeps every such id sorting after the `e<epoch>-<seq>` ids older versions
   wrote, so a ledger that has both still lists them in order.
 
-Ids of ledgers written before this rule (`e<epoch>-<seq>`, e.g. `e1-000013`) stay valid wherever
-an id is parsed or shown (`epoch_of` reads both). Every id matches Gym's
-`^[A-Za-z0-9][A-Za-z0-9._-]*$` and is far below its 128 characters.
+Ids written before this rule (`e<epoch>-<seq>`, e.g. `e1-000013`, and `q<ledger id>-<seq>-e<epoch>`
+without the writer part) stay valid wherever an id is parsed or shown (`epoch_of` reads them all).
+Every id matches Gym's `^[A-Za-z0-9][A-Za-z0-9._-]*$` and is far below its 128 characters.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ __all__ = ["LEGACY_ID", "NEW_ID", "checkpoint_id", "epoch_of", "ledger_id_of"]
 #: once in about a million million pairs — and even then their seqs would have to meet too.
 LEDGER_ID_DIGITS: Final = 10
 SEQ_DIGITS: Final = 10
-NEW_ID: Final = re.compile(r"^q([0-9a-f]+)-(\d+)-e(\d+)$")
+#: Hex digits of the writer part: 24 bits, against copies of one ledger that reach the same seq.
+WRITER_DIGITS: Final = 6
+NEW_ID: Final = re.compile(r"^q([0-9a-f]+)-(\d+)-e(\d+)(?:-w([0-9a-f]+))?$")
 LEGACY_ID: Final = re.compile(r"^e(\d+)-(\d+)$")
 _HASH: Final = re.compile(r"^[0-9a-f]{64}$")
 
@@ -43,15 +49,19 @@ def ledger_id_of(first_hash: str) -> str | None:
     return first_hash[:LEDGER_ID_DIGITS] if _HASH.match(first_hash) else None
 
 
-def checkpoint_id(ledger_id: str | None, epoch: int, seq: int) -> str:
-    """The checkpoint id of the attempt whose `attempt.started` gets `seq`.
+def checkpoint_id(ledger_id: str | None, epoch: int, seq: int, epoch_hash: str = "") -> str:
+    """The checkpoint id of the attempt whose `attempt.started` gets `seq`, made by the writer whose
+    `coordinator.started` has hash `epoch_hash`.
 
     `ledger_id` None (a stand-in ledger that stores no events: the benchmarks' null ledger) gives
-    the legacy `e<epoch>-<seq>`; every real ledger has a first event by the time an attempt starts.
+    the legacy `e<epoch>-<seq>`; every real ledger has a first event by the time an attempt starts,
+    and every writer its `coordinator.started` (`ValueError` if `epoch_hash` is not a hash then).
     """
     if ledger_id is None:
         return f"e{epoch}-{seq:06d}"
-    return f"q{ledger_id}-{seq:0{SEQ_DIGITS}d}-e{epoch}"
+    if not _HASH.match(epoch_hash):
+        raise ValueError(f"no coordinator.started hash for this writer: {epoch_hash!r}")
+    return f"q{ledger_id}-{seq:0{SEQ_DIGITS}d}-e{epoch}-w{epoch_hash[:WRITER_DIGITS]}"
 
 
 def epoch_of(checkpoint_id: str) -> int | None:

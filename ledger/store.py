@@ -276,6 +276,10 @@ class Ledger:
         self._lease_until = 0.0  # monotonic: the lease is surely ours until then
         #: This writer's epoch: 0 until ``start_epoch``; written into every appended row.
         self.epoch = 0
+        #: The hash of this writer's ``coordinator.started`` ("" until ``start_epoch``): it covers
+        #: the event's time and payload, so two writers that open copies of one ledger (a backup
+        #: and its original) at the same epoch still differ here.
+        self.epoch_hash = ""
         #: Called with each append's events once durable (see the module docstring).
         self.after_append: AfterAppend | None = None
         #: After a standby takeover: the lease of the holder it replaced (None otherwise).
@@ -901,11 +905,14 @@ class Ledger:
     async def start_epoch(self, data: Mapping[str, Any] | BaseModel) -> Event:
         """Append ``coordinator.started`` with epoch = the ledger's largest epoch + 1.
 
-        That epoch becomes ``self.epoch`` and is written into every later append.
+        That epoch becomes ``self.epoch`` and is written into every later append; the event's hash
+        becomes ``self.epoch_hash``.
         """
-        return (
+        started = (
             await self._commit([self._encode("coordinator.started", None, None, None, data)], new_epoch=True)
         )[0]
+        self.epoch_hash = started.hash
+        return started
 
     # -- reading -------------------------------------------------------------------------------
 

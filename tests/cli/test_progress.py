@@ -20,7 +20,7 @@ from tests.cli.helpers import child_env, command, json_of, quiesce
 from tests.coordinator.helpers import set_faults
 
 LINE = re.compile(
-    r"^quiesce \d\d:\d\d:\d\dZ (q[0-9a-f]+-\d+-e\d+|e\d+-\d+) (\w+) (started|done|FAILED)\b(.*)$"
+    r"^quiesce \d\d:\d\d:\d\dZ (q[0-9a-f]+-\d+-e\d+-w[0-9a-f]+|e\d+-\d+) (\w+) (started|done|FAILED)\b(.*)$"
 )
 
 

@@ -357,3 +357,42 @@ async def test_a_ledger_that_fills_up_mid_attempt_names_who_is_paused_and_recove
     events = await read_events(url, error.checkpoint_id)
     assert [e.kind for e in events][-1] == "attempt.aborted"
     assert (await replay_url(url)).chain_ok
+
+
+def _copy_closed_ledger(source: Path, copy: Path) -> None:
+    """A closed SQLite ledger copied as a backup tool would copy it (its WAL files too)."""
+    for suffix in ("", "-wal", "-shm"):
+        if Path(f"{source}{suffix}").exists():
+            Path(f"{copy}{suffix}").write_bytes(Path(f"{source}{suffix}").read_bytes())
+
+
+async def test_two_copies_of_one_ledger_save_without_repeating_a_checkpoint_id(
+    cluster: RunningCluster, tmp_path: Path
+) -> None:
+    """A backup restored beside its original: both reach the same epoch and seq, yet each save gets
+    an id the servers never retired (a repeated id would be refused `stale_checkpoint`)."""
+    original = tmp_path / "ledger.db"
+    backup = tmp_path / "backup.db"
+
+    def config(db: Path) -> Any:
+        document = cluster.config(f"sqlite+aiosqlite:///{db}", tmp_path / "snapshots")
+        return parse_config(document, base_dir=tmp_path)
+
+    async with Coordinator.open(config(original)) as coord, coord.save(deadline_s=20):
+        pass
+    _copy_closed_ledger(original, backup)
+    made: list[str] = []
+    async with httpx.AsyncClient(timeout=30) as http:
+        for db in (backup, original):  # the backup first, then the original: same epoch, same seq
+            async with Coordinator.open(config(db)) as coord:
+                async with coord.save(deadline_s=20) as attempt:
+                    made.append(attempt.checkpoint_id)
+                assert attempt.snapshot is not None, attempt
+            await assert_all_accepting(http, cluster)
+    first, second = made
+    assert first != second
+    assert first.rsplit("-w", 1)[0] == second.rsplit("-w", 1)[0]  # same ledger id, seq and epoch
+    for db, cid in ((backup, first), (original, second)):
+        kinds = [e.kind for e in await read_events(f"sqlite+aiosqlite:///{db}", cid)]
+        assert "attempt.published" in kinds, kinds
+        assert "attempt.aborted" not in kinds, kinds

@@ -25,6 +25,7 @@ class NullLedger:
 
     def __init__(self, epoch: int = 999) -> None:
         self.epoch = epoch
+        self.epoch_hash = ""
         self.url = "null:"
         self.readonly = False
         self._seq = 0
