@@ -52,6 +52,7 @@ __all__ = [
     "build_manifest",
     "empty_trash",
     "fsync_dir",
+    "latest_problem",
     "list_snapshots",
     "load_snapshot",
     "make_staging",
@@ -59,6 +60,7 @@ __all__ = [
     "remove_tree",
     "rename_into_place",
     "resolve_snapshot",
+    "staging_problem",
     "sweep_staging",
     "tree_digests",
     "unpublishable",
@@ -145,15 +147,62 @@ def tree_digests(
     return {rel: sums[rel] for rel, _, _ in files}
 
 
-def make_staging(staging: Path) -> None:
-    """Create `<snapshots>/.staging/<id>/` (and its parents), durably."""
-    staging.mkdir(parents=True, exist_ok=True)
+def make_staging(staging: Path) -> tuple[int, int]:
+    """Create `<snapshots>/.staging/<id>/` (and its parents), durably; returns its identity
+    (device, inode), which `staging_problem` checks before anything is published from it.
+
+    An entry already there is taken only if it is a real folder (a retried commit); a symlink or
+    anything else raises `SnapshotError`."""
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        staging.mkdir()
+    found = os.lstat(staging)
+    if not stat.S_ISDIR(found.st_mode):
+        raise SnapshotError(
+            f"the staging folder {staging} is {_special_kind(found.st_mode)}, not a folder quiesce made;"
+            " remove it and save again",
+            [f"{staging}: {_special_kind(found.st_mode)}"],
+        )
     fsync_dir(staging.parent)
     fsync_dir(staging.parent.parent)
+    return (found.st_dev, found.st_ino)
+
+
+def staging_problem(staging: Path, identity: tuple[int, int] | None) -> str | None:
+    """Why `staging` is no longer the folder `make_staging` made (identity `identity`): gone, a
+    symlink or other non-folder, or another folder put in its place. None when it is the same
+    real folder (or `identity` is unknown: None)."""
+    if identity is None:
+        return None
+    try:
+        found = os.lstat(staging)
+    except OSError as error:
+        return f"the staging folder {staging} cannot be read: {error.strerror or error}"
+    if not stat.S_ISDIR(found.st_mode):
+        target = ""
+        if stat.S_ISLNK(found.st_mode):
+            with contextlib.suppress(OSError):
+                target = f" to {os.readlink(staging)}"
+        return (
+            f"the staging folder {staging} was replaced by {_special_kind(found.st_mode)}{target};"
+            " only the folder quiesce made is published"
+        )
+    if (found.st_dev, found.st_ino) != identity:
+        return (
+            f"the staging folder {staging} was replaced by another folder since the commit began;"
+            " only the folder quiesce made is published"
+        )
+    return None
 
 
 def remove_tree(path: Path) -> None:
-    """Remove a folder if it exists (used for staging folders of rolled-back attempts)."""
+    """Remove a folder if it exists (used for staging folders of rolled-back attempts). A symlink
+    is removed itself, never followed: what it points at is not ours."""
+    if path.is_symlink():
+        with contextlib.suppress(OSError):
+            path.unlink()
+            fsync_dir(path.parent)
+        return
     if path.exists():
         _rmtree(path)
         with contextlib.suppress(OSError):
@@ -273,6 +322,10 @@ def _walk(
 
 
 def _special_kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    if stat.S_ISREG(mode):
+        return "a regular file"
     if stat.S_ISFIFO(mode):
         return "a FIFO (named pipe)"
     if stat.S_ISSOCK(mode):
@@ -339,10 +392,15 @@ def build_manifest(
     }
 
 
-def rename_into_place(staging: Path, final: Path) -> None:
-    """The commit point: rename the staging folder to its final name, then fsync both parents."""
-    if final.exists():
+def rename_into_place(staging: Path, final: Path, identity: tuple[int, int] | None = None) -> None:
+    """The commit point: rename the staging folder to its final name, then fsync both parents.
+
+    With `identity` (from `make_staging`), only that very folder is renamed (`staging_problem`)."""
+    if final.exists() or final.is_symlink():
         raise SnapshotError(f"{final} already exists; refusing to overwrite a snapshot")
+    problem = staging_problem(staging, identity)
+    if problem is not None:
+        raise SnapshotError(problem, [problem])
     os.rename(staging, final)
     fsync_dir(final.parent)
     fsync_dir(staging.parent)
@@ -360,15 +418,46 @@ def write_latest(snapshots: Path, name: str) -> None:
 
 
 def read_latest(snapshots: Path) -> Path | None:
-    """The snapshot folder `LATEST` names, or None when there is none (or it names nothing)."""
+    """The snapshot folder `LATEST` names, or None when there is none (`latest_problem` says why)."""
+    return _latest(snapshots)[0]
+
+
+def latest_problem(snapshots: Path) -> str | None:
+    """Why `LATEST` names no snapshot folder: missing, unreadable, not a snapshot name, naming
+    nothing, or naming a symlink (never followed out of `snapshots`); None when it names one."""
+    return _latest(snapshots)[1]
+
+
+#: The longest `LATEST` worth reading: a snapshot name is a checkpoint id (at most 128 characters).
+_LATEST_MAX_BYTES: Final = 4096
+
+
+def _latest(snapshots: Path) -> tuple[Path | None, str | None]:
+    where = snapshots / LATEST
     try:
-        name = (snapshots / LATEST).read_text(encoding="utf-8").strip()
-    except OSError:
-        return None
-    if not name or "/" in name or name.startswith("."):
-        return None
+        with where.open("rb") as handle:
+            raw = handle.read(_LATEST_MAX_BYTES + 1)
+    except FileNotFoundError:
+        return None, f"{where} is missing"
+    except OSError as error:
+        return None, f"{where} cannot be read: {error.strerror or error}"
+    if len(raw) > _LATEST_MAX_BYTES:
+        return None, f"{where} is not a snapshot name (over {_LATEST_MAX_BYTES} bytes)"
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None, f"{where} is not a snapshot name (not UTF-8 text)"
+    if not name:
+        return None, f"{where} is empty"
+    shown = ascii(name[:80])
+    if "/" in name or "\\" in name or name.startswith(".") or not name.isprintable():
+        return None, f"{where} names {shown}, which is not a snapshot folder name"
     path = snapshots / name
-    return path if path.is_dir() else None
+    if path.is_symlink():
+        return None, f"{where} names {shown}, a symlink, not a snapshot folder"
+    if not path.is_dir():
+        return None, f"{where} names {shown}, which does not exist"
+    return path, None
 
 
 @dataclass(frozen=True)
@@ -412,7 +501,7 @@ def load_snapshot(path: Path) -> Snapshot:
         raise SnapshotError(f"{path} is not a snapshot folder", [f"{path}: no such folder"])
     try:
         manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:
         raise SnapshotError(
             f"{path} has no readable {MANIFEST}: it is not a complete snapshot",
             [f"{MANIFEST}: {error}"],
@@ -460,12 +549,17 @@ def resolve_snapshot(snapshots: Path, which: str | os.PathLike[str] | None) -> P
     never stands in for the published snapshot. Raises `SnapshotError` when a bare name is neither.
     """
     if which is None or str(which) == "latest":
-        latest = read_latest(snapshots)
+        latest, problem = _latest(snapshots)
         if latest is None:
+            assert problem is not None
+            missing = problem.endswith(" is missing")
             raise SnapshotError(
                 f"no latest snapshot under {snapshots} (no {LATEST} file); take a checkpoint first or name"
-                " a snapshot folder",
-                [f"{snapshots / LATEST}: missing"],
+                " a snapshot folder"
+                if missing
+                else f"no latest snapshot under {snapshots}: {problem}. Name a snapshot id or folder"
+                " (`quiesce snapshots` lists them); the next published save rewrites it",
+                [problem],
             )
         return latest
     path = Path(which)

@@ -84,6 +84,7 @@ from quiesce.coordinator.publish import (
     build_manifest,
     make_staging,
     rename_into_place,
+    staging_problem,
     sweep_staging,
     tree_digests,
     unpublishable,
@@ -432,7 +433,9 @@ async def commit(ctx: Context, attempt: Attempt) -> None:
 
     async def body() -> None:
         try:
-            await anyio.to_thread.run_sync(make_staging, staging)
+            attempt.staging_identity = await anyio.to_thread.run_sync(make_staging, staging)
+        except SnapshotError as error:
+            raise PhaseFailure("commit", None, str(error)) from None
         except OSError as error:
             raise PhaseFailure(
                 "commit", None, f"cannot create the staging folder {staging}: {error}"
@@ -641,6 +644,9 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
             digests = tree_digests(staging, sync=True, skip=[MANIFEST], cache=cache, strict=True)
             return digests, [p for entry in entries for p in _verify_entry(staging, entry, cache, walk=False)]
 
+        replaced = await anyio.to_thread.run_sync(staging_problem, staging, attempt.staging_identity)
+        if replaced is not None:  # never walk, hash or rename what a symlink points at
+            raise PhaseFailure("publish", None, replaced)
         try:
             digests, problems = await anyio.to_thread.run_sync(verify)
         except OSError as error:
@@ -694,7 +700,7 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
         manifests.append(manifest)
         attempt.state = "publishing"
         try:
-            await anyio.to_thread.run_sync(rename_into_place, staging, final)
+            await anyio.to_thread.run_sync(rename_into_place, staging, final, attempt.staging_identity)
         except (OSError, SnapshotError) as error:
             # the rename is the commit point: if it happened (the error came after it), it is published
             if staging.exists() or not (final / MANIFEST).is_file():

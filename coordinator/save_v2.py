@@ -55,7 +55,7 @@ from quiesce.coordinator.attempt import (
 from quiesce.coordinator.calls import Body, encode_body
 from quiesce.coordinator.digests import RACY_S, DigestCache, regular_bytes, regular_facts
 from quiesce.coordinator.discovery import Member
-from quiesce.coordinator.errors import QuiesceError
+from quiesce.coordinator.errors import QuiesceError, SnapshotError
 from quiesce.coordinator.phases import V2_STAGES
 from quiesce.coordinator.protocol_v2 import (
     LEGACY_RECORDS,
@@ -237,7 +237,9 @@ async def commit(ctx: Context, attempt: Attempt, *, episodes: Sequence[EpisodeId
 
     async def body() -> None:
         try:
-            await anyio.to_thread.run_sync(make_staging, staging)
+            attempt.staging_identity = await anyio.to_thread.run_sync(make_staging, staging)
+        except SnapshotError as error:
+            raise PhaseFailure("commit", None, str(error)) from None
         except OSError as error:
             raise PhaseFailure(
                 "commit", None, f"cannot create the staging folder {staging}: {error}"
@@ -441,7 +443,7 @@ def _verify_commit(
     entry["manifest_digest"] = manifest_facts.sha256
     try:
         on_disk = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return entry, [f"its manifest {folder}/{MANIFEST} is not JSON"]
     if on_disk != manifest.model_dump(mode="json"):
         problems.append(f"its manifest {folder}/{MANIFEST} differs from the one its commit reply names")

@@ -152,6 +152,31 @@ async def not_json(front: Front, stream: anyio.abc.ByteStream, request: Request)
     return True
 
 
+async def nested(front: Front, stream: anyio.abc.ByteStream, request: Request) -> bool:
+    """A 200 whose JSON nests 100,000 levels deep (a RecursionError for a recursive parser)."""
+    depth = 100_000
+    await stream.send(whole(200, b'{"phase": ' + b"[" * depth + b"]" * depth + b"}"))
+    return True
+
+
+async def lone_surrogate(front: Front, stream: anyio.abc.ByteStream, request: Request) -> bool:
+    """A 200 whose JSON holds a lone UTF-16 surrogate escape: valid JSON text, no UTF-8 encoding."""
+    await stream.send(whole(200, b'{"phase": "paused", "detail": "\\ud800"}'))
+    return True
+
+
+async def surrogate_error(front: Front, stream: anyio.abc.ByteStream, request: Request) -> bool:
+    """A 409 whose error detail holds a lone surrogate escape (an error text is recorded too)."""
+    await stream.send(whole(409, b'{"error": {"code": "invalid_phase", "detail": "bad \\udfff"}}'))
+    return True
+
+
+async def overflow(front: Front, stream: anyio.abc.ByteStream, request: Request) -> bool:
+    """A 200 with a number no float holds (it would read as infinity, which JSON cannot record)."""
+    await stream.send(whole(200, b'{"phase": "paused", "inflight": 1e999}'))
+    return True
+
+
 async def huge(front: Front, stream: anyio.abc.ByteStream, request: Request) -> bool:
     await stream.send(head(200, {"content-type": "application/json", "content-length": str(HUGE_BYTES)}))
     chunk = b'{"pad": "' + b"x" * (2**20 - 10)

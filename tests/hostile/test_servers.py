@@ -92,6 +92,30 @@ CASES: dict[str, tuple[str, str, front.Act, tuple[str, ...]]] = {
         front.huge,
         ("policy_model", "larger than 1 MiB"),
     ),
+    "100,000 levels of nesting": (
+        "policy_model",
+        "/model-checkpoint/commit",
+        front.nested,
+        ("policy_model", "not valid JSON", "recursion limit"),
+    ),
+    "lone surrogate": (
+        "tools",
+        "/resources-checkpoint/prepare",
+        front.lone_surrogate,
+        ("tools", "not valid JSON", "hex escape"),
+    ),
+    "lone surrogate in an error": (
+        "simple_agent",
+        "/agent-checkpoint/prepare",
+        front.surrogate_error,
+        ("simple_agent", "http 409"),
+    ),
+    "float overflow": (
+        "policy_model",
+        "/model-admission/pause",
+        front.overflow,
+        ("policy_model", "too large for a float"),
+    ),
     "1 byte/s": ("policy_model", "/model-admission/status", front.trickle, ("policy_model", "deadline")),
     "close mid-reply": ("tools", "/resources-checkpoint/commit", front.cut, ("tools", "connection lost")),
     "endless chunked body": (
@@ -289,3 +313,42 @@ async def test_a_restore_answered_with_another_checkpoint_id_resumes_nobody(
         async with Coordinator.open(config) as coord:  # the way out the error names
             await coord.resume()
         await assert_all_accepting(http, cluster)
+
+
+@pytest.mark.parametrize("act", [front.nested, front.lone_surrogate])
+async def test_a_reply_no_parser_should_follow_is_one_line_and_json_through_the_cli(
+    act: front.Act, cluster: RunningCluster, sqlite_url: str, tmp_path: Path, token: str
+) -> None:
+    """The real CLI against a hostile reply: exit 1, one line naming the server and the cause, no
+    traceback; with `--json`, the outcome document all the same."""
+    import json
+
+    import anyio
+
+    from quiesce.tools.gymsim.cluster import write_yaml_atomic
+    from tests.hostile.helpers import no_traceback, run_cli
+
+    rule = Rule("/model-checkpoint/commit", act)
+    async with (
+        httpx.AsyncClient(timeout=30) as http,
+        hostile_front(cluster.urls["policy_model"], rule) as url,
+    ):
+        document = cluster.config(sqlite_url, tmp_path / "snapshots", control_timeout_s=CONTROL_TIMEOUT_S)
+        for entry in document["servers"]:
+            if entry["name"] == "policy_model":
+                entry["url"] = url
+        written = write_yaml_atomic(tmp_path / "cluster.yaml", document)
+        done = await anyio.to_thread.run_sync(
+            lambda: run_cli("checkpoint", "--config", str(written), "--json", token=token)
+        )
+        assert rule.fired
+        assert done.returncode == 1, (done.stdout, done.stderr)
+        no_traceback(done)
+        assert "RecursionError" not in done.stderr
+        assert "UnicodeEncodeError" not in done.stderr
+        outcome = json.loads(done.stdout)
+        assert outcome["outcome"] == "aborted", outcome
+        assert "policy_model" in json.dumps(outcome)
+        assert "not valid JSON" in json.dumps(outcome)
+        await assert_all_accepting(http, cluster)
+    await assert_protocol_ok(sqlite_url)

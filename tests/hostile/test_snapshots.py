@@ -22,7 +22,14 @@ from typing import Any
 import httpx
 import pytest
 
-from quiesce.coordinator import Coordinator, SnapshotError, parse_config, read_latest, verify_snapshot
+from quiesce.coordinator import (
+    Coordinator,
+    PhaseError,
+    SnapshotError,
+    parse_config,
+    read_latest,
+    verify_snapshot,
+)
 from quiesce.tools.gymsim.cluster import RunningCluster
 from tests.coordinator.helpers import assert_all_accepting, control_logs, read_events
 from tests.hostile.conftest import Mounts, fill
@@ -205,3 +212,157 @@ async def test_a_snapshot_this_ledger_never_published_is_restored_with_what_was_
     )
     assert started.data["warnings"] == [warning]
     assert read_latest(other) is None
+
+
+# -- a poisoned LATEST -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("poison", "says"),
+    [
+        (b"../../etc\n", "which is not a snapshot folder name"),
+        (b".staging\n", "which is not a snapshot folder name"),
+        (b"\xff\xfe\x00garbage", "not UTF-8 text"),
+        (b"\n", "is empty"),
+        (b"q0123456789-0000000099-e9-wabcdef\n", "which does not exist"),
+        (b"x" * 5000, "over 4096 bytes"),
+        (b"outside\n", "a symlink, not a snapshot folder"),
+    ],
+)
+async def test_a_poisoned_latest_is_reported_as_such_and_nothing_is_contacted(
+    cluster: RunningCluster, sqlite_url: str, tmp_path: Path, token: str, poison: bytes, says: str
+) -> None:
+    snapshots = tmp_path / "snapshots"
+    config = _config(cluster, sqlite_url, snapshots, tmp_path)
+    async with httpx.AsyncClient(timeout=30) as http, Coordinator.open(config) as coord:
+        await _published(coord)
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        (snapshots / "outside").symlink_to(elsewhere, target_is_directory=True)
+        (snapshots / "LATEST").write_bytes(poison)
+        assert read_latest(snapshots) is None
+        before = await _requests(http, cluster)
+        with pytest.raises(SnapshotError, match=says) as caught:
+            await coord.restore("latest")
+        assert "no LATEST file" not in str(caught.value)
+        assert await _requests(http, cluster) == before
+    written = tmp_path / "cluster.yaml"
+    cluster.write_config(written, sqlite_url, snapshots)
+    done = run_cli("restore", "--config", str(written), "--snapshot", "latest", token=token)
+    assert done.returncode == 1, done.stderr
+    assert says in done.stderr
+    assert "no LATEST file" not in done.stderr
+    no_traceback(done)
+    listed = run_cli("snapshots", "--config", str(written), token=token)
+    assert listed.returncode == 0, listed.stderr
+    assert f"warning: {snapshots / 'LATEST'}" in listed.stderr
+    assert says in listed.stderr
+
+
+# -- a staging folder swapped while the caller writes its half ----------------------------------------
+
+
+def _swap_for_symlink(staging: Path, outside: Path) -> None:
+    """Move the real staging folder out of the snapshots folder and leave a symlink to it."""
+    shutil.move(str(staging), str(outside))
+    staging.symlink_to(outside, target_is_directory=True)
+
+
+async def _save_swapping(coord: Coordinator, inside: Any, seen: list[Any]) -> None:
+    """A save whose caller block runs `inside(staging folder)`; the attempt is kept in `seen`."""
+    async with coord.save(deadline_s=20) as attempt:
+        seen.append(attempt)
+        assert attempt.staging_dir is not None
+        inside(attempt.staging_dir)
+
+
+def _write_half(staging: Path, swap: Any, outside: Path) -> None:
+    """The caller's half, then the swap."""
+    (staging / "trainer").mkdir()
+    (staging / "trainer" / "step.txt").write_text("2400\n")
+    swap(staging, outside)
+
+
+def _swap_for_copy(staging: Path, outside: Path) -> None:
+    """Put another real folder (a copy of the servers' files) where the staging folder was."""
+    shutil.copytree(staging, outside)
+    shutil.rmtree(staging)
+    outside.rename(staging)
+
+
+@pytest.mark.parametrize(
+    ("swap", "says"), [(_swap_for_symlink, "a symlink"), (_swap_for_copy, "another folder")]
+)
+async def test_a_staging_folder_swapped_before_publication_is_never_published(
+    cluster: RunningCluster, sqlite_url: str, tmp_path: Path, swap: Any, says: str
+) -> None:
+    snapshots = tmp_path / "snapshots"
+    config = _config(cluster, sqlite_url, snapshots, tmp_path)
+    outside = tmp_path / "outside"
+    seen: list[Any] = []
+    async with httpx.AsyncClient(timeout=30) as http, Coordinator.open(config) as coord:
+        before = await _published(coord)
+        with pytest.raises(PhaseError) as caught:
+            await _save_swapping(coord, lambda staging: _write_half(staging, swap, outside), seen)
+        attempt = seen[0]
+        assert caught.value.phase == "publish"
+        assert says in str(caught.value)
+        assert "only the folder quiesce made is published" in str(caught.value)
+        await assert_all_accepting(http, cluster)
+        assert read_latest(snapshots) == before  # the earlier snapshot is still the latest
+        assert not (snapshots / attempt.checkpoint_id).exists()
+        assert not (snapshots / attempt.checkpoint_id).is_symlink()
+        assert not attempt.staging_dir.exists()
+        assert not attempt.staging_dir.is_symlink()
+    kinds = [e.kind for e in await read_events(config.ledger, attempt.checkpoint_id)]
+    assert "attempt.aborted" in kinds, kinds
+    assert "attempt.published" not in kinds, kinds
+    if swap is _swap_for_symlink:  # the link's target is not ours: the rollback removed only the link
+        assert (outside / "trainer" / "step.txt").read_text() == "2400\n"
+
+
+async def test_a_staging_folder_planted_as_a_symlink_before_the_commit_fails_it(
+    cluster: RunningCluster, sqlite_url: str, tmp_path: Path
+) -> None:
+    """A symlink already at the staging path (the id is predictable) is never written through."""
+    snapshots = tmp_path / "snapshots"
+    config = _config(cluster, sqlite_url, snapshots, tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not quiesce's\n")
+    async with httpx.AsyncClient(timeout=30) as http, Coordinator.open(config) as coord:
+        await coord.discover()
+        from quiesce.coordinator.attempt import next_checkpoint_id  # the id the next save gets
+
+        upcoming = await next_checkpoint_id(coord._ctx.ledger)
+        (snapshots / ".staging").mkdir(parents=True)
+        (snapshots / ".staging" / upcoming).symlink_to(outside, target_is_directory=True)
+        with pytest.raises(PhaseError, match="a symlink, not a folder quiesce made") as caught:
+            await coord.checkpoint(deadline_s=20)
+        assert caught.value.phase == "commit"
+        await assert_all_accepting(http, cluster)
+    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"]
+
+
+async def test_a_v2_staging_folder_swapped_for_a_symlink_is_never_published(
+    sqlite_url: str, tmp_path: Path, token: str
+) -> None:
+    from quiesce.tools.gymsim.cluster import start_cluster
+    from quiesce.tools.gymsim.spec import default_v2_spec
+    from tests.coordinator_v2.helpers import phases
+
+    outside = tmp_path / "outside"
+    with start_cluster(default_v2_spec().model_dump(mode="json"), token=token) as running:
+        config = _config(running, sqlite_url, tmp_path / "snapshots", tmp_path)
+        seen: list[Any] = []
+        async with Coordinator.open(config) as coord:
+            with pytest.raises(PhaseError) as caught:
+                await _save_swapping(coord, lambda staging: _swap_for_symlink(staging, outside), seen)
+            attempt = seen[0]
+            assert caught.value.phase == "publish"
+            assert "a symlink" in str(caught.value)
+            assert read_latest(tmp_path / "snapshots") is None
+            assert not (tmp_path / "snapshots" / attempt.checkpoint_id).is_symlink()
+            assert outside.is_dir()
+        async with httpx.AsyncClient(timeout=30) as http:
+            assert set((await phases(http, running.urls, token)).values()) == {"idle"}

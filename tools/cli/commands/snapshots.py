@@ -102,6 +102,22 @@ def _print(listed: list[SnapshotInfo], removed: list[SnapshotInfo], folder: str,
     for row in zip(*(spec.values for spec in specs), strict=True):
         table.add_row(*(escape(str(value)) for value in row))
     out.print(table)
+    _warn_poisoned_latest(Path(folder))
+
+
+def _warn_poisoned_latest(folder: Path) -> None:
+    """A `LATEST` that exists but names no snapshot folder is said so on stderr (a restore of
+    `latest` would be refused); a missing one is not news."""
+    from quiesce.coordinator.publish import latest_problem
+    from quiesce.tools.cli import output
+    from quiesce.tools.cli.safe_text import escape
+
+    problem = latest_problem(folder)
+    if problem is not None and not problem.endswith(" is missing"):
+        output.err_console.print(
+            f"warning: {escape(problem)}; a restore of `latest` is refused until a save rewrites it",
+            soft_wrap=True,
+        )
 
 
 def _confirmed(doomed: list[SnapshotInfo], keep: int, folder: Path) -> bool:
