@@ -17,7 +17,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from quiesce.coordinator.attempt import Attempt, Outcome, Progress, ProgressCallback, Resubmission
+    from quiesce.coordinator.attempt import (
+        Attempt,
+        Outcome,
+        Progress,
+        ProgressCallback,
+        Resubmission,
+        UnknownResubmissions,
+    )
     from quiesce.coordinator.config import (
         ClusterConfig,
         ServerConfig,
@@ -68,6 +75,7 @@ _EXPORTS: dict[str, str] = {
     "ProgressCallback": "quiesce.coordinator.attempt",
     "QuiesceError": "quiesce.coordinator.errors",
     "Resubmission": "quiesce.coordinator.attempt",
+    "UnknownResubmissions": "quiesce.coordinator.attempt",
     "ServerConfig": "quiesce.coordinator.config",
     "ServersHeld": "quiesce.coordinator.errors",
     "ClusterStatus": "quiesce.coordinator.status",
@@ -116,6 +124,7 @@ __all__ = [
     "ServersHeld",
     "Snapshot",
     "SnapshotError",
+    "UnknownResubmissions",
     "load_config",
     "load_snapshot",
     "parse_config",

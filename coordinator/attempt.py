@@ -164,6 +164,20 @@ class Resubmission:
 
 
 @dataclass(frozen=True)
+class UnknownResubmissions:
+    """An agent whose saved folder does not say which executions a restore continues (another
+    layout, a record that is not a boundary record, an identity not its file name): its state was
+    restored all the same — the snapshot's digests were verified — but the caller must find out
+    from the agent (or its own records) what to send `/run` for again. `reason` says why."""
+
+    server: str
+    reason: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {"server": self.server, "reason": self.reason}
+
+
+@dataclass(frozen=True)
 class Outcome:
     """What a resume, abort or restore did: the servers in call order and where each one ended."""
 
@@ -181,6 +195,10 @@ class Outcome:
     restored_again: tuple[str, ...] = ()
     #: the control plane of its servers (`v2`: `resubmit` lists replacement attempts to start)
     plane: str = "v1"
+    #: the resume of a restore: executions whose saved continuation was discarded (`Attempt.restart`)
+    restart: tuple[Resubmission, ...] = ()
+    #: the resume of a restore: agents whose resubmissions are unknown (`Attempt.resubmit_unknown`)
+    resubmit_unknown: tuple[UnknownResubmissions, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         """The `--json` document of `quiesce restore | resume | abort` (`also`, `resubmit` and
@@ -196,6 +214,10 @@ class Outcome:
             out["resubmit"] = [r.as_json() for r in self.resubmit]
         if self.restored_again:
             out["restored_again"] = list(self.restored_again)
+        if self.restart:
+            out["restart"] = [r.as_json() for r in self.restart]
+        if self.resubmit_unknown:
+            out["resubmit_unknown"] = [u.as_json() for u in self.resubmit_unknown]
         if self.plane != "v1":
             out["plane"] = self.plane
         return out
@@ -279,6 +301,17 @@ class Attempt:
     #: in participant order, each saved record's (rollout_id, attempt_index + 1), sorted by rollout
     #: id then attempt. Empty before then, for a save, and when no agent saved a rollout.
     resubmit: tuple[Resubmission, ...] = ()
+    #: restore: agents whose folder does not say which executions to send again (left out of
+    #: `resubmit`, each with the reason); their state was restored all the same
+    resubmit_unknown: tuple[UnknownResubmissions, ...] = ()
+    #: restore, once its restore phase succeeded: executions (rollout, n+1) whose restored
+    #: continuation a later agent discarded because it depends on a `restart_only` resources
+    #: server (`restore.discards`) — the caller sends their `/run`, which starts from the task
+    #: (not in `resubmit`)
+    restart: tuple[Resubmission, ...] = ()
+    #: restore: the `restart_only` resources servers of the cluster when it began (recorded in
+    #: `attempt.started`): a re-driven restore discards against the same set
+    restart_only: tuple[str, ...] = ()
     #: servers whose resume under this id answered `accepting` (in this process, or recorded:
     #: `readback`): they run, and nothing is sent to them again but a resume (which replays)
     resumed: set[str] = field(default_factory=set)

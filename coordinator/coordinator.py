@@ -95,7 +95,7 @@ from quiesce.coordinator.provenance import Provenance, check_provenance
 from quiesce.coordinator.publish import Snapshot, empty_trash, read_latest, resolve_snapshot, verify_snapshot
 from quiesce.coordinator.readback import read_attempt, release
 from quiesce.coordinator.renewal import renew_all, renewing
-from quiesce.coordinator.restore import read_resubmissions
+from quiesce.coordinator.restore import discard_plan, read_resubmissions
 from quiesce.coordinator.restore import restore as restore_snapshot
 from quiesce.coordinator.resume import finish_resume, release_unrecorded, roll_back
 from quiesce.coordinator.retire import RetireOutcome
@@ -530,7 +530,14 @@ class Coordinator:
     async def _finish_resume(self, attempt: Attempt) -> Outcome:
         """Resume a published save or a restore; a restore's outcome carries its `resubmit`."""
         outcome = await finish_resume(self._ctx, attempt)
-        return replace(outcome, resubmit=attempt.resubmit) if attempt.kind == "restore" else outcome
+        if attempt.kind != "restore":
+            return outcome
+        return replace(
+            outcome,
+            resubmit=attempt.resubmit,
+            restart=attempt.restart,
+            resubmit_unknown=attempt.resubmit_unknown,
+        )
 
     async def _let_go(self, checkpoint_id: str | None, *, reason: str) -> Outcome:
         """Let go of `checkpoint_id`, or (None) of every id that holds a server now, oldest first."""
@@ -724,9 +731,13 @@ class Coordinator:
 
         Nothing runs a restored rollout until the caller sends its `/run` again:
         `attempt.resubmit` lists those executions (each saved agent record's rollout as attempt
-        n+1, `restore.read_resubmissions`), read before any server is contacted; agent records
-        that do not say it (unparsable, or an identity not their file name) refuse the restore
-        (`SnapshotError`). Resuming the restore returns them again (`Outcome.resubmit`).
+        n+1, `restore.read_resubmissions`), read before any server is contacted; an agent whose
+        folder does not say (another layout, a file that is not a record, an identity not its
+        file name) is listed in `attempt.resubmit_unknown` with the reason and the restore goes
+        on, while a record that is not the one its agent committed (missing, another digest)
+        refuses it (`SnapshotError`). Continuations that depend on a `restart_only` resources
+        server are discarded on the agents that can (`restore.discards`) and listed in
+        `attempt.restart` instead. Resuming the restore returns them again (`Outcome`).
         """
         self._ctx.caller.require_token()  # before anything is read or recorded
         self._idle("restore")
@@ -740,7 +751,9 @@ class Coordinator:
         if discovery.plane == "v2":
             return await self._restore_v2(discovery, verified, budget, origin, resume)
         agents = [m for m in discovery.exporters if m.role == "agent"]
-        resubmit = await anyio.to_thread.run_sync(read_resubmissions, verified, agents)
+        found = await anyio.to_thread.run_sync(read_resubmissions, verified, agents)
+        restart_only = discovery.restart_only_resources
+        await anyio.to_thread.run_sync(discard_plan, verified, agents, restart_only)
         warnings = [origin.warning] if origin.warning else []
         await self._refuse_if_held(discovery, "restore")
         self._changing()
@@ -752,7 +765,9 @@ class Coordinator:
             warnings=warnings,
             resume=resume,
             manifest_sha256=origin.manifest_sha256,
-            resubmit=resubmit,
+            resubmit=found.known,
+            unknown=found.unknown,
+            restart_only=restart_only,
         )
         self._current = attempt
         if resume:

@@ -42,7 +42,7 @@ from quiesce.coordinator.calls import Caller, CallResult, Target
 from quiesce.coordinator.config import ClusterConfig
 from quiesce.coordinator.errors import DiscoveryError
 from quiesce.coordinator.phases import V2_ROLE_OF_KIND, Plane, Role, role_of
-from quiesce.coordinator.protocol import MODEL, SCHEMA_VERSION, Capabilities
+from quiesce.coordinator.protocol import MODEL, RESOURCES, SCHEMA_VERSION, Capabilities
 from quiesce.coordinator.protocol_v2 import StatusReply
 from quiesce.ledger import Ledger
 
@@ -99,6 +99,18 @@ class Discovery:
     def group(self, role: Role) -> tuple[Member, ...]:
         """The participants of one role group, in config order."""
         return tuple(m for m in self.participants if m.role == role)
+
+    @property
+    def restart_only_resources(self) -> tuple[str, ...]:
+        """The resources servers that answered `checkpoint_mode: restart_only` (config order):
+        they come back empty after a restore, so no saved turn that depends on one can continue."""
+        return tuple(
+            name
+            for name, caps in self.found.items()
+            if isinstance(caps, Capabilities)
+            and caps.component == RESOURCES
+            and caps.checkpoint_mode == "restart_only"
+        )
 
     @property
     def exporters(self) -> tuple[Member, ...]:

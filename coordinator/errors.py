@@ -61,6 +61,7 @@ class PhaseError(QuiesceError):
         resumed: list[str] | None = None,
         not_resumed: list[str] | None = None,
         latest_snapshot: str | None = None,
+        warnings: list[str] | None = None,
     ) -> None:
         super().__init__(message)
         self.phase = phase
@@ -71,6 +72,9 @@ class PhaseError(QuiesceError):
         self.resumed: list[str] = list(resumed or [])
         self.not_resumed: list[str] = list(not_resumed or [])
         self.latest_snapshot = latest_snapshot
+        #: what was said before the attempt began and still holds for its failure (a restore of a
+        #: snapshot this ledger did not publish: what its provenance check could not verify)
+        self.warnings: list[str] = list(warnings or [])
 
 
 class DeadlineExceeded(PhaseError):

@@ -80,8 +80,14 @@ ORDER: Final[dict[PhaseName, tuple[Step, ...]]] = {
     # agents first: the model needs every agent's continuation index
     "commit": (Step("agent", "commit"), Step("policy", "commit"), Step("resources", "commit")),
     "resume": (Step("resources", "resume"), Step("policy", "resume"), Step("agent", "resume")),
-    # all stay paused until resume
-    "restore": (Step("policy", "restore"), Step("agent", "restore"), Step("resources", "restore")),
+    # all stay paused until resume; then a later agent drops each restored continuation that
+    # depends on a `restart_only` resources server (`restore.discards`)
+    "restore": (
+        Step("policy", "restore"),
+        Step("agent", "restore"),
+        Step("resources", "restore"),
+        Step("agent", "discard"),
+    ),
 }
 
 

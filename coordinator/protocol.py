@@ -72,7 +72,9 @@ PHASES: Final[tuple[Phase, ...]] = (
     "restored_paused",
 )
 
-Operation = Literal["pause", "prepare", "status", "commit", "restore", "resume", "acknowledge", "receipt"]
+Operation = Literal[
+    "pause", "prepare", "status", "commit", "restore", "resume", "acknowledge", "receipt", "discard"
+]
 
 #: 401 body for a missing or wrong bearer token.
 UNAUTHORIZED_DETAIL: Final = "missing or invalid control-plane bearer token"
@@ -93,6 +95,8 @@ MISSING_WORKERS: Final = "missing_workers"
 COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR: Final = "completed_execution_acknowledgement_error"
 #: An agent's `/run` for an execution a restore retired (or whose result was acknowledged).
 STALE_ATTEMPT: Final = "stale_attempt"
+#: An agent asked to discard the continuation of an execution that is already running.
+DUPLICATE_EXECUTION: Final = "duplicate_execution"
 
 # Capability features.
 #: An agent that holds each finished rollout until `acknowledge-completed` releases it.
@@ -100,6 +104,12 @@ COMPLETED_RESULT_ACKNOWLEDGEMENT: Final = "completed_result_acknowledgement"
 #: A policy model whose commit writes `storage-references.jsonl` and names it `storage_reference_index`.
 EXTERNAL_STORAGE_REFERENCE_INDEX: Final = "external_storage_reference_index_v1"
 AGENT_CONTINUATION_INDEX: Final = "agent_continuation_index_v1"
+#: A later agent that drops a restored continuation on request (`discard-restored-continuation`),
+#: allowed only while it is `restored_paused` under the restore's id.
+DISCARD_RESTORED_CONTINUATION: Final = "discard_restored_continuation_v1"
+#: A later agent whose continuation index rows name every resources server the continuation
+#: depends on (`resource_state_revisions`, always a mapping, empty when it used none).
+AGENT_RESOURCE_DEPENDENCY_INDEX: Final = "agent_resource_dependency_index_v1"
 
 # Data-plane headers.
 ROLLOUT_ID_HEADER: Final = "x-nemo-gym-rollout-id"
@@ -263,6 +273,15 @@ class CheckpointDirBody(CommonBody):
     """Common body plus the folder the server writes to (commit) or reads from (restore)."""
 
     checkpoint_dir: Annotated[str, StringConstraints(min_length=1)]
+
+
+class DiscardContinuationBody(CommonBody):
+    """Drop the restored continuation of execution (`rollout_id`, `attempt_index`) — the
+    replacement attempt n+1 a restore installed — so its `/run` starts from the task, not from
+    the saved turn. `checkpoint_id` is the restore's."""
+
+    rollout_id: RolloutId
+    attempt_index: Annotated[int, Field(strict=True, ge=0)]
 
 
 class ModelCommitBody(CheckpointDirBody):
@@ -556,6 +575,13 @@ class AgentRestoreReply(_Reply):
     continuation_index: ArtifactRef
 
 
+class DiscardContinuationReply(_Reply):
+    """`discarded`: whether a restored continuation was there to drop (false: none was installed
+    for that execution — its `/run` starts from the task all the same)."""
+
+    discarded: Annotated[bool, Field(strict=True)]
+
+
 class AcknowledgedExecution(_Reply):
     rollout_id: str
     attempt_index: NonNegInt
@@ -729,6 +755,14 @@ _ROUTE_LIST: Final[tuple[Route, ...]] = (
         "/agent-checkpoint/completion-receipt",
         None,
         CompletionReceiptReply,
+    ),
+    Route(
+        AGENT,
+        "discard",
+        "POST",
+        "/agent-checkpoint/discard-restored-continuation",
+        DiscardContinuationBody,
+        DiscardContinuationReply,
     ),
     Route(RESOURCES, "prepare", "POST", "/resources-checkpoint/prepare", CommonBody, ResourcesPrepareReply),
     Route(RESOURCES, "status", "GET", "/resources-checkpoint/status", None, ResourcesStatusReply),

@@ -28,6 +28,7 @@ from quiesce.coordinator.attempt import (
     Attempt,
     Context,
     Outcome,
+    Resubmission,
     record_phase_failed,
     recovery_budget,
     resume_sorted,
@@ -158,6 +159,7 @@ async def read_attempt(ledger: Ledger, config: ClusterConfig, checkpoint_id: str
         source_checkpoint_id=data.get("source_checkpoint_id"),
         snapshot_sha256=data.get("manifest_sha256") if isinstance(data.get("manifest_sha256"), str) else None,
         stop=data.get("stop") is True,
+        restart_only=tuple(str(n) for n in data.get("restart_only") or ()),
     )
     recorded = Recorded(
         attempt,
@@ -205,6 +207,7 @@ async def read_attempt(ledger: Ledger, config: ClusterConfig, checkpoint_id: str
             recorded.resume_begun = False
         elif kind == "phase.completed" and ev.data.get("phase") == "restore":
             recorded.restore_done = True
+            attempt.restart = _discarded(ev.data.get("summary"), attempt.restart)
         elif kind == "phase.started" and ev.data.get("phase") == "resume":
             recorded.resume_begun = True
     outcome = recorded.last_outcome
@@ -352,10 +355,20 @@ async def release(ctx: Context, recorded: Recorded, *, reason: str, held: Sequen
                     not_resumed=recorded.paused,
                 )
         resumed = await finish_resume(ctx, attempt)
-        return replace(resumed, resubmit=await resubmissions_of(ctx, attempt))
+        return replace(
+            resumed,
+            resubmit=await resubmissions_of(ctx, attempt),
+            restart=attempt.restart,
+            resubmit_unknown=attempt.resubmit_unknown,
+        )
     if outcome == "restored":
         resumed = await finish_resume(ctx, attempt)
-        return replace(resumed, resubmit=await resubmissions_of(ctx, attempt))
+        return replace(
+            resumed,
+            resubmit=await resubmissions_of(ctx, attempt),
+            restart=attempt.restart,
+            resubmit_unknown=attempt.resubmit_unknown,
+        )
     return await _resume_named(ctx, recorded, _union(recorded.paused, ours))
 
 
@@ -420,3 +433,19 @@ async def _resume_named(ctx: Context, recorded: Recorded, names: list[str]) -> O
     )
     attempt.state = "completed"
     return Outcome(attempt.checkpoint_id, "resumed", tuple(called), tuple(resumed), tuple(not_paused), ())
+
+
+def _discarded(summary: Any, before: tuple[Resubmission, ...]) -> tuple[Resubmission, ...]:
+    """The continuations a restore phase discarded (`restore.restore_body`'s summary `discarded`:
+    agent → `[{rollout_id, attempt_index}]`), added to those of its earlier runs."""
+    found = list(before)
+    discarded = summary.get("discarded") if isinstance(summary, dict) else None
+    for server, entries in (discarded or {}).items() if isinstance(discarded, dict) else ():
+        for entry in entries if isinstance(entries, list) else ():
+            rollout = entry.get("rollout_id") if isinstance(entry, dict) else None
+            index = entry.get("attempt_index") if isinstance(entry, dict) else None
+            if isinstance(rollout, str) and isinstance(index, int) and not isinstance(index, bool):
+                item = Resubmission(str(server), rollout, index)
+                if item not in found:
+                    found.append(item)
+    return tuple(found)

@@ -31,13 +31,27 @@ the trainer sends that `/run`. A successful restore therefore lists those execut
 (`Attempt.resubmit`, `read_resubmissions`), read from the snapshot's agent folders as Gym writes
 them — `manifest.json`'s `files` (record file name → sha256), each record naming its `rollout_id`
 and `attempt_index` — after the snapshot's digests were verified and before any server is
-contacted. A record whose digest is not the agent manifest's, that does not parse, or whose
-identity is not its file name (`<rollout_id>.a<attempt_index>.json`) refuses the restore
+contacted. The list is a convenience — the snapshot's digests are what make it safe to restore:
+an agent folder it cannot be read from (another layout, a file that is not a boundary record, an
+identity that is not its file name `<rollout_id>.a<attempt_index>.json`) leaves that agent's
+resubmissions unknown, with the reason (`Attempt.resubmit_unknown`), and the restore goes on. A
+record that is missing or whose digest is not the agent manifest's refuses the restore
 (`SnapshotError`): nothing is restored, nothing resumed.
+
+What to start afresh: a saved turn that depends on a `restart_only` resources server cannot
+continue — that server comes back empty. An agent that declares `discard_restored_continuation_v1`
+and `agent_resource_dependency_index_v1` drops such a continuation on request, only while it is
+`restored_paused` under the restore's id; so, last in the restore phase, each continuation whose
+row in the agent's committed continuation index names a `restart_only` resources server of the
+cluster (or does not say, `resource_state_revisions` null) is discarded (`discards`, one recorded
+call each, `POST /agent-checkpoint/discard-restored-continuation {rollout_id, attempt_index: n+1}`)
+and listed in `Attempt.restart` — its `/run` starts from the task — instead of `resubmit`. A
+discard that fails fails the restore (the saved turn would run against an empty server).
 """
 
 import time
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +64,7 @@ from quiesce.coordinator.attempt import (
     PhaseFailure,
     Progress,
     Resubmission,
+    UnknownResubmissions,
     anyio_deadline,
     each_member,
     expect_reply,
@@ -67,6 +82,8 @@ from quiesce.coordinator.errors import DeadlineExceeded, FencedError, LedgerErro
 from quiesce.coordinator.phases import Role
 from quiesce.coordinator.protocol import (
     AGENT,
+    AGENT_RESOURCE_DEPENDENCY_INDEX,
+    DISCARD_RESTORED_CONTINUATION,
     INCLUDE_STORAGE_REFERENCE_INDEX,
     STALE_CHECKPOINT,
     AgentManifest,
@@ -75,6 +92,9 @@ from quiesce.coordinator.protocol import (
     ArtifactRef,
     Capabilities,
     CheckpointDirBody,
+    ContinuationRow,
+    DiscardContinuationBody,
+    DiscardContinuationReply,
     ModelRestoreBody,
     ModelRestoreReply,
     ResourcesRestoreReply,
@@ -107,6 +127,8 @@ async def restore(
     resume: bool = False,
     manifest_sha256: str | None = None,
     resubmit: Sequence[Resubmission] = (),
+    unknown: Sequence[UnknownResubmissions] = (),
+    restart_only: Sequence[str] = (),
 ) -> Attempt:
     """Restore a verified snapshot: policy → agents → resources under a new id; servers stay paused.
 
@@ -114,8 +136,10 @@ async def restore(
     checked against the snapshot: source checkpoint id, and each agent's continuation index.
     With `resume` the attempt is left in state `restored` without a terminal record: the caller
     resumes it next (`resume.finish_resume`), and `attempt.started` says so for recovery.
-    `resubmit` (`read_resubmissions` of the same snapshot) becomes `attempt.resubmit` once the
-    restore phase succeeded.
+    `resubmit` and `unknown` (`read_resubmissions` of the same snapshot) become `attempt.resubmit`
+    and `attempt.resubmit_unknown` once the restore phase succeeded, less the continuations it
+    discarded (`attempt.restart`): `restart_only` names the cluster's `restart_only` resources
+    servers (recorded in `attempt.started`; the caller checked the plan first, `discard_plan`).
     """
     checkpoint_id = await next_checkpoint_id(ctx.ledger)
     deadline_ts = time.time() + (deadline_s if deadline_s is not None else ctx.config.deadline_s)
@@ -128,6 +152,7 @@ async def restore(
         source_checkpoint_id=snapshot.checkpoint_id,
         snapshot_sha256=manifest_sha256,
         warnings=list(warnings),
+        restart_only=tuple(restart_only),
     )
     await ctx.ledger.stage(
         "attempt.started",
@@ -141,6 +166,7 @@ async def restore(
             **({"manifest_sha256": manifest_sha256} if manifest_sha256 else {}),
             **({"warnings": list(warnings)} if warnings else {}),
             **({"resume": True} if resume else {}),
+            **({"restart_only": list(restart_only)} if restart_only else {}),
         },
         durable=True,  # see "Durability" in attempt.py
     )
@@ -185,6 +211,7 @@ async def restore(
             resumed=never,
             not_resumed=held,
             latest_snapshot=str(read_latest(ctx.config.snapshots) or "") or None,
+            warnings=attempt.warnings,
         ) from None
     except BaseException as exc:  # cancelled or a bug: record what is left paused, then re-raise
         with anyio.CancelScope(shield=True):
@@ -214,21 +241,38 @@ async def restore(
             data={"servers": attempt.touched, "outcome": "restored"},
         )
     attempt.state = "restored"
-    attempt.resubmit = tuple(resubmit)
+    restarted = set(attempt.restart)
+    attempt.resubmit = tuple(r for r in resubmit if r not in restarted)
+    attempt.resubmit_unknown = tuple(unknown)
     return attempt
 
 
-def read_resubmissions(snapshot: Snapshot, agents: Sequence[Member]) -> tuple[Resubmission, ...]:
+@dataclass(frozen=True)
+class Resubmissions:
+    """What a restore of a snapshot continues (`read_resubmissions`): the executions to send again,
+    and the agents whose folder does not say (each with the reason)."""
+
+    known: tuple[Resubmission, ...] = ()
+    unknown: tuple[UnknownResubmissions, ...] = ()
+
+
+def read_resubmissions(snapshot: Snapshot, agents: Sequence[Member]) -> Resubmissions:
     """The executions a restore of `snapshot` continues, to send again (module docstring): for each
     agent of `agents` (in order), each saved record's (rollout_id, attempt_index + 1), sorted.
 
-    Call it on a verified snapshot (its files match its manifest). Raises `SnapshotError` listing
-    every problem: an agent folder without a readable Gym manifest, a record file that is missing,
-    not the agent manifest's sha256, not JSON with a `rollout_id` and an integer `attempt_index`,
-    or whose identity is not its file name.
+    Call it on a verified snapshot (its files match its manifest). The list is a convenience, so
+    an agent folder it cannot be read from — no Gym agent manifest with `files` (another layout),
+    a named file that is not a boundary record, an identity that is not its file name, a name
+    outside the folder — makes that agent's resubmissions unknown, with the reason
+    (`Resubmissions.unknown`), and the restore goes on. The agent's continuation index, when its
+    manifest lists it among `files` too (with the digest its reference names), is not a record.
+    A record the agent's manifest names that is missing, or whose sha256 is not the one that
+    manifest names, is damage the snapshot's digests cannot show: `SnapshotError`, listing every
+    such record, and nothing is restored.
     """
     found: list[Resubmission] = []
-    problems: list[str] = []
+    unknown: list[UnknownResubmissions] = []
+    damaged: list[str] = []
     for member in agents:
         if member.component != AGENT:
             continue
@@ -237,64 +281,150 @@ def read_resubmissions(snapshot: Snapshot, agents: Sequence[Member]) -> tuple[Re
         try:
             manifest = AgentManifest.model_validate_json((snapshot.path / rel).read_bytes())
         except OSError as error:
-            problems.append(f"{member.name}: {rel} cannot be read: {error.strerror or error}")
+            unknown.append(
+                UnknownResubmissions(member.name, f"{rel} cannot be read: {error.strerror or error}")
+            )
             continue
         except ValueError as error:
-            problems.append(f"{member.name}: {rel} is not a Gym agent manifest: {_first(error)}")
+            unknown.append(
+                UnknownResubmissions(
+                    member.name, f"{rel} is not a Gym agent manifest with record files: {_first(error)}"
+                )
+            )
             continue
+        index = manifest.continuation_index
         mine: list[Resubmission] = []
+        unreadable: list[str] = []
         for name, digest in sorted(manifest.files.items()):
             record = f"{folder}/{name}"
             if "/" in name or name in ("", ".", ".."):
-                problems.append(f"{member.name}: {rel} names a record file outside its folder: {name!r}")
+                unreadable.append(f"{rel} names a record file outside its folder: {name!r}")
                 continue
+            if record == index.relative_path and digest == index.sha256:
+                continue  # the continuation index listed among the files: not a record
             try:
                 data = (snapshot.path / record).read_bytes()
             except OSError as error:
-                problems.append(f"{member.name}: {record} cannot be read: {error.strerror or error}")
+                damaged.append(f"{member.name}: {record} cannot be read: {error.strerror or error}")
                 continue
             if sha256_hex(data) != digest:
-                problems.append(f"{member.name}: {record}: sha256 differs from the agent's manifest")
+                damaged.append(f"{member.name}: {record}: sha256 differs from the agent's manifest")
                 continue
             try:
                 identity = AgentRecordIdentity.model_validate_json(data)
             except ValueError as error:
-                problems.append(
-                    f"{member.name}: {record} is not a boundary record (rollout_id, attempt_index):"
-                    f" {_first(error)}"
+                unreadable.append(
+                    f"{record} is not a boundary record (rollout_id, attempt_index): {_first(error)}"
                 )
                 continue
             named = agent_record_file(identity.rollout_id, identity.attempt_index)
             if named != name:
-                problems.append(
-                    f"{member.name}: {record} holds rollout {identity.rollout_id!r} attempt"
-                    f" {identity.attempt_index}, whose file would be {named!r}: its identity disagrees"
-                    " with its name"
+                unreadable.append(
+                    f"{record} holds rollout {identity.rollout_id!r} attempt {identity.attempt_index},"
+                    f" whose file would be {named!r}: its identity disagrees with its name"
                 )
                 continue
             mine.append(Resubmission(member.name, identity.rollout_id, identity.attempt_index + 1))
-        found.extend(sorted(mine, key=lambda r: (r.rollout_id, r.attempt_index)))
-    if problems:
+        if unreadable:
+            unknown.append(UnknownResubmissions(member.name, "; ".join(unreadable)))
+        else:
+            found.extend(sorted(mine, key=lambda r: (r.rollout_id, r.attempt_index)))
+    if damaged:
         raise SnapshotError(
-            f"snapshot {snapshot.path} cannot be restored: its agent records do not say which executions"
-            " to send again:\n  " + "\n  ".join(problems) + "\nNothing was restored and no server was"
+            f"snapshot {snapshot.path} cannot be restored: its agent records are not the ones their"
+            " agents committed:\n  " + "\n  ".join(damaged) + "\nNothing was restored and no server was"
             " contacted; restore a snapshot you trust",
+            damaged,
+        )
+    return Resubmissions(tuple(found), tuple(unknown))
+
+
+def discards(snapshot: Snapshot, agents: Sequence[Member], restart_only: Collection[str]) -> Resubmissions:
+    """The restored continuations a restore of `snapshot` must discard (`known`), and the agents
+    for which that cannot be read (`unknown`, refusing the restore: `discard_plan`).
+
+    A continuation cannot continue after a restore when it depends on a `restart_only`
+    resources server: that server comes back empty, while the saved turn expects the state it had.
+    Only an agent that declares both `discard_restored_continuation_v1` and
+    `agent_resource_dependency_index_v1` can drop one; for such an agent (none when the cluster has
+    no `restart_only` resources server) each row of its committed continuation index (the
+    snapshot's `continuation_index` of it, checked against its sha256) whose
+    `resource_state_revisions` names one of `restart_only` — or is null, an index that does not
+    say — is discarded as execution (rollout_id, attempt_index + 1), the attempt its `/run` then
+    starts from the task. Sorted per agent, agents in order.
+    """
+    if not restart_only:
+        return Resubmissions()
+    chosen: list[Resubmission] = []
+    unknown: list[UnknownResubmissions] = []
+    for member in agents:
+        features = set(member.features)
+        if (
+            member.component != AGENT
+            or not {
+                DISCARD_RESTORED_CONTINUATION,
+                AGENT_RESOURCE_DEPENDENCY_INDEX,
+            }
+            <= features
+        ):
+            continue
+        ref = (snapshot.participant(member.name) or {}).get("continuation_index")
+        try:
+            index = ArtifactRef.model_validate(ref)
+            data = (snapshot.path / index.relative_path).read_bytes()
+            if sha256_hex(data) != index.sha256:
+                raise ValueError(f"{index.relative_path}: sha256 differs from the committed one")
+            rows = [ContinuationRow.model_validate_json(line) for line in data.splitlines() if line.strip()]
+        except OSError as error:
+            why = f"its continuation index cannot be read: {error.strerror or error}"
+            unknown.append(UnknownResubmissions(member.name, why))
+            continue
+        except ValueError as error:
+            unknown.append(
+                UnknownResubmissions(member.name, f"its continuation index is unusable: {_first(error)}")
+            )
+            continue
+        mine = {
+            Resubmission(member.name, row.rollout_id, row.attempt_index + 1)
+            for row in rows
+            if row.resource_state_revisions is None or set(row.resource_state_revisions) & set(restart_only)
+        }
+        chosen.extend(sorted(mine, key=lambda r: (r.rollout_id, r.attempt_index)))
+    return Resubmissions(tuple(chosen), tuple(unknown))
+
+
+def discard_plan(
+    snapshot: Snapshot, agents: Sequence[Member], restart_only: Collection[str]
+) -> Resubmissions:
+    """`discards`, refusing the restore (`SnapshotError`, before any server is contacted) when an
+    agent that can discard has a continuation index that cannot be read: without it the restore
+    cannot tell which saved turns depend on a server that comes back empty."""
+    plan = discards(snapshot, agents, restart_only)
+    if plan.unknown:
+        problems = [f"{u.server}: {u.reason}" for u in plan.unknown]
+        raise SnapshotError(
+            f"snapshot {snapshot.path} cannot be restored: the cluster has restart_only resources"
+            f" servers ({', '.join(sorted(restart_only))}), and which saved continuations depend on"
+            " them cannot be read:\n  " + "\n  ".join(problems) + "\nNothing was restored and no"
+            " server was contacted; restore a snapshot you trust",
             problems,
         )
-    return tuple(found)
+    return plan
 
 
 async def resubmissions_of(ctx: Context, attempt: Attempt) -> tuple[Resubmission, ...]:
     """What a restore that finished (here or in an earlier process) continues: `attempt.resubmit`
-    when this process ran its restore phase, else read again from its snapshot; () for a save, or
-    when the snapshot is gone or not the one restored (nothing can be said then).
+    when this process ran its restore phase, else read again from its snapshot (setting
+    `attempt.resubmit_unknown` too); () for a save, or when the snapshot is gone or not the one
+    restored (nothing can be said then). The continuations it discarded (`attempt.restart`, read
+    back from its ledger) are never among them.
 
     Read again without digesting the whole snapshot (a resume must not wait on it): its manifest's
     sha256 must be the one the restore recorded when it began, each agent's manifest the digest
     that manifest names, each record its agent manifest's (`read_resubmissions`). A restore
     recorded before that digest was (`snapshot_sha256` None) is checked whole (`reverify`).
     """
-    if attempt.kind != "restore" or attempt.resubmit:
+    if attempt.kind != "restore" or attempt.resubmit or attempt.resubmit_unknown:
         return attempt.resubmit
     agents = attempt.group("agent")
     path = attempt.snapshot
@@ -313,10 +443,18 @@ async def resubmissions_of(ctx: Context, attempt: Attempt) -> tuple[Resubmission
     if snapshot is None:
         return ()
     try:
-        attempt.resubmit = await anyio.to_thread.run_sync(read_resubmissions, snapshot, agents)
+        found = await anyio.to_thread.run_sync(read_resubmissions, snapshot, agents)
     except SnapshotError:
         return ()
+    _settle(attempt, found)
     return attempt.resubmit
+
+
+def _settle(attempt: Attempt, found: Resubmissions) -> None:
+    """Set what a restore continues from what its snapshot says, less what it discarded."""
+    restarted = set(attempt.restart)
+    attempt.resubmit = tuple(r for r in found.known if r not in restarted)
+    attempt.resubmit_unknown = found.unknown
 
 
 def _same_agents(path: Path, manifest_sha256: str, agents: Sequence[Member]) -> Snapshot | None:
@@ -420,11 +558,44 @@ async def restore_body(
     def chosen(role: Role) -> tuple[Member, ...]:
         return tuple(m for m in attempt.group(role) if only is None or m.name in only)
 
-    return {
+    plan = await anyio.to_thread.run_sync(discards, snapshot, attempt.group("agent"), attempt.restart_only)
+
+    async def discard(m: Member) -> list[dict[str, Any]]:
+        done: list[dict[str, Any]] = []
+        for r in (r for r in plan.known if r.server == m.name):
+            ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+            request = DiscardContinuationBody(
+                checkpoint_id=attempt.checkpoint_id,
+                deadline_ts=attempt.deadline_ts,
+                rollout_id=r.rollout_id,
+                attempt_index=r.attempt_index,
+            )
+            result = await send_call(ctx, attempt, m, "discard", phase, body=request)
+            reply = expect_reply(
+                result, DiscardContinuationReply, phase, "discard of a restored continuation"
+            )
+            done.append(
+                {"rollout_id": r.rollout_id, "attempt_index": r.attempt_index, "discarded": reply.discarded}
+            )
+        return done
+
+    summary: dict[str, Any] = {
         "policy": await each_member(ctx, attempt, chosen("policy"), policy),
         "agents": await each_member(ctx, attempt, chosen("agent"), agent),
         "resources": await each_member(ctx, attempt, chosen("resources"), resources),
     }
+    if plan.unknown:  # the caller planned it before any call: the snapshot changed since
+        first = plan.unknown[0]
+        raise PhaseFailure(phase, first.server, first.reason)
+    losing = tuple(
+        m
+        for m in chosen("agent")
+        if m.name not in attempt.resumed and m.name in {r.server for r in plan.known}
+    )
+    if losing:
+        summary["discarded"] = await each_member(ctx, attempt, losing, discard)
+    attempt.restart = plan.known
+    return summary
 
 
 def _describe(ref: Any) -> str:
@@ -491,7 +662,7 @@ async def redrive(
     attempt.state = "restored"
     try:
         agents = attempt.group("agent")
-        attempt.resubmit = await anyio.to_thread.run_sync(read_resubmissions, snapshot, agents)
+        _settle(attempt, await anyio.to_thread.run_sync(read_resubmissions, snapshot, agents))
     except SnapshotError:  # `reverify` read them; a snapshot changed since lists none
         attempt.resubmit = ()
     return None

@@ -113,6 +113,9 @@ class AttemptStarted(Payload):
     plane: Literal["v1", "v2"] = "v1"
     #: save, v2: commit with `stop` — the servers stay paused for shutdown once published
     stop: bool = False
+    #: restore, v1: the cluster's `restart_only` resources servers when it began — the restored
+    #: continuations that depend on one are discarded (a re-driven restore uses the same set)
+    restart_only: list[str] = []
 
 
 class PhaseStarted(Payload):

@@ -3,9 +3,9 @@
 each saved record's rollout as attempt n+1), as a trainer on real Gym must; nothing runs them before.
 
 Also: the snapshot is verified before any server is contacted (participant mismatch, altered
-file → `SnapshotError` listing every difference, only capabilities requests sent), and so are its
-agent records: one whose identity is not its file name, or that does not parse, refuses the
-restore with nothing restored or resumed.
+file → `SnapshotError` listing every difference, only capabilities requests sent); an agent
+record whose identity is not its file name, or that does not parse, no longer refuses it up front
+(the resubmission list is a convenience): the agent refuses it, and nothing is resumed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import anyio
 import httpx
 import pytest
 
-from quiesce.coordinator import Coordinator, Resubmission, SnapshotError, load_snapshot
+from quiesce.coordinator import Coordinator, PhaseError, Resubmission, SnapshotError, load_snapshot
 from quiesce.coordinator.protocol import CAPABILITIES_PATH, agent_instance_dir, sha256_hex
 from quiesce.ledger import Ledger
 from quiesce.tools.gymsim import client
@@ -192,9 +192,12 @@ async def test_altered_snapshot_refused(make_cluster: Any, sqlite_url: str, conf
 
 
 @pytest.mark.parametrize("forgery", ["renamed", "unparsable"])
-async def test_an_agent_record_that_disagrees_with_its_name_refuses_the_restore(
+async def test_an_agent_record_that_disagrees_with_its_name_is_left_to_the_agent(
     make_cluster: Any, sqlite_url: str, configure: Any, tmp_path: Path, forgery: str
 ) -> None:
+    """Such a record no longer refuses the restore up front (its digests agree: the resubmission
+    list is only a convenience, issue 36 item 2); the agent checks its own records and refuses it,
+    so the restore fails there, nothing is resumed and the servers it reached stay paused."""
     with make_cluster(None) as first:
         snapshot = await _checkpoint_mid_rollout(first, configure(first, sqlite_url))
     folder = snapshot / agent_instance_dir("simple_agent")
@@ -205,26 +208,19 @@ async def test_an_agent_record_that_disagrees_with_its_name_refuses_the_restore(
         content = json.dumps(record).encode()
     else:
         content = b'{"rollout_id": "r0", "attempt_index": "zero"'
-    name = _forge_record(snapshot, content)
+    _forge_record(snapshot, content)
     # a ledger that never saw the snapshot cannot tell its manifest was rewritten: only the records can
     other = f"sqlite+aiosqlite:///{tmp_path / 'other.db'}"
     with make_cluster(None) as second:
         async with Coordinator.open(configure(second, other)) as coord:
             await coord.discover()
-            with pytest.raises(SnapshotError) as caught:
+            with pytest.raises(PhaseError) as caught:
                 await coord.restore(snapshot)
-        message = str(caught.value)
-        assert f"{agent_instance_dir('simple_agent')}/{name}" in message
-        assert "Nothing was restored and no server was contacted" in message
-        if forgery == "renamed":
-            assert "holds rollout 'elsewhere' attempt 0, whose file would be 'elsewhere.a0.json'" in message
-            assert "its identity disagrees with its name" in message
-        else:
-            assert "is not a boundary record" in message
-        assert len(caught.value.differences) == 1
+        assert caught.value.server == "simple_agent"
+        assert caught.value.code == "restore_failed"
+        assert caught.value.resumed == []
+        assert "simple_agent" in caught.value.not_resumed
+        assert len(caught.value.warnings) == 1  # the snapshot's provenance, shown with the failure
         async with httpx.AsyncClient() as http:
-            logs = await control_logs(http, second)
-            assert all(entry["path"] == CAPABILITIES_PATH for log in logs.values() for entry in log)
-            await assert_all_accepting(http, second)  # nothing restored, nothing held
-        async with Ledger.open(other, readonly=True) as ledger:
-            assert await ledger.attempts() == []  # refused before any attempt began
+            states = await server_states(http, second)
+        assert states["policy_model"][0] == "restored_paused"  # half-restored state does not run

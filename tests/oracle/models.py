@@ -130,6 +130,14 @@ class AcknowledgeRequest(Strict):
         return self
 
 
+class DiscardRequest(ControlRequest):
+    """Later Gym's `POST /agent-checkpoint/discard-restored-continuation`: the replacement
+    execution whose restored continuation goes."""
+
+    rollout_id: Identity
+    attempt_index: Count
+
+
 class ReceiptQuery(Strict):
     """Later Gym's `GET /agent-checkpoint/completion-receipt` (query values arrive as text)."""
 
@@ -314,6 +322,10 @@ class AgentRestoreReply(Strict):
 class AgentResumeReply(Strict):
     state: Literal["accepting"]
     released: Count
+
+
+class DiscardReply(Strict):
+    discarded: bool
 
 
 class AcknowledgeReply(Strict):

@@ -12,6 +12,9 @@
 - `print_resubmit(resubmit)`: after a restore, or the resume of one, one `send again: rollout X as
   attempt N on AGENT` line per execution the caller must send `/run` for again (Gym's restore runs
   none of them by itself); on the unified plane `start: rollout X attempt N on SERVER`.
+- `print_continuations(restart, unknown)`: after a v1 restore, or the resume of one, one `start
+  afresh: ...` line per continuation discarded (its `/run` starts from the task) and one
+  `resubmissions unknown on AGENT: REASON` line per agent whose folder does not say what to send.
 - `require_unified(found, what)`: a flag or command of Gym's unified plane asked of a v1 cluster is
   bad usage (exit 2), refused before anything is sent.
 """
@@ -36,6 +39,7 @@ from quiesce.coordinator import (
     PhaseError,
     Resubmission,
     RetireOutcome,
+    UnknownResubmissions,
     load_config,
 )
 from quiesce.tools.cli import output
@@ -57,6 +61,7 @@ __all__ = [
     "escape",
     "frees",
     "phase_error_json",
+    "print_continuations",
     "print_restored_again",
     "print_resubmit",
     "print_warnings",
@@ -160,7 +165,17 @@ def require_unified(found: Discovery, what: str) -> None:
 
 
 def phase_error_json(error: PhaseError) -> dict[str, Any]:
-    return {"phase": error.phase, "server": error.server, "code": error.code, "message": str(error)}
+    """The `error` object of a failed phase (`warnings` when the attempt began with some, e.g. a
+    restore of a snapshot this ledger did not publish)."""
+    document: dict[str, Any] = {
+        "phase": error.phase,
+        "server": error.server,
+        "code": error.code,
+        "message": str(error),
+    }
+    if error.warnings:
+        document["warnings"] = list(error.warnings)
+    return document
 
 
 def print_resubmit(resubmit: Sequence[Resubmission], indent: str = "", *, plane: str = "v1") -> None:
@@ -172,6 +187,26 @@ def print_resubmit(resubmit: Sequence[Resubmission], indent: str = "", *, plane:
             f"start: rollout {r.rollout_id} attempt {r.attempt_index} on {r.server}"
             if plane == "v2"
             else f"send again: rollout {r.rollout_id} as attempt {r.attempt_index} on {r.server}"
+        )
+        output.console.print(escape(indent + line), soft_wrap=True)
+
+
+def print_continuations(
+    restart: Sequence[Resubmission], unknown: Sequence[UnknownResubmissions], indent: str = ""
+) -> None:
+    """What a v1 restore leaves to the caller beside `print_resubmit`: each execution whose saved
+    turn was discarded (it depended on a `restart_only` resources server) — its `/run` starts from
+    the task —, then each agent whose resubmissions are unknown, with the reason."""
+    for r in restart:
+        line = (
+            f"start afresh: rollout {r.rollout_id} as attempt {r.attempt_index} on {r.server}"
+            " (its saved turn depended on a restart_only resources server and was discarded)"
+        )
+        output.console.print(escape(indent + line), soft_wrap=True)
+    for u in unknown:
+        line = (
+            f"resubmissions unknown on {u.server}: {u.reason}. Its state was restored; ask the agent"
+            " (or your own records) which executions to send again"
         )
         output.console.print(escape(indent + line), soft_wrap=True)
 
@@ -254,6 +289,7 @@ def run_outcome(args: argparse.Namespace, what: str) -> int:
             )
             print_restored_again(one.restored_again)
             print_resubmit(one.resubmit)
+            print_continuations(one.restart, one.resubmit_unknown)
     if result.left_paused:
         print_error(
             f"could not resume {', '.join(result.left_paused)};"

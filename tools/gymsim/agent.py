@@ -52,6 +52,12 @@ Checkpoint rules (export_restore agents):
   with the result the uninterrupted rollout gets. `/run` of any other attempt of a rollout id this
   agent holds answers 409 `rollout_exists`. A restored continuation is not an execution: prepare
   and status do not count it and a checkpoint taken before its `/run` does not save it (as Gym).
+- with `discard` (later Gym) the agent declares `discard_restored_continuation_v1` and
+  `agent_resource_dependency_index_v1` and serves `POST /agent-checkpoint/discard-restored-continuation
+  {checkpoint_id, deadline_ts, rollout_id, attempt_index}` — only while `restored_paused` under that
+  id (else the fence's 409) — which drops the restored continuation of (rollout, attempt_index) and
+  answers `{"discarded": true}` (`false` when none was installed; 409 `duplicate_execution` once
+  it runs): its `/run` then starts from the task, as a fresh rollout.
 
 A `stateless` (or `restart_only`) agent serves `/run` the same way but never parks, holds no
 result and commits nothing (empty index): the coordinator skips it.
@@ -75,11 +81,14 @@ from quiesce.coordinator.protocol import (
     AGENT,
     AGENT_CONTINUATIONS,
     AGENT_PREPARE_INCOMPLETE,
+    AGENT_RESOURCE_DEPENDENCY_INDEX,
     ATTEMPT_INDEX_HEADER,
     CHECKPOINT_ID_PATTERN,
     CHECKPOINT_PARKED,
     COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR,
     COMPLETED_RESULT_ACKNOWLEDGEMENT,
+    DISCARD_RESTORED_CONTINUATION,
+    DUPLICATE_EXECUTION,
     RESOURCE_REVISION_HEADER,
     RESOURCES_ADMISSION_CLOSED,
     ROLLOUT_ID_HEADER,
@@ -98,6 +107,8 @@ from quiesce.coordinator.protocol import (
     CompletionReceipt,
     CompletionReceiptReply,
     ContinuationRow,
+    DiscardContinuationBody,
+    DiscardContinuationReply,
     ReceiptAcknowledgeBody,
     ReceiptQuery,
     StatusQuery,
@@ -257,7 +268,10 @@ class AgentServer(GymServer):
         return self.spec.acknowledgement == "receipt"
 
     def feature_list(self) -> list[str]:
-        return [*self.features, COMPLETED_RESULT_ACKNOWLEDGEMENT] if self.stateful else list(self.features)
+        if not self.stateful:
+            return list(self.features)
+        later = [DISCARD_RESTORED_CONTINUATION, AGENT_RESOURCE_DEPENDENCY_INDEX] if self.spec.discard else []
+        return [*self.features, COMPLETED_RESULT_ACKNOWLEDGEMENT, *later]
 
     def admission_state(self) -> str:
         if not self.park_requested:
@@ -361,6 +375,12 @@ class AgentServer(GymServer):
         @self.control_route("POST", route(AGENT, "resume").full_path)
         async def resume(body: CommonBody) -> JSONResponse:
             return await self.control("resume", body, self._resume)
+
+        if self.stateful and self.spec.discard:
+
+            @self.control_route("POST", route(AGENT, "discard").full_path)
+            async def discard(body: DiscardContinuationBody) -> JSONResponse:
+                return await self.query(lambda: self._discard(body))
 
         if self.stateful and not self.receipts:
 
@@ -728,6 +748,24 @@ class AgentServer(GymServer):
                 },
             ],
         )
+
+    async def _discard(self, body: DiscardContinuationBody) -> dict[str, Any]:
+        """Drop the restored continuation of (rollout, n+1), only while `restored_paused` under
+        `checkpoint_id` (409 as the fence refuses otherwise): its `/run` then starts from the task;
+        (rollout, n) stays retired. An execution already running is 409 `duplicate_execution`;
+        nothing installed for it answers `discarded: false`."""
+        self.fence.check_query(body.checkpoint_id, frozenset({"restored_paused"}))
+        rollout = self.rollouts.get(body.rollout_id)
+        mine = rollout is not None and rollout.attempt_index == body.attempt_index
+        if mine and rollout is not None and rollout.status != "restored":
+            raise ControlRejection(
+                DUPLICATE_EXECUTION,
+                f"rollout {body.rollout_id!r} attempt {body.attempt_index} is already active",
+            )
+        if mine:
+            del self.rollouts[body.rollout_id]
+            self.changed.notify()
+        return DiscardContinuationReply(discarded=mine).model_dump(mode="json")
 
     async def _resume(self) -> dict[str, Any]:
         released = len(self._with_status("parked", "blocked")) if self.park_requested else 0

@@ -33,7 +33,9 @@ policy model then is drain-only —, or `restart_only`; an auxiliary model is al
 `acknowledgement` (agents: `pair`, the anchor's `{rollout_id, attempt_index}`, or `receipt`, later
 Gym's, which acknowledges a finished result only by its completion receipt), `generation_cut`
 (single-worker policy models: later Gym with a generation-cut backend — a pause cuts the calls in
-flight and holds their responses until resume),
+flight and holds their responses until resume), `discard` (export_restore agents: later Gym's
+`POST /agent-checkpoint/discard-restored-continuation` and its features
+`discard_restored_continuation_v1`, `agent_resource_dependency_index_v1`),
 `policy` / `resources` (agent: server name or URL), `judge` (resources: the model `/verify`
 calls), `faults` (see `faults.py`).
 
@@ -82,6 +84,7 @@ class ServerSpec(BaseModel):
     restore_index: Literal["opt_in", "always"] = "opt_in"
     acknowledgement: Literal["pair", "receipt"] = "pair"
     generation_cut: bool = False
+    discard: bool = False
     policy: str | None = None
     resources: str | None = None
     judge: str | None = None

@@ -151,6 +151,7 @@ def error_body(error: QuiesceError) -> ErrorBody:
         body.checkpoint_id = error.checkpoint_id
         body.resumed, body.not_resumed = list(error.resumed), list(error.not_resumed)
         body.latest_snapshot = error.latest_snapshot
+        body.warnings = [mask_url_passwords(w) for w in error.warnings] or None
     elif isinstance(error, Busy):
         body.checkpoint_id, body.operation = error.checkpoint_id, error.operation
     elif isinstance(error, Unavailable):

@@ -426,6 +426,7 @@ def _error(status: int, content: bytes) -> QuiesceError:
             resumed=error.get("resumed"),
             not_resumed=error.get("not_resumed"),
             latest_snapshot=error.get("latest_snapshot"),
+            warnings=[str(w) for w in error.get("warnings") or []],
         )
     if kind == "DiscoveryError":
         return DiscoveryError(message, [tuple(r) for r in error.get("reasons") or []])

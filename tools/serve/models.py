@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from quiesce.coordinator.attempt import Attempt, Outcome, Resubmission
+from quiesce.coordinator.attempt import Attempt, Outcome, Resubmission, UnknownResubmissions
 from quiesce.coordinator.discovery import Discovery, Member
 from quiesce.coordinator.protocol import AcknowledgeBody
 from quiesce.coordinator.protocol_v2 import EpisodeId
@@ -56,6 +56,11 @@ class ErrorBody(BaseModel):
     resumed: list[str] | None = None
     not_resumed: list[str] | None = None
     latest_snapshot: str | None = None
+    warnings: list[str] | None = Field(
+        default=None,
+        description="`PhaseError` of a restore: the warnings given before it began, e.g. that the ledger"
+        " did not publish the snapshot (its manifest could not be checked against a recorded digest)",
+    )
     differences: list[str] | None = None
     reasons: list[tuple[str, str]] | None = None
     state: str | None = None
@@ -185,6 +190,21 @@ class ResubmissionModel(BaseModel):
         return Resubmission(self.server, self.rollout_id, self.attempt_index)
 
 
+class UnknownResubmissionsModel(BaseModel):
+    """An agent whose saved folder does not say which executions a restore continues
+    (`coordinator.UnknownResubmissions`): its state was restored; `reason` says why not."""
+
+    server: str
+    reason: str
+
+    @classmethod
+    def of(cls, unknown: UnknownResubmissions) -> UnknownResubmissionsModel:
+        return cls(server=unknown.server, reason=unknown.reason)
+
+    def unknown(self) -> UnknownResubmissions:
+        return UnknownResubmissions(self.server, self.reason)
+
+
 class AttemptModel(BaseModel):
     """One attempt as `coordinator.Attempt` holds it; `outcome` once it ended."""
 
@@ -203,6 +223,19 @@ class AttemptModel(BaseModel):
         description="a successful restore: every execution to send `/run` for again once the servers"
         " resume (Gym's restore runs none of them by itself), in order; empty otherwise. On the unified"
         " plane: the replacement attempts the trainer starts once resumed",
+    )
+    restart: list[ResubmissionModel] = Field(
+        default=[],
+        description="a successful v1 restore: executions whose saved turn was discarded (it depended on"
+        " a `restart_only` resources server): send their `/run` once resumed, it starts from the task",
+    )
+    resubmit_unknown: list[UnknownResubmissionsModel] = Field(
+        default=[],
+        description="a successful v1 restore: agents whose saved folder does not say which executions to"
+        " send again (their state was restored), each with the reason",
+    )
+    warnings: list[str] = Field(
+        default=[], description="warnings given before the attempt began (preflight, provenance)"
     )
     plane: Literal["v1", "v2"] = Field(default="v1", description="the control plane of its servers")
     scope: list[str] = Field(
@@ -237,6 +270,9 @@ class AttemptModel(BaseModel):
             touched=list(attempt.touched),
             outcome=outcome,
             resubmit=[ResubmissionModel.of(r) for r in attempt.resubmit],
+            restart=[ResubmissionModel.of(r) for r in attempt.restart],
+            resubmit_unknown=[UnknownResubmissionsModel.of(u) for u in attempt.resubmit_unknown],
+            warnings=list(attempt.warnings),
             plane=attempt.plane,
             scope=list(attempt.scope),
             restarts={server: list(keys) for server, keys in attempt.restarts.items()},
@@ -257,6 +293,9 @@ class AttemptModel(BaseModel):
             state=self.state,  # type: ignore[arg-type]  # an AttemptState the service sent
             touched=list(self.touched),
             resubmit=tuple(r.resubmission() for r in self.resubmit),
+            restart=tuple(r.resubmission() for r in self.restart),
+            resubmit_unknown=tuple(u.unknown() for u in self.resubmit_unknown),
+            warnings=list(self.warnings),
             scope=tuple(self.scope),
             restarts={server: tuple(keys) for server, keys in self.restarts.items()},
             exported={server: tuple(keys) for server, keys in self.exported.items()},
@@ -314,6 +353,12 @@ class OutcomeModel(BaseModel):
         default=[],
         description="the resume of a restore: servers restarted since it, restored again before the resume",
     )
+    restart: list[ResubmissionModel] = Field(
+        default=[], description="the resume of a v1 restore: executions whose saved turn was discarded"
+    )
+    resubmit_unknown: list[UnknownResubmissionsModel] = Field(
+        default=[], description="the resume of a v1 restore: agents whose resubmissions are unknown, and why"
+    )
 
     @classmethod
     def of(cls, outcome: Outcome) -> OutcomeModel:
@@ -327,6 +372,8 @@ class OutcomeModel(BaseModel):
             also=[cls.of(o) for o in outcome.also],
             resubmit=[ResubmissionModel.of(r) for r in outcome.resubmit],
             restored_again=list(outcome.restored_again),
+            restart=[ResubmissionModel.of(r) for r in outcome.restart],
+            resubmit_unknown=[UnknownResubmissionsModel.of(u) for u in outcome.resubmit_unknown],
         )
 
     def outcome_(self) -> Outcome:
@@ -340,6 +387,8 @@ class OutcomeModel(BaseModel):
             tuple(o.outcome_() for o in self.also),
             tuple(r.resubmission() for r in self.resubmit),
             tuple(self.restored_again),
+            restart=tuple(r.resubmission() for r in self.restart),
+            resubmit_unknown=tuple(u.unknown() for u in self.resubmit_unknown),
         )
 
 

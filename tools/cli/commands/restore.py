@@ -9,13 +9,19 @@ server at once with the snapshot's episodes; all or nothing). The servers stay p
 `quiesce resume` — or, with `--resume`, are resumed at once: the restore is not finished until
 that resume is (killed on the way, `quiesce recover` finishes it). Refused before any request
 while a participant is held by another checkpoint id (the message names it and what frees it).
-`--json`: `{"checkpoint_id", "outcome", "servers", "resubmit"}` with outcome `restored` (or
-`resumed` with `--resume`, `failed` on a failed phase, `refused` when held).
+`--json`: `{"checkpoint_id", "outcome", "servers", "resubmit", "restart", "resubmit_unknown"}` with
+outcome `restored` (or `resumed` with `--resume`, `failed` on a failed phase, `refused` when held).
 
 What to send again: the restore runs no restored rollout — Gym retired each saved execution and
 continues it only when the trainer sends `/run` for it as its next attempt. A successful restore
 prints one line per such execution (`send again: rollout X as attempt N on AGENT`) and lists them
 under `resubmit` (`[{"server", "rollout_id", "attempt_index"}]`, empty when none; `Attempt.resubmit`).
+An agent whose saved folder does not say which (another layout, a file that is not a record) is
+listed under `resubmit_unknown` (`[{"server", "reason"}]`; a `resubmissions unknown on AGENT:
+REASON` line): its state was restored all the same. A saved turn that depends on a `restart_only`
+resources server was discarded on an agent that can (Gym's `discard_restored_continuation_v1`):
+listed under `restart` (same shape as `resubmit`; a `start afresh: ...` line), its `/run` starts
+from the task.
 On the unified plane these are the replacement attempts the trainer starts once resumed (`start:
 rollout X attempt N on SERVER`, SERVER the environment that continues it); `--json` adds `plane`.
 
@@ -39,6 +45,7 @@ from quiesce.tools.cli.cluster_cmd import (
     driving,
     frees,
     phase_error_json,
+    print_continuations,
     print_restored_again,
     print_resubmit,
     print_warnings,
@@ -123,6 +130,7 @@ def handle(args: argparse.Namespace) -> int:
         }
         if args.json:
             emit_json(document)
+        print_warnings(failure.warnings)  # e.g. provenance: it still holds for what failed
         print_error(failure)
         return 1
     assert attempt is not None
@@ -136,6 +144,8 @@ def handle(args: argparse.Namespace) -> int:
                 "outcome": outcome,
                 "servers": list(attempt.touched),
                 "resubmit": [r.as_json() for r in attempt.resubmit],
+                "restart": [r.as_json() for r in attempt.restart],
+                "resubmit_unknown": [u.as_json() for u in attempt.resubmit_unknown],
                 "plane": attempt.plane,
                 **({"restored_again": list(again)} if again else {}),
             }
@@ -162,4 +172,5 @@ def handle(args: argparse.Namespace) -> int:
             runs = "runs" if len(attempt.resubmit) == 1 else "run"
             console.print(f"{rollouts} {runs} only when sent again ({when}), as:", soft_wrap=True)
         print_resubmit(attempt.resubmit, plane=attempt.plane)
+        print_continuations(attempt.restart, attempt.resubmit_unknown)
     return 0
