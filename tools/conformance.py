@@ -22,15 +22,19 @@ proves. What it drives, in order (each probe uses a fresh checkpoint id of this 
    (`multi_process.mode: coordinator`: `workers`, `missing_workers`, per-worker `acked_seq`);
 6. an agent declaring `completed_result_acknowledgement`: `acknowledge-completed` needs the
    token, refuses a malformed batch (422) and an execution it never finished (409
-   `completed_execution_acknowledgement_error`). Nothing real is acknowledged: the checker never
-   releases a result a trainer may still need.
+   `completed_execution_acknowledgement_error`) — each probe in the agent's own form: the
+   anchor's `{rollout_id, attempt_index}` pair, or, for a later agent that answers the pair with
+   422, a completion receipt. Nothing real is acknowledged: the checker never releases a result
+   a trainer may still need.
 
 Real Gym's own leniencies are accepted (what running NeMo Gym's own control-plane code showed): a
 resources status `state` is the admission state (`paused` after prepare); a non-finite
 `deadline_ts` answered with 500 instead of 422 (FastAPI cannot render the input) counts as refused
 and is reported as a warning (`warn`), not a failure; the server then closes that connection
 without saying so, and a request that meets such a closed connection is sent once more on a new
-one.
+one; a later agent validates an acknowledgement's body before its token (FastAPI reads the body
+first), so a malformed batch without a token may be answered 422 — a well-formed one must still
+get 401.
 
 An auxiliary model gets the `not_a_policy_instance` probes instead of 3-5; a
 `stateless` agent or resources server, and any `restart_only` server, is not driven at all (the
@@ -912,7 +916,11 @@ class _Checker:
         return f"single-worker shape: checkpoint_id, {count(len(status.per_worker), 'worker')} paused"
 
     async def _check_acknowledge(self) -> None:
-        """`acknowledge-completed` where the agent declares it: token, validation, unknown executions."""
+        """`acknowledge-completed` where the agent declares it: token, validation, unknown executions,
+        each sent in the agent's own form — the pair (the anchor), or the completion receipt a
+        later agent takes instead (it refuses the pair with 422; the five receipt fields every
+        receipt agent has). A later Gym agent validates the body before the token: a malformed
+        batch without a token may get 422, a well-formed one must get 401."""
         caps = self.caps
         assert caps is not None
         if caps.component != AGENT:
@@ -922,43 +930,81 @@ class _Checker:
             self.skip(_ACK, f"the agent does not declare {COMPLETED_RESULT_ACKNOWLEDGEMENT}")
             return
         path = route(AGENT, "acknowledge").full_path
-        unknown = {"rollout_id": f"{self.run_id}-never-ran", "attempt_index": 0}
+        rollout_id = f"{self.run_id}-never-ran"
+        pair: dict[str, Any] = {"rollout_id": rollout_id, "attempt_index": 0}
+        receipt: dict[str, Any] = {
+            **pair,
+            "execution_generation": 1,
+            "result_identity": f"{rollout_id}-result",
+            "result_digest": "0" * 64,
+        }
+        known: list[dict[str, Any]] = []
 
         async def ack(body: Any, token: str | None = "default", raw: bytes | None = None) -> _Reply:
             return await self.request(
                 "POST", path, token=self.token if token == "default" else token, json_body=body, raw_body=raw
             )
 
+        async def own() -> dict[str, Any]:
+            """The agent's form of an execution it never ran (asked once, with the token)."""
+            if not known:
+                first = await ack({"schema_version": SCHEMA_VERSION, "executions": [pair]})
+                if first.status == 422:
+                    second = await ack({"schema_version": SCHEMA_VERSION, "executions": [receipt]})
+                    known.append(receipt if second.status != 422 else pair)
+                else:
+                    known.append(pair)
+            return dict(known[0])
+
+        def form(execution: dict[str, Any]) -> str:
+            return (
+                "a completion receipt"
+                if "result_digest" in execution
+                else "a {rollout_id, attempt_index} pair"
+            )
+
         async def auth() -> str:
-            reply = await ack({"executions": [unknown]}, token=None)
-            return self._expect_401(reply, "POST acknowledge-completed")
+            execution = await own()
+            for token, label in ((None, "without a token"), (WRONG_TOKEN, "with a wrong token")):
+                reply = await ack({"executions": [execution]}, token=token)
+                self._expect_401(reply, f"POST acknowledge-completed ({form(execution)}) {label}")
+            malformed = await ack({"executions": []}, token=None)
+            if malformed.status == 422:
+                return (
+                    f"{form(execution)} without a token or with a wrong one → 401; a malformed batch"
+                    " without a token → 422 (the body is validated before the token, as Gym's routes do)"
+                )
+            self._expect_401(malformed, "POST acknowledge-completed (a malformed batch) without a token")
+            return f"{form(execution)} or a malformed batch, without a token or with a wrong one → 401"
 
         async def validation() -> str:
+            execution = await own()
             bad: list[str] = []
             cases: list[tuple[str, Any]] = [
                 ("no execution", {"executions": []}),
-                ("an extra field", {"executions": [unknown], "unexpected_field": 1}),
-                (
-                    "a negative attempt",
-                    {"executions": [{"rollout_id": unknown["rollout_id"], "attempt_index": -1}]},
-                ),
-                ("a bad rollout id", {"executions": [{"rollout_id": "-x", "attempt_index": 0}]}),
+                ("an extra field", {"executions": [execution], "unexpected_field": 1}),
+                ("a negative attempt", {"executions": [{**execution, "attempt_index": -1}]}),
+                ("a bad rollout id", {"executions": [{**execution, "rollout_id": "-x"}]}),
             ]
             for label, body in cases:
                 reply = await ack(body)
                 if reply.status != 422:
                     bad.append(f"{label}: {reply.describe()}")
-            duplicate = await ack({"executions": [unknown, unknown]})
+            duplicate = await ack({"executions": [execution, execution]})
             if duplicate.status != 422 and duplicate.code != COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR:
                 bad.append(f"a duplicate: {duplicate.describe()}")
             if bad:
                 raise _Fail("expected 422 (a duplicate: 422 or 409); " + "; ".join(bad))
-            return f"{len(cases) + 1} malformed batch(es) refused"
+            return f"{len(cases) + 1} malformed batch(es) of {form(execution)}s refused"
 
         async def unknown_refused() -> str:
-            reply = await ack({"schema_version": SCHEMA_VERSION, "executions": [unknown]})
+            execution = await own()
+            reply = await ack({"schema_version": SCHEMA_VERSION, "executions": [execution]})
             _expect(reply, 409, COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR)
-            return f"an execution it never finished → 409 {COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR}"
+            return (
+                f"{form(execution)} of an execution it never finished → 409"
+                f" {COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR}"
+            )
 
         await self.check("acknowledge.auth", auth)
         await self.check("acknowledge.validation", validation)
@@ -1165,11 +1211,15 @@ CHECKS: Final[Mapping[str, str]] = {
     "fence.replay_resume": "repeating the resume of the retired id replays its result [§1.1 rule 1]",
     "fence.stale_after_resume": "prepare/pause with the retired id is refused with 409 "
     "stale_checkpoint [§1.1 rule 1]",
-    "acknowledge.auth": "acknowledge-completed without a token is refused with 401 [§4]",
+    "acknowledge.auth": "acknowledge-completed with a well-formed batch in the agent's own form (pairs, "
+    "or completion receipts for a later agent) but no token or a wrong one is refused with 401; a "
+    "malformed batch without a token with 401 or, validated before the token as Gym does, 422 [§4]",
     "acknowledge.validation": "acknowledge-completed refuses an empty batch, an extra field, a negative "
-    "attempt and a bad rollout id with 422, and a duplicate (422 or 409) [§4]",
-    "acknowledge.unknown_execution": "acknowledging an execution the agent never finished is refused "
-    "with 409 completed_execution_acknowledgement_error (nothing real is acknowledged) [§4]",
+    "attempt and a bad rollout id with 422, and a duplicate (422 or 409), each in the agent's own "
+    "form [§4]",
+    "acknowledge.unknown_execution": "acknowledging an execution the agent never finished, in its own "
+    "form, is refused with 409 completed_execution_acknowledgement_error (nothing real is "
+    "acknowledged) [§4]",
     "cleanup.idle": "after the run (whatever failed) the server is back at idle with no active id, "
     "or exactly as found if it was busy at start: everything the checker paused was resumed",
 }

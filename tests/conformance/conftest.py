@@ -37,9 +37,21 @@ def start_fake() -> Iterator[StartFake]:
             role: str | None = None,
             faults: frozenset[str] = frozenset(),
             ack: bool = False,
+            receipts: bool = False,
+            body_first: bool = False,
             coordinator: bool = False,
         ) -> tuple[FakeGym, str]:
-            fake = FakeGym(component, name, TOKEN, role=role, faults=faults, ack=ack, coordinator=coordinator)
+            fake = FakeGym(
+                component,
+                name,
+                TOKEN,
+                role=role,
+                faults=faults,
+                ack=ack,
+                receipts=receipts,
+                body_first=body_first,
+                coordinator=coordinator,
+            )
             return fake, stack.enter_context(serve(fake.app))
 
         yield start

@@ -20,8 +20,12 @@ continuation index) on commit, and each fault in `faults` breaks exactly one rul
 - `ack_any`        — acknowledge-completed acknowledges executions it never ran;
 - `missing_worker` — a coordinator-mode model reports one worker missing while drained.
 
-Options: `ack` (an agent declaring `completed_result_acknowledgement`, with the route), and
-`coordinator` (a model answering status in Gym's multi-worker coordinator shape, 2 workers).
+Options: `ack` (an agent declaring `completed_result_acknowledgement`, with the route),
+`receipts` (that route takes later Gym's completion receipts — five fields, nothing more — and
+answers the anchor's pairs with 422), `body_first` (as Gym's FastAPI routes: the body or query is
+validated before the token, so a malformed request without a token gets 422, a well-formed one
+401), and `coordinator` (a model answering status in Gym's multi-worker coordinator shape, 2
+workers).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from quiesce.coordinator.protocol import (
     AGENT,
@@ -113,6 +117,30 @@ TABLE: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
 }
 
 
+class _Receipt(BaseModel):
+    """Later Gym's completion receipt, in the five fields of its first receipt agents."""
+
+    model_config = ConfigDict(extra="forbid")
+    rollout_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    attempt_index: int = Field(ge=0)
+    execution_generation: int = Field(ge=1)
+    result_identity: str = Field(min_length=1, max_length=512)
+    result_digest: str = Field(pattern=r"^[a-f0-9]{64}$")
+
+
+class _ReceiptBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    schema_version: int = Field(default=1, ge=1, le=1)
+    executions: list[_Receipt] = Field(min_length=1)
+
+    @field_validator("executions")
+    @classmethod
+    def _unique(cls, value: list[_Receipt]) -> list[_Receipt]:
+        if len({(e.rollout_id, e.attempt_index) for e in value}) != len(value):
+            raise ValueError("completed execution acknowledgements must be unique")
+        return value
+
+
 def _loose(model: type[CommonBody]) -> type[CommonBody]:
     return type(f"Loose{model.__name__}", (model,), {"model_config": ConfigDict(extra="ignore", frozen=True)})
 
@@ -133,6 +161,8 @@ class FakeGym:
         role: str | None = None,
         faults: frozenset[str] = frozenset(),
         ack: bool = False,
+        receipts: bool = False,
+        body_first: bool = False,
         coordinator: bool = False,
     ) -> None:
         unknown = faults - FAULTS
@@ -146,6 +176,8 @@ class FakeGym:
         self.declared_role = self.role
         self.faults = faults
         self.ack = ack and component == AGENT
+        self.receipts = receipts
+        self.body_first = body_first
         self.coordinator = coordinator and component == MODEL
         self.phase = "idle"
         self.active: str | None = None
@@ -197,12 +229,15 @@ class FakeGym:
 
         @app.get(route(self.component, "status").full_path)
         async def status(request: Request) -> Any:
-            if not self._authorized(request):
+            authorized = self._authorized(request)
+            if not authorized and not self.body_first:
                 return unauthorized
             try:
                 query = StatusQuery.model_validate(dict(request.query_params))
             except ValidationError as exc:
                 return JSONResponse({"detail": exc.errors(include_url=False)}, status_code=422)
+            if not authorized:
+                return unauthorized
             with self.lock:
                 if self.component != AGENT and self.phase == "idle":
                     return _conflict(INVALID_PHASE, "status is not allowed at idle")
@@ -216,12 +251,17 @@ class FakeGym:
 
             @app.post(route(AGENT, "acknowledge").full_path)
             async def acknowledge(request: Request) -> Any:
-                if not self._authorized(request):
+                authorized = self._authorized(request)
+                if not authorized and not self.body_first:
                     return unauthorized
+                model: type[BaseModel] = _ReceiptBatch if self.receipts else AcknowledgeBody
                 try:
-                    body = AcknowledgeBody.model_validate(json.loads(await request.body()))
+                    body = model.model_validate(json.loads(await request.body()))
                 except (ValidationError, ValueError) as exc:
                     return JSONResponse({"detail": str(exc)}, status_code=422)
+                if not authorized:
+                    return unauthorized
+                assert isinstance(body, _ReceiptBatch | AcknowledgeBody)
                 if "ack_any" not in self.faults:
                     return _conflict(
                         COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR, "no completed result to acknowledge"
@@ -241,7 +281,8 @@ class FakeGym:
 
         @app.post(r.full_path)
         async def handler(request: Request) -> Any:
-            if not self._authorized(request):
+            authorized = self._authorized(request)
+            if not authorized and not self.body_first:
                 return unauthorized
             raw = await request.body()
             if "nan_500" in self.faults and any(word in raw for word in (b"NaN", b"Infinity", b"1e999")):
@@ -253,6 +294,8 @@ class FakeGym:
                 return JSONResponse({"detail": detail}, status_code=422)
             except ValueError as exc:
                 return JSONResponse({"detail": str(exc)}, status_code=422)
+            if not authorized:
+                return unauthorized
             if op == "commit" and "slow_commit" in self.faults and self.phase == "prepared":
                 self.commit_waiting.set()
                 await anyio.to_thread.run_sync(self.released.wait)

@@ -151,6 +151,41 @@ async def test_an_agent_with_acknowledgement_passes_its_rows(start_fake: StartFa
     assert report.passed
 
 
+@pytest.mark.parametrize("receipts", [False, True])
+@pytest.mark.parametrize("body_first", [False, True])
+async def test_an_agent_is_probed_in_its_own_acknowledgement_form(
+    start_fake: StartFake, receipts: bool, body_first: bool
+) -> None:
+    # a later agent takes completion receipts and refuses the pairs (422); Gym's routes validate
+    # the body before the token: a malformed batch without a token gets 422, a well-formed one 401
+    _, url = start_fake(AGENT, ack=True, receipts=receipts, body_first=body_first)
+    report = await run_conformance(url, TOKEN, timeout_s=10)
+    rows = {r.name: r for r in report.results}
+    assert {name: rows[name].status for name in ACK_ROWS} == dict.fromkeys(ACK_ROWS, "pass"), [
+        rows[name] for name in ACK_ROWS
+    ]
+    assert report.passed, [r for r in report.results if r.status == "fail"]
+    form = "a completion receipt" if receipts else "a {rollout_id, attempt_index} pair"
+    assert rows["acknowledge.unknown_execution"].detail.startswith(
+        f"{form} of an execution it never finished"
+    )
+    before = "a malformed batch without a token → 422 (the body is validated before the token"
+    assert (before in rows["acknowledge.auth"].detail) is body_first, rows["acknowledge.auth"].detail
+
+
+async def test_an_agent_that_takes_a_well_formed_batch_without_a_token_still_fails(
+    start_fake: StartFake,
+) -> None:
+    # validating the body first is Gym's way; accepting a well-formed batch without the token is not
+    _, url = start_fake(AGENT, ack=True, receipts=True, body_first=True, faults=frozenset({"no_auth"}))
+    report = await run_conformance(url, TOKEN, timeout_s=10)
+    result = next(r for r in report.results if r.name == "acknowledge.auth")
+    assert result.status == "fail"
+    assert result.detail.startswith(
+        "POST acknowledge-completed (a completion receipt) without a token: expected 401, got HTTP 409"
+    ), result.detail
+
+
 async def test_a_coordinator_mode_model_is_checked_in_its_own_shape(start_fake: StartFake) -> None:
     _, url = start_fake(MODEL, role="policy", coordinator=True)
     report = await run_conformance(url, TOKEN, timeout_s=10)

@@ -56,6 +56,25 @@ async def test_stateful_reference_servers_pass_every_check(cluster: RunningClust
         assert await _fence(client, cluster.urls[name]) == ("idle", None)
 
 
+@pytest.mark.parametrize("shape", ["receipt_status", "receipt_plain", "receipt"])
+async def test_later_gym_agents_pass_the_acknowledgement_rows_in_their_own_form(shape: str) -> None:
+    spec: dict[str, Any] = {
+        "servers": [
+            {"kind": "model", "name": "policy_model"},
+            {"kind": "agent", "name": "simple_agent", "policy": "policy_model", "acknowledgement": shape},
+        ]
+    }
+    with start_cluster(spec, token=TOKEN) as running:
+        report = await run_conformance(running.urls["simple_agent"], TOKEN, timeout_s=20)
+        async with httpx.AsyncClient() as client:
+            assert await _fence(client, running.urls["simple_agent"]) == ("idle", None)
+    assert _failures(report) == []
+    rows = _rows(report)
+    for name in ("acknowledge.auth", "acknowledge.validation", "acknowledge.unknown_execution"):
+        assert rows[name][0] == "pass", rows[name]
+    assert rows["acknowledge.unknown_execution"][1].startswith("a completion receipt of an execution")
+
+
 async def test_judge_is_checked_as_an_auxiliary_instance(cluster: RunningCluster) -> None:
     report = await run_conformance(cluster.urls["judge"], TOKEN, timeout_s=20)
     assert _failures(report) == []
