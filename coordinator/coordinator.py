@@ -52,6 +52,7 @@ from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -83,6 +84,7 @@ from quiesce.coordinator.protocol import (
     COMPLETED_RESULT_ACKNOWLEDGEMENT,
     AcknowledgeBody,
     AcknowledgeReply,
+    AgentStatusReply,
     Capabilities,
     CompletionReceipt,
     CompletionReceiptReply,
@@ -132,8 +134,9 @@ class Coordinator:
         # own last step left every participant idle (a save resumed, a rollback complete).
         self._fresh: Mapping[str, Fence | str] | None = None
         self._clean = False
-        #: agents found to acknowledge completion receipts, not pairs (later Gym)
-        self._receipt_agents: set[str] = set()
+        #: agents found to acknowledge completion receipts, not pairs (later Gym), and where
+        #: each shows them: its receipt route, or its status
+        self._receipt_sources: dict[str, Literal["route", "status"]] = {}
 
     @classmethod
     @asynccontextmanager
@@ -905,9 +908,12 @@ class Coordinator:
         and nothing is assumed released. It may run while an attempt is in progress.
 
         The anchor's agent takes the pairs themselves. Later Gym's takes each result's completion
-        receipt instead (and answers the pairs with 422, releasing nothing): the receipts are then
-        read from the agent (`GET /agent-checkpoint/completion-receipt`, one recorded call per
-        result) and sent, and this coordinator sends receipts to that agent from then on.
+        receipt instead (and answers the pairs with 422, releasing nothing). The receipts are
+        then read from the agent — `GET /agent-checkpoint/completion-receipt`, one recorded call
+        per result; an agent without that route (404/405) shows them in its status
+        (`completed_unacknowledged_attempts[].completion_receipt`, one recorded status read) —
+        and sent with exactly the fields the agent gave (never a null it did not give). This
+        coordinator sends receipts to that agent from then on, read where they were found.
         """
         self._ctx.caller.require_token()
         configured = self._ctx.config.server(server)
@@ -928,56 +934,134 @@ class Coordinator:
                 " capabilities: it holds no completed results to acknowledge"
             )
         target = Target(server, AGENT, configured.url)
-        if server not in self._receipt_agents:
+        refused: CallResult | None = None
+        if server not in self._receipt_sources:
             result = await self._acknowledge(target, pairs, wanted)
             if result.ok:
                 return wanted
             if not (result.error == "http" and result.status == 422):
                 raise self._not_acknowledged(server, wanted, result)
             refused = result  # the pairs did not validate: a later Gym may want the receipts
-        else:
-            refused = None
-        receipts: list[CompletionReceipt] = []
-        for rollout_id, attempt_index in wanted:
+        receipts = await self._receipts(target, wanted, refused)
+        result = await self._acknowledge(target, ReceiptAcknowledgeBody(executions=receipts), wanted)
+        if not result.ok:
+            raise self._not_acknowledged(server, wanted, result)
+        return wanted
 
-            def names_it(
-                reply: BaseModel, asked: tuple[str, int] = (rollout_id, attempt_index)
-            ) -> str | None:
-                assert isinstance(reply, CompletionReceiptReply)
-                named = (reply.rollout_id, reply.attempt_index)
-                return (
-                    None if named == asked else f"the receipt of {_pairs([named])}, not of {_pairs([asked])}"
-                )
-
-            read = await self._ctx.caller.call(
-                target,
-                route(AGENT, "receipt"),
-                phase="acknowledge",
-                checkpoint_id=None,
-                deadline_ts=time.time() + self._ctx.config.control_timeout_s,
-                params=ReceiptQuery(rollout_id=rollout_id, attempt_index=attempt_index).model_dump(),
-                check=names_it,
-            )
-            if not (read.ok and isinstance(read.reply, CompletionReceiptReply)):
-                if refused is not None and read.status in (404, 405):
-                    raise self._not_acknowledged(server, wanted, refused)  # an agent without receipts
+    async def _receipts(
+        self, target: Target, wanted: list[tuple[str, int]], refused: CallResult | None
+    ) -> list[CompletionReceipt]:
+        """The completion receipt of each wanted result, as the agent gives it: from its receipt
+        route, else (no such route) from its status. `refused`: the 422 the pairs got, which stays
+        the error when the agent shows no receipts at all (an anchor agent)."""
+        server = target.name
+        if self._receipt_sources.get(server, "route") == "route":
+            receipts: list[CompletionReceipt] = []
+            for execution in wanted:
+                read = await self._receipt_read(target, execution)
+                if read.ok and isinstance(read.reply, CompletionReceiptReply):
+                    receipts.append(read.reply.receipt())
+                    continue
+                if not receipts and read.status in (404, 405):
+                    break  # no receipt route: this agent shows its receipts in its status
                 released = (
                     " (a result already acknowledged has no receipt any more)" if read.status == 409 else ""
                 )
                 raise AcknowledgementError(
                     f"{server} did not acknowledge {_pairs(wanted)}: cannot read the completion receipt"
-                    f" of {rollout_id}:{attempt_index}: {read.describe()}{released}",
+                    f" of {_pairs([execution])}: {read.describe()}{released}",
                     server=server,
                     status=read.status,
                     code=read.code,
                 )
-            receipts.append(read.reply.receipt())
-        body = ReceiptAcknowledgeBody(executions=receipts)
-        result = await self._acknowledge(target, body, wanted)
-        if not result.ok:
-            raise self._not_acknowledged(server, wanted, result)
-        self._receipt_agents.add(server)
-        return wanted
+            else:
+                self._receipt_sources[server] = "route"
+                return receipts
+        status_receipts = await self._status_receipts(target, wanted, refused)
+        self._receipt_sources[server] = "status"
+        return status_receipts
+
+    async def _receipt_read(self, target: Target, execution: tuple[str, int]) -> CallResult:
+        """One recorded `GET completion-receipt`; a receipt of another result fails it."""
+
+        def names_it(reply: BaseModel) -> str | None:
+            assert isinstance(reply, CompletionReceiptReply)
+            named = (reply.rollout_id, reply.attempt_index)
+            return (
+                None
+                if named == execution
+                else f"the receipt of {_pairs([named])}, not of {_pairs([execution])}"
+            )
+
+        rollout_id, attempt_index = execution
+        return await self._ctx.caller.call(
+            target,
+            route(AGENT, "receipt"),
+            phase="acknowledge",
+            checkpoint_id=None,
+            deadline_ts=time.time() + self._ctx.config.control_timeout_s,
+            params=ReceiptQuery(rollout_id=rollout_id, attempt_index=attempt_index).model_dump(),
+            check=names_it,
+        )
+
+    async def _status_receipts(
+        self, target: Target, wanted: list[tuple[str, int]], refused: CallResult | None
+    ) -> list[CompletionReceipt]:
+        """The receipts of `wanted` from one recorded status read of the agent: each entry of
+        `completed_unacknowledged_attempts` carries its result's `completion_receipt`. The read
+        names the agent's active checkpoint id, else one of its own that no attempt uses."""
+        server = target.name
+        deadline = time.time() + self._ctx.config.control_timeout_s
+        caps = await self._ctx.caller.capabilities(
+            server, target.url, deadline_ts=deadline, phase="acknowledge"
+        )
+        active = caps.reply.active_checkpoint_id if isinstance(caps.reply, Capabilities) else None
+        read = await self._ctx.caller.call(
+            target,
+            route(AGENT, "status"),
+            phase="acknowledge",
+            checkpoint_id=None,
+            deadline_ts=deadline,
+            params={"checkpoint_id": active or f"quiesce-receipts-{uuid.uuid4().hex[:12]}"},
+        )
+        if not (read.ok and isinstance(read.reply, AgentStatusReply)):
+            raise AcknowledgementError(
+                f"{server} did not acknowledge {_pairs(wanted)}: cannot read the completion receipts"
+                f" from its status: {read.describe()}",
+                server=server,
+                status=read.status,
+                code=read.code,
+            )
+        shown: dict[tuple[Any, Any], Any] = {}
+        for entry in read.reply.completed_unacknowledged_attempts:
+            if isinstance(entry, dict) and isinstance(entry.get("completion_receipt"), dict):
+                shown[(entry.get("rollout_id"), entry.get("attempt_index"))] = entry["completion_receipt"]
+        if not shown and refused is not None:
+            raise self._not_acknowledged(server, wanted, refused)  # an agent without receipts
+        receipts: list[CompletionReceipt] = []
+        for execution in wanted:
+            raw = shown.get(execution)
+            problem = None if raw is not None else "its status shows no completion receipt of it"
+            if raw is not None:
+                try:
+                    receipt = CompletionReceipt.model_validate(raw)
+                except ValidationError as error:
+                    problem = (
+                        f"its status shows a malformed completion receipt of it ({_first_problem(error)})"
+                    )
+                else:
+                    named = (receipt.rollout_id, receipt.attempt_index)
+                    if named != execution:
+                        problem = f"its status shows the receipt of {_pairs([named])} for it"
+                    receipts.append(receipt)
+            if problem is not None:
+                raise AcknowledgementError(
+                    f"{server} did not acknowledge {_pairs(wanted)}: {_pairs([execution])}: {problem}"
+                    " (not a finished result it holds, or one already acknowledged)",
+                    server=server,
+                    status=read.status,
+                )
+        return receipts
 
     async def _acknowledge(
         self, target: Target, body: AcknowledgeBody | ReceiptAcknowledgeBody, wanted: list[tuple[str, int]]

@@ -18,9 +18,11 @@ Rules kept here:
   status with `workers`/`missing_workers`/`per_worker {acked_seq, inflight, connected}` and no
   `checkpoint_id`; `checkpoint_mode` may be `restart_only`.
 - Later Gym's agent acknowledges a finished result only against its completion receipt
-  (`CompletionReceipt`, read from `GET /agent-checkpoint/completion-receipt`); the anchor's takes
-  `{rollout_id, attempt_index}` and forbids anything more (`AcknowledgeBody` vs
-  `ReceiptAcknowledgeBody`).
+  (`CompletionReceipt`: read from `GET /agent-checkpoint/completion-receipt`, or, where the
+  agent has no such route, from `completed_unacknowledged_attempts[].completion_receipt` of its
+  status); the anchor's takes `{rollout_id, attempt_index}` and forbids anything more
+  (`AcknowledgeBody` vs `ReceiptAcknowledgeBody`). A receipt goes back with exactly the fields
+  the agent gave: agents differ in them and each forbids the ones it does not know, null or not.
 """
 
 from __future__ import annotations
@@ -31,7 +33,16 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Annotated, Any, Final, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StringConstraints,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 SCHEMA_VERSION: Final = 1
 PREFIX: Final = "/ng-control/v1"
@@ -312,7 +323,13 @@ class ExecutionId(_Request):
 class CompletionReceipt(ExecutionId):
     """Later Gym: one retained finished result exactly as the agent reports it — what its
     acknowledgement must name (a stale or altered receipt releases nothing). The model-lineage
-    pair (`manifest_capture_key`, `terminal_model_call_id`) is both set or both null."""
+    pair (`manifest_capture_key`, `terminal_model_call_id`) is both set or both null.
+
+    It serializes to exactly the fields it was built from: a field the agent did not give is
+    never sent (agents without the model-lineage pair refuse it, even null, with 422
+    `extra_forbidden`), and a field this model does not know is sent back unchanged."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
 
     execution_generation: Annotated[int, Field(strict=True, ge=1)]
     result_identity: Annotated[str, StringConstraints(min_length=1, max_length=512)]
@@ -325,6 +342,12 @@ class CompletionReceipt(ExecutionId):
         if (self.manifest_capture_key is None) != (self.terminal_model_call_id is None):
             raise ValueError("manifest_capture_key and terminal_model_call_id go together")
         return self
+
+    @model_serializer(mode="wrap")
+    def _as_given(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        given = self.model_fields_set | set(self.model_extra or ())
+        data: dict[str, Any] = handler(self)
+        return {name: value for name, value in data.items() if name in given}
 
 
 _E = TypeVar("_E", bound=ExecutionId)
@@ -606,8 +629,8 @@ class CompletionReceiptReply(_Reply):
     terminal_model_call_id: Annotated[str, StringConstraints(min_length=1)] | None = None
 
     def receipt(self) -> CompletionReceipt:
-        """The receipt to acknowledge with: exactly its known fields, as the agent gave them."""
-        return CompletionReceipt.model_validate(self.model_dump(include=set(CompletionReceipt.model_fields)))
+        """The receipt to acknowledge with: exactly the fields the agent gave, as it gave them."""
+        return CompletionReceipt.model_validate(self.model_dump(exclude_unset=True))
 
 
 class AgentResumeReply(_Reply):

@@ -507,7 +507,8 @@ async def test_a_receipt_that_names_another_result_is_never_sent(
 async def test_a_refused_pair_without_a_receipt_route_reports_the_refusal(
     make_cluster: MakeCluster, ledger_url: str, configure: Any
 ) -> None:
-    # the anchor's agent has no receipt route: a 422 to the pairs stays the error (nothing released)
+    # the anchor's agent has no receipt route and shows no receipt in its status: a 422 to the
+    # pairs stays the error (nothing released)
     with make_cluster(spec({"latency_s": 0.001})) as running:
         agent = running.urls["simple_agent"]
         async with httpx.AsyncClient(timeout=60) as http:
@@ -535,7 +536,9 @@ async def test_a_refused_pair_without_a_receipt_route_reports_the_refusal(
     assert paths == [
         ("GET", "capabilities"),
         ("POST", "acknowledge-completed"),
-        ("GET", "completion-receipt"),
+        ("GET", "completion-receipt"),  # 404: no route
+        ("GET", "capabilities"),  # the status read names the active checkpoint id, if any
+        ("GET", "status"),  # no completion_receipt in any entry
     ]
     await assert_protocol_ok(ledger_url)
 

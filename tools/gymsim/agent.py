@@ -19,11 +19,14 @@ Checkpoint rules (export_restore agents):
   the whole batch is checked first — every execution must be held or already acknowledged,
   else 409 `completed_execution_acknowledgement_error` and nothing is released — then each is
   released (a repeated acknowledgement answers the same). Its view stays in `/rollouts`
-  (`acknowledged: true`); it is never part of a checkpoint. With `acknowledgement: receipt`
-  (later Gym) an acknowledgement must name each result by its completion receipt (generation,
-  result identity and digest, model lineage): a bare `{rollout_id, attempt_index}` is a 422, a
-  receipt that is not the held result's a 409 and nothing is released; the receipt is served by
-  `GET /agent-checkpoint/completion-receipt` and shown in every status entry of a held result.
+  (`acknowledged: true`); it is never part of a checkpoint. With a receipt `acknowledgement`
+  (later Gym) an acknowledgement must name each result by its completion receipt, exactly in
+  that version's fields: a bare `{rollout_id, attempt_index}` is a 422, and so is a field the
+  version does not have (`receipt_status`, `receipt_plain`: generation, result identity and
+  digest; `receipt` adds the model-lineage pair, null or not); a receipt that is not the held
+  result's is a 409 and nothing is released. Every status entry of a held result shows its
+  receipt (`completion_receipt`); `receipt_plain` and `receipt` also serve it at
+  `GET /agent-checkpoint/completion-receipt`, `receipt_status` has no such route (404).
 - prepare closes admission (`/run` answers 409 `checkpoint_parked`) and asks every
   rollout to park at its next boundary; it waits within the budget until none is
   running. It is ready (`ready_to_commit`) only with nothing running, no parked rollout
@@ -70,11 +73,11 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import httpx
 from fastapi import HTTPException, Query
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 from starlette.responses import JSONResponse
 
 from quiesce.coordinator.protocol import (
@@ -104,13 +107,12 @@ from quiesce.coordinator.protocol import (
     ArtifactRef,
     CheckpointDirBody,
     CommonBody,
-    CompletionReceipt,
-    CompletionReceiptReply,
     ContinuationRow,
     DiscardContinuationBody,
     DiscardContinuationReply,
-    ReceiptAcknowledgeBody,
+    ExecutionId,
     ReceiptQuery,
+    Sha256Hex,
     StatusQuery,
     agent_instance_dir,
     agent_record_file,
@@ -137,6 +139,57 @@ TRANSPORT_RETRY_S = 30.0
 RESOURCES_RETRY_S = 0.05
 
 RolloutId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=CHECKPOINT_ID_PATTERN)]
+
+
+class PlainReceipt(ExecutionId):
+    """A completion receipt in the five fields of the first receipt agents (nothing more)."""
+
+    execution_generation: Annotated[int, Field(ge=1)]
+    result_identity: Annotated[str, StringConstraints(min_length=1, max_length=512)]
+    result_digest: Sha256Hex
+
+
+class LineageReceipt(PlainReceipt):
+    """The latest agents' receipt: the model-lineage pair too, both set or both null."""
+
+    manifest_capture_key: RolloutId | None = None
+    terminal_model_call_id: Annotated[str, StringConstraints(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _lineage_pair(self) -> LineageReceipt:
+        if (self.manifest_capture_key is None) != (self.terminal_model_call_id is None):
+            raise ValueError("manifest_capture_key and terminal_model_call_id go together")
+        return self
+
+
+def _unique(executions: list[PlainReceipt]) -> list[PlainReceipt]:
+    keys = [(e.rollout_id, e.attempt_index) for e in executions]
+    if len(keys) != len(set(keys)):
+        raise ValueError("completed execution acknowledgements must be unique")
+    return executions
+
+
+class PlainReceiptBody(BaseModel):
+    """`acknowledge-completed` of a `receipt_status` / `receipt_plain` agent."""
+
+    model_config = ConfigDict(extra="forbid")
+    schema_version: Literal[1] = 1
+    executions: Annotated[list[PlainReceipt], Field(min_length=1)]
+
+    _unique = field_validator("executions")(_unique)
+
+
+class LineageReceiptBody(BaseModel):
+    """`acknowledge-completed` of a `receipt` agent."""
+
+    model_config = ConfigDict(extra="forbid")
+    schema_version: Literal[1] = 1
+    executions: Annotated[list[LineageReceipt], Field(min_length=1)]
+
+    _unique = field_validator("executions")(_unique)
+
+
+ReceiptBody = PlainReceiptBody | LineageReceiptBody
 
 
 class RunBody(BaseModel):
@@ -216,21 +269,24 @@ class Rollout:
             "restored_from": self.restored_from,
         }
 
-    def receipt(self) -> CompletionReceipt:
-        """Later Gym's completion receipt of the held result: generation 1, the result's identity
-        and the sha256 of its canonical JSON, the last committed model call as its lineage."""
+    def receipt(self, lineage: bool) -> dict[str, Any]:
+        """Later Gym's completion receipt of the held result, as the agent shows it: generation 1,
+        the result's identity and the sha256 of its canonical JSON; with `lineage`, also the last
+        committed model call and its capture key (both null when there is none)."""
         assert self.result is not None
         payload = json.dumps(self.result, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-        lineage = self.last_model_call_id is not None
-        return CompletionReceipt(
-            rollout_id=self.rollout_id,
-            attempt_index=self.attempt_index,
-            execution_generation=1,
-            result_identity=f"{self.capture_key}-result",
-            result_digest=sha256_hex(payload.encode()),
-            manifest_capture_key=self.capture_key if lineage else None,
-            terminal_model_call_id=self.last_model_call_id,
-        )
+        receipt: dict[str, Any] = {
+            "rollout_id": self.rollout_id,
+            "attempt_index": self.attempt_index,
+            "execution_generation": 1,
+            "result_identity": f"{self.capture_key}-result",
+            "result_digest": sha256_hex(payload.encode()),
+        }
+        if lineage:
+            known = self.last_model_call_id is not None
+            receipt["manifest_capture_key"] = self.capture_key if known else None
+            receipt["terminal_model_call_id"] = self.last_model_call_id
+        return receipt
 
     def continuation_row(self) -> dict[str, Any]:
         row = ContinuationRow(
@@ -265,7 +321,16 @@ class AgentServer(GymServer):
     @property
     def receipts(self) -> bool:
         """Later Gym: acknowledgements name completion receipts (see the module docstring)."""
+        return self.spec.acknowledgement != "pair"
+
+    @property
+    def lineage(self) -> bool:
+        """The latest agents: a receipt carries the model-lineage pair."""
         return self.spec.acknowledgement == "receipt"
+
+    def held_receipt(self, rollout: Rollout) -> dict[str, Any]:
+        """The receipt of a held result in this agent version's fields."""
+        return rollout.receipt(self.lineage)
 
     def feature_list(self) -> list[str]:
         if not self.stateful:
@@ -388,11 +453,19 @@ class AgentServer(GymServer):
             async def acknowledge(body: AcknowledgeBody) -> JSONResponse:
                 return await self.query(lambda: self._acknowledge(body))
 
-        if self.stateful and self.receipts:
+        if self.stateful and self.receipts and not self.lineage:
 
             @self.control_route("POST", route(AGENT, "acknowledge").full_path)
-            async def acknowledge_receipts(body: ReceiptAcknowledgeBody) -> JSONResponse:
+            async def acknowledge_plain(body: PlainReceiptBody) -> JSONResponse:
                 return await self.query(lambda: self._acknowledge(body))
+
+        if self.stateful and self.lineage:
+
+            @self.control_route("POST", route(AGENT, "acknowledge").full_path)
+            async def acknowledge_lineage(body: LineageReceiptBody) -> JSONResponse:
+                return await self.query(lambda: self._acknowledge(body))
+
+        if self.stateful and self.spec.acknowledgement in ("receipt_plain", "receipt"):
 
             @self.control_route("GET", route(AGENT, "receipt").full_path)
             async def receipt(q: Annotated[ReceiptQuery, Query()]) -> JSONResponse:
@@ -565,7 +638,7 @@ class AgentServer(GymServer):
             "parked_boundary_state": "parked_with_boundary" if parked else None,
             "boundary_index": rollout.turns_done,
             **(
-                {"completion_receipt": rollout.receipt().model_dump(mode="json")}
+                {"completion_receipt": self.held_receipt(rollout)}
                 if self.receipts and rollout.status == "completed"
                 else {}
             ),
@@ -613,12 +686,13 @@ class AgentServer(GymServer):
             )
         return AgentPrepareReply.model_validate(counters).model_dump(mode="json")
 
-    async def _acknowledge(self, body: AcknowledgeBody | ReceiptAcknowledgeBody) -> dict[str, Any]:
+    async def _acknowledge(self, body: AcknowledgeBody | ReceiptBody) -> dict[str, Any]:
         """Release held results: the whole batch is checked before any is released."""
         chosen: list[Rollout] = []
         for execution in body.executions:
             rollout = self._held(execution.rollout_id, execution.attempt_index)
-            if isinstance(execution, CompletionReceipt) and execution != rollout.receipt():
+            given = execution.model_dump(mode="json")
+            if isinstance(execution, PlainReceipt) and given != self.held_receipt(rollout):
                 raise ControlRejection(
                     COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR,
                     f"acknowledgement receipt mismatch for rollout {execution.rollout_id!r} attempt"
@@ -657,8 +731,7 @@ class AgentServer(GymServer):
                 COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR,
                 f"rollout {q.rollout_id!r} attempt {q.attempt_index} has no completed result receipt",
             )
-        receipt = rollout.receipt()
-        return CompletionReceiptReply.model_validate(receipt.model_dump()).model_dump(mode="json")
+        return self.held_receipt(rollout)
 
     async def _status(self, q: StatusQuery) -> dict[str, Any]:
         document = {"checkpoint_id": q.checkpoint_id, **self._counters()}

@@ -30,8 +30,11 @@ the cluster config for this server), `checkpoint_mode` (`export_restore`, `state
 policy model then is drain-only —, or `restart_only`; an auxiliary model is always
 `stateless`), `restore_index` (policy models: `opt_in`, the anchor's restore that returns
 `storage_reference_index` only when asked, or `always`, later Gym's, which refuses the flag),
-`acknowledgement` (agents: `pair`, the anchor's `{rollout_id, attempt_index}`, or `receipt`, later
-Gym's, which acknowledges a finished result only by its completion receipt), `generation_cut`
+`acknowledgement` (agents: `pair`, the anchor's `{rollout_id, attempt_index}`; later Gym's, which
+acknowledges a finished result only by its completion receipt, shown in each status entry of a held
+result: `receipt_status`, five fields and no receipt route; `receipt_plain`, the same five fields
+and `GET /agent-checkpoint/completion-receipt`; `receipt`, that route and the model-lineage pair —
+seven fields, null when the result has no lineage), `generation_cut`
 (single-worker policy models: later Gym with a generation-cut backend — a pause cuts the calls in
 flight and holds their responses until resume), `discard` (export_restore agents: later Gym's
 `POST /agent-checkpoint/discard-restored-continuation` and its features
@@ -82,7 +85,7 @@ class ServerSpec(BaseModel):
     config_instance_role: InstanceRole | None = None
     checkpoint_mode: CheckpointMode = "export_restore"
     restore_index: Literal["opt_in", "always"] = "opt_in"
-    acknowledgement: Literal["pair", "receipt"] = "pair"
+    acknowledgement: Literal["pair", "receipt_status", "receipt_plain", "receipt"] = "pair"
     generation_cut: bool = False
     discard: bool = False
     policy: str | None = None
