@@ -103,7 +103,7 @@ from quiesce.coordinator.resume import finish_resume, release_unrecorded, roll_b
 from quiesce.coordinator.retire import RetireOutcome
 from quiesce.coordinator.status import ClusterStatus, Fence, read_status, refuse_if_held, status_from
 from quiesce.coordinator.version import VERSION
-from quiesce.ledger import AfterAppend, AttemptRow, Event, LeaseTerms, Ledger
+from quiesce.ledger import AfterAppend, AttemptRow, Event, LeaseTerms, Ledger, LedgerError
 
 __all__ = ["Coordinator", "quiesce_version", "read_history"]
 
@@ -463,9 +463,12 @@ class Coordinator:
 
     @frozen_step
     async def publish(self, attempt: Attempt | None = None) -> Path:
-        """Publish a committed attempt (manifest, rename, LATEST, retention); returns the snapshot folder."""
+        """Publish a committed attempt (manifest, rename, LATEST, retention); returns the snapshot
+        folder once `attempt.published` is on disk (the ledger's durability permitting)."""
         chosen = self._pick(attempt, "publish")
-        return await saving.publish(self._ctx, chosen)
+        published = await saving.publish(self._ctx, chosen)
+        await self._ctx.ledger.sync()
+        return published
 
     @frozen_step
     async def abort(
@@ -688,14 +691,27 @@ class Coordinator:
             # still paused, and the resume that follows is idempotent
             async with renewing(self._ctx, chosen, horizon):
                 published = await saving.publish(self._ctx, chosen, defer_delete=True)
+            unsynced: list[LedgerError] = []
+
+            async def outcome_on_disk() -> None:
+                try:
+                    await self._ctx.ledger.sync()
+                except LedgerError as error:  # the resume goes on; raised once it is done
+                    unsynced.append(error)
+
             async with anyio.create_task_group() as tg:
                 tg.start_soon(anyio.to_thread.run_sync, empty_trash, self._ctx.config.snapshots)
+                # the caller hears "published" only once `attempt.published` is on disk; the sync
+                # runs while the servers resume, not before
+                tg.start_soon(outcome_on_disk)
                 try:
                     await self.resume(chosen)
                 except Exception as error:  # raised once the deleting is done
                     failed = error
         if failed is not None:
             raise failed
+        if unsynced:
+            raise unsynced[0]
         return published
 
     async def checkpoint(

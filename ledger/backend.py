@@ -200,6 +200,12 @@ class Backend(ABC):
         """
 
     @abstractmethod
+    async def sync(self) -> None:
+        """Every transaction committed so far is on disk when this returns (under durability
+        "full"; a no-op under "process", which promises no more). It may run while appends go on:
+        it holds up none of them. Raises ``LedgerError`` when the database cannot make it durable."""
+
+    @abstractmethod
     async def event_triggers(self) -> frozenset[str]:
         """The names of the triggers defined on ``events`` (user triggers only)."""
 

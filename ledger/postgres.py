@@ -425,6 +425,26 @@ class PostgresBackend(Backend):
         except DBAPIError as error:
             raise self._error("ending the previous writer's session", error) from None
 
+    async def sync(self) -> None:
+        # on a pooled session, not the writer's: appends go on meanwhile. A transaction with an
+        # xid commits synchronously (set here: whatever the server's default), and WAL is flushed
+        # in order: every earlier write-behind commit is on disk once it has committed
+        if not self._unsynced:
+            return
+        self._unsynced = False
+        try:
+            with anyio.CancelScope(shield=True):
+                async with self._engine.begin() as conn:
+                    await conn.execute(
+                        text("SELECT set_config('synchronous_commit', 'on', true), txid_current()")
+                    )
+        except (DBAPIError, OSError) as error:
+            self._unsynced = True
+            raise LedgerError(
+                f"ledger {self.where}: making the last commits durable failed:"
+                f" {getattr(error, 'orig', error)}"
+            ) from None
+
     async def _rows(self, statement: Any) -> list[tuple[Any, ...]]:
         try:
             async with self._engine.connect() as conn:

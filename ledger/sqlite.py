@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -128,6 +129,7 @@ class SqliteBackend(Backend, InlineAppend):
         self._commit_avg_s = 0.0
         self._wal_fd: int | None = None  # the WAL file, for fdatasync after a durable commit
         self._unsynced = False  # a write-behind commit since the last fdatasync ("full" only)
+        self._wal_fd_lock = threading.Lock()
         self._cache = ProjectionCache()
         self._triggers: frozenset[str] | None = None  # read by the writer when it starts
         if readonly and not sqlitefile.inspect_existing(self._path, where):
@@ -296,6 +298,19 @@ class SqliteBackend(Backend, InlineAppend):
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._timed_append, batch, limiter=self._wlimiter)
 
+    async def sync(self) -> None:
+        # on a worker thread of its own, not the writer's: commits go on while the WAL is synced
+        # (a commit made meanwhile may or may not be covered; it stays owed to the next sync)
+        if not self._unsynced or self._w is None:
+            return
+        self._unsynced = False
+        try:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._fsync_wal)
+        except OSError as error:
+            self._unsynced = True
+            raise self._problem(error, "fsync the WAL") from error
+
     def _committed(self, *, durable: bool) -> None:
         """After a COMMIT under durability "full": a durable one fdatasyncs the WAL (every frame in
         it: this commit's, and the write-behind ones before it); a write-behind one is owed to the
@@ -313,11 +328,12 @@ class SqliteBackend(Backend, InlineAppend):
         The file is opened once, after the first commit created it, and kept open: SQLite keeps
         the same WAL file (it is reset and rewritten in place, never replaced) while any
         connection — this writer's, at least — is open."""
-        fd = self._wal_fd
-        if fd is None:
-            fd = self._wal_fd = os.open(
-                self._path.with_name(self._path.name + "-wal"), os.O_RDONLY | os.O_CLOEXEC
-            )
+        with self._wal_fd_lock:  # `sync` and a durable commit may both get here first
+            fd = self._wal_fd
+            if fd is None:
+                fd = self._wal_fd = os.open(
+                    self._path.with_name(self._path.name + "-wal"), os.O_RDONLY | os.O_CLOEXEC
+                )
         os.fdatasync(fd)
 
     async def replace_attempts(self, rows: Sequence[AttemptRow]) -> None:

@@ -896,6 +896,17 @@ class Ledger:
         if self._staged or self._leading or self._lock.locked():
             await self._commit([], durable=False)  # durable after all if a staged event asks for it
 
+    async def sync(self) -> None:
+        """Everything appended or staged before this call is on disk when it returns (durability
+        "full"; under "process" it is committed, which is all that mode promises).
+
+        The staged events are committed first; the disk sync itself holds up no other append (it
+        runs beside them), so a caller can start it and go on making calls, and await it before
+        telling anyone an outcome."""
+        self._check_writable()
+        await self.flush()
+        await self._backend.sync()
+
     async def _flush_staged(self) -> None:
         """Commit the staged events, if any and if this writer may still write: a writer's reads
         see its own staged events, and closing keeps them."""

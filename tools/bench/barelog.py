@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
 from pydantic import BaseModel
 
 from quiesce.ledger import AppendItem, Event, utc_now
@@ -56,6 +57,7 @@ class BareLog(NullLedger):
         self._prev = GENESIS_HASH
         self._staged: list[_Row] = []
         self._staged_durable = False
+        self._unsynced = False  # a write-behind commit not fdatasynced yet
 
     def _chain(
         self,
@@ -97,6 +99,7 @@ class BareLog(NullLedger):
         self._conn.execute("BEGIN IMMEDIATE")
         self._conn.executemany(_INSERT, rows)
         self._conn.execute("COMMIT")
+        self._unsynced = not durable
         if durable:
             os.fdatasync(self._wal)
 
@@ -129,6 +132,14 @@ class BareLog(NullLedger):
 
     async def flush(self) -> None:
         self._commit(False)
+
+    async def sync(self) -> None:
+        """As the real ledger's: staged events committed, then the WAL fdatasynced on a worker
+        thread if a write-behind commit is not on disk yet."""
+        self._commit(False)
+        if self._unsynced:
+            self._unsynced = False
+            await anyio.to_thread.run_sync(os.fdatasync, self._wal)
 
     async def append_many(self, items: Sequence[AppendItem], *, durable: bool = True) -> list[Event]:
         events = [self._chain(i.kind, i.checkpoint_id, i.server, i.call_id, i.data) for i in items]

@@ -63,6 +63,9 @@ class NullLedger:
     async def flush(self) -> None:
         return None
 
+    async def sync(self) -> None:
+        return None
+
     async def append_many(self, items: Sequence[AppendItem], *, durable: bool = True) -> list[Event]:
         return [self._event(i.kind, i.checkpoint_id, i.server, i.call_id) for i in items]
 
