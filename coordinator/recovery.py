@@ -77,6 +77,7 @@ from quiesce.coordinator.attempt import (
     Attempt,
     Context,
     Resubmission,
+    UnknownResubmissions,
     command_line,
     free_command,
     recover_hint,
@@ -155,6 +156,10 @@ class AttemptReport:
     message: str = ""
     #: a restore finished (restored or resumed): what the caller must send `/run` for again
     resubmit: tuple[Resubmission, ...] = ()
+    #: a v1 restore finished: executions whose saved turn it discarded (their `/run` starts from
+    #: the task), and agents whose resubmissions are unknown, with the reason
+    restart: tuple[Resubmission, ...] = ()
+    resubmit_unknown: tuple[UnknownResubmissions, ...] = ()
 
     @property
     def left_paused(self) -> list[str]:
@@ -169,6 +174,12 @@ class AttemptReport:
             "servers": [s.as_json() for s in self.servers],
             "message": self.message,
             **({"resubmit": [r.as_json() for r in self.resubmit]} if self.resubmit else {}),
+            **({"restart": [r.as_json() for r in self.restart]} if self.restart else {}),
+            **(
+                {"resubmit_unknown": [u.as_json() for u in self.resubmit_unknown]}
+                if self.resubmit_unknown
+                else {}
+            ),
         }
 
 
@@ -268,7 +279,12 @@ async def _recover_one(ctx: Context, recorded: Recorded) -> AttemptReport:
             return report
         if attempt.plane == "v2":
             return replace(report, resubmit=replacements(attempt))
-        return replace(report, resubmit=await resubmissions_of(ctx, attempt))
+        return replace(
+            report,
+            resubmit=await resubmissions_of(ctx, attempt),
+            restart=attempt.restart,
+            resubmit_unknown=attempt.resubmit_unknown,
+        )
     if await settle_publication(ctx, recorded):
         return await _finish_published(ctx, recorded, found)
     return await _abort(ctx, recorded, found)

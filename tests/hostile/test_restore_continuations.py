@@ -1,5 +1,9 @@
-"""A v1 restore and what it leaves to the trainer (issue 36, items 2, 5 and 12), against real gymsim
-servers, real SQLite, the real CLI and a real `quiesce serve`.
+"""What a v1 restore leaves to the trainer: resubmissions it cannot read are unknown (not a
+refusal), saved turns on a restart_only server are discarded and listed as restarts, and a failure
+shows the provenance warning.
+
+Issue 36, items 2, 5 and 12, against real gymsim servers, real SQLite, the real CLI and a real
+`quiesce serve`.
 
 - An agent folder the resubmission list cannot be read from (a record whose identity is not its
   file name, the continuation index listed among the files, another layout) no longer refuses the
@@ -406,6 +410,39 @@ async def test_continuations_on_a_restart_only_server_are_discarded_and_listed_a
                 f"start afresh: rollout {r.rollout_id} as attempt {r.attempt_index} on {AGENT_NAME}" in text
             )
         no_traceback(done)
+        # resumed by another process: the restarts are read back from the ledger, not re-derived
+        done = run_cli("resume", "--config", str(written), "--json", token=token)
+        assert done.returncode == 0, done.stderr
+        document = json.loads(done.stdout)
+        assert document["outcome"] == "resumed"
+        assert document["restart"] == [r.as_json() for r in restarts]
+        no_traceback(done)
+
+
+async def test_a_discard_that_fails_fails_the_restore_and_nothing_runs(
+    make_cluster: Any, tmp_path: Path
+) -> None:
+    with make_cluster(RESTART_ONLY) as first:
+        snapshot = await _checkpoint_mid_rollout(first, _config(first, tmp_path, "a.db"))
+    with make_cluster(RESTART_ONLY) as second:
+        async with httpx.AsyncClient(timeout=30) as http:
+            fault = [{"kind": "fail", "path": route(AGENT, "discard").path, "status": 500, "times": 1}]
+            await set_faults(http, second.urls[AGENT_NAME], fault)
+            config = _config(second, tmp_path, "a.db")
+            async with Coordinator.open(config) as coord:
+                with pytest.raises(PhaseError) as caught:
+                    await coord.restore(snapshot)
+            assert caught.value.phase == "restore"
+            assert caught.value.server == AGENT_NAME
+            assert "discard of a restored continuation failed" in str(caught.value)
+            assert caught.value.resumed == []
+            assert AGENT_NAME in caught.value.not_resumed
+            states = await server_states(http, second)
+            assert states[AGENT_NAME][0] == "restored_paused"  # its saved turns must not run as they are
+        aborted = [e for e in await read_events(config.ledger) if e.kind == "attempt.aborted"]
+        assert len(aborted) == 1
+        assert AGENT_NAME in aborted[0].data["left_paused"]
+        await assert_protocol_ok(config.ledger)
 
 
 async def test_an_agent_without_the_discard_features_keeps_its_continuations(

@@ -26,7 +26,7 @@ import anyio
 from quiesce.coordinator import Coordinator, load_config
 from quiesce.coordinator.recovery import RecoveryReport
 from quiesce.tools.cli import output
-from quiesce.tools.cli.cluster_cmd import add_common, print_resubmit, progress_line
+from quiesce.tools.cli.cluster_cmd import add_common, print_continuations, print_resubmit, progress_line
 from quiesce.tools.cli.output import emit_json, print_error
 
 
@@ -77,5 +77,6 @@ def _print_report(report: RecoveryReport) -> None:
         if attempt.message:
             console.print(f"  {escape(attempt.message)}")
         print_resubmit(attempt.resubmit, indent="  ")
+        print_continuations(attempt.restart, attempt.resubmit_unknown, indent="  ")
     if report.swept:
         console.print(f"removed orphaned staging folders: {escape(', '.join(report.swept))}")
