@@ -58,11 +58,10 @@ async def test_stateful_reference_servers_pass_every_check(cluster: RunningClust
 
 @pytest.mark.parametrize("shape", ["receipt_status", "receipt_plain", "receipt"])
 async def test_later_gym_agents_pass_the_acknowledgement_rows_in_their_own_form(shape: str) -> None:
+    # as Gym's own routes, the agent validates a request's body before its token
+    agent = {"kind": "agent", "name": "simple_agent", "policy": "policy_model", "acknowledgement": shape}
     spec: dict[str, Any] = {
-        "servers": [
-            {"kind": "model", "name": "policy_model"},
-            {"kind": "agent", "name": "simple_agent", "policy": "policy_model", "acknowledgement": shape},
-        ]
+        "servers": [{"kind": "model", "name": "policy_model"}, {**agent, "body_before_auth": True}]
     }
     with start_cluster(spec, token=TOKEN) as running:
         report = await run_conformance(running.urls["simple_agent"], TOKEN, timeout_s=20)
@@ -73,6 +72,10 @@ async def test_later_gym_agents_pass_the_acknowledgement_rows_in_their_own_form(
     for name in ("acknowledge.auth", "acknowledge.validation", "acknowledge.unknown_execution"):
         assert rows[name][0] == "pass", rows[name]
     assert rows["acknowledge.unknown_execution"][1].startswith("a completion receipt of an execution")
+    assert (
+        "a malformed batch without a token → 422 (the body is validated before" in rows["acknowledge.auth"][1]
+    )
+    assert rows["auth.post_missing_token"][0] == rows["auth.status_wrong_token"][0] == "pass"
 
 
 async def test_judge_is_checked_as_an_auxiliary_instance(cluster: RunningCluster) -> None:

@@ -5,7 +5,9 @@ Request path through one server (outermost first):
 1. `ControlMiddleware` — for every path under `/ng-control/v1`: appends an entry to
    the control log (method, path, checkpoint id, whether the bearer token matched —
    never the token itself — and the status the client got), then enforces the bearer
-   token on everything but `GET /capabilities` (401 before any body validation).
+   token on everything but `GET /capabilities` (401 before any body validation; with the spec's
+   `body_before_auth`, as Gym's own routes, the control endpoint answers the 401 once its body or
+   query validated, so a request with neither a valid token nor a valid body gets 422).
 2. the component's data-plane gate (the model's admission and in-flight tracking);
 3. `FaultMiddleware` — injected faults (see `faults.py`);
 4. `LeanControl` — the control routes' fast path: a request FastAPI would hand to a
@@ -20,6 +22,7 @@ touch the fence.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import inspect
 import json
@@ -27,6 +30,7 @@ import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args, get_origin, get_type_hints
 from urllib.parse import parse_qs, parse_qsl
@@ -57,6 +61,11 @@ from quiesce.tools.gymsim.spec import ServerSpec
 
 #: Scope key: `(body, json.loads(body))` of a control POST, so the body is parsed once per request.
 PARSED_BODY = "gymsim.parsed_body"
+
+
+#: Set by `ControlMiddleware` for a request without a valid token that its control endpoint refuses
+#: (with 401) only once its argument validated (`body_before_auth`).
+_REFUSE_AFTER_VALIDATION: ContextVar[bool] = ContextVar("gymsim_refuse_after_validation", default=False)
 
 
 def route_path(scope: Scope) -> str:
@@ -158,19 +167,26 @@ class ControlMiddleware:
             "status": None,
         }
         self.server.control_log.append(entry)
+        deferred = False
         if path != CAPABILITIES_PATH and not authorized:
-            entry["status"] = 401
-            await JSONResponse(status_code=401, content={"detail": UNAUTHORIZED_DETAIL})(scope, replay, send)
-            return
+            if not self.server.spec.body_before_auth:
+                entry["status"] = 401
+                await JSONResponse(status_code=401, content={"detail": UNAUTHORIZED_DETAIL})(
+                    scope, replay, send
+                )
+                return
+            deferred = True
 
         async def logged_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 entry["status"] = message["status"]
             await send(message)
 
+        refusal = _REFUSE_AFTER_VALIDATION.set(deferred)
         try:
             await self.app(scope, replay, logged_send)
         finally:
+            _REFUSE_AFTER_VALIDATION.reset(refusal)
             if scope.get(UNDELIVERED):
                 entry["status"] = None
 
@@ -391,8 +407,14 @@ class GymServer(ABC):
         """Decorator: serve `endpoint` at `method path` from the FastAPI app and from `LeanControl`."""
 
         def register(endpoint: E) -> E:
-            self.lean.routes[(method, path)] = lean_route(method, endpoint)
-            self.app.add_api_route(path, endpoint, methods=[method])
+            @functools.wraps(endpoint)
+            async def guarded(*args: Any, **kwargs: Any) -> Any:
+                if _REFUSE_AFTER_VALIDATION.get():  # its argument validated: now the token's 401
+                    return JSONResponse(status_code=401, content={"detail": UNAUTHORIZED_DETAIL})
+                return await endpoint(*args, **kwargs)
+
+            self.lean.routes[(method, path)] = lean_route(method, guarded)
+            self.app.add_api_route(path, guarded, methods=[method])
             return endpoint
 
         return register

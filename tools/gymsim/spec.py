@@ -40,7 +40,9 @@ flight and holds their responses until resume), `discard` (export_restore agents
 `POST /agent-checkpoint/discard-restored-continuation` and its features
 `discard_restored_continuation_v1`, `agent_resource_dependency_index_v1`),
 `policy` / `resources` (agent: server name or URL), `judge` (resources: the model `/verify`
-calls), `faults` (see `faults.py`).
+calls), `body_before_auth` (as Gym's own FastAPI routes: a control request's body or query is
+validated before its token, so one with neither gets 422, one with a valid body and no valid token
+401), `faults` (see `faults.py`).
 
 Plane v2 (`plane: v2`, NeMo Gym's unified `/ng-control/v1/checkpoint/*`, `tools/gymsim/v2`):
 `kind: environment` exists only there (`agent:` names the agent each turn calls); `lease_grace_s`
@@ -91,6 +93,7 @@ class ServerSpec(BaseModel):
     policy: str | None = None
     resources: str | None = None
     judge: str | None = None
+    body_before_auth: bool = False
     faults: list[Fault] = Field(default_factory=list)
 
     def expand(self) -> list[ServerSpec]:
