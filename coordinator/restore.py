@@ -57,6 +57,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+from pydantic import ValidationError
 
 from quiesce.coordinator.attempt import (
     Attempt,
@@ -374,7 +375,7 @@ def discards(snapshot: Snapshot, agents: Sequence[Member], restart_only: Collect
             data = (snapshot.path / index.relative_path).read_bytes()
             if sha256_hex(data) != index.sha256:
                 raise ValueError(f"{index.relative_path}: sha256 differs from the committed one")
-            rows = [ContinuationRow.model_validate_json(line) for line in data.splitlines() if line.strip()]
+            rows = _rows(index.relative_path, data)
         except OSError as error:
             why = f"its continuation index cannot be read: {error.strerror or error}"
             unknown.append(UnknownResubmissions(member.name, why))
@@ -391,6 +392,22 @@ def discards(snapshot: Snapshot, agents: Sequence[Member], restart_only: Collect
         }
         chosen.extend(sorted(mine, key=lambda r: (r.rollout_id, r.attempt_index)))
     return Resubmissions(tuple(chosen), tuple(unknown))
+
+
+def _rows(where: str, data: bytes) -> list[ContinuationRow]:
+    """The rows of a continuation index; `ValueError` naming the first row that is not one (its
+    line, field and problem, on one line)."""
+    rows: list[ContinuationRow] = []
+    for number, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(ContinuationRow.model_validate_json(line))
+        except ValidationError as error:
+            first = error.errors()[0]
+            field = ".".join(str(part) for part in first["loc"]) or "the row"
+            raise ValueError(f"{where}:{number}: {field}: {first['msg']}") from None
+    return rows
 
 
 def discard_plan(

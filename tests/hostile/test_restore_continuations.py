@@ -41,12 +41,14 @@ from quiesce.coordinator.discovery import Member
 from quiesce.coordinator.protocol import (
     AGENT,
     AGENT_CONTINUATIONS,
+    AGENT_RESOURCE_DEPENDENCY_INDEX,
     CAPABILITIES_PATH,
+    DISCARD_RESTORED_CONTINUATION,
     agent_instance_dir,
     route,
     sha256_hex,
 )
-from quiesce.coordinator.restore import read_resubmissions
+from quiesce.coordinator.restore import discard_plan, read_resubmissions
 from quiesce.tools.gymsim import client
 from quiesce.tools.gymsim.cluster import RunningCluster
 from quiesce.tools.serve.client import RemoteCoordinator
@@ -443,6 +445,62 @@ async def test_a_discard_that_fails_fails_the_restore_and_nothing_runs(
         assert len(aborted) == 1
         assert AGENT_NAME in aborted[0].data["left_paused"]
         await assert_protocol_ok(config.ledger)
+
+
+def test_which_continuations_are_discarded_is_read_from_the_committed_index(tmp_path: Path) -> None:
+    """`discards` / `discard_plan` on an index as Gym writes it (files on disk, no server): a row
+    naming a restart_only server, or saying nothing (null), goes; a row on other servers stays; an
+    agent without both features is never asked; an index that is not the committed one refuses."""
+    folder = tmp_path / "ck-2" / agent_instance_dir(AGENT_NAME)
+    folder.mkdir(parents=True)
+    rows = [
+        {"rollout_id": "a", "attempt_index": 0, "capture_key": "a", "resource_state_revisions": {"tools": 3}},
+        {
+            "rollout_id": "b",
+            "attempt_index": 1,
+            "capture_key": "b-a1",
+            "resource_state_revisions": {"kept": 1},
+        },
+        {"rollout_id": "c", "attempt_index": 0, "capture_key": "c", "resource_state_revisions": None},
+        {"rollout_id": "d", "attempt_index": 0, "capture_key": "d", "resource_state_revisions": {}},
+    ]
+    for row in rows:
+        row["last_committed_model_call_id"] = f"call-{row['rollout_id']}"
+    data = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+    (folder / AGENT_CONTINUATIONS).write_bytes(data)
+    ref = {
+        "relative_path": f"{agent_instance_dir(AGENT_NAME)}/{AGENT_CONTINUATIONS}",
+        "sha256": sha256_hex(data),
+        "records": len(rows),
+        "bytes": len(data),
+    }
+    snapshot = Snapshot(
+        tmp_path / "ck-2", {"participants": [{"name": AGENT_NAME, "continuation_index": ref}]}
+    )
+    later = Member(
+        AGENT_NAME,
+        AGENT,
+        "export_restore",
+        None,
+        "agent",
+        "http://127.0.0.1:9",
+        features=(DISCARD_RESTORED_CONTINUATION, AGENT_RESOURCE_DEPENDENCY_INDEX),
+    )
+    plan = discard_plan(snapshot, [later], ["tools"])
+    assert plan.known == (Resubmission(AGENT_NAME, "a", 1), Resubmission(AGENT_NAME, "c", 1))
+    assert discard_plan(snapshot, [later], []).known == ()  # no restart_only server: nothing goes
+    anchor = Member(AGENT_NAME, AGENT, "export_restore", None, "agent", "http://127.0.0.1:9")
+    assert discard_plan(snapshot, [anchor], ["tools"]).known == ()  # it cannot discard: not asked
+
+    (folder / AGENT_CONTINUATIONS).write_bytes(data + b"\n")
+    with pytest.raises(SnapshotError) as caught:
+        discard_plan(snapshot, [later], ["tools"])
+    assert "which saved continuations depend on them cannot be read" in str(caught.value)
+    assert caught.value.differences == [
+        f"{AGENT_NAME}: its continuation index is unusable: {ref['relative_path']}: sha256 differs from"
+        " the committed one"
+    ]
+    assert "Nothing was restored and no server was contacted" in str(caught.value)
 
 
 async def test_an_agent_without_the_discard_features_keeps_its_continuations(
