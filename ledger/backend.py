@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Final, NamedTuple, Protocol, TypeAlias
 
 from quiesce.ledger.errors import FencedError, LedgerError
 from quiesce.ledger.events import Event
@@ -166,6 +166,23 @@ class InlineAppend(ABC):
         """Commit ``batch`` like ``Backend.append`` without leaving the calling thread; raises as it does."""
 
 
+#: ``AttemptQuery.outcome`` for attempts without a terminal event yet (projection outcome NULL).
+OPEN: Final = "open"
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptQuery:
+    """Which rows of the ``attempts`` projection: started at or after ``since`` (an ``Event.at``
+    string), an exact ``outcome`` (one, several, or ``OPEN``), strictly before ``before`` in
+    ``(started_at, checkpoint_id)`` order (a page's keyset), and with ``limit`` > 0 only the
+    newest ``limit`` of those."""
+
+    since: str | None = None
+    outcome: str | tuple[str, ...] | None = None
+    before: tuple[str, str] | None = None
+    limit: int = 0
+
+
 class Backend(ABC):
     """One open ledger database. Methods are called from one event loop; the Ledger serialises appends."""
 
@@ -231,8 +248,9 @@ class Backend(ABC):
         """The row of ``kind`` with the largest seq below ``before`` (through the (kind, seq) index)."""
 
     @abstractmethod
-    async def attempts(self, since: str | None, outcome: str | None) -> list[AttemptRow]:
-        """Projection rows started at or after ``since``, ordered by ``started_at`` then id."""
+    async def attempts(self, query: AttemptQuery) -> list[AttemptRow]:
+        """Projection rows matching ``query``, ordered by ``started_at`` then id (oldest first);
+        with ``query.limit``, the newest that many, read from the end of ``ix_attempts_started``."""
 
     @abstractmethod
     async def attempt(self, checkpoint_id: str) -> AttemptRow | None: ...

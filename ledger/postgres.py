@@ -39,13 +39,15 @@ from typing import Any
 
 import anyio
 import asyncpg
-from sqlalchemy import Connection, Select, delete, func, insert, select, text
+from sqlalchemy import Connection, Select, delete, func, insert, select, text, tuple_
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from quiesce.ledger.backend import (
+    OPEN,
     WRITER_LOCK_KEY,
+    AttemptQuery,
     Backend,
     Batch,
     LeaseState,
@@ -487,12 +489,23 @@ class PostgresBackend(Backend):
         rows = await self._rows(read_last_statement(kind, before))
         return rows[0] if rows else None
 
-    async def attempts(self, since: str | None, outcome: str | None) -> list[AttemptRow]:
+    async def attempts(self, query: AttemptQuery) -> list[AttemptRow]:
         statement = select(*_ATTEMPT_COLS)
-        if since is not None:
-            statement = statement.where(attempts.c.started_at >= since)
-        if outcome is not None:
-            statement = statement.where(attempts.c.outcome == outcome)
+        if query.since is not None:
+            statement = statement.where(attempts.c.started_at >= query.since)
+        if query.outcome == OPEN:
+            statement = statement.where(attempts.c.outcome.is_(None))
+        elif isinstance(query.outcome, tuple):
+            statement = statement.where(attempts.c.outcome.in_(query.outcome))
+        elif query.outcome is not None:
+            statement = statement.where(attempts.c.outcome == query.outcome)
+        key = tuple_(attempts.c.started_at, attempts.c.checkpoint_id)
+        if query.before is not None:
+            statement = statement.where(key < tuple_(*query.before))
+        if query.limit:  # the newest first, from the end of ix_attempts_started; then reversed
+            newest = statement.order_by(attempts.c.started_at.desc(), attempts.c.checkpoint_id.desc())
+            rows = await self._rows(newest.limit(query.limit))
+            return [from_columns(row) for row in reversed(rows)]
         rows = await self._rows(statement.order_by(attempts.c.started_at, attempts.c.checkpoint_id))
         return [from_columns(row) for row in rows]
 

@@ -45,7 +45,7 @@ import anyio.to_thread
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from quiesce.ledger import replay_worker
-from quiesce.ledger.backend import RawEvent
+from quiesce.ledger.backend import AttemptQuery, RawEvent
 from quiesce.ledger.canonical import GENESIS_HASH
 from quiesce.ledger.chain import check_rows, link, truncation
 from quiesce.ledger.errors import LedgerError
@@ -342,7 +342,7 @@ async def replay_open(
     if path is not None and count:
 
         async def read_live() -> None:
-            live.extend(await backend.attempts(None, None))
+            live.extend(await backend.attempts(AttemptQuery()))
 
         async def check() -> None:
             await _check_in_workers(ledger.url, path, count, ranges, replayer.feed_chunk)
@@ -351,7 +351,7 @@ async def replay_open(
         replayer.report.workers = count
     else:
         await _read_in_process(replayer, ledger, page_size)
-        live = await backend.attempts(None, None)
+        live = await backend.attempts(AttemptQuery())
     replayer.compare(live)
     report = replayer.report
     cut = truncation(report.head_seq or 0, max((row.last_seq for row in live), default=None))

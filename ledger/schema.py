@@ -81,6 +81,8 @@ attempts = Table(
 )
 #: The largest seq the projection records, read at a writer's open (``Ledger.connect``).
 Index("ix_attempts_last_seq", attempts.c.last_seq)
+#: `history`'s order (revision 0005): its newest N rows, or a page from any point, in O(N).
+Index("ix_attempts_started", attempts.c.started_at, attempts.c.checkpoint_id)
 
 #: The coordinator lease (PostgreSQL standby takeover; unused on SQLite): one row per lease name.
 #: ``expires_at`` is Unix seconds on the database server's clock.

@@ -39,7 +39,16 @@ import anyio
 import anyio.to_thread
 
 from quiesce.ledger import sqlitefile
-from quiesce.ledger.backend import Backend, Batch, InlineAppend, ProjectionCache, RawEvent, apply_append
+from quiesce.ledger.backend import (
+    OPEN,
+    AttemptQuery,
+    Backend,
+    Batch,
+    InlineAppend,
+    ProjectionCache,
+    RawEvent,
+    apply_append,
+)
 from quiesce.ledger.errors import FencedError, LedgerError
 from quiesce.ledger.layout import EVENT_COLUMNS, MARKER_WHERE_SQLITE, VERSION_TABLE, indexed_kind
 from quiesce.ledger.projections import COLUMNS, AttemptRow, from_columns, stored_values
@@ -412,18 +421,29 @@ class SqliteBackend(Backend, InlineAppend):
         rows = await self._query(read_last_sql(kind), (kind, before))
         return rows[0] if rows else None  # type: ignore[return-value]
 
-    async def attempts(self, since: str | None, outcome: str | None) -> list[AttemptRow]:
-        where, params = ["1 = 1"], []
-        if since is not None:
+    async def attempts(self, query: AttemptQuery) -> list[AttemptRow]:
+        where, params = ["1 = 1"], list[object]()
+        if query.since is not None:
             where.append("started_at >= ?")
-            params.append(since)
-        if outcome is not None:
+            params.append(query.since)
+        if query.outcome == OPEN:
+            where.append("outcome IS NULL")
+        elif isinstance(query.outcome, tuple):
+            where.append(f"outcome IN ({', '.join('?' for _ in query.outcome)})")
+            params.extend(query.outcome)
+        elif query.outcome is not None:
             where.append("outcome = ?")
-            params.append(outcome)
-        sql = (
-            f"SELECT {_AT_COLS} FROM attempts WHERE {' AND '.join(where)} ORDER BY started_at, checkpoint_id"
-        )
-        return [from_columns(row) for row in await self._query(sql, params)]
+            params.append(query.outcome)
+        if query.before is not None:
+            where.append("(started_at, checkpoint_id) < (?, ?)")
+            params.extend(query.before)
+        order = "started_at, checkpoint_id"
+        if query.limit:  # the newest first, from the end of ix_attempts_started; then reversed
+            order = "started_at DESC, checkpoint_id DESC LIMIT ?"
+            params.append(query.limit)
+        sql = f"SELECT {_AT_COLS} FROM attempts WHERE {' AND '.join(where)} ORDER BY {order}"
+        rows = [from_columns(row) for row in await self._query(sql, params)]
+        return rows[::-1] if query.limit else rows
 
     async def attempt(self, checkpoint_id: str) -> AttemptRow | None:
         rows = await self._query(_GET_ATTEMPT, (checkpoint_id,))

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import anyio
 import anyio.lowlevel
 
-from quiesce.ledger.backend import Backend, Batch, InlineAppend, LeaseState, RawEvent
+from quiesce.ledger.backend import AttemptQuery, Backend, Batch, InlineAppend, LeaseState, RawEvent
 from quiesce.ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
 from quiesce.ledger.chain import check_rows, truncation
 from quiesce.ledger.errors import BrokenChainError, FencedError, LedgerError, require_extra
@@ -1016,16 +1016,27 @@ class Ledger:
         return event_from_raw(raw) if raw is not None else None
 
     async def attempts(
-        self, since: str | datetime | None = None, outcome: str | None = None
+        self,
+        since: str | datetime | None = None,
+        outcome: str | Sequence[str] | None = None,
+        *,
+        limit: int = 0,
+        before: tuple[str, str] | None = None,
     ) -> list[AttemptRow]:
-        """Rows of the ``attempts`` projection, by start time.
+        """Rows of the ``attempts`` projection, oldest first by ``(started_at, checkpoint_id)``.
 
-        ``since`` is an ``Event.at`` string or a datetime; ``outcome`` an exact outcome.
+        ``since`` is an ``Event.at`` string or a datetime; ``outcome`` an exact outcome, several,
+        or ``"open"`` (no terminal event yet); ``before`` a ``(started_at, checkpoint_id)`` key that
+        every row precedes (the keyset of the next page back); ``limit`` > 0 keeps the newest that
+        many, and costs that many rows of the index (``ix_attempts_started``), not the history.
         """
         if isinstance(since, datetime):
             since = since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, not {limit}")
+        chosen = outcome if outcome is None or isinstance(outcome, str) else tuple(outcome)
         await self._flush_staged()
-        return await self._backend.attempts(since, outcome)
+        return await self._backend.attempts(AttemptQuery(since, chosen, before, limit))
 
     async def attempt(self, checkpoint_id: str) -> AttemptRow | None:
         """The projection row of one attempt, or ``None``."""

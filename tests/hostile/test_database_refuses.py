@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy.exc import DBAPIError
 
 from quiesce.ledger import Ledger, LedgerError, chain_hash, downgrade_schema, row_bytes
-from quiesce.ledger.layout import VERSION_TABLE
+from quiesce.ledger.layout import HEAD_REVISION, VERSION_TABLE
 from quiesce.tools.cli.main import main as cli
 from tests.ledger.helpers import COORDINATOR, SENT, is_sqlite, raw_sql, started
 
@@ -141,8 +141,8 @@ async def test_an_old_schema_is_refused_and_db_upgrade_brings_it_forward(
         assert "behind" in str(info.value)
     code = await anyio.to_thread.run_sync(cli, ["db", "upgrade", "--ledger", ledger_url])
     assert code == 0, capsys.readouterr().err
-    assert "0002 -> 0004" in capsys.readouterr().out
-    assert await raw_sql(ledger_url, f"SELECT version_num FROM {VERSION_TABLE}") == [("0004",)]
+    assert f"0002 -> {HEAD_REVISION}" in capsys.readouterr().out
+    assert await raw_sql(ledger_url, f"SELECT version_num FROM {VERSION_TABLE}") == [(HEAD_REVISION,)]
     with pytest.raises(DBAPIError, match="append-only"):
         await raw_sql(ledger_url, replace)
     assert await raw_sql(ledger_url, f"SELECT {_COLUMNS} FROM events ORDER BY seq") == rows

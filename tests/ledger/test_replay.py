@@ -13,6 +13,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from quiesce.ledger import Ledger, LedgerError, downgrade_schema, replay_url
+from quiesce.ledger.layout import HEAD_REVISION
 from quiesce.ledger.schema import VERSION_TABLE, metadata
 from quiesce.tools.cli.main import main as cli
 from tests.ledger.helpers import (
@@ -205,7 +206,7 @@ async def test_schema_behind_is_refused_and_db_upgrade_fixes_it(
     assert doc == {
         "ledger": ledger_url,
         "before": None,
-        "after": "0004",
+        "after": HEAD_REVISION,
         "changed": True,
         "restored_triggers": [],
     }
@@ -234,7 +235,7 @@ async def test_empty_database_is_created_at_head_by_a_writer_only(ledger_url: st
     async with Ledger.open(ledger_url) as ledger:
         assert await ledger.head() is None
     rows = await raw_sql(ledger_url, f"SELECT version_num FROM {VERSION_TABLE}")
-    assert rows == [("0004",)]
+    assert rows == [(HEAD_REVISION,)]
 
 
 async def test_messages_never_show_a_password(ledger_url: str) -> None:

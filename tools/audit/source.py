@@ -164,8 +164,9 @@ async def load_attempt(ledger: Ledger, checkpoint_id: str) -> tuple[AttemptView,
 async def recent_attempt_ids(ledger: Ledger, limit: int) -> list[str]:
     """Ids of the `limit` most recently started attempts, oldest first: the projection's order,
     the same as `quiesce history`'s (`Ledger.attempts`)."""
-    rows = await ledger.attempts()
-    return [r.checkpoint_id for r in rows[-limit:]] if limit > 0 else []
+    if limit <= 0:
+        return []
+    return [r.checkpoint_id for r in await ledger.attempts(limit=limit)]
 
 
 async def export_bundle(url: str, out: Path, checkpoint_id: str | None) -> ExportSummary:

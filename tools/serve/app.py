@@ -61,7 +61,7 @@ from quiesce.coordinator.errors import (
     ServersHeld,
     SnapshotError,
 )
-from quiesce.ledger import AttemptRow, Ledger
+from quiesce.ledger import Ledger
 from quiesce.ledger.redact import mask_url_passwords
 from quiesce.tools.serve.auth import BearerCheck
 from quiesce.tools.serve.docs import mount_docs
@@ -488,13 +488,8 @@ def build_app(service: Service, *, api_token: str | None, hosts: ServedHosts | N
     ) -> list[HistoryRow]:
         """The `attempts` projection, oldest first (what `history()` returns)."""
         reader = service.require_reader()
-        rows: list[AttemptRow]
-        if outcome == "open":
-            rows = [r for r in await reader.attempts() if r.outcome is None]
-        else:
-            rows = await reader.attempts(outcome=outcome)
-        if limit:
-            rows = rows[-limit:]
+        # `open` selects attempts without a terminal event; `limit` reads that many index rows
+        rows = await reader.attempts(outcome=outcome, limit=limit)
         return [HistoryRow.of(r) for r in rows]
 
     async def resolved(reader: Ledger, checkpoint_id: str) -> str:

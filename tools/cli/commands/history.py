@@ -107,22 +107,31 @@ async def entry(ledger: Ledger, row: AttemptRow) -> Entry:
     return Entry(row, outcome, source)
 
 
+#: Restores read per page when `--outcome restored|resumed --limit N` pages back from the newest.
+RESTORE_PAGE: Final = 256
+
+
 async def read_entries(url: str, since: datetime | None, outcome: str | None, limit: int = 0) -> list[Entry]:
     """The attempts to show, oldest first: `outcome` (`open`: no terminal event yet) and the `limit`
-    most recent (0: all) applied."""
+    most recent (0: all) applied.
+
+    With `limit`, the database reads that many rows from the end of its start-order index, not
+    the whole history. A restore's outcome now (`restored`, or `resumed` since) is read from its
+    events, so those two page back from the newest restores until `limit` of them match."""
     async with open_readonly(url) as ledger:
-        exact = outcome not in (None, "open", *_RESTORE_OUTCOMES)
-        rows = await ledger.attempts(since=since, outcome=outcome if exact else None)
-        if outcome == "open":
-            rows = [r for r in rows if r.outcome is None]
-        elif outcome in _RESTORE_OUTCOMES:
-            rows = [r for r in rows if r.outcome in _RESTORE_OUTCOMES]
-        else:
-            rows = rows[-limit:] if limit else rows
-        entries = [await entry(ledger, row) for row in rows]
-    if outcome in _RESTORE_OUTCOMES:
-        entries = [e for e in entries if e.outcome == outcome]
-    return entries[-limit:] if limit else entries
+        if outcome not in _RESTORE_OUTCOMES:
+            rows = await ledger.attempts(since=since, outcome=outcome, limit=limit)
+            return [await entry(ledger, row) for row in rows]
+        found: list[Entry] = []
+        before: tuple[str, str] | None = None
+        while True:
+            rows = await ledger.attempts(
+                since=since, outcome=_RESTORE_OUTCOMES, limit=RESTORE_PAGE if limit else 0, before=before
+            )
+            found = [e for e in [await entry(ledger, row) for row in rows] if e.outcome == outcome] + found
+            if not limit or len(found) >= limit or len(rows) < RESTORE_PAGE:
+                return found[-limit:] if limit else found
+            before = (rows[0].started_at, rows[0].checkpoint_id)
 
 
 def duration_s(row: AttemptRow) -> float | None:
