@@ -12,6 +12,7 @@ in its own process, and reads what was sent from the ledger.
 from __future__ import annotations
 
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import pytest
 
 from quiesce.coordinator import Coordinator, load_config
 from quiesce.coordinator.errors import AcknowledgementError
-from quiesce.coordinator.protocol import AGENT, TOKEN_ENV, route
+from quiesce.coordinator.protocol import AGENT, CAPABILITIES_PATH, TOKEN_ENV, route
 from quiesce.ledger import Event
 from quiesce.tools.gymsim import client
 from quiesce.tools.gymsim.cluster import spawn_cluster
@@ -217,3 +218,59 @@ def test_a_status_shown_receipt_that_is_gone_is_reported_not_guessed(
     ]
     assert len(posts) == 2  # the first pairs (422) and the receipt of d0; nothing after
     anyio.run(assert_protocol_ok, ledger_url)
+
+
+def test_a_status_read_during_a_prepare_names_the_agents_active_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a prepare waits for a slow turn to park (the agent's fence is active under its id): the
+    # receipts are read from the status under that id — another id would be a checkpoint_conflict
+    token = "qz-" + secrets.token_hex(12)
+    monkeypatch.setenv(TOKEN_ENV, token)
+    ledger_url = f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}"
+    spec = _spec("receipt_status")
+    spec["servers"][0]["latency_s"] = 1.5
+    checkpoint_id = "ck-held-by-a-prepare"
+    with spawn_cluster(spec, env={TOKEN_ENV: token}, workdir=tmp_path / "gym") as gym:
+        agent = gym.urls["simple_agent"]
+        config_path = gym.write_config(tmp_path / "quiesce.yaml", ledger_url, tmp_path / "snapshots")
+        headers = {"Authorization": f"Bearer {token}"}
+
+        async def run() -> None:
+            async with httpx.AsyncClient(timeout=60) as http:
+                await client.start_rollouts(http, agent, {"done": 1})
+                await client.wait_finished(http, agent, expect=1)
+                await client.start_rollouts(http, agent, {"slow": 1000})
+                await anyio.sleep(0.2)  # inside its first 1.5 s turn
+                body = {"checkpoint_id": checkpoint_id, "deadline_ts": time.time() + 30}
+                async with anyio.create_task_group() as tg:
+
+                    async def prepare() -> None:
+                        reply = await http.post(
+                            agent + route(AGENT, "prepare").full_path, json=body, headers=headers
+                        )
+                        assert reply.status_code == 200, reply.text  # ready once `done` is released
+
+                    tg.start_soon(prepare)
+                    await anyio.sleep(0.3)
+                    caps = (await http.get(agent + CAPABILITIES_PATH)).json()
+                    assert (caps["phase"], caps["active_checkpoint_id"]) == ("preparing", checkpoint_id)
+                    async with Coordinator.open(load_config(config_path)) as coord:
+                        assert await coord.acknowledge_completed("simple_agent", [("done", 0)]) == [
+                            ("done", 0)
+                        ]
+                resumed = await http.post(
+                    agent + route(AGENT, "resume").full_path,
+                    json={**body, "deadline_ts": time.time() + 30},
+                    headers=headers,
+                )
+                assert resumed.status_code == 200, resumed.text
+
+        anyio.run(run)
+        events = anyio.run(read_events, ledger_url)
+    reads = [
+        ev.data["body"]["query"]
+        for ev in events
+        if ev.kind == "call.sent" and ev.data["path"].endswith("/agent-checkpoint/status")
+    ]
+    assert reads == [{"checkpoint_id": checkpoint_id}]
