@@ -109,7 +109,15 @@ def test_checkpoint_restore_resume_history(
 
     code, doc = _run(capsys, "restore", "--config", str(config_file), "--json")
     assert code == 0
-    assert set(doc) == {"checkpoint_id", "outcome", "servers", "resubmit", "plane"}
+    assert set(doc) == {
+        "checkpoint_id",
+        "outcome",
+        "servers",
+        "resubmit",
+        "restart",
+        "resubmit_unknown",
+        "plane",
+    }
     assert doc["plane"] == "v1"
     assert doc["outcome"] == "restored"
     assert doc["servers"] == ["policy_model", "simple_agent", "tools"]
