@@ -312,6 +312,9 @@ class Attempt:
     #: restore: the `restart_only` resources servers of the cluster when it began (recorded in
     #: `attempt.started`): a re-driven restore discards against the same set
     restart_only: tuple[str, ...] = ()
+    #: restore: the agents that can discard a restored continuation (`restore.can_discard`),
+    #: recorded in `attempt.started` beside `restart_only`
+    discarding: tuple[str, ...] = ()
     #: servers whose resume under this id answered `accepting` (in this process, or recorded:
     #: `readback`): they run, and nothing is sent to them again but a resume (which replays)
     resumed: set[str] = field(default_factory=set)

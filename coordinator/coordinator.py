@@ -97,7 +97,7 @@ from quiesce.coordinator.provenance import Provenance, check_provenance
 from quiesce.coordinator.publish import Snapshot, empty_trash, read_latest, resolve_snapshot, verify_snapshot
 from quiesce.coordinator.readback import read_attempt, release
 from quiesce.coordinator.renewal import renew_all, renewing
-from quiesce.coordinator.restore import discard_plan, read_resubmissions
+from quiesce.coordinator.restore import can_discard, discard_plan, read_resubmissions
 from quiesce.coordinator.restore import restore as restore_snapshot
 from quiesce.coordinator.resume import finish_resume, release_unrecorded, roll_back
 from quiesce.coordinator.retire import RetireOutcome
@@ -772,7 +772,8 @@ class Coordinator:
         agents = [m for m in discovery.exporters if m.role == "agent"]
         found = await anyio.to_thread.run_sync(read_resubmissions, verified, agents)
         restart_only = discovery.restart_only_resources
-        await anyio.to_thread.run_sync(discard_plan, verified, agents, restart_only)
+        discarding = [m.name for m in agents if can_discard(m)]
+        await anyio.to_thread.run_sync(discard_plan, verified, discarding, restart_only)
         warnings = [origin.warning] if origin.warning else []
         await self._refuse_if_held(discovery, "restore")
         self._changing()
@@ -787,6 +788,7 @@ class Coordinator:
             resubmit=found.known,
             unknown=found.unknown,
             restart_only=restart_only,
+            discarding=discarding,
         )
         self._current = attempt
         if resume:

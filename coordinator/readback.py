@@ -160,6 +160,7 @@ async def read_attempt(ledger: Ledger, config: ClusterConfig, checkpoint_id: str
         snapshot_sha256=data.get("manifest_sha256") if isinstance(data.get("manifest_sha256"), str) else None,
         stop=data.get("stop") is True,
         restart_only=tuple(str(n) for n in data.get("restart_only") or ()),
+        discarding=tuple(str(n) for n in data.get("discarding") or ()),
     )
     recorded = Recorded(
         attempt,

@@ -130,6 +130,7 @@ async def restore(
     resubmit: Sequence[Resubmission] = (),
     unknown: Sequence[UnknownResubmissions] = (),
     restart_only: Sequence[str] = (),
+    discarding: Sequence[str] = (),
 ) -> Attempt:
     """Restore a verified snapshot: policy → agents → resources under a new id; servers stay paused.
 
@@ -140,7 +141,9 @@ async def restore(
     `resubmit` and `unknown` (`read_resubmissions` of the same snapshot) become `attempt.resubmit`
     and `attempt.resubmit_unknown` once the restore phase succeeded, less the continuations it
     discarded (`attempt.restart`): `restart_only` names the cluster's `restart_only` resources
-    servers (recorded in `attempt.started`; the caller checked the plan first, `discard_plan`).
+    servers and `discarding` the agents that can discard (`can_discard`), both recorded in
+    `attempt.started` so a later process re-drives the same plan (the caller checked it first,
+    `discard_plan`).
     """
     checkpoint_id = await next_checkpoint_id(ctx.ledger)
     deadline_ts = time.time() + (deadline_s if deadline_s is not None else ctx.config.deadline_s)
@@ -154,6 +157,7 @@ async def restore(
         snapshot_sha256=manifest_sha256,
         warnings=list(warnings),
         restart_only=tuple(restart_only),
+        discarding=tuple(discarding),
     )
     await ctx.ledger.stage(
         "attempt.started",
@@ -168,6 +172,7 @@ async def restore(
             **({"warnings": list(warnings)} if warnings else {}),
             **({"resume": True} if resume else {}),
             **({"restart_only": list(restart_only)} if restart_only else {}),
+            **({"discarding": list(discarding)} if discarding else {}),
         },
         durable=True,  # see "Durability" in attempt.py
     )
@@ -340,36 +345,32 @@ def read_resubmissions(snapshot: Snapshot, agents: Sequence[Member]) -> Resubmis
     return Resubmissions(tuple(found), tuple(unknown))
 
 
-def discards(snapshot: Snapshot, agents: Sequence[Member], restart_only: Collection[str]) -> Resubmissions:
+def can_discard(member: Member) -> bool:
+    """Whether an agent drops a restored continuation on request and says what each depends on."""
+    wanted = {DISCARD_RESTORED_CONTINUATION, AGENT_RESOURCE_DEPENDENCY_INDEX}
+    return member.component == AGENT and wanted <= set(member.features)
+
+
+def discards(snapshot: Snapshot, agents: Sequence[str], restart_only: Collection[str]) -> Resubmissions:
     """The restored continuations a restore of `snapshot` must discard (`known`), and the agents
     for which that cannot be read (`unknown`, refusing the restore: `discard_plan`).
 
     A continuation cannot continue after a restore when it depends on a `restart_only`
     resources server: that server comes back empty, while the saved turn expects the state it had.
     Only an agent that declares both `discard_restored_continuation_v1` and
-    `agent_resource_dependency_index_v1` can drop one; for such an agent (none when the cluster has
-    no `restart_only` resources server) each row of its committed continuation index (the
-    snapshot's `continuation_index` of it, checked against its sha256) whose
-    `resource_state_revisions` names one of `restart_only` — or is null, an index that does not
-    say — is discarded as execution (rollout_id, attempt_index + 1), the attempt its `/run` then
-    starts from the task. Sorted per agent, agents in order.
+    `agent_resource_dependency_index_v1` can drop one (`can_discard`; `agents` names those, in
+    order). For each of them (none when the cluster has no `restart_only` resources server), each
+    row of its committed continuation index (the snapshot's `continuation_index` of it, checked
+    against its sha256) whose `resource_state_revisions` names one of `restart_only` — or is
+    null, an index that does not say — is discarded as execution (rollout_id, attempt_index + 1),
+    the attempt its `/run` then starts from the task. Sorted per agent, agents in order.
     """
     if not restart_only:
         return Resubmissions()
     chosen: list[Resubmission] = []
     unknown: list[UnknownResubmissions] = []
-    for member in agents:
-        features = set(member.features)
-        if (
-            member.component != AGENT
-            or not {
-                DISCARD_RESTORED_CONTINUATION,
-                AGENT_RESOURCE_DEPENDENCY_INDEX,
-            }
-            <= features
-        ):
-            continue
-        ref = (snapshot.participant(member.name) or {}).get("continuation_index")
+    for name in agents:
+        ref = (snapshot.participant(name) or {}).get("continuation_index")
         try:
             index = ArtifactRef.model_validate(ref)
             data = (snapshot.path / index.relative_path).read_bytes()
@@ -378,15 +379,13 @@ def discards(snapshot: Snapshot, agents: Sequence[Member], restart_only: Collect
             rows = _rows(index.relative_path, data)
         except OSError as error:
             why = f"its continuation index cannot be read: {error.strerror or error}"
-            unknown.append(UnknownResubmissions(member.name, why))
+            unknown.append(UnknownResubmissions(name, why))
             continue
         except ValueError as error:
-            unknown.append(
-                UnknownResubmissions(member.name, f"its continuation index is unusable: {_first(error)}")
-            )
+            unknown.append(UnknownResubmissions(name, f"its continuation index is unusable: {_first(error)}"))
             continue
         mine = {
-            Resubmission(member.name, row.rollout_id, row.attempt_index + 1)
+            Resubmission(name, row.rollout_id, row.attempt_index + 1)
             for row in rows
             if row.resource_state_revisions is None or set(row.resource_state_revisions) & set(restart_only)
         }
@@ -410,9 +409,7 @@ def _rows(where: str, data: bytes) -> list[ContinuationRow]:
     return rows
 
 
-def discard_plan(
-    snapshot: Snapshot, agents: Sequence[Member], restart_only: Collection[str]
-) -> Resubmissions:
+def discard_plan(snapshot: Snapshot, agents: Sequence[str], restart_only: Collection[str]) -> Resubmissions:
     """`discards`, refusing the restore (`SnapshotError`, before any server is contacted) when an
     agent that can discard has a continuation index that cannot be read: without it the restore
     cannot tell which saved turns depend on a server that comes back empty."""
@@ -575,7 +572,7 @@ async def restore_body(
     def chosen(role: Role) -> tuple[Member, ...]:
         return tuple(m for m in attempt.group(role) if only is None or m.name in only)
 
-    plan = await anyio.to_thread.run_sync(discards, snapshot, attempt.group("agent"), attempt.restart_only)
+    plan = await anyio.to_thread.run_sync(discards, snapshot, attempt.discarding, attempt.restart_only)
 
     async def discard(m: Member) -> list[dict[str, Any]]:
         done: list[dict[str, Any]] = []

@@ -116,6 +116,9 @@ class AttemptStarted(Payload):
     #: restore, v1: the cluster's `restart_only` resources servers when it began — the restored
     #: continuations that depend on one are discarded (a re-driven restore uses the same set)
     restart_only: list[str] = []
+    #: restore, v1: the agents that can discard a restored continuation (Gym's features
+    #: `discard_restored_continuation_v1`, `agent_resource_dependency_index_v1`)
+    discarding: list[str] = []
 
 
 class PhaseStarted(Payload):

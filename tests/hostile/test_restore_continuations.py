@@ -48,7 +48,7 @@ from quiesce.coordinator.protocol import (
     route,
     sha256_hex,
 )
-from quiesce.coordinator.restore import discard_plan, read_resubmissions
+from quiesce.coordinator.restore import can_discard, discard_plan, read_resubmissions
 from quiesce.tools.gymsim import client
 from quiesce.tools.gymsim.cluster import RunningCluster
 from quiesce.tools.serve.client import RemoteCoordinator
@@ -412,13 +412,27 @@ async def test_continuations_on_a_restart_only_server_are_discarded_and_listed_a
                 f"start afresh: rollout {r.rollout_id} as attempt {r.attempt_index} on {AGENT_NAME}" in text
             )
         no_traceback(done)
-        # resumed by another process: the restarts are read back from the ledger, not re-derived
-        done = run_cli("resume", "--config", str(written), "--json", token=token)
-        assert done.returncode == 0, done.stderr
-        document = json.loads(done.stdout)
-        assert document["outcome"] == "resumed"
-        assert document["restart"] == [r.as_json() for r in restarts]
-        no_traceback(done)
+        # the agent restarts before the resume, which another process runs: it restores the agent
+        # again and discards again, by the plan the restore recorded, and lists the same restarts
+        async with httpx.AsyncClient(timeout=30) as http:
+            reply = await http.post(f"{third.urls[AGENT_NAME]}/gymsim/admin/restart")
+            assert reply.status_code == 200, reply.text
+            done = run_cli("resume", "--config", str(written), "--json", token=token)
+            assert done.returncode == 0, done.stderr
+            document = json.loads(done.stdout)
+            assert document["outcome"] == "resumed"
+            assert document["restored_again"] == [AGENT_NAME]
+            assert document["restart"] == [r.as_json() for r in restarts]
+            no_traceback(done)
+            views = await client.get_rollouts(http, third.urls[AGENT_NAME])
+            assert not {r.rollout_id for r in restarts} & set(views)  # discarded again, not continued
+        cid = document["checkpoint_id"]
+        sent = [
+            e
+            for e in await read_events(config.ledger, cid)
+            if e.kind == "call.sent" and e.data.get("path") == DISCARD_PATH
+        ]
+        assert len(sent) == 2 * len(restarts)  # once by the restore, once by the re-drive
 
 
 async def test_a_discard_that_fails_fails_the_restore_and_nothing_runs(
@@ -486,15 +500,17 @@ def test_which_continuations_are_discarded_is_read_from_the_committed_index(tmp_
         "http://127.0.0.1:9",
         features=(DISCARD_RESTORED_CONTINUATION, AGENT_RESOURCE_DEPENDENCY_INDEX),
     )
-    plan = discard_plan(snapshot, [later], ["tools"])
-    assert plan.known == (Resubmission(AGENT_NAME, "a", 1), Resubmission(AGENT_NAME, "c", 1))
-    assert discard_plan(snapshot, [later], []).known == ()  # no restart_only server: nothing goes
     anchor = Member(AGENT_NAME, AGENT, "export_restore", None, "agent", "http://127.0.0.1:9")
-    assert discard_plan(snapshot, [anchor], ["tools"]).known == ()  # it cannot discard: not asked
+    assert can_discard(later)
+    assert not can_discard(anchor)  # it cannot discard: never asked
+    plan = discard_plan(snapshot, [AGENT_NAME], ["tools"])
+    assert plan.known == (Resubmission(AGENT_NAME, "a", 1), Resubmission(AGENT_NAME, "c", 1))
+    assert discard_plan(snapshot, [AGENT_NAME], []).known == ()  # no restart_only server: nothing goes
+    assert discard_plan(snapshot, [], ["tools"]).known == ()
 
     (folder / AGENT_CONTINUATIONS).write_bytes(data + b"\n")
     with pytest.raises(SnapshotError) as caught:
-        discard_plan(snapshot, [later], ["tools"])
+        discard_plan(snapshot, [AGENT_NAME], ["tools"])
     assert "which saved continuations depend on them cannot be read" in str(caught.value)
     assert caught.value.differences == [
         f"{AGENT_NAME}: its continuation index is unusable: {ref['relative_path']}: sha256 differs from"
