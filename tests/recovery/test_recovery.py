@@ -89,9 +89,9 @@ async def _die_at_the_rename(config: ClusterConfig, monkeypatch: pytest.MonkeyPa
     after it (`renamed`) — and commits nothing more: the publish step's records, staged and not
     yet committed, are lost, as a SIGKILL there loses them. Returns the attempt's checkpoint id."""
 
-    def rename(staging: Path, final: Path) -> None:
+    def rename(staging: Path, final: Path, identity: tuple[int, int] | None = None) -> None:
         if renamed:
-            rename_into_place(staging, final)
+            rename_into_place(staging, final, identity)
         raise Died(f"simulated coordinator death {'after' if renamed else 'before'} renaming {staging}")
 
     async def commit_nothing() -> None:
