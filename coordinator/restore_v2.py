@@ -269,4 +269,5 @@ async def clean_up(
         resumed=resumed + not_paused,
         not_resumed=left,
         latest_snapshot=str(latest) if latest else None,
+        warnings=list(attempt.warnings),  # e.g. the snapshot's provenance: shown with the failure
     )

@@ -3,7 +3,9 @@ v2 reference servers."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -138,3 +140,35 @@ async def test_retire_and_forget_go_callers_first_and_are_refused_while_a_save_i
     forget_body = (await sent(sqlite_url, "forget"))[0].data["body"]
     assert forget_body["rollout_ids"] == ["r0"]
     assert [ev.data["rollout_ids"] for ev in await events(sqlite_url, "rollouts.forgotten")] == [["r0"]]
+
+
+async def test_a_failed_restore_of_a_copied_snapshot_carries_the_provenance_warning(
+    v2_cluster: Callable[..., Any],
+    config_of: Callable[..., ClusterConfig],
+    tmp_path: Path,
+    http: httpx.AsyncClient,
+) -> None:
+    """A snapshot another ledger published, copied in, whose restore then fails at a server: the
+    error carries what was not verified, as a successful restore's outcome would."""
+    tasks = make_tasks(2, turns=4)
+    first_ledger = f"sqlite+aiosqlite:///{tmp_path / 'a.db'}"
+    with v2_cluster() as running:
+        trainer = Trainer(running.urls["environment"], http=http)
+        await trainer.start(tasks, paced=True)
+        await trainer.advance(2)
+        await trainer.wait_parked()
+        async with Coordinator.open(config_of(running, first_ledger)) as coord:
+            saved = await coord.checkpoint(deadline_s=10)
+        await trainer.detach()
+    assert saved.snapshot is not None
+    copied = tmp_path / "copied" / saved.snapshot.name
+    shutil.copytree(saved.snapshot, copied)
+    fault = {"kind": "fail", "path": "/checkpoint/restore", "status": 409, "code": "checkpoint_error"}
+    with v2_cluster(resources={"faults": [fault]}) as fresh:
+        other = config_of(fresh, f"sqlite+aiosqlite:///{tmp_path / 'b.db'}")
+        async with Coordinator.open(other) as coord:
+            with pytest.raises(PhaseError) as caught:
+                await coord.restore(copied)
+    assert "restore failed at resources" in str(caught.value)
+    assert len(caught.value.warnings) == 1, caught.value.warnings
+    assert "was not published by this ledger" in caught.value.warnings[0]
