@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import asyncpg
@@ -57,7 +57,7 @@ from quiesce.ledger.backend import (
     fenced_message,
 )
 from quiesce.ledger.errors import FencedError, LedgerError
-from quiesce.ledger.layout import MARKER_WHERE_POSTGRESQL, indexed_kind
+from quiesce.ledger.layout import MARKER_WHERE_POSTGRESQL, VERSION_TABLE, indexed_kind
 from quiesce.ledger.projections import COLUMNS, AttemptRow, from_columns, stored_values, to_columns, touched
 from quiesce.ledger.schema import EVENT_COLUMNS, attempts, events
 
@@ -171,6 +171,16 @@ def read_last_statement(kind: str, before: int) -> Select[Any]:
     return statement.order_by(events.c.seq.desc()).limit(1)
 
 
+#: A transaction that writes WAL (a new version of the one row of quiesce's own version table, its
+#: value unchanged) and commits synchronously whatever the server's default: committing it flushes
+#: the WAL past every earlier commit. (A transaction that only takes an xid writes no WAL record of
+#: its own before its commit record, and PostgreSQL then commits it asynchronously.)
+_FLUSH_WAL: Final = (
+    "WITH s AS (SELECT set_config('synchronous_commit', 'on', true))"
+    f" UPDATE {VERSION_TABLE} SET version_num = version_num FROM s"
+)
+
+
 class PostgresBackend(Backend):
     dialect = "postgresql"
 
@@ -249,9 +259,9 @@ class PostgresBackend(Backend):
                 try:
                     await writer.rollback()
                     if self._unsynced:
-                        # a transaction with an xid commits synchronously: the WAL is flushed
-                        # past every earlier write-behind commit before this returns
-                        await writer.execute(text("SELECT txid_current()"))
+                        # a commit that wrote WAL, made synchronously: the WAL is flushed past
+                        # every earlier write-behind commit before this returns
+                        await writer.execute(text(_FLUSH_WAL))
                         await writer.commit()
                         self._unsynced = False
                     await writer.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": WRITER_LOCK_KEY})
@@ -428,18 +438,16 @@ class PostgresBackend(Backend):
             raise self._error("ending the previous writer's session", error) from None
 
     async def sync(self) -> None:
-        # on a pooled session, not the writer's: appends go on meanwhile. A transaction with an
-        # xid commits synchronously (set here: whatever the server's default), and WAL is flushed
-        # in order: every earlier write-behind commit is on disk once it has committed
+        # on a pooled session, not the writer's: appends go on meanwhile. A transaction that
+        # wrote WAL commits synchronously (set here: whatever the server's default), and WAL is
+        # flushed in order: every earlier write-behind commit is on disk once it has committed
         if not self._unsynced:
             return
         self._unsynced = False
         try:
             with anyio.CancelScope(shield=True):
                 async with self._engine.begin() as conn:
-                    await conn.execute(
-                        text("SELECT set_config('synchronous_commit', 'on', true), txid_current()")
-                    )
+                    await conn.execute(text(_FLUSH_WAL))
         except (DBAPIError, OSError) as error:
             self._unsynced = True
             raise LedgerError(
