@@ -1134,9 +1134,24 @@ class Coordinator:
 
     # -- history -------------------------------------------------------------------------------
 
-    async def history(self) -> list[AttemptRow]:
-        """The `attempts` projection, oldest first."""
-        return await self._ctx.ledger.attempts()
+    async def history(
+        self, *, limit: int = 0, before: str | None = None, outcome: str | None = None
+    ) -> list[AttemptRow]:
+        """The `attempts` projection, oldest first: with `outcome` (`open`: no terminal event yet)
+        only those, with `before` only the attempts started before attempt `before`, and with
+        `limit` > 0 only the newest `limit` of them — reading that many rows, so
+        `history(limit=N, before=<the oldest id of a page>)` is the page before it. An unknown
+        `before` raises `QuiesceError`."""
+        ledger = self._ctx.ledger
+        anchor: tuple[str, str] | None = None
+        if before is not None:
+            row = await ledger.attempt(before)
+            if row is None:
+                raise QuiesceError(
+                    f"no attempt {before!r} in the ledger to page back from; history() lists them"
+                )
+            anchor = (row.started_at, row.checkpoint_id)
+        return await ledger.attempts(outcome=outcome, limit=limit, before=anchor)
 
 
 def _chained(first: AfterAppend | None, second: AfterAppend | None) -> AfterAppend | None:

@@ -110,6 +110,31 @@ def test_history_usage_errors(ledger_url: str, capsys: pytest.CaptureFixture[str
     assert caught.value.code == 2
 
 
+def test_history_pages_back_with_before(ledger_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--limit N --before <oldest id shown>` is the page before; a full table page says how to get it."""
+    anyio.run(_write, ledger_url)
+
+    def ids(*argv: str) -> list[object]:
+        return [r["checkpoint_id"] for r in _rows(capsys, "--ledger", ledger_url, *argv)]
+
+    assert ids("--limit", "2") == ["ck-bad", "ck-open"]
+    assert ids("--limit", "2", "--before", "ck-bad") == ["ck-ok"]
+    assert ids("--before", "ck-open") == ["ck-ok", "ck-bad"]
+    assert ids("--before", "ck-ok") == []
+    assert ids("--before", "ck-open", "--outcome", "aborted") == ["ck-bad"]
+
+    capsys.readouterr()
+    assert main(["history", "--ledger", ledger_url, "--limit", "2"]) == 0
+    assert "add --before ck-bad for the page before these" in capsys.readouterr().out
+    assert main(["history", "--ledger", ledger_url, "--limit", "5"]) == 0
+    assert "--before" not in capsys.readouterr().out  # not a full page: nothing older
+
+    assert main(["history", "--ledger", ledger_url, "--before", "ck-nope", "--json"]) == 2
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["code"] == "usage"
+    assert "--before ck-nope: no attempt with that id" in error["message"]
+
+
 def test_parse_since() -> None:
     now = datetime(2025, 1, 2, 12, 0, tzinfo=UTC)
     assert parse_since("2h", now) == now - timedelta(hours=2)

@@ -9,7 +9,7 @@ import anyio
 import httpx
 import pytest
 
-from quiesce.coordinator import Coordinator, PhaseError, read_latest
+from quiesce.coordinator import Coordinator, PhaseError, QuiesceError, read_latest
 from quiesce.coordinator.protocol import ROLLOUT_ID_HEADER
 from tests.coordinator.helpers import (
     assert_all_accepting,
@@ -114,6 +114,13 @@ async def test_step_wise_abort(cluster: Any, sqlite_url: str, configure: Any) ->
         assert read_latest(config.snapshots) == again.snapshot
         rows = await coord.history()
         assert [r.outcome for r in rows] == ["aborted", "published"]
+        # paged: the newest one, then the page before it; unknown anchors are refused
+        assert await coord.history(limit=1) == rows[1:]
+        assert await coord.history(limit=1, before=rows[1].checkpoint_id) == rows[:1]
+        assert await coord.history(before=rows[0].checkpoint_id) == []
+        assert await coord.history(outcome="published") == rows[1:]
+        with pytest.raises(QuiesceError, match="no attempt 'q-none' in the ledger"):
+            await coord.history(before="q-none")
     await assert_protocol_ok(sqlite_url)
 
 

@@ -25,7 +25,7 @@ from quiesce.coordinator import Attempt, Discovery, Outcome, read_history
 from quiesce.ledger import AttemptRow
 from quiesce.tools.gymsim.cluster import RunningCluster
 from quiesce.tools.serve.client import RemoteCoordinator
-from quiesce.tools.serve.errors import Busy, Unauthorized
+from quiesce.tools.serve.errors import Busy, NotFound, Unauthorized
 from tests.coordinator.helpers import assert_all_accepting
 from tests.serve.conftest import ServiceProcess, wait_ready
 from tests.test_readme import README, embedded_api_example
@@ -76,6 +76,14 @@ async def test_same_shapes_as_the_embedded_api(
         assert isinstance(resumed, Outcome)
         assert resumed.checkpoint_id == restored.checkpoint_id
         history = await coord.history()
+        page = await coord.history(limit=2)
+        older = await coord.history(limit=2, before=page[0].checkpoint_id)
+        aborts = await coord.history(outcome="aborted", before=page[-1].checkpoint_id)
+        with pytest.raises(NotFound, match="no attempt 'q-none' in the ledger"):
+            await coord.history(before="q-none")
+    assert len(history) >= 4
+    assert (page, older) == (history[-2:], history[-4:-2])
+    assert [r.checkpoint_id for r in aborts] == [doomed.checkpoint_id, waiting]
     async with httpx.AsyncClient(trust_env=False) as http:
         await assert_all_accepting(http, cluster)
     assert all(isinstance(r, AttemptRow) for r in history)

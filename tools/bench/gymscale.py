@@ -271,6 +271,9 @@ async def run_gymscale(
             for mode in MODES:
                 for client in clients.values():
                     client.use(mode)
+                if mode == "reuse":  # an untimed pair: the pools hold a live connection to every server
+                    for side in SIDES:
+                        await actions[side]()
                 for index in range(cycles):
                     settle_s = SETTLE_S + rng.random() * MODEL_LATENCY_S
                     order = SIDES if (index + (first == "gym")) % 2 == 0 else SIDES[::-1]

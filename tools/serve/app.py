@@ -485,11 +485,23 @@ def build_app(service: Service, *, api_token: str | None, hosts: ServedHosts | N
     async def attempts(
         limit: Annotated[int, Query(ge=0, description="only the N most recent (0: all)")] = 0,
         outcome: Annotated[str | None, Query(description="an outcome, or `open`")] = None,
+        before: Annotated[
+            str | None, Query(description="only attempts started before this one (the next page back)")
+        ] = None,
     ) -> list[HistoryRow]:
-        """The `attempts` projection, oldest first (what `history()` returns)."""
+        """The `attempts` projection, oldest first (what `history()` returns); `limit` with
+        `before` = the oldest id of a page gives the page before it."""
         reader = service.require_reader()
+        anchor: tuple[str, str] | None = None
+        if before is not None:
+            row = await reader.attempt(before)
+            if row is None:
+                raise NotFound(
+                    f"no attempt {before!r} in the ledger to page back from; GET /v1/attempts lists them"
+                )
+            anchor = (row.started_at, row.checkpoint_id)
         # `open` selects attempts without a terminal event; `limit` reads that many index rows
-        rows = await reader.attempts(outcome=outcome, limit=limit)
+        rows = await reader.attempts(outcome=outcome, limit=limit, before=anchor)
         return [HistoryRow.of(r) for r in rows]
 
     async def resolved(reader: Ledger, checkpoint_id: str) -> str:

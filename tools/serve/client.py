@@ -48,6 +48,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Self
+from urllib.parse import urlencode
 
 import anyio
 import httpx
@@ -280,9 +281,14 @@ class RemoteCoordinator:
         reply = AcknowledgeReply.model_validate(await self._request("POST", "/v1/acknowledge", json=body))
         return [(rollout, index) for rollout, index in reply.acknowledged]
 
-    async def history(self) -> list[AttemptRow]:
-        """The `attempts` projection, oldest first."""
-        rows = await self._request("GET", "/v1/attempts")
+    async def history(
+        self, *, limit: int = 0, before: str | None = None, outcome: str | None = None
+    ) -> list[AttemptRow]:
+        """The `attempts` projection, oldest first, as `Coordinator.history` pages it; an unknown
+        `before` raises `NotFound`."""
+        query = {"limit": limit, "before": before, "outcome": outcome}
+        params = urlencode({k: v for k, v in query.items() if v})
+        rows = await self._request("GET", "/v1/attempts" + (f"?{params}" if params else ""))
         return [HistoryRow.model_validate(r).row() for r in rows]
 
     # -- reading --------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""`quiesce history --ledger URL|FILE | --config C [--since T] [--outcome O] [--limit N] [-o FORMAT]`.
+"""`quiesce history --ledger URL|FILE | --config C [--since T] [--outcome O] [--limit N] [--before ID]
+[-o FORMAT]`.
 
 One row per attempt, oldest first — the order `quiesce report` lists them in —, read from the
 `attempts` projection, so it stays fast on large ledgers: id, kind, outcome, snapshot, started,
@@ -14,7 +15,10 @@ imports).
 Read-only: opens the ledger without taking an epoch, so it never fences a running coordinator.
 `--since` takes a UTC time (`2025-01-02`, `2025-01-02T03:04:05Z`) or an age (`90s`, `30m`, `2h`,
 `7d`); `--outcome` one of published, restored, resumed, aborted, abandoned, or `open` (no terminal
-event yet). `--json` (`-o json`) prints a list of `{"checkpoint_id", "kind", "state", "outcome",
+event yet). Paging: `--limit N` shows the N most recent and reads only those rows; `--before ID`
+shows only the attempts started before attempt ID, so `--limit N --before <the oldest id shown>`
+is the next page back, as cheap as the first (a table says so under a full page). `--json`
+(`-o json`) prints a list of `{"checkpoint_id", "kind", "state", "outcome",
 "snapshot", "started_at", "ended_at", "duration_s", "participants", "epoch", "calls", "failures",
 "recovered_by"}`; `-o jsonl` one such object per line; `-o wide` adds the state, end and epoch
 columns. The checkpoint and snapshot ids are never cut: the other columns wrap. As a table (no
@@ -38,7 +42,7 @@ import anyio
 from quiesce.ledger import AttemptRow, Ledger
 from quiesce.tools.audit.source import open_readonly
 from quiesce.tools.audit.timefmt import duration, short_at
-from quiesce.tools.cli.flags import add_ledger, add_output
+from quiesce.tools.cli.flags import UsageError, add_ledger, add_output
 
 OUTCOMES: Final = ("published", "restored", "resumed", "aborted", "abandoned", "open")
 #: Outcomes the projection cannot filter on: a restore's row says `restored` even once resumed.
@@ -81,7 +85,16 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--limit", metavar="N", type=_not_negative, default=0, help="only the N most recent (0: all)"
     )
+    parser.add_argument(
+        "--before",
+        metavar="ID",
+        help="only attempts started before attempt ID (the next page back: the oldest id a page shows)",
+    )
     parser.set_defaults(handler=handle)
+
+
+class UnknownAttempt(Exception):
+    """`--before` names an attempt the ledger does not hold."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,19 +124,28 @@ async def entry(ledger: Ledger, row: AttemptRow) -> Entry:
 RESTORE_PAGE: Final = 256
 
 
-async def read_entries(url: str, since: datetime | None, outcome: str | None, limit: int = 0) -> list[Entry]:
-    """The attempts to show, oldest first: `outcome` (`open`: no terminal event yet) and the `limit`
-    most recent (0: all) applied.
+async def read_entries(
+    url: str, since: datetime | None, outcome: str | None, limit: int = 0, before_id: str | None = None
+) -> list[Entry]:
+    """The attempts to show, oldest first: `outcome` (`open`: no terminal event yet), only those
+    started before attempt `before_id` (in start order; `UnknownAttempt` if the ledger has no
+    such attempt), and the `limit` most recent (0: all) applied.
 
-    With `limit`, the database reads that many rows from the end of its start-order index, not
-    the whole history. A restore's outcome now (`restored`, or `resumed` since) is read from its
-    events, so those two page back from the newest restores until `limit` of them match."""
+    With `limit`, the database reads that many rows from the end of its start-order index (from
+    `before_id` back), not the whole history. A restore's outcome now (`restored`, or `resumed`
+    since) is read from its events, so those two page back from the newest restores until `limit`
+    of them match."""
     async with open_readonly(url) as ledger:
+        before: tuple[str, str] | None = None
+        if before_id is not None:
+            anchor = await ledger.attempt(before_id)
+            if anchor is None:
+                raise UnknownAttempt(before_id)
+            before = (anchor.started_at, anchor.checkpoint_id)
         if outcome not in _RESTORE_OUTCOMES:
-            rows = await ledger.attempts(since=since, outcome=outcome, limit=limit)
+            rows = await ledger.attempts(since=since, outcome=outcome, limit=limit, before=before)
             return [await entry(ledger, row) for row in rows]
         found: list[Entry] = []
-        before: tuple[str, str] | None = None
         while True:
             rows = await ledger.attempts(
                 since=since, outcome=_RESTORE_OUTCOMES, limit=RESTORE_PAGE if limit else 0, before=before
@@ -296,7 +318,15 @@ def print_operations(args: argparse.Namespace) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    rows = anyio.run(read_entries, args.ledger, args.since, args.outcome, args.limit)
+    try:
+        rows = anyio.run(read_entries, args.ledger, args.since, args.outcome, args.limit, args.before)
+    except UnknownAttempt as unknown:
+        from quiesce.tools.cli.safe_text import one_line
+
+        raise UsageError(
+            f"--before {one_line(str(unknown))}: no attempt with that id in the ledger; give a checkpoint id"
+            " that `quiesce history` lists"
+        ) from None
     if args.output in ("json", "jsonl"):
         emit_rows(rows, lines=args.output == "jsonl")
         return 0
@@ -312,5 +342,13 @@ def handle(args: argparse.Namespace) -> int:
             print_plain(rows, wide=wide)
         else:
             print_rich(rows, wide=wide)
+        if args.limit and len(rows) == args.limit:
+            from quiesce.tools.cli.output import console
+
+            console.print(
+                f"older attempts: add --before {rows[0].row.checkpoint_id} for the page before these",
+                markup=False,
+                highlight=False,
+            )
     print_operations(args)
     return 0
