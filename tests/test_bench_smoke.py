@@ -7,15 +7,19 @@ time — the figures of a quick run mean nothing (speed is measured, never asser
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from quiesce.tools.bench.__main__ import MEASURES, output_stem
 
 REPO = Path(__file__).resolve().parents[1]
 MEASURE_KEYS = {"id", "title", "goal", "status", "met", "value", "baseline", "reason", "runs", "metrics",
-                "rows", "notes", "settings"}  # fmt: skip
+                "rows", "notes", "settings", "load", "raw"}  # fmt: skip
+LOAD_KEYS = {"runs", "cores", "load1_max", "cpu_pressure", "foreign_cores", "own_cores", "loaded"}
 
 
 def test_quick_bench_runs_every_measure_and_writes_json_and_markdown(tmp_path: Path) -> None:
@@ -50,6 +54,13 @@ def test_quick_bench_runs_every_measure_and_writes_json_and_markdown(tmp_path: P
             for name, figure in measure["metrics"].items():
                 assert {"median", "min", "max", "n", "unit"} <= set(figure), name
                 assert figure["min"] <= figure["median"] <= figure["max"], name
+            # what else the machine did, recorded for every measure; loaded means not judged
+            assert set(measure["load"]) == LOAD_KEYS, measure["id"]
+            assert measure["load"]["foreign_cores"] >= 0
+            if measure["load"]["loaded"]:
+                assert measure["met"] is None
+                assert "NOT JUDGED" in measure["notes"][0]
+            assert all("load" in run and "target" in run for run in measure["raw"]), measure["id"]
     # DBOS is skipped with --quick unless a venv is given; the quiesce side still ran
     assert measures[2]["status"] == "unavailable"
     assert "quiesce_fsync_http_s" in measures[2]["metrics"]
@@ -62,6 +73,13 @@ def test_quick_bench_runs_every_measure_and_writes_json_and_markdown(tmp_path: P
     assert {"added_s", "added_cpu_s", "overhead"} <= set(measures[3]["metrics"])
     assert {"v2_added_s", "v2_added_cpu_s", "v2_overhead"} <= set(measures[3]["metrics"])  # both planes
     assert [row["plane"] for row in measures[3]["rows"]] == ["v1", "v2"]
+    # #3 is judged on the difference of medians, with the pooled bootstrap interval and raw samples
+    assert {"added_pooled_s", "v2_added_pooled_s", "paired_s"} <= set(measures[3]["metrics"])
+    assert len(measures[3]["raw"]) == 2  # one run per plane
+    for run in measures[3]["raw"]:
+        real, null = run["samples"]["real"]["wall_s"], run["samples"]["null"]["wall_s"]
+        assert len(real) == len(null) == 2  # --quick: two cycles per side
+        assert run["added_s"] == pytest.approx(statistics.median(real) - statistics.median(null))
     # v2 save by quiesce vs Gym's own coordination: both modes, and the same control calls on both sides
     assert {"reuse_ratio_8", "fresh_ratio_8", "reuse_gym_s_8", "fresh_quiesce_s_8"} <= set(
         measures[11]["metrics"]

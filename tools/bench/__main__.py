@@ -30,7 +30,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from quiesce.tools.bench import harness
 from quiesce.tools.bench.harness import REPO_ROOT, Context, Result, child_env, commit, machine
+from quiesce.tools.bench.load import LOADED_SHARE, Load, LoadWatch, merged
 from quiesce.tools.bench.report import render_markdown
 
 #: measure number → (module, title); every module has ``measure(ctx) -> Result``.
@@ -106,6 +108,29 @@ def compile_bytecode(prefix: Path) -> str:
     return f"compiled once, before the measures, into {prefix.name}/ (PYTHONPYCACHEPREFIX)"
 
 
+def judge_load(result: Result, runs: list[dict[str, Any]], whole: Load) -> None:
+    """Attach ``runs`` (the measure's raw child runs) and the load they ran under to ``result``;
+    a measure any of whose runs was loaded (``Load.loaded``: other processes took more than
+    ``LOADED_SHARE`` of the cores) is not judged — ``met`` becomes None, and a note says why and
+    what the verdict would have been. A measure without child runs is judged by ``whole``."""
+    result.raw = runs
+    loads = [run["load"] for run in runs if "load" in run] or [whole.to_json()]
+    result.load = merged(loads)
+    loaded = [i + 1 for i, load in enumerate(loads) if load.get("loaded")]
+    if not loaded:
+        return
+    worst = max(float(load["foreign_cores"]) for load in loads if load.get("loaded"))
+    would = {True: "met", False: "missed", None: "not judged"}[result.met]
+    result.notes.insert(
+        0,
+        f"NOT JUDGED: the machine was loaded — other processes took up to {worst:.2f} of its"
+        f" {loads[0]['cores']} cores during run(s) {', '.join(map(str, loaded))} (more than"
+        f" {LOADED_SHARE:.0%} of the cores; tools/bench/load.py), so these figures claim no goal"
+        f" (the goal would read: {would}). Rerun on a quiet machine",
+    )
+    result.met = None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m quiesce.tools.bench", description=__doc__.split("\n\n")[0]
@@ -165,13 +190,18 @@ def main(argv: list[str] | None = None) -> int:
             module_name, title = MEASURES[number]
             ctx.log(f"measure {number}: {title}")
             begun = time.perf_counter()
+            harness.RUNS.clear()
             try:
-                module = importlib.import_module(f"quiesce.tools.bench.{module_name}")
-                result: Result = module.measure(ctx)
+                with LoadWatch() as watch:
+                    module = importlib.import_module(f"quiesce.tools.bench.{module_name}")
+                    result: Result = module.measure(ctx)
             except Exception as error:
                 failed = True
                 ctx.log(traceback.format_exc())
                 result = Result(number, title, "", status="error", reason=f"{type(error).__name__}: {error}")
+            else:
+                assert watch.load is not None
+                judge_load(result, list(harness.RUNS), watch.load)
             results.append(result)
             verdict = {True: "met", False: "MISSED", None: result.status}[result.met]
             ctx.log(f"measure {number}: {result.value or result.reason} -> {verdict}"

@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from quiesce.tools.bench.cycle import SPEC, cluster, start_rollouts
+from quiesce.tools.bench.cycle import SPEC, cluster, interval_text, pooled_difference, start_rollouts
 from quiesce.tools.bench.harness import Context, Result, run_child, stats_of
 
 CYCLES = 60
@@ -64,6 +64,9 @@ def measure(ctx: Context) -> Result:
             result.metric(f"{name}_added_s", added, "s")
             result.metric(f"{name}_overhead", overhead, "fraction")
             row["adds over the null ledger"] = f"{overhead.fmt(100, 1, '%')} = {added.fmt(1e3, 1, 'ms')}"
+            pooled = pooled_difference(runs, side)
+            result.metric(f"{name}_added_pooled_s", pooled, "s (median difference [95% bootstrap interval])")
+            row["runs pooled: 95% bootstrap interval"] = interval_text(pooled)
         rows.append(row)
     full, process = stats_of(runs, "real_s"), stats_of(runs, "lazy_s")
     full_added, process_added = stats_of(runs, "real_added_s"), stats_of(runs, "lazy_added_s")

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quiesce.tools.bench.load import LoadWatch
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -63,11 +65,32 @@ def stats_of(runs: Sequence[dict[str, Any]], key: str) -> Stats:
     return Stats.of([float(run[key]) for run in runs])
 
 
+def bootstrap_difference(
+    a: Sequence[float], b: Sequence[float], *, resamples: int = 2000, level: float = 0.95, seed: int = 3
+) -> tuple[float, float]:
+    """The ``level`` bootstrap interval (percentile method) of ``median(a) - median(b)``: ``a`` and
+    ``b`` resampled with replacement, each on its own, ``resamples`` times (a fixed ``seed``, so
+    the same samples give the same interval)."""
+    import random
+
+    rng = random.Random(seed)
+    median = statistics.median
+    differences = sorted(
+        median(rng.choices(a, k=len(a))) - median(rng.choices(b, k=len(b))) for _ in range(resamples)
+    )
+    cut = (1 - level) / 2
+    return differences[int(cut * resamples)], differences[min(resamples - 1, int((1 - cut) * resamples))]
+
+
 def child_env() -> dict[str, str]:
     """The environment of a child: this one, with the repository on ``PYTHONPATH``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     return env
+
+
+#: Every run ``run_child`` made since ``__main__`` last cleared it: the raw results it publishes.
+RUNS: list[dict[str, Any]] = []
 
 
 def run_child(
@@ -79,8 +102,12 @@ def run_child(
     (the child's VmHWM) and ``wall_s`` (the child's whole lifetime, seen from here). With
     ``tree_rss`` also ``tree_peak_rss_mb``: the largest summed RSS of the child and every process
     it started, sampled from here (``TreeRss``), and ``tree_processes``, the most seen at once.
+    Every result also carries ``load`` (``LoadWatch``: what else the machine did meanwhile) and
+    is kept in ``RUNS``, which ``__main__`` publishes with the measure (its raw runs).
     """
     started = time.perf_counter()
+    watch = LoadWatch()
+    watch.__enter__()
     process = subprocess.Popen(
         [sys.executable, "-m", "quiesce.tools.bench.child", target, json.dumps(params)],
         cwd=str(REPO_ROOT),
@@ -103,6 +130,7 @@ def run_child(
     finally:
         if sampler is not None:
             sampler.__exit__()
+        watch.__exit__(None, None, None)
     if process.returncode != 0:
         tail = "\n".join((stderr or stdout).strip().splitlines()[-15:])
         raise BenchError(f"{target} exited with {process.returncode}:\n{tail}")
@@ -114,6 +142,9 @@ def run_child(
     if sampler is not None:
         result["tree_peak_rss_mb"] = sampler.peak_mb
         result["tree_processes"] = sampler.most_processes
+    assert watch.load is not None
+    result["load"] = watch.load.to_json()
+    RUNS.append({"target": target, **result})
     return result
 
 
@@ -192,6 +223,11 @@ class Result:
     #: Each side of the comparison and its settings (durability, transport, order, ...): one dict
     #: per side, with a ``side`` key; ``latest.md`` prints them so a reader can rerun either side.
     settings: list[dict[str, str]] = field(default_factory=list)
+    #: What else the machine did during the measure (``load.merged`` of its runs, or of the
+    #: whole measure when it made no child run); set by ``__main__``.
+    load: dict[str, Any] | None = None
+    #: Every run's raw result (``RUNS``): the samples behind each figure, for re-analysis.
+    raw: list[dict[str, Any]] = field(default_factory=list)
 
     def side(self, side: str, **settings: str) -> None:
         """Record one side of the comparison and the settings it ran with."""
@@ -215,6 +251,8 @@ class Result:
             "rows": self.rows,
             "notes": self.notes,
             "settings": self.settings,
+            "load": self.load,
+            "raw": self.raw,
         }
 
 

@@ -11,11 +11,12 @@ def _cell(text: Any) -> str:
 
 
 def verdict(measure: dict[str, Any]) -> str:
-    """``met``, ``**missed**``, or the status of a measure that did not run (``unavailable``, ``error``)."""
+    """``met``, ``**missed**``, ``not judged`` (``**not judged: loaded**`` when the machine was
+    loaded during it), or the status of a measure that did not run (``unavailable``, ``error``)."""
     if measure["status"] != "ok":
         return str(measure["status"])
     if measure["met"] is None:
-        return "not judged"
+        return "**not judged: loaded**" if (measure.get("load") or {}).get("loaded") else "not judged"
     return "met" if measure["met"] else "**missed**"
 
 
@@ -51,6 +52,22 @@ def source_line(measure: dict[str, Any]) -> str | None:
         + (f", CPU: {source['cpu']}" if source.get("cpu") else "")
         + (f", load average at start {', '.join(f'{x:.2f}' for x in load)}" if load else "")
         + ")"
+    )
+
+
+def load_text(load: dict[str, Any]) -> str:
+    """``load.merged`` JSON in words: the worst of each figure over the measure's runs."""
+    parts = []
+    if load.get("foreign_cores") is not None:
+        parts.append(f"other processes took up to {load['foreign_cores']:.2f} of {load['cores']} cores")
+    if load.get("own_cores") is not None:
+        parts.append(f"the bench's own processes up to {load['own_cores']:.2f} cores")
+    if load.get("load1_max") is not None:
+        parts.append(f"load average up to {load['load1_max']:.2f} (the bench's own processes count in it)")
+    if load.get("cpu_pressure") is not None:
+        parts.append(f"some task waited for a CPU up to {load['cpu_pressure'] * 100:.0f}% of a run")
+    return (", ".join(parts) or "not recorded on this platform") + (
+        " — LOADED: not judged" if load.get("loaded") else ""
     )
 
 
@@ -114,6 +131,8 @@ def render_markdown(document: dict[str, Any]) -> str:
                 lines.append("| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |")
             lines.append("")
         lines += [f"- {_cell(note)}" for note in r["notes"]]
+        if (load := r.get("load")) is not None:
+            lines.append(f"- the machine during this measure: {_cell(load_text(load))}")
     load = m.get("load_avg_at_start")
     lines += [
         "",
