@@ -1143,14 +1143,9 @@ class Coordinator:
         `history(limit=N, before=<the oldest id of a page>)` is the page before it. An unknown
         `before` raises `QuiesceError`."""
         ledger = self._ctx.ledger
-        anchor: tuple[str, str] | None = None
-        if before is not None:
-            row = await ledger.attempt(before)
-            if row is None:
-                raise QuiesceError(
-                    f"no attempt {before!r} in the ledger to page back from; history() lists them"
-                )
-            anchor = (row.started_at, row.checkpoint_id)
+        anchor = None if before is None else await ledger.start_key(before)
+        if before is not None and anchor is None:
+            raise QuiesceError(f"no attempt {before!r} in the ledger to page back from; history() lists them")
         return await ledger.attempts(outcome=outcome, limit=limit, before=anchor)
 
 

@@ -286,6 +286,9 @@ class HttpClient:
     Use from one event loop. `aclose` closes every connection (idle or in use).
     """
 
+    #: How long an idle pooled connection may be reused; None: `IDLE_REUSE_S` (a subclass may set it).
+    idle_reuse_s: float | None = None
+
     def __init__(self) -> None:
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._all: set[_Connection] = set()
@@ -317,9 +320,10 @@ class HttpClient:
 
     def _take_idle(self, key: tuple[str, str, int], now: float) -> _Connection | None:
         idle = self._idle.get(key)
+        limit = IDLE_REUSE_S if self.idle_reuse_s is None else self.idle_reuse_s
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since <= IDLE_REUSE_S:
+            if not conn.closed and now - conn.idle_since <= limit:
                 return conn
             conn.close()
             self._all.discard(conn)

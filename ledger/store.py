@@ -1043,6 +1043,12 @@ class Ledger:
         await self._flush_staged()
         return await self._backend.attempt(checkpoint_id)
 
+    async def start_key(self, checkpoint_id: str) -> tuple[str, str] | None:
+        """Attempt ``checkpoint_id``'s place in ``attempts``' order, ``(started_at, checkpoint_id)``:
+        the ``before`` of the page before it; ``None`` when the ledger has no such attempt."""
+        row = await self.attempt(checkpoint_id)
+        return None if row is None else (row.started_at, row.checkpoint_id)
+
     async def unfinished_attempts(self) -> list[AttemptRow]:
         """The attempts without a terminal event (``outcome`` is None), oldest ``last_seq`` first.
 

@@ -82,6 +82,8 @@ class ModeClient(HttpClient):
     saves; ``connects`` counts the connections it opened, so a run shows what each mode did.
     Bench-only: it replaces the pool lookup, a private step of ``HttpClient``."""
 
+    idle_reuse_s = REUSE_IDLE_S
+
     def __init__(self, mode: str = "fresh") -> None:
         super().__init__()
         self.fresh = mode == "fresh"
@@ -106,14 +108,7 @@ class ModeClient(HttpClient):
 
     def _take_idle(self, key: tuple[str, str, int], now: float) -> _Connection | None:
         if not self.fresh:
-            idle = self._idle.get(key)
-            while idle:
-                conn = idle.pop()
-                if not conn.closed and now - conn.idle_since <= REUSE_IDLE_S:
-                    return conn
-                conn.close()
-                self._all.discard(conn)
-            return None
+            return super()._take_idle(key, now)
         for conn in self._idle.pop(key, []):
             conn.close()
             self._all.discard(conn)

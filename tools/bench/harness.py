@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quiesce.tools.bench.load import LoadWatch
+from quiesce.tools.bench.load import LoadWatch, tree_pids
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -371,30 +371,6 @@ def process_cpu_s(pid: int) -> float:
         # the command name (field 2) may hold spaces: split after its closing parenthesis
         fields = stat.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _parents() -> dict[int, int]:
-    out: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as stat:
-                out[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
-
-
-def tree_pids(root: int) -> list[int]:
-    """``root`` and every live descendant of it."""
-    parents = _parents()
-    found = [root]
-    index = 0
-    while index < len(found):
-        found += [pid for pid, parent in parents.items() if parent == found[index]]
-        index += 1
-    return found
 
 
 def rss_mb(pid: int) -> float:

@@ -68,6 +68,13 @@ REPLIED: dict[str, Any] = {
 }
 
 
+async def recorded_call(ledger: Ledger, call_id: str) -> None:
+    """One recorded call as the coordinator writes it: ``call.sent`` then ``call.replied`` (``SENT``,
+    ``REPLIED``), each a durable append of its own."""
+    for kind, data in (("call.sent", SENT), ("call.replied", REPLIED)):
+        await ledger.append(kind, checkpoint_id="ckpt-e1-0001", server="agent", call_id=call_id, data=data)
+
+
 class _Raw:
     """Raw ``sqlite3`` commits of events-like rows, each on its own database: the floor an append is
     compared with. ``full``: WAL with ``synchronous=FULL`` (SQLite syncs the WAL at every COMMIT);
@@ -205,16 +212,7 @@ async def _measure(folder: Path, n: int) -> dict[str, Any]:
                 )
 
             async def pair(i: int) -> None:
-                await ledger.append(
-                    "call.sent", checkpoint_id="ckpt-e1-0001", server="agent", call_id=f"p{i}", data=SENT
-                )
-                await ledger.append(
-                    "call.replied",
-                    checkpoint_id="ckpt-e1-0001",
-                    server="agent",
-                    call_id=f"p{i}",
-                    data=REPLIED,
-                )
+                await recorded_call(ledger, f"p{i}")
 
             steps = {"raw": raw_pair, "raw_normal": raw_normal_pair, "single": single, "pair": pair}
             commits = {"raw": 2, "raw_normal": 2, "single": 1, "pair": 2}  # per iteration

@@ -72,31 +72,39 @@ def machine_busy_s() -> float | None:
     return (user + nice + system + irq + softirq + steal) / _clock_tick()
 
 
-def _stat_fields(pid: int) -> tuple[int, list[str]] | None:
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None if gone."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
             # the command name (field 2) may hold spaces: split after its closing parenthesis
-            rest = stat.read().rsplit(")", 1)[1].split()
+            return stat.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return int(rest[1]), rest
+
+
+def tree_pids(root: int) -> list[int]:
+    """``root`` and every live descendant of it."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat_fields(int(entry))) is not None:
+            try:
+                parents[int(entry)] = int(fields[1])
+            except (ValueError, IndexError):
+                continue
+    found, index = [root], 0
+    while index < len(found):
+        found += [pid for pid, parent in parents.items() if parent == found[index]]
+        index += 1
+    return found
 
 
 def tree_cpu_s(root: int) -> float:
     """User + system CPU seconds of ``root`` and every descendant alive now, each with the time of
     the children it has reaped (``cutime`` + ``cstime``): the tree's CPU, gone members included."""
-    stats: dict[int, tuple[int, list[str]]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (found := _stat_fields(int(entry))) is not None:
-            stats[int(entry)] = found
-    members, index = [root], 0
-    while index < len(members):
-        members += [pid for pid, (parent, _) in stats.items() if parent == members[index]]
-        index += 1
     ticks = 0
-    for pid in members:
-        if pid in stats:
-            fields = stats[pid][1]
+    for pid in tree_pids(root):
+        fields = _stat_fields(pid)
+        if fields is not None:
             ticks += sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime
     return ticks / _clock_tick()
 

@@ -36,7 +36,7 @@ from quiesce.ledger import LeaseTerms, Ledger
 from quiesce.ledger.layout import MARKER_WHERE_POSTGRESQL
 from quiesce.tools.bench.cycle import SPEC, cluster, interval_text, pooled_difference, start_rollouts
 from quiesce.tools.bench.harness import Context, Result, run_child, stats_of
-from quiesce.tools.bench.ledger import REPLIED, SENT
+from quiesce.tools.bench.ledger import REPLIED, SENT, recorded_call
 from quiesce.tools.pgtemp import PostgresUnavailable, TempPostgres
 
 _RAW_DDL = (
@@ -97,16 +97,7 @@ async def run_calls(url: str, n: int) -> dict[str, Any]:
                     )
 
             async def pair(i: int) -> None:
-                await ledger.append(
-                    "call.sent", checkpoint_id="ckpt-e1-0001", server="agent", call_id=f"p{i}", data=SENT
-                )
-                await ledger.append(
-                    "call.replied",
-                    checkpoint_id="ckpt-e1-0001",
-                    server="agent",
-                    call_id=f"p{i}",
-                    data=REPLIED,
-                )
+                await recorded_call(ledger, f"p{i}")
 
             async def renew(i: int) -> None:
                 if not await ledger.renew_lease():

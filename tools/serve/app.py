@@ -492,14 +492,11 @@ def build_app(service: Service, *, api_token: str | None, hosts: ServedHosts | N
         """The `attempts` projection, oldest first (what `history()` returns); `limit` with
         `before` = the oldest id of a page gives the page before it."""
         reader = service.require_reader()
-        anchor: tuple[str, str] | None = None
-        if before is not None:
-            row = await reader.attempt(before)
-            if row is None:
-                raise NotFound(
-                    f"no attempt {before!r} in the ledger to page back from; GET /v1/attempts lists them"
-                )
-            anchor = (row.started_at, row.checkpoint_id)
+        anchor = None if before is None else await reader.start_key(before)
+        if before is not None and anchor is None:
+            raise NotFound(
+                f"no attempt {before!r} in the ledger to page back from; GET /v1/attempts lists them"
+            )
         # `open` selects attempts without a terminal event; `limit` reads that many index rows
         rows = await reader.attempts(outcome=outcome, limit=limit, before=anchor)
         return [HistoryRow.of(r) for r in rows]

@@ -136,12 +136,9 @@ async def read_entries(
     since) is read from its events, so those two page back from the newest restores until `limit`
     of them match."""
     async with open_readonly(url) as ledger:
-        before: tuple[str, str] | None = None
-        if before_id is not None:
-            anchor = await ledger.attempt(before_id)
-            if anchor is None:
-                raise UnknownAttempt(before_id)
-            before = (anchor.started_at, anchor.checkpoint_id)
+        before = None if before_id is None else await ledger.start_key(before_id)
+        if before_id is not None and before is None:
+            raise UnknownAttempt(before_id)
         if outcome not in _RESTORE_OUTCOMES:
             rows = await ledger.attempts(since=since, outcome=outcome, limit=limit, before=before)
             return [await entry(ledger, row) for row in rows]
@@ -344,9 +341,11 @@ def handle(args: argparse.Namespace) -> int:
             print_rich(rows, wide=wide)
         if args.limit and len(rows) == args.limit:
             from quiesce.tools.cli.output import console
+            from quiesce.tools.cli.safe_text import one_line
 
             console.print(
-                f"older attempts: add --before {rows[0].row.checkpoint_id} for the page before these",
+                f"older attempts: add --before {one_line(rows[0].row.checkpoint_id)}"
+                " for the page before these",
                 markup=False,
                 highlight=False,
             )
