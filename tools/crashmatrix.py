@@ -188,10 +188,13 @@ def quiesce(
 class ForkedCluster:
     """A reference Gym cluster served by a forked child (sockets bound here, so URLs are known)."""
 
-    def __init__(self, spec: ClusterSpec, token: str, *, probe: str = CAPABILITIES_PATH) -> None:
+    def __init__(
+        self, spec: ClusterSpec, token: str, *, probe: str = CAPABILITIES_PATH, log: Path | None = None
+    ) -> None:
         host = Host(spec, token=token)
         self.spec = spec
         self.urls = dict(host.urls)
+        self.log = log
         pid = os.fork()
         if pid == 0:
             import asyncio
@@ -200,7 +203,10 @@ class ForkedCluster:
             try:
                 devnull = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(devnull, 1)
-                os.dup2(devnull, 2)
+                if log is None:
+                    os.dup2(devnull, 2)
+                else:  # the servers' own errors (an unhandled exception's traceback), for a failed point
+                    os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
                 asyncio.run(host.serve())
             except BaseException:
                 code = 1
@@ -223,6 +229,12 @@ class ForkedCluster:
 
     def config(self, ledger: str, snapshots: Path, **overrides: Any) -> dict[str, Any]:
         return cluster_config(self.spec, self.urls, ledger_url=ledger, snapshots_dir=snapshots, **overrides)
+
+    def errors(self) -> str:
+        """The last lines the servers wrote to their log ('' without a log or when they wrote none)."""
+        if self.log is None or not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").strip().splitlines()[-12:])
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):

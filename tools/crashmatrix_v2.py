@@ -209,6 +209,8 @@ class MatrixV2(Matrix):
         self.spec = default_v2_spec()
         self._seen = 0
         self._published: list[tuple[Path, str]] = []
+        self._clusters = 0
+        self._live: list[ForkedCluster] = []
         made = quiesce(["db", "upgrade", "--ledger", ledger], self._workdir)  # the cycles read it first
         if made.code != 0:
             raise RuntimeError(f"the ledger could not be created: {made.stderr}")
@@ -216,14 +218,19 @@ class MatrixV2(Matrix):
     # -- the servers ----------------------------------------------------------------------------
 
     def cluster(self) -> ForkedCluster:
-        return ForkedCluster(self.spec, self.token, probe=PROBE)
+        self._clusters += 1
+        return ForkedCluster(
+            self.spec, self.token, probe=PROBE, log=self.folder / f"servers-{self._clusters % 4}.log"
+        )
 
     @contextlib.contextmanager
     def forked(self) -> Iterator[ForkedCluster]:
         cluster = self.cluster()
+        self._live.append(cluster)
         try:
             yield cluster
         finally:
+            self._live.remove(cluster)
             cluster.kill()
 
     def state(self, urls: dict[str, str]) -> dict[str, dict[str, Any]]:
@@ -282,6 +289,8 @@ class MatrixV2(Matrix):
         document = trainer.wait()
         if document["failures"]:
             point.problems.append(f"episodes failed: {document['failures']}")
+            logs = [cluster.errors() for cluster in self._live]
+            point.problems += [f"the servers logged:\n{text}" for text in logs if text]
         if document["results"] != expected_results(tasks):
             point.problems.append("episode results differ from the uninterrupted run")
 

@@ -155,3 +155,16 @@ async def test_spawned_v2_cluster_with_a_shared_port(tmp_path: Path) -> None:
             assert await asyncio.wait_for(trainer.wait_results(), 60) == expected_results(
                 {"r0": {"turns": 2}}
             )
+
+
+async def test_a_lost_peer_reply_is_a_502_naming_the_transport_error(gym: V2) -> None:
+    """A data-plane call whose peer drops the connection is answered with a JSON 502 that names
+    the peer, the route and the transport error — never a bare 500 without a reason."""
+    await gym.faults("policy_model", {"kind": "drop", "path": "/v1/responses", "times": 1})
+    trainer = gym.trainer()
+    await trainer.start(make_tasks(1, turns=2), paced=False)
+    await trainer.wait_done(["r0"])
+    status, body = trainer.failures["r0"]
+    assert status == 502, body
+    assert body["error"]["code"] == "bad_gateway"
+    assert body["error"]["detail"].startswith("policy_model/v1/responses: RemoteProtocolError"), body

@@ -134,13 +134,18 @@ class V2Server:
     async def call(
         self, peer: str, path: str, document: dict[str, Any], episode: EpisodeId
     ) -> httpx.Response:
-        """POST a data-plane call to a peer; a non-200 answer raises `DownstreamError`."""
-        reply = await self.ctx.http.get().post(
-            self.ctx.peer_url(peer) + path,
-            json=document,
-            headers={ROLLOUT_ID_HEADER: episode.rollout_id},
-            timeout=None,
-        )
+        """POST a data-plane call to a peer; a non-200 answer, or none (a transport error: 502 naming
+        it), raises `DownstreamError`."""
+        try:
+            reply = await self.ctx.http.get().post(
+                self.ctx.peer_url(peer) + path,
+                json=document,
+                headers={ROLLOUT_ID_HEADER: episode.rollout_id},
+                timeout=None,
+            )
+        except httpx.HTTPError as error:
+            detail = f"{peer}{path}: {type(error).__name__}: {error}"[:300]
+            raise DownstreamError(502, {"error": {"code": "bad_gateway", "detail": detail}}) from None
         if reply.status_code != 200:
             try:
                 body = reply.json()
