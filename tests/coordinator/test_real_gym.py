@@ -11,6 +11,7 @@ Gym that always returns the index; and the honest words of a rollback.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -278,16 +279,29 @@ async def test_a_retry_cut_short_by_the_deadline_still_names_the_unacknowledged_
     # The agent's first refusal says nothing readable (an injected 409); its status shows a finished
     # result nobody acknowledged and a rollout still running, so the prepare asks again — and that
     # retry hangs until the deadline ends the phase in the middle of it. The error is still the
-    # agent's last refusal, with the result its status named. The model's latency keeps the long
-    # rollout inside a call whenever the status is read, even on a loaded machine (a status read
-    # that found it between calls would show nothing running: then no retry could succeed, and the
-    # prepare would rightly fail at once).
-    with make_cluster(spec({"latency_s": 0.3})) as running:
+    # agent's last refusal, with the result its status named. The long rollout is held inside a
+    # model call (a hang on its next `/v1/responses`, fired before the save starts) until the end,
+    # so every status read finds it running, however slow the machine: a read that found it
+    # blocked by the paused model would show nothing running, and the prepare would rightly fail
+    # at once without a retry (it did, once, under CI load, when a model latency kept it there).
+    with make_cluster(spec({"latency_s": 0.05})) as running:
         agent = running.urls["simple_agent"]
+        model = running.urls["policy_model"]
         config = configure(running, ledger_url)
         async with httpx.AsyncClient(timeout=60) as http:
             await client.start_rollouts(http, agent, {"done": 1, "long": 100_000})
             await client.wait_until(http, agent, lambda rs: rs["done"]["status"] == "completed")
+            hang = {"kind": "hang", "path": "/v1/responses", "rollout_id": "long", "times": 1}
+            await set_faults(http, model, [hang])
+
+            async def held() -> bool:
+                faults = (await http.get(f"{model}/gymsim/admin/faults")).json()["faults"]
+                return bool(faults[0]["left"] == 0)
+
+            give_up = time.monotonic() + 60
+            while not await held():
+                assert time.monotonic() < give_up, "the long rollout never made its next model call"
+                await anyio.sleep(0.02)
             prepare = {"path": "/agent-checkpoint/prepare", "method": "POST"}
             await set_faults(
                 http,
@@ -307,7 +321,8 @@ async def test_a_retry_cut_short_by_the_deadline_still_names_the_unacknowledged_
                 await coord.discover()
                 with pytest.raises(PhaseError) as caught:
                     await coord.checkpoint(deadline_s=8)
-            await set_faults(http, agent, [])  # releases the hung request
+            await set_faults(http, agent, [])  # releases the hung prepare
+            await set_faults(http, model, [])  # and the long rollout's model call
             await assert_all_accepting(http, running)
         failed = caught.value
         assert (failed.phase, failed.server, failed.code) == (
