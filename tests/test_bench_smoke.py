@@ -40,7 +40,7 @@ def test_quick_bench_runs_every_measure_and_writes_json_and_markdown(tmp_path: P
     assert document["commit"]
     assert {"cpu", "cores", "ram_gb", "disk", "python", "sqlite"} <= set(document["machine"])
     measures = {m["id"]: m for m in document["measures"]}
-    assert sorted(measures) == sorted(MEASURES) == list(range(1, 12))
+    assert sorted(measures) == sorted(MEASURES) == list(range(1, 13))
     for measure in measures.values():
         assert set(measure) == MEASURE_KEYS, measure["id"]
         assert measure["status"] in ("ok", "unavailable"), (measure["id"], measure["reason"])
@@ -63,7 +63,9 @@ def test_quick_bench_runs_every_measure_and_writes_json_and_markdown(tmp_path: P
             assert all("load" in run and "target" in run for run in measure["raw"]), measure["id"]
     # DBOS is skipped with --quick unless a venv is given; the quiesce side still ran
     assert measures[2]["status"] == "unavailable"
-    assert "quiesce_fsync_http_s" in measures[2]["metrics"]
+    assert {"quiesce_caller_sync_http_s", "quiesce_caller_sync_http10_s", "quiesce_fsync_http_s"} <= set(
+        measures[2]["metrics"]
+    )
     # the new measures ran and report what they must
     assert {"reuse_ratio_8", "fresh_ratio_8", "discover_s_8"} <= set(measures[4]["metrics"])
     assert {"replay_events_per_s", "replay_mb_per_s", "replay_cpu_s", "peak_rss_mb"} <= set(
@@ -87,7 +89,16 @@ def test_quick_bench_runs_every_measure_and_writes_json_and_markdown(tmp_path: P
     assert measures[11]["metrics"]["same_calls"]["min"] == 1.0, measures[11]["notes"]
     if measures[7]["status"] == "ok":  # PostgreSQL binaries are on the machine
         assert {"ratio", "renew_s", "overhead"} <= set(measures[7]["metrics"])
-    assert {"ratio", "fresh_wall_s", "history_wall_s"} <= set(measures[8]["metrics"])
+    assert {"ratio", "fresh_wall_s", "history_wall_s", "history_cold_wall_s"} <= set(measures[8]["metrics"])
+    # the cold passes started cold (mincore found the ledger's pages gone)
+    for number in (5, 6, 8):
+        assert measures[number]["metrics"]["cold_resident_before"]["max"] <= 0.02, number
+    # cost growth: every command and the save at both sizes; the ratios the goals judge
+    assert {"mixed_history_limit_20_ratio", "mixed_status_ratio", "mixed_save_ratio"} <= set(
+        measures[12]["metrics"]
+    )
+    assert [row["events before"] for row in measures[12]["rows"]] == ["0", "2,000"]
+    assert all(row["attempts"] for row in measures[12]["rows"])
     assert {"real_s", "process_s", "null_s"} <= set(measures[9]["metrics"])
     markdown = (out / "quick.md").read_text(encoding="utf-8")
     assert "| # | measure |" in markdown

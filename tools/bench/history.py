@@ -44,6 +44,8 @@ from quiesce.tools.gymsim.cluster import spawn_cluster, write_yaml_atomic
 
 #: Corpus recipe version: bump when ``record_corpus`` changes, so cached ledgers are rebuilt.
 CORPUS_VERSION = 2
+#: History recipe version: bump when ``_build`` changes, so cached histories are rebuilt.
+BUILD_VERSION = 2
 #: Saves recorded per cluster size (before the rolled-back one): small clusters, many attempts.
 SAVES = {4: 20, 16: 6, 64: 3}
 _ID = re.compile(r"^e(\d+)-(.+)$")
@@ -183,6 +185,10 @@ def _remap(event: Event, ids: dict[str, str], new_id: Any) -> AppendItem:
 
 
 async def _build(corpus: str, target: str, n: int) -> dict[str, Any]:
+    """Append the corpus again and again until ``n`` events or more are written, stopping only where
+    one of the corpus's coordinator processes ends (before a ``coordinator.started``, or at the
+    corpus's end): a history cut inside a process could end between a restore and its resume, and
+    then every server of the cluster counts as held by it — no user's ledger looks like that."""
     async with Ledger.open(f"sqlite+aiosqlite:///{corpus}", readonly=True) as source:
         events = [event async for event in source.read()]
     if not events or events[0].kind != "coordinator.started":
@@ -202,9 +208,9 @@ async def _build(corpus: str, target: str, n: int) -> dict[str, Any]:
                 return f"e{ledger.epoch}-r{repeat:05d}-{tail}"
 
             for event in events:
-                if written + len(batch) >= n:
-                    break
                 if event.kind == "coordinator.started":
+                    if written + len(batch) >= n:
+                        break  # cut between two of the corpus's coordinator processes (see _build)
                     if batch:
                         await ledger.append_many(batch)
                         written += len(batch)
@@ -260,9 +266,10 @@ async def usable(path: str, events: int) -> dict[str, Any]:
     return {"ok": head is not None and head.seq >= events, "why": f"head {head.seq if head else None}"}
 
 
-def corpus(ctx: Context) -> Path:
-    """The recorded corpus (recorded once per schema and recipe, cached)."""
-    sizes = [4] if ctx.quick else [4, 16, 64]
+def corpus(ctx: Context, sizes: list[int] | None = None) -> Path:
+    """The recorded corpus of clusters of ``sizes`` (default 4, 16 and 64 servers; ``--quick``: 4
+    only), recorded once per schema and recipe, cached."""
+    sizes = [4] if ctx.quick else (sizes or [4, 16, 64])
     tag = "-".join(map(str, sizes)) + ("-quick" if ctx.quick else "")
     name = f"corpus-v{CORPUS_VERSION}-{HEAD_REVISION}-{tag}.db"
     path = ctx.cache / name
@@ -285,10 +292,11 @@ def corpus(ctx: Context) -> Path:
     return path
 
 
-def history(ctx: Context, n: int) -> Path:
-    """The cached ``n``-event ledger built from the corpus (built when missing or refused)."""
-    source = corpus(ctx)
-    path = ctx.cache / f"history-{n}-from-{source.stem}.db"
+def history(ctx: Context, n: int, sizes: list[int] | None = None) -> Path:
+    """The cached ``n``-event ledger built from the corpus of ``sizes`` (built when missing or
+    refused)."""
+    source = corpus(ctx, sizes)
+    path = ctx.cache / f"history-{n}-b{BUILD_VERSION}-from-{source.stem}.db"
     if path.exists() and run_child("history:usable", {"path": str(path), "events": n})["ok"]:
         return path
     ctx.log(f"  building a {n:,}-event ledger from {source.name} in {path}")

@@ -1,0 +1,41 @@
+"""Measure #12's judged save ratio (`tools/bench/curve.py`): the save's ledger CPU at the largest
+size over the smallest, every run's saves pooled, with a bootstrap interval that brackets it."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from quiesce.tools.bench.curve import save_ratio
+
+
+def _runs(ledger_s: float, rng: random.Random, runs: int = 2, saves: int = 60) -> list[dict[str, Any]]:
+    """Runs whose null side costs ~30 ms CPU per save and whose real side costs ``ledger_s`` more,
+    each with a few percent of noise."""
+    out = []
+    for _ in range(runs):
+        null = [0.030 * rng.uniform(0.97, 1.03) for _ in range(saves)]
+        real = [0.030 * rng.uniform(0.97, 1.03) + ledger_s for _ in range(saves)]
+        out.append({"save_cpu_samples": {"real": real, "null": null}})
+    return out
+
+
+def test_the_ratio_of_pooled_ledger_cpu_and_its_interval() -> None:
+    rng = random.Random(11)
+    low, high = _runs(0.004, rng), _runs(0.006, rng)
+    value, lo, hi = save_ratio(low, high)
+    assert 1.3 < value < 1.7  # 6 ms over 4 ms, within the noise
+    assert lo <= value <= hi
+    assert lo < 1.5 < hi
+    flat, flat_lo, flat_hi = save_ratio(low, _runs(0.004, rng))
+    assert flat_lo < 1.0 < flat_hi
+    assert flat < 1.3
+    assert save_ratio(low, high) == (value, lo, hi)  # a fixed seed: the same samples, the same interval
+
+
+def test_a_ledger_cpu_at_or_below_zero_still_gives_a_number() -> None:
+    rng = random.Random(2)
+    none = [{"save_cpu_samples": {"real": [0.03, 0.03], "null": [0.03, 0.03]}}]
+    value, lo, hi = save_ratio(none, _runs(0.004, rng, runs=1, saves=2))
+    assert value > 1000
+    assert lo <= value <= hi

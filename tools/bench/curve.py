@@ -1,0 +1,241 @@
+"""Measure #12 — how the ledger's costs grow with its history: 0, 10k, 100k and 1M events.
+
+Two shapes of history, each built by ``history.build_history`` from recorded real cycles: *mixed*
+(clusters of 4, 16 and 64 servers — few attempts per event: 1M events are about 7,800 attempts)
+and *4-server* (4-server cycles only — many small attempts: about 4× as many per event). Size 0 is
+a new ledger created at the schema head. Each (shape, size) has a private copy of its ledger,
+reused by every run (each run adds one save through the CLI and the saves of the save-cost part).
+
+Each run takes every (shape, size), sizes interleaved, ascending in even runs and descending in odd
+ones (so over an even number of runs every size is as often early as late: a drift of the machine
+within a run spreads over all of them), each on a fresh 4-server reference cluster (measure #3's,
+rollouts running). Per (shape, size):
+
+- **Cold-process latency** of the commands a user runs (``harness.run_cli``: a new interpreter,
+  timed from spawn to exit): ``quiesce checkpoint`` (first: a size-0 ledger then has an attempt
+  for ``show latest``), ``history``, ``history --limit 20``, ``status``, ``show latest`` and
+  ``recover`` (nothing left to recover: its cost is the ledger's look for unfinished attempts).
+- **Save cost**: ``cycle.run_cycles`` in a child, the real ledger (this copy) against a null
+  ledger in the same process, ``CYCLES`` saves each after a warm-up; the ledger's CPU per save is
+  the difference of the two sides' median CPU per save.
+
+Goals (the issue's): from 0 to 1M events, ``history --limit 20`` and ``status`` within 1.2× and
+the save's ledger CPU within 1.1×, on both shapes (judged on the worse). ``history`` without
+``--limit`` reads every attempt: it is shown, not judged.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+import statistics
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from quiesce.coordinator.protocol import TOKEN_ENV
+from quiesce.ledger import Ledger, upgrade_schema
+from quiesce.tools.bench.cycle import SPEC, cluster, start_rollouts
+from quiesce.tools.bench.harness import Context, Result, Stats, run_child, run_cli
+from quiesce.tools.bench.history import copy_ledger, history
+from quiesce.tools.gymsim.cluster import write_yaml_atomic
+
+SIZES = (0, 10_000, 100_000, 1_000_000)
+QUICK_SIZES = (0, 2_000)
+#: The two shapes of history: name -> the cluster sizes its corpus records.
+SHAPES: dict[str, list[int]] = {"mixed": [4, 16, 64], "4-server": [4]}
+CYCLES = 60
+#: A save's ledger CPU below this (a few saves of a --quick run can give a difference <= 0) divides
+#: as this: the ratio stays a number, and one that says nothing.
+FLOOR_S = 1e-6
+QUICK_CYCLES = 2
+#: The commands timed from a cold process, in this order (label -> arguments after the config).
+COMMANDS: dict[str, list[str]] = {
+    "checkpoint": ["checkpoint"],
+    "history": ["history"],
+    "history --limit 20": ["history", "--limit", "20"],
+    "status": ["status"],
+    "show latest": ["show", "latest"],
+    "recover": ["recover"],
+}
+#: What the goals hold flat from the smallest to the largest size, and how flat.
+JUDGED = {"history --limit 20": 1.2, "status": 1.2, "save": 1.1}
+
+
+async def _counts(url: str) -> tuple[int, int]:
+    """(events, attempts) of the ledger at ``url``."""
+    async with Ledger.open(url, readonly=True) as ledger:
+        head = await ledger.head()
+        attempts = len(await ledger.attempts())
+    return (head.seq if head is not None else 0), attempts
+
+
+def _ledger(ctx: Context, shape: str, size: int) -> Path:
+    """This measure's private copy of the (shape, size) ledger (a new one at the head for 0)."""
+    folder = ctx.work / f"curve-{shape}-{size}"
+    if size == 0:
+        folder.mkdir()
+        path = folder / "ledger.db"
+        anyio.run(upgrade_schema, f"sqlite+aiosqlite:///{path}")
+        return path
+    return copy_ledger(history(ctx, size, SHAPES[shape]), folder)
+
+
+def _one(ctx: Context, running: Any, token: str, path: Path, tag: str, cycles: int) -> dict[str, Any]:
+    """One (shape, size) of one run: the commands' wall times, then the save cost."""
+    url = f"sqlite+aiosqlite:///{path}"
+    folder = path.parent / tag
+    folder.mkdir()
+    config = write_yaml_atomic(folder / "cluster.yaml", running.config(url, folder / "snapshots"))
+    events, attempts = anyio.run(_counts, url)
+    out: dict[str, Any] = {"events": events, "attempts": attempts, "wall_s": {}}
+    for label, args in COMMANDS.items():
+        done = run_cli([*args, "--config", str(config), "--json"], env={TOKEN_ENV: token})
+        out["wall_s"][label] = done["wall_s"]
+    saves = folder / "saves"
+    saves.mkdir()
+    params = {"config": running.config(), "token": token, "cycles": cycles, "dir": str(saves),
+              "ledger_url": url, "sides": ["real", "null"]}  # fmt: skip
+    cycled = run_child("cycle:run_cycles", params)
+    out["save_ledger_cpu_s"] = cycled["real_added_cpu_s"]
+    out["save_wall_s"] = cycled["real_s"]
+    out["save_cpu_samples"] = {side: cycled["samples"][side]["cpu_s"] for side in ("real", "null")}
+    return out
+
+
+def _ledger_cpu(runs: list[dict[str, Any]], picks: dict[str, list[int]] | None = None) -> float:
+    """The save's ledger CPU over every run's saves pooled: median(real) - median(null); ``picks``
+    (side -> indexes into the pooled samples) resamples them."""
+    pooled = {side: [x for r in runs for x in r["save_cpu_samples"][side]] for side in ("real", "null")}
+    if picks is not None:
+        pooled = {side: [pooled[side][i] for i in picks[side]] for side in pooled}
+    return float(statistics.median(pooled["real"]) - statistics.median(pooled["null"]))
+
+
+def save_ratio(
+    low: list[dict[str, Any]], high: list[dict[str, Any]], *, resamples: int = 2000, seed: int = 5
+) -> tuple[float, float, float]:
+    """The save's ledger CPU at the largest size over that at the smallest, every run's saves pooled
+    per size (a run's own 60 saves move its difference of medians by a third, too much to see
+    1.1x), and the 95% bootstrap interval of that ratio (each of the four sample sets resampled on
+    its own; a fixed seed)."""
+    rng = random.Random(seed)
+    sizes = {
+        id(runs): {side: sum(len(r["save_cpu_samples"][side]) for r in runs) for side in ("real", "null")}
+        for runs in (low, high)
+    }
+
+    def picks(runs: list[dict[str, Any]]) -> dict[str, list[int]]:
+        return {side: rng.choices(range(n), k=n) for side, n in sizes[id(runs)].items()}
+
+    def ratio(top: float, bottom: float) -> float:
+        return top / max(bottom, FLOOR_S)
+
+    ratios = sorted(
+        ratio(_ledger_cpu(high, picks(high)), _ledger_cpu(low, picks(low))) for _ in range(resamples)
+    )
+    value = ratio(_ledger_cpu(high), _ledger_cpu(low))
+    low_end, high_end = ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples)]
+    return value, min(low_end, value), max(high_end, value)
+
+
+def _flat(
+    runs: dict[tuple[str, int], list[dict[str, Any]]], shape: str, key: str, sizes: tuple[int, ...]
+) -> Stats:
+    """Per run, a command's (``key``) cold-process time at the largest size over the smallest's."""
+
+    def figure(run: dict[str, Any]) -> float:
+        return float(run["wall_s"][key])
+
+    low, high = runs[(shape, sizes[0])], runs[(shape, sizes[-1])]
+    return Stats.of([figure(b) / figure(a) for a, b in zip(low, high, strict=True)])
+
+
+def measure(ctx: Context) -> Result:
+    """Measure #12 (see the module docstring)."""
+    sizes = QUICK_SIZES if ctx.quick else SIZES
+    shapes = ["mixed"] if ctx.quick else list(SHAPES)  # --quick records one 4-server corpus only
+    cycles = QUICK_CYCLES if ctx.quick else CYCLES
+    result = Result(
+        12,
+        f"cost growth with the history: {', '.join(f'{n:,}' for n in sizes)} events",
+        "history --limit 20 and status within 1.2x, the save's ledger CPU within 1.1x,"
+        f" from {sizes[0]:,} to {sizes[-1]:,} events",
+    )
+    token = "bench-" + secrets.token_hex(8)
+    cases = [(shape, size) for size in sizes for shape in shapes]
+    ledgers = {case: _ledger(ctx, *case) for case in cases}
+    table: dict[tuple[str, int], list[dict[str, Any]]] = {case: [] for case in cases}
+    # the copies just written (about 1 GB) are flushed before anything is timed: their write-back
+    # would otherwise slow whatever runs first
+    os.sync()
+    for index in range(ctx.runs):
+        # ascending sizes in even runs, descending in odd ones (each rotated by a further case every
+        # two runs): over an even number of runs every size is as often early as late in a run
+        ordered = cases if index % 2 == 0 else cases[::-1]
+        shift = (index // 2) % len(cases)
+        for shape, size in ordered[shift:] + ordered[:shift]:
+            # a fresh cluster per case: the null ledger's checkpoint ids start over in every save-cost
+            # child, and a server that saw an id refuses it the second time
+            with cluster(SPEC, token, ctx.work) as running:
+                anyio.run(start_rollouts, running.urls, ["simple_agent"], 4, 1_000_000)
+                run = _one(ctx, running, token, ledgers[(shape, size)], f"run-{index}", cycles)
+                table[(shape, size)].append(run)
+                ctx.log(
+                    f"  run {index + 1}/{ctx.runs} ({shape}, {size:,}): {run['attempts']:,} attempts,"
+                    f" history --limit 20 {run['wall_s']['history --limit 20']:.2f} s,"
+                    f" status {run['wall_s']['status']:.2f} s,"
+                    f" save's ledger CPU {run['save_ledger_cpu_s'] * 1e3:.2f} ms"
+                )
+    for (shape, size), runs in table.items():
+        row: dict[str, Any] = {
+            "history": shape,
+            "events before": f"{size:,}",
+            "attempts": Stats.of([r["attempts"] for r in runs]).fmt(1, 0),
+        }
+        for label in COMMANDS:
+            row[f"{label} (s)"] = Stats.of([r["wall_s"][label] for r in runs]).fmt(1, 2)
+        row["save: ledger CPU (ms), runs pooled"] = f"{_ledger_cpu(runs) * 1e3:.2f}"
+        row["save: ledger CPU (ms), per run"] = Stats.of([r["save_ledger_cpu_s"] for r in runs]).fmt(1e3, 2)
+        row["save (ms)"] = Stats.of([r["save_wall_s"] for r in runs]).fmt(1e3, 1)
+        result.rows.append(row)
+    verdicts: list[bool] = []
+    texts: list[str] = []
+    for shape in shapes:
+        for key, limit in JUDGED.items():
+            name = key.replace(" ", "_").replace("--", "").replace("__", "_")
+            if key == "save":
+                value, low, high = save_ratio(table[(shape, sizes[0])], table[(shape, sizes[-1])])
+                ratio = Stats(value, low, high, ctx.runs)  # min/max: the 95% bootstrap interval
+                text = f"{value:.2f} [{low:.2f}–{high:.2f}, 95%]"
+            else:
+                ratio = _flat(table, shape, key, sizes)
+                text = ratio.fmt(1, 2)
+            result.metric(f"{shape.replace('-', '_')}_{name}_ratio", ratio, "x")
+            verdicts.append(ratio.median <= limit)
+            texts.append(f"{shape} {key} {text}x")
+        result.metric(f"{shape.replace('-', '_')}_history_ratio", _flat(table, shape, "history", sizes), "x")
+    result.runs = ctx.runs
+    result.value = f"{sizes[-1]:,} / {sizes[0]:,} events: " + "; ".join(texts)
+    result.baseline = "each command and the save on a new ledger (0 events), in the same runs"
+    result.met = all(verdicts)
+    result.side(
+        "each size",
+        durability="full",
+        transport="loopback HTTP (commands and saves against a fresh 4-server cluster per case)",
+        order="every (history, size), sizes interleaved, ascending and descending in turn per run",
+        ledger="a private copy of the cached history (recorded real cycles); 0: new, at the schema head",
+    )
+    result.notes.append(
+        "commands: a new interpreter each, timed from spawn to exit (Python's start-up and the CLI's"
+        " imports included); `checkpoint` runs first so that `show latest` has an attempt on the new"
+        " ledger; `history` without --limit reads every attempt: shown, not judged"
+    )
+    result.notes.append(
+        f"save's ledger CPU: median CPU per save of this ledger minus that of a null ledger in the same"
+        f" process, {cycles} saves each per run (measure #3's cluster and settle time); judged on every"
+        " run's saves pooled per size, with a 95% bootstrap interval of the ratio (as min–max in the JSON)"
+    )
+    return result
