@@ -145,12 +145,8 @@ def _flat(
     runs: dict[tuple[str, int], list[dict[str, Any]]], shape: str, key: str, sizes: tuple[int, ...]
 ) -> Stats:
     """Per run, a command's (``key``) cold-process time at the largest size over the smallest's."""
-
-    def figure(run: dict[str, Any]) -> float:
-        return float(run["wall_s"][key])
-
     low, high = runs[(shape, sizes[0])], runs[(shape, sizes[-1])]
-    return Stats.of([figure(b) / figure(a) for a, b in zip(low, high, strict=True)])
+    return Stats.of([b["wall_s"][key] / a["wall_s"][key] for a, b in zip(low, high, strict=True)])
 
 
 def measure(ctx: Context) -> Result:

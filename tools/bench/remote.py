@@ -129,6 +129,7 @@ async def run_quiesce(
                     data={"kind": "save", "deadline_ts": deadline, "participants": ["agent"]},
                 )
             target = Target("agent", AGENT, url)
+            ledgers = {"off": process, "shipped": full, "synced": synced}
             callers = {
                 "off": Caller(process, TOKEN, epoch=process.epoch, client=http),
                 "shipped": Caller(full, TOKEN, epoch=full.epoch, client=http),
@@ -169,23 +170,11 @@ async def run_quiesce(
                 if not result.ok:
                     raise BenchError(f"recorded call failed: {result.describe()}")
                 if on_disk:
-                    await {"off": process, "shipped": full, "synced": synced}[key].sync()
+                    await ledgers[key].sync()
 
             async def ten_steps() -> None:
                 for _ in range(10):
                     await by_caller("synced", on_disk=True)
-
-            async def caller_ledger_work() -> None:
-                """The real Caller's ledger work with no request, then the sync: ``call.sent``
-                appended write-behind, ``call.replied`` staged, both on disk when it returns."""
-                call_id = f"b{next(counter)}"
-                checkpoint_id = cid[id(synced)]
-                await synced.append("call.sent", checkpoint_id=checkpoint_id, server="agent", call_id=call_id,
-                                  data=sent, durable=False)  # fmt: skip
-                data = {"status": 200, "body": REPLY_BODY, "elapsed_s": 0.0}
-                await synced.stage("call.replied", checkpoint_id=checkpoint_id, server="agent",
-                                   call_id=call_id, data=data)  # fmt: skip
-                await synced.sync()
 
             async def two_appends(ledger: Ledger, durable: bool, with_http: bool) -> None:
                 call_id = f"b{next(counter)}"
@@ -230,6 +219,12 @@ async def run_quiesce(
                         call_id=call_id,
                         data=data,
                     )
+
+            async def caller_ledger_work() -> None:
+                """The real Caller's ledger work with no request (``off_none``'s, on the synced
+                ledger), then the sync: both records on disk when it returns."""
+                await two_appends(synced, False, False)
+                await synced.sync()
 
             kinds: dict[str, Callable[[], Awaitable[None]]] = {
                 "caller_sync_http": lambda: by_caller("synced", on_disk=True),
