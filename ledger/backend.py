@@ -76,8 +76,8 @@ class Tx(Protocol):
         ...
 
     def get_attempt(self, checkpoint_id: str) -> AttemptRow | None: ...
-    def put_attempt(self, row: AttemptRow, existed: bool) -> None:
-        """Store ``row``; ``existed`` says whether a row with its checkpoint id is stored already."""
+    def put_attempt(self, row: AttemptRow, before: AttemptRow | None) -> None:
+        """Store ``row``; ``before`` is the row stored under its checkpoint id now (None: none is)."""
         ...
 
 
@@ -131,7 +131,7 @@ def apply_append(tx: Tx, batch: Batch, cache: ProjectionCache) -> dict[str, Atte
             detail = f"its head (seq {last}) is not the row this writer chained seq {last + 1} on"
         raise FencedError(fenced_message(batch.where, detail))
     pending: dict[str, AttemptRow | None] = {}
-    existed: set[str] = set()
+    stored: dict[str, AttemptRow] = {}
     cached = cache.rows
     for event in batch.events:
         for cid in touched(event):
@@ -142,11 +142,11 @@ def apply_append(tx: Tx, batch: Batch, cache: ProjectionCache) -> dict[str, Atte
                 if row is None:
                     row = tx.get_attempt(cid)
                 if row is not None:
-                    existed.add(cid)
+                    stored[cid] = row
             pending[cid] = fold(row, event, cid)
     for cid, new in pending.items():
         if new is not None:
-            tx.put_attempt(new, cid in existed)
+            tx.put_attempt(new, stored.get(cid))
     return pending
 
 

@@ -134,7 +134,7 @@ class _Prefetched:
     def get_attempt(self, checkpoint_id: str) -> AttemptRow | None:
         return self.found.get(checkpoint_id)
 
-    def put_attempt(self, row: AttemptRow, existed: bool) -> None:
+    def put_attempt(self, row: AttemptRow, before: AttemptRow | None) -> None:
         self.puts.append(row)
 
 
