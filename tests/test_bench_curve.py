@@ -1,5 +1,5 @@
-"""Measure #12's judged save ratio (`tools/bench/curve.py`): the save's ledger CPU at the largest
-size over the smallest, every run's saves pooled, with a bootstrap interval that brackets it."""
+"""Measure #12's judged save ratio (`tools/bench/curve.py`): the ledger's own CPU per save at the
+largest size over the smallest, every run's saves pooled, with a bootstrap interval that brackets it."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from quiesce.tools.bench.curve import save_ratio
 
 
 def _runs(ledger_s: float, rng: random.Random, runs: int = 2, saves: int = 60) -> list[dict[str, Any]]:
-    """Runs whose null side costs ~30 ms CPU per save and whose real side costs ``ledger_s`` more,
-    each with a few percent of noise."""
+    """Runs whose null side costs ~30 ms CPU per save, whose ledger counts ``ledger_s`` per save with
+    ±20% of noise, and whose real side costs that much more than the null side."""
     out = []
     for _ in range(runs):
         null = [0.030 * rng.uniform(0.97, 1.03) for _ in range(saves)]
-        real = [0.030 * rng.uniform(0.97, 1.03) + ledger_s for _ in range(saves)]
-        out.append({"save_cpu_samples": {"real": real, "null": null}})
+        ledger = [ledger_s * rng.uniform(0.8, 1.2) for _ in range(saves)]
+        real = [0.030 * rng.uniform(0.97, 1.03) + x for x in ledger]
+        out.append({"save_cpu_samples": {"real": real, "null": null, "ledger": ledger}})
     return out
 
 
@@ -35,7 +36,7 @@ def test_the_ratio_of_pooled_ledger_cpu_and_its_interval() -> None:
 
 def test_a_ledger_cpu_at_or_below_zero_still_gives_a_number() -> None:
     rng = random.Random(2)
-    none = [{"save_cpu_samples": {"real": [0.03, 0.03], "null": [0.03, 0.03]}}]
+    none = [{"save_cpu_samples": {"real": [0.03, 0.03], "null": [0.03, 0.03], "ledger": [0.0, 0.0]}}]
     value, lo, hi = save_ratio(none, _runs(0.004, rng, runs=1, saves=2))
     assert value > 1000
     assert lo <= value <= hi

@@ -21,8 +21,9 @@ run interleaved in the same run, in a rotating order, and each states its settin
 11. ``gymscale``  — a v2 save at 8, 64, 512 distinct origins (episodes running) vs Gym's own stateless
     coordination (``gymcoord``), reusing connections and on fresh ones;
 12. ``curve``     — cost growth with the history: cold-process ``history``, ``history --limit 20``,
-    ``status``, ``show latest``, ``checkpoint``, ``recover`` and the save's ledger CPU at 0, 10k,
-    100k and 1M events of two shapes of recorded cycles. Cold passes (``pagecache``) of 5, 6 and 8
+    ``status``, ``show latest``, ``checkpoint``, ``recover`` and the save's ledger CPU (counted where
+    the ledger's code runs: ``ledgercpu``) at 0, 10k, 100k and 1M events of two shapes of recorded
+    cycles. Cold passes (``pagecache``) of 5, 6 and 8
     drop the ledger from the page cache first.
 
 ``harness`` runs every repetition in a fresh process (``child``) and reports median, min, max

@@ -69,6 +69,7 @@ from quiesce.ledger import Ledger
 from quiesce.tools.bench.barelog import BareLog
 from quiesce.tools.bench.episodes import running_episodes
 from quiesce.tools.bench.harness import Context, Result, Stats, bootstrap_difference, run_child, stats_of
+from quiesce.tools.bench.ledgercpu import LedgerCpu
 from quiesce.tools.bench.nullledger import NullLedger
 from quiesce.tools.gymsim import client
 from quiesce.tools.gymsim.cluster import ClusterProcess, spawn_cluster
@@ -201,6 +202,7 @@ async def run_cycles(
     sides: list[str] | None = None,
     clock: bool = False,
     episodes: list[dict[str, Any]] | None = None,
+    meter: bool = False,
 ) -> dict[str, Any]:
     """One run of #3: ``cycles`` measured cycles per side (after one warm-up each), rotating order.
 
@@ -209,7 +211,9 @@ async def run_cycles(
     ``ledger_url`` (an empty database: #7 runs this on PostgreSQL). ``clock`` (measure #3 only)
     times the real side's ledger calls (``LedgerClock``); its wrapper then runs on that side
     alone, so a measure comparing two real ledgers (#9) leaves it off. ``episodes`` (a v2
-    cluster): every save's commit scope, ``{"rollout_id", "attempt"}`` each."""
+    cluster): every save's commit scope, ``{"rollout_id", "attempt"}`` each. ``meter`` (#12) counts
+    the real ledger's own CPU per save (``ledgercpu.LedgerCpu``): ``real_ledger_cpu_s`` and the
+    real side's ``ledger_cpu_s`` samples."""
     folder = Path(dir)
     scope = None if episodes is None else [EpisodeId.model_validate(e) for e in episodes]
     chosen = sides or ["real", "null", "bare"]
@@ -250,17 +254,23 @@ async def run_cycles(
             await coord.discover()
             await timed_cycle(coord, scope)
         timer = LedgerClock(coords["real"].ledger) if clock and "real" in coords else None
+        counter = LedgerCpu(coords["real"].ledger) if meter and "real" in coords else None
         in_ledger: list[float] = []
-        for i in range(cycles):
-            settle_s = SETTLE_S + rng.random() * SETTLE_JITTER_S
-            for side in orders[i % len(orders)]:
-                await anyio.sleep(settle_s)
-                start = time.process_time()
-                before = timer.total if timer is not None and side == "real" else 0.0
-                took[side].append(await timed_cycle(coords[side], scope))
-                cpu[side].append(time.process_time() - start)
-                if timer is not None and side == "real":
-                    in_ledger.append(timer.total - before)
+        ledger_cpu: list[float] = []
+        with counter if counter is not None else contextlib.nullcontext():
+            for i in range(cycles):
+                settle_s = SETTLE_S + rng.random() * SETTLE_JITTER_S
+                for side in orders[i % len(orders)]:
+                    await anyio.sleep(settle_s)
+                    start = time.process_time()
+                    before = timer.total if timer is not None and side == "real" else 0.0
+                    counted = counter.total if counter is not None else 0.0
+                    took[side].append(await timed_cycle(coords[side], scope))
+                    cpu[side].append(time.process_time() - start)
+                    if timer is not None and side == "real":
+                        in_ledger.append(timer.total - before)
+                    if counter is not None and side == "real":
+                        ledger_cpu.append(counter.total - counted)
         counts: dict[str, int] = {}
         for side, coord in coords.items():
             if side in ("real", "lazy"):
@@ -287,6 +297,9 @@ async def run_cycles(
             out[f"{side}_overhead"] = out[f"{side}_s"] / statistics.median(took["null"]) - 1
     if in_ledger:
         out["real_in_ledger_s"] = statistics.median(in_ledger)
+    if ledger_cpu:
+        out["real_ledger_cpu_s"] = statistics.median(ledger_cpu)
+        out["samples"]["real"]["ledger_cpu_s"] = ledger_cpu
     # the names measure #3 and #7 report
     out["added_s"], out["added_cpu_s"] = out["real_added_s"], out["real_added_cpu_s"]
     out["added_ci"], out["paired_s"] = out["real_added_ci"], out["real_paired_s"]
