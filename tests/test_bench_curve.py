@@ -40,3 +40,15 @@ def test_a_ledger_cpu_at_or_below_zero_still_gives_a_number() -> None:
     value, lo, hi = save_ratio(none, _runs(0.004, rng, runs=1, saves=2))
     assert value > 1000
     assert lo <= value <= hi
+
+
+def test_the_interval_covers_the_spread_between_runs() -> None:
+    """Two runs of one size whose saves sit apart (a run effect): resampling saves alone would give a
+    tight interval around the pooled ratio; resampling runs first spans what either run alone says."""
+    rng = random.Random(3)
+    low = _runs(0.005, rng, runs=2)
+    apart = _runs(0.005, rng, runs=1) + _runs(0.0065, rng, runs=1)  # 5 ms and 6.5 ms per save
+    value, lo, hi = save_ratio(low, apart)
+    assert lo <= value <= hi
+    assert lo < 1.05  # as low as the first run alone (1.0)
+    assert hi > 1.25  # as high as the second run alone (1.3)
