@@ -45,7 +45,6 @@ cycle happens to land in a turn more than what the ledger costs.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import random
 import secrets
@@ -69,7 +68,7 @@ from quiesce.ledger import Ledger
 from quiesce.tools.bench.barelog import BareLog
 from quiesce.tools.bench.episodes import running_episodes
 from quiesce.tools.bench.harness import Context, Result, Stats, bootstrap_difference, run_child, stats_of
-from quiesce.tools.bench.ledgercpu import LedgerCpu
+from quiesce.tools.bench.ledgercpu import LedgerCpu, wrap_public_coroutines
 from quiesce.tools.bench.nullledger import NullLedger
 from quiesce.tools.gymsim import client
 from quiesce.tools.gymsim.cluster import ClusterProcess, spawn_cluster
@@ -165,10 +164,7 @@ class LedgerClock:
         self.total = 0.0
         self._depth = 0
         self._since = 0.0
-        for name in dir(type(ledger)):
-            method = getattr(ledger, name)
-            if not name.startswith("_") and inspect.iscoroutinefunction(method):
-                setattr(ledger, name, self._wrap(method))
+        wrap_public_coroutines(ledger, self._wrap)
 
     def _wrap(self, method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         async def timed(*args: Any, **kwargs: Any) -> Any:

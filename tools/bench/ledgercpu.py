@@ -37,6 +37,16 @@ import anyio.to_thread
 from quiesce.ledger import Ledger
 
 
+def wrap_public_coroutines(
+    ledger: Ledger, wrap: Callable[[Callable[..., Coroutine[Any, Any, Any]]], Callable[..., Awaitable[Any]]]
+) -> None:
+    """Replace every public coroutine method of ``ledger`` (this instance only) by ``wrap(method)``."""
+    for name in dir(type(ledger)):
+        method = getattr(ledger, name)
+        if not name.startswith("_") and inspect.iscoroutinefunction(method):
+            setattr(ledger, name, wrap(method))
+
+
 class LedgerCpu:
     """Seconds of CPU one ledger used since it was metered (``total``); see the module docstring."""
 
@@ -45,10 +55,7 @@ class LedgerCpu:
         self._depth = 0  # metered steps running on the event loop's thread (nested: > 1)
         self._lock = threading.Lock()  # worker threads add to `total` too
         self._run_sync: Callable[..., Awaitable[Any]] | None = None
-        for name in dir(type(ledger)):
-            method = getattr(ledger, name)
-            if not name.startswith("_") and inspect.iscoroutinefunction(method):
-                setattr(ledger, name, self._wrap(method))
+        wrap_public_coroutines(ledger, self._wrap)
 
     def __enter__(self) -> LedgerCpu:
         original = anyio.to_thread.run_sync
