@@ -48,6 +48,9 @@ KINDS: Final = frozenset(
         "episodes.restored",
         "episodes.retired",
         "rollouts.forgotten",
+        "rollouts.captured",
+        "rollouts.acknowledged",
+        "rollouts.continued",
     }
 )
 

@@ -44,6 +44,10 @@ __all__ = [
     "RecoveryCompleted",
     "RecoverySettled",
     "RecoveryStarted",
+    "RolloutAttempt",
+    "RolloutsAcknowledged",
+    "RolloutsCaptured",
+    "RolloutsContinued",
     "RolloutsForgotten",
     "validate_payload",
 ]
@@ -259,6 +263,45 @@ class RolloutsForgotten(Payload):
     failed: dict[str, str] = {}
 
 
+# -- rollouts (plane v1): the same lineage facts, as explicit (rollout id, attempt) pairs ---------
+#
+# v1's rollout ids may end in `-a<N>`, so a capture key would not say which attempt it names.
+
+
+class RolloutAttempt(Payload):
+    """One execution: attempt `attempt` (Gym's `attempt_index`) of rollout `rollout_id`."""
+
+    rollout_id: str
+    attempt: int
+
+
+class RolloutsCaptured(Payload):
+    """A v1 save's commit: per agent, the executions its continuation index lists (one per parked
+    rollout, each with its boundary record), read from the committed file once its sha256 and
+    record count matched the agent's reply. Appended before the commit phase completes."""
+
+    captured: dict[str, list[RolloutAttempt]]
+
+
+class RolloutsAcknowledged(Payload):
+    """v1: the finished executions agent `server` released when the caller acknowledged them
+    (its reply's `acknowledged`, which is the requested set)."""
+
+    executions: list[RolloutAttempt]
+
+
+class RolloutsContinued(Payload):
+    """A v1 restore whose restore phase succeeded: per agent, the executions it continues (each
+    saved record's rollout as attempt n+1 — the caller sends its `/run` again); the continuations
+    discarded because they depend on a `restart_only` resources server (they start over); and
+    the agents whose saved records could not be read, with the reason."""
+
+    source_checkpoint_id: str
+    continued: dict[str, list[RolloutAttempt]]
+    discarded: dict[str, list[RolloutAttempt]] = {}
+    unknown: dict[str, str] = {}
+
+
 #: kind -> payload model. The vocabulary; ``Ledger.append`` refuses any other kind.
 PAYLOADS: Final[dict[str, type[Payload]]] = {
     "coordinator.started": CoordinatorStarted,
@@ -284,6 +327,9 @@ PAYLOADS: Final[dict[str, type[Payload]]] = {
     "episodes.restored": EpisodesRestored,
     "episodes.retired": EpisodesRetired,
     "rollouts.forgotten": RolloutsForgotten,
+    "rollouts.captured": RolloutsCaptured,
+    "rollouts.acknowledged": RolloutsAcknowledged,
+    "rollouts.continued": RolloutsContinued,
 }
 
 
