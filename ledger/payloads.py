@@ -10,9 +10,9 @@ from __future__ import annotations
 import types
 from collections.abc import Callable, Mapping
 from math import isfinite
-from typing import Any, Final, Literal, TypeAlias, Union, get_args, get_origin
+from typing import Annotated, Any, Final, Literal, TypeAlias, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quiesce.ledger.errors import LedgerError
 
@@ -272,7 +272,7 @@ class RolloutAttempt(Payload):
     """One execution: attempt `attempt` (Gym's `attempt_index`) of rollout `rollout_id`."""
 
     rollout_id: str
-    attempt: int
+    attempt: Annotated[int, Field(ge=0)]
 
 
 class RolloutsCaptured(Payload):

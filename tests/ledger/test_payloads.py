@@ -182,7 +182,7 @@ def test_the_coordinators_payloads_take_the_fast_path() -> None:
         assert fast is not _DECLINE, kind
         assert same_tree(fast, pydantic_result(kind, data)), kind
     # left to pydantic: the kinds with nested models, and the unified plane's episode records
-    # (maps of lists: one of each per attempt, never on a save's hot path)
+    # and v1's rollout records (maps of lists: one of each per attempt, never on a save's hot path)
     assert set(PAYLOADS) - set(_SPECS) == {
         "coordinator.started",
         "discovery.completed",
@@ -190,6 +190,9 @@ def test_the_coordinators_payloads_take_the_fast_path() -> None:
         "episodes.scoped",
         "episodes.exported",
         "episodes.restored",
+        "rollouts.captured",
+        "rollouts.acknowledged",
+        "rollouts.continued",
     }
 
 
