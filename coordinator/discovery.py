@@ -135,6 +135,7 @@ class Discovery:
                     "role": m.role,
                     "url": m.url,
                     **({"plane": m.plane} if m.plane != "v1" else {}),
+                    **({"features": list(m.features)} if m.features else {}),
                 }
                 for m in self.participants
             ],

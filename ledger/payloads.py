@@ -81,6 +81,9 @@ class Participant(Payload):
     url: str
     #: the control plane it speaks: `v1` (per-component routes) or `v2` (Gym's unified plane)
     plane: Literal["v1", "v2"] = "v1"
+    #: v1: its capability `features` (the lineage reads `completed_result_acknowledgement`: an
+    #: agent with it reports every finished result, so a rollout it drops is seen lost)
+    features: list[str] = []
 
 
 class NamedReason(Payload):

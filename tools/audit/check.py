@@ -108,15 +108,20 @@ class Violation:
     checkpoint_id: str | None
     server: str | None
     message: str
+    #: the rollout a lineage rule (`lineage-*`, `quiesce.ledger.lineage`) names
+    rollout_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "seq": self.seq,
             "rule": self.rule,
             "checkpoint_id": self.checkpoint_id,
             "server": self.server,
             "message": self.message,
         }
+        if self.rollout_id is not None:
+            out["rollout_id"] = self.rollout_id
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +212,8 @@ class CheckReport:
     events: int = 0
     chain: ChainVerdict = field(default_factory=ChainVerdict)
     projection: ProjectionVerdict = field(default_factory=ProjectionVerdict)
+    #: the rollout lineage, when checked (a ledger-wide check): rollouts per state
+    rollouts: dict[str, int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -231,6 +238,7 @@ class CheckReport:
             "attempts": dict(sorted(self.attempts.items())),
             "violations": [v.to_json() for v in self.violations],
             "warnings": [v.to_json() for v in self.warnings],
+            **({"rollouts": self.rollouts} if self.rollouts is not None else {}),
         }
 
 

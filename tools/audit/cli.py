@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from quiesce.ledger import event_from_raw
 from quiesce.ledger.backend import RawEvent
 from quiesce.ledger.chain import ChainCheck
+from quiesce.ledger.lineage import LineageFold, LineageViolation, expect_difference
 from quiesce.ledger.projections import AttemptRow, FoldFeed, fold_items
 from quiesce.ledger.replay import compare_projection
-from quiesce.tools.audit.check import ChainVerdict, CheckReport, ProjectionVerdict, ProtocolChecker
+from quiesce.tools.audit.check import ChainVerdict, CheckReport, ProjectionVerdict, ProtocolChecker, Violation
 from quiesce.tools.audit.source import open_readonly
 
 
-async def check_ledger(url: str) -> CheckReport:
+async def check_ledger(url: str, expect: Sequence[tuple[str, int]] | None = None) -> CheckReport:
     """The protocol check over every event of the ledger at `url`, streamed (read-only), and in
     the same pass the whole hash chain (`quiesce.ledger.chain.ChainCheck`): every row's hash recomputed
-    from its content, every link, no seq missing — at the end too — and the `attempts` projection
-    against a fold of the events.
+    from its content, every link, no seq missing — at the end too — the `attempts` projection
+    against a fold of the events, and the rollout lineage (`quiesce.ledger.lineage`: its rules
+    reported as `lineage-<rule>`; with `expect`, the trainer's live (rollout id, attempt) pairs,
+    every difference from the lineage too).
 
     The projection is read first and the fold stops at the largest seq it records: a coordinator
     appending meanwhile commits each event with the rows it changes, so the events past that seq
     changed none of the rows read, and an honest live ledger compares equal."""
     checker = ProtocolChecker()
+    lineage = LineageFold()
     chain = ChainCheck()
     feed = FoldFeed()
     rebuilt: dict[str, AttemptRow] = {}
@@ -30,7 +36,9 @@ async def check_ledger(url: str) -> CheckReport:
         async for page in ledger.read_pages():
             chain.feed(page)
             for row in page:
-                checker.feed(event_from_raw(row))
+                event = event_from_raw(row)
+                checker.feed(event)
+                lineage.feed(event)
             folded = page if int(page[-1][0]) <= upto else [row for row in page if int(row[0]) <= upto]
             if folded:
                 feed.add(folded)
@@ -41,7 +49,17 @@ async def check_ledger(url: str) -> CheckReport:
         "chain", problem is None, problem[0] if problem else None, problem[1] if problem else None, chain.rows
     )
     report.projection = ProjectionVerdict(True, len(live), compare_projection(live, rebuilt))
+    found = lineage.finish()
+    report.rollouts = found.counts()
+    report.violations += [_as_violation(v) for v in found.violations]
+    report.warnings += [_as_violation(v) for v in found.warnings]
+    if expect is not None:
+        report.violations += [_as_violation(v) for v in expect_difference(found, expect)]
     return report
+
+
+def _as_violation(v: LineageViolation) -> Violation:
+    return Violation(v.seq, f"lineage-{v.rule}", v.checkpoint_id, None, v.message, v.rollout_id)
 
 
 def attempt_projection(

@@ -421,6 +421,14 @@ def print_check(console: Console, report: CheckReport) -> None:
     if report.warnings:
         summary.append(f", {count(len(report.warnings), 'warning')}", style="yellow")
     console.print(summary)
+    if report.rollouts is not None:
+        states = ", ".join(f"{n} {state}" for state, n in report.rollouts.items() if n)
+        console.print(
+            Text(
+                f"rollouts: {count(sum(report.rollouts.values()), 'rollout')}"
+                + (f" ({states})" if states else "")
+            )
+        )
     for title, items, style in (
         ("violations", report.violations, "red"),
         ("warnings", report.warnings, "yellow"),

@@ -1,4 +1,5 @@
-"""`quiesce check [ID|latest] --ledger URL|FILE | --config C [-o FORMAT]` — the protocol check.
+"""`quiesce check [ID|latest] --ledger URL|FILE | --config C [--expect FILE] [-o FORMAT]` — the
+protocol check, and the rollout lineage.
 
 From the events alone.
 
@@ -10,6 +11,11 @@ with a fold of the events, every differing column named. Rules and their meaning
 `tools/audit/check.py`. Exit 0 with no violation (warnings allowed), an intact chain and a
 matching projection, 1 with any violation, a broken chain, a projection that differs, or when the
 attempt does not exist. `-o jsonl` prints one line per violation and warning (`"severity"` says which).
+
+Without an ID the rollout lineage is checked too (rules: `quiesce.ledger.lineage`, reported as
+`lineage-<rule>` with the rollout they name), and `--expect FILE` — the trainer's own view, JSON
+lines of `{"rollout_id": ..., "attempt": ...}` it holds live — reports every difference from the
+lineage as a `lineage-expect` violation. `--expect` with an ID is bad usage (exit 2).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from quiesce.tools.audit.check import CheckReport, check_events
 from quiesce.tools.audit.cli import attempt_projection, check_ledger
 from quiesce.tools.audit.present import print_check
 from quiesce.tools.audit.source import checked_attempt_events, open_readonly, resolve_attempt_id
-from quiesce.tools.cli.flags import add_ledger, add_output
+from quiesce.tools.cli.episodes import FILE_HELP, read_episodes
+from quiesce.tools.cli.flags import UsageError, add_ledger, add_output
 from quiesce.tools.cli.output import console, emit_json, emit_jsonl
 
 
@@ -36,6 +43,11 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "checkpoint_id", metavar="ID", nargs="?", help="one attempt (`latest`: the newest; default: all)"
+    )
+    parser.add_argument(
+        "--expect",
+        metavar="FILE",
+        help="the trainer's live rollout attempts, to compare with the ledger's lineage: " + FILE_HELP,
     )
     add_ledger(parser)
     add_output(parser)
@@ -55,8 +67,15 @@ async def check_one(url: str, checkpoint_id: str) -> CheckReport:
 
 
 def handle(args: argparse.Namespace) -> int:
+    if args.expect is not None and args.checkpoint_id is not None:
+        raise UsageError(
+            "--expect compares the whole ledger's rollout lineage: leave out the attempt id", code="expect"
+        )
     if args.checkpoint_id is None:
-        report = anyio.run(check_ledger, args.ledger)
+        expect = None
+        if args.expect is not None:
+            expect = [(e.rollout_id, e.attempt) for e in read_episodes(args.expect, flag="--expect")]
+        report = anyio.run(check_ledger, args.ledger, expect)
     else:
         report = anyio.run(check_one, args.ledger, args.checkpoint_id)
     if args.output == "jsonl":

@@ -1,0 +1,150 @@
+"""`quiesce rollouts --ledger URL|FILE | --config C [--rollout ID] [--state S] [-o FORMAT]`.
+
+Each rollout's lineage, from the ledger alone (`quiesce.ledger.lineage`): every attempt, which
+checkpoint captured it, which restore continued it as which attempt, what was restarted,
+retired, forgotten or acknowledged — and its state now (`live`, `restarted`, `retired`,
+`finished`, `lost`). Read-only: it opens the ledger without taking an epoch, so it never fences a
+running coordinator; it reads only the lineage's event kinds.
+
+`--rollout ID` (repeatable) shows only those rollouts; `--state S` only those in state S. A table
+by default — one row per rollout, its steps as a strip, `lost` in red; `-o wide` adds the seqs;
+`--json` (`-o json`) prints `{"rollouts": [...], "counts": {state: n}, "violations": [...],
+"warnings": [...]}`, each rollout `{"rollout_id", "attempt", "state", "steps": [{"seq", "what",
+"attempt", "checkpoint_id", "servers", "detail"}]}`; `-o jsonl` one rollout per line. Exit 0
+whatever the states (`quiesce check` judges them); 1 when `--rollout` names a rollout the ledger
+never saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import anyio
+
+from quiesce.ledger.lineage import STATES, LineageReport, Rollout, Step, read_lineage
+from quiesce.tools.audit.source import open_readonly
+from quiesce.tools.cli.flags import CommandError, add_ledger, add_output
+from quiesce.tools.cli.output import console, emit_json, emit_jsonl
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "rollouts",
+        help="each rollout's lineage across checkpoints and restores, and its state now",
+        description="Show what became of every rollout attempt, from the ledger alone: captured,"
+        " continued, restarted, retired, finished or lost.",
+    )
+    add_ledger(parser)
+    add_output(parser)
+    parser.add_argument(
+        "--rollout", metavar="ID", action="append", help="only this rollout (repeat for several)"
+    )
+    parser.add_argument(
+        "--state", metavar="S", choices=STATES, help=f"only rollouts in state S ({', '.join(STATES)})"
+    )
+    parser.set_defaults(handler=handle)
+
+
+async def read(url: str, only: list[str] | None) -> LineageReport:
+    """The lineage of the ledger at `url` (read-only), steps kept for `only` (None: every rollout)."""
+    async with open_readonly(url) as ledger:
+        return await read_lineage(ledger, steps=True, only=only)
+
+
+def chosen(report: LineageReport, only: list[str] | None, state: str | None) -> list[Rollout]:
+    """The rollouts to show, by rollout id."""
+    rollouts = report.rollouts
+    ids = sorted(rollouts) if only is None else [r for r in dict.fromkeys(only) if r in rollouts]
+    return [rollouts[r] for r in ids if state is None or rollouts[r].state == state]
+
+
+def strip(steps: list[Step], *, seqs: bool = False) -> str:
+    """A rollout's steps in one line: `captured a0 @c1 → continued a1 @c2 → lost a1 @c3`."""
+    parts = []
+    for s in steps:
+        text = s.what if s.attempt is None else f"{s.what} a{s.attempt}"
+        if s.checkpoint_id:
+            text += f" @{s.checkpoint_id}"
+        elif s.servers:
+            text += f" on {', '.join(s.servers)}"
+        if seqs:
+            text += f" (seq {s.seq})"
+        parts.append(text)
+    return " → ".join(parts)
+
+
+_STATE_STYLE = {
+    "live": "green",
+    "finished": "",
+    "restarted": "yellow",
+    "retired": "yellow",
+    "lost": "bold red",
+}
+
+
+def handle(args: argparse.Namespace) -> int:
+    report = anyio.run(read, args.ledger, args.rollout)
+    rows = chosen(report, args.rollout, args.state)
+    missing = [r for r in dict.fromkeys(args.rollout or ()) if r not in report.rollouts]
+    if args.output == "jsonl":
+        emit_jsonl([r.to_json() for r in rows])
+    elif args.json:
+        wanted = {r.rollout_id for r in rows}
+        emit_json(
+            {
+                "rollouts": [r.to_json() for r in rows],
+                "counts": report.counts(),
+                "violations": [v.to_json() for v in report.violations if v.rollout_id in wanted],
+                "warnings": [v.to_json() for v in report.warnings if v.rollout_id in wanted],
+                **({"unknown": missing} if missing else {}),
+            }
+        )
+    else:
+        _print_table(report, rows, wide=args.output == "wide")
+    if missing:
+        if not args.json and args.output != "jsonl":
+            raise CommandError(
+                f"the ledger {args.ledger} never recorded rollout {', '.join(missing)}: no save captured it,"
+                " no restore continued it, nothing retired, forgot or acknowledged it",
+                code="unknown_rollout",
+            )
+        return 1
+    return 0
+
+
+def _print_table(report: LineageReport, rows: list[Rollout], *, wide: bool) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    from quiesce.tools.audit.present import widened
+    from quiesce.tools.cli.safe_text import one_line
+
+    counts = ", ".join(f"{n} {state}" for state, n in report.counts().items() if n) or "none recorded"
+    console.print(Text(f"rollouts: {counts}"))
+    if not rows:
+        return
+    table = Table(box=None, pad_edge=False)
+    table.add_column("rollout", no_wrap=True, overflow="fold")
+    table.add_column("state")
+    table.add_column("attempt", justify="right")
+    table.add_column("lineage")
+    for r in rows:
+        style = _STATE_STYLE.get(r.state, "")
+        table.add_row(
+            Text(one_line(r.rollout_id)),
+            Text(r.state, style=style),
+            Text(str(r.attempt)),
+            Text(one_line(strip(r.steps, seqs=wide), limit=10_000)),
+        )
+    widened(console).print(table)
+    shown = {r.rollout_id for r in rows}
+    for title, items, style in (
+        ("violations", report.violations, "red"),
+        ("warnings", report.warnings, "yellow"),
+    ):
+        mine = [v for v in items if v.rollout_id in shown]
+        for v in mine:
+            console.print(
+                Text(f"{title[:-1]}: seq {v.seq} {v.rule}: {one_line(v.message, limit=2_000)}", style=style)
+            )
