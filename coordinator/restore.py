@@ -47,6 +47,14 @@ cluster (or does not say, `resource_state_revisions` null) is discarded (`discar
 call each, `POST /agent-checkpoint/discard-restored-continuation {rollout_id, attempt_index: n+1}`)
 and listed in `Attempt.restart` — its `/run` starts from the task — instead of `resubmit`. A
 discard that fails fails the restore (the saved turn would run against an empty server).
+
+What the ledger keeps of both: once the restore phase succeeded, `rollouts.continued` records,
+with the snapshot's checkpoint id, per agent the executions it continues (`attempt.resubmit`),
+those it discarded (`attempt.restart`) and the agents whose folder does not say
+(`attempt.resubmit_unknown`, with the reason). It is staged as the phase's last record, just
+before its `phase.completed`: committed no later than that record, so before any server is resumed.
+A re-drive of the phase (`redrive`: recovery, `quiesce resume ID`, a server restored again) appends
+it only when the ledger holds none for the attempt — one per restore, whichever process finished it.
 """
 
 import time
@@ -176,8 +184,14 @@ async def restore(
         },
         durable=True,  # see "Durability" in attempt.py
     )
+
+    async def body() -> dict[str, Any]:
+        summary = await restore_body(ctx, attempt, snapshot)
+        await _stage_continued(ctx, attempt, snapshot, resubmit, unknown)
+        return summary
+
     try:
-        await run_phase(ctx, attempt, "restore", lambda: restore_body(ctx, attempt, snapshot))
+        await run_phase(ctx, attempt, "restore", body)
     except FencedError:
         raise
     except PhaseFailure as failure:
@@ -376,7 +390,7 @@ def discards(snapshot: Snapshot, agents: Sequence[str], restart_only: Collection
             data = (snapshot.path / index.relative_path).read_bytes()
             if sha256_hex(data) != index.sha256:
                 raise ValueError(f"{index.relative_path}: sha256 differs from the committed one")
-            rows = _rows(index.relative_path, data)
+            rows = continuation_rows(index.relative_path, data)
         except OSError as error:
             why = f"its continuation index cannot be read: {error.strerror or error}"
             unknown.append(UnknownResubmissions(name, why))
@@ -393,11 +407,13 @@ def discards(snapshot: Snapshot, agents: Sequence[str], restart_only: Collection
     return Resubmissions(tuple(chosen), tuple(unknown))
 
 
-def _rows(where: str, data: bytes) -> list[ContinuationRow]:
-    """The rows of a continuation index; `ValueError` naming the first row that is not one (its
-    line, field and problem, on one line)."""
+def continuation_rows(where: str, data: bytes) -> list[ContinuationRow]:
+    """The rows of a continuation index `where` (its records: the non-empty lines, as an artifact
+    reference counts them); `ValueError` naming the first record that is not a row (its line,
+    field and problem, on one line). A save's commit check and a restore's discard plan read rows
+    by this one rule."""
     rows: list[ContinuationRow] = []
-    for number, line in enumerate(data.splitlines(), 1):
+    for number, line in enumerate(data.split(b"\n"), 1):
         if not line.strip():
             continue
         try:
@@ -664,22 +680,104 @@ async def redrive(
     (`read_resubmissions`).
     """
     attempt.deadline_ts = time.time() + ctx.config.deadline_s
+    recorded = await continued_recorded(ctx, attempt.checkpoint_id)
+    agents = attempt.group("agent")
+    found: list[Resubmissions] = []
+
+    async def body() -> dict[str, Any]:
+        summary = await restore_body(ctx, attempt, snapshot, only=only)
+        try:
+            found.append(await anyio.to_thread.run_sync(read_resubmissions, snapshot, agents))
+        except SnapshotError as error:  # `reverify` read them; a snapshot changed since lists none
+            why = "; ".join(error.differences[:3]) or str(error)
+            changed = f"its saved records changed since the snapshot was verified: {why}"
+            unreadable = tuple(UnknownResubmissions(m.name, changed) for m in agents)
+            if not recorded:
+                await _stage_continued(ctx, attempt, snapshot, (), unreadable)
+        else:
+            if not recorded:
+                await _stage_continued(ctx, attempt, snapshot, found[0].known, found[0].unknown)
+        return summary
+
     try:
-        await run_phase(
-            ctx, attempt, "restore", lambda: restore_body(ctx, attempt, snapshot, only=only), own_budget=True
-        )
+        await run_phase(ctx, attempt, "restore", body, own_budget=True)
     except PhaseFailure as failure:
         await record_phase_failed(
             ctx, attempt.checkpoint_id, "restore", failure.server, failure.reason, failure.code
         )
         return f"re-driving the restore failed at {failure.server}: {failure.reason}"
     attempt.state = "restored"
-    try:
-        agents = attempt.group("agent")
-        _settle(attempt, await anyio.to_thread.run_sync(read_resubmissions, snapshot, agents))
-    except SnapshotError:  # `reverify` read them; a snapshot changed since lists none
+    if found:
+        _settle(attempt, found[0])
+    else:
         attempt.resubmit = ()
     return None
+
+
+async def continued_recorded(ctx: Context, checkpoint_id: str) -> bool:
+    """Whether the ledger holds a `rollouts.continued` of this restore (read, not remembered: a
+    restore phase may have completed in an earlier process)."""
+    events = ctx.ledger.read(checkpoint_id=checkpoint_id, kinds=["rollouts.continued"])
+    try:
+        async for _ in events:
+            return True
+    finally:
+        close = getattr(events, "aclose", None)  # an async generator: its query ends now
+        if close is not None:
+            await close()
+    return False
+
+
+def continued_record(
+    attempt: Attempt,
+    snapshot: Snapshot,
+    known: Sequence[Resubmission],
+    unknown: Sequence[UnknownResubmissions],
+) -> dict[str, Any]:
+    """The `rollouts.continued` payload of a restore whose restore phase succeeded: each agent of
+    the restore under `continued` (the executions it continues: `known` less the continuations
+    it discarded, `attempt.restart` — what `attempt.resubmit` lists; possibly none) or, when its
+    folder does not say, under `unknown` with the reason; `discarded` lists `attempt.restart` by
+    agent. Each execution is `{rollout_id, attempt}`, the attempt its `/run` is sent as (n+1)."""
+    restarted = set(attempt.restart)
+    reasons = {u.server: u.reason for u in unknown}
+    continued: dict[str, list[dict[str, Any]]] = {
+        m.name: [] for m in attempt.group("agent") if m.name not in reasons
+    }
+    for r in known:
+        if r not in restarted:
+            continued.setdefault(r.server, []).append(_execution(r))
+    discarded: dict[str, list[dict[str, Any]]] = {}
+    for r in attempt.restart:
+        discarded.setdefault(r.server, []).append(_execution(r))
+    return {
+        "source_checkpoint_id": snapshot.checkpoint_id,
+        "continued": continued,
+        "discarded": discarded,
+        "unknown": reasons,
+    }
+
+
+def _execution(r: Resubmission) -> dict[str, Any]:
+    """An execution as the `rollouts.*` events name it."""
+    return {"rollout_id": r.rollout_id, "attempt": r.attempt_index}
+
+
+async def _stage_continued(
+    ctx: Context,
+    attempt: Attempt,
+    snapshot: Snapshot,
+    known: Sequence[Resubmission],
+    unknown: Sequence[UnknownResubmissions],
+) -> None:
+    """Stage `rollouts.continued` (`continued_record`) as the restore phase's last record before
+    its `phase.completed`: committed no later than it, so before any server is resumed (a
+    resume's first request is an append)."""
+    await ctx.ledger.stage(
+        "rollouts.continued",
+        checkpoint_id=attempt.checkpoint_id,
+        data=continued_record(attempt, snapshot, known, unknown),
+    )
 
 
 async def reinstate(ctx: Context, attempt: Attempt) -> None:
