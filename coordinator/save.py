@@ -14,10 +14,17 @@
   again only when its refusal's counts change, and named if the deadline ends the wait — also when
   the deadline cuts a retry, a status read or the pause between them short (`Attempt.waiting_on`).
 - commit: agents → policy (given every agent's continuation index) → resources; each role group's
-  manifest digests and artifact references are verified before the next group is called. A
-  drain-only policy model (`checkpoint_mode: stateless`) is not committed. The model's
-  `storage_reference_index` is verified like every artifact and kept in the attempt's commit
-  record (so in the snapshot manifest) and in the commit phase's summary.
+  manifest digests and artifact references are verified before the next group is called. Each
+  agent's continuation index (`continuations.jsonl`) is read once for that: its bytes, sha256 and
+  record count must be the reply's reference and every record a continuation row — else the
+  commit fails at that agent, before the model is called. A drain-only policy model
+  (`checkpoint_mode: stateless`) is not committed. The model's `storage_reference_index` is
+  verified like every artifact and kept in the attempt's commit record (so in the snapshot
+  manifest) and in the commit phase's summary. Once every group is verified, `rollouts.captured`
+  records per agent the `(rollout_id, attempt)` of each of its continuation rows (an agent with
+  none: an empty list); it is staged just before the commit's `phase.completed`, so it is
+  committed no later than that record — a ledger that shows the commit completed shows what it
+  captured (the snapshot's rename waits for neither: see `attempt.py`).
 - publish: every staged file hashed and fsynced, the manifest written last, then the rename of
   `<snapshots>/.staging/<id>` to `<snapshots>/<id>` (`final_dir_of`) — the commit point — then
   `LATEST` and retention.
@@ -54,7 +61,7 @@ from quiesce.coordinator.attempt import (
     send_call,
 )
 from quiesce.coordinator.calls import CallResult
-from quiesce.coordinator.digests import DigestCache, regular_facts
+from quiesce.coordinator.digests import DigestCache, regular_bytes, regular_facts
 from quiesce.coordinator.discovery import Discovery, Member
 from quiesce.coordinator.errors import SnapshotError
 from quiesce.coordinator.preflight import remember_snapshot_bytes
@@ -68,6 +75,7 @@ from quiesce.coordinator.protocol import (
     AgentStatusReply,
     ArtifactRef,
     CheckpointDirBody,
+    ContinuationRow,
     ModelCommitBody,
     ModelCommitReply,
     ModelPauseReply,
@@ -92,6 +100,7 @@ from quiesce.coordinator.publish import (
     write_json_durably,
     write_latest,
 )
+from quiesce.coordinator.restore import continuation_rows
 from quiesce.coordinator.resume import rolled_back_on_failure
 from quiesce.coordinator.wording import count
 from quiesce.ledger import utc_now
@@ -473,13 +482,14 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
                 entry[key] = ref.model_dump(mode="json")
         attempt.commits[m.name] = entry
 
-    async def verify(group: Sequence[Member]) -> None:
+    async def verify(group: Sequence[Member], rows: dict[str, list[ContinuationRow]] | None = None) -> None:
         # one pass (one worker thread) per role group, before the next group is called: the
-        # agents' continuation indexes are checked before they go to the model's commit
+        # agents' continuation indexes are checked (and, with `rows`, read into it) before they
+        # go to the model's commit
         entries = [attempt.commits[m.name] for m in group if m.name in attempt.commits]
 
         def check() -> list[tuple[str, list[str]]]:
-            return [(e["name"], _verify_entry(staging, e, attempt.digests)) for e in entries]
+            return [(e["name"], _verify_entry(staging, e, attempt.digests, rows=rows)) for e in entries]
 
         for name, problems in await anyio.to_thread.run_sync(check):
             if problems:
@@ -493,7 +503,8 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
         return reply
 
     agents = await each_member(ctx, attempt, attempt.group("agent"), agent)
-    await verify(attempt.group("agent"))
+    rows: dict[str, list[ContinuationRow]] = {}
+    await verify(attempt.group("agent"), rows)
     indexes = [agents[m.name].continuation_index for m in attempt.group("agent")]
 
     async def policy(m: Member) -> ModelCommitReply:
@@ -522,6 +533,19 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
     await verify(exporters)
     res = await each_member(ctx, attempt, attempt.group("resources"), resources)
     await verify(attempt.group("resources"))
+    # staged like the unified plane's `episodes.exported`, just before this phase's
+    # `phase.completed`: committed no later than it (seq order), so a ledger holding the commit
+    # as completed holds what it captured
+    await ctx.ledger.stage(
+        "rollouts.captured",
+        checkpoint_id=attempt.checkpoint_id,
+        data={
+            "captured": {
+                m.name: [{"rollout_id": r.rollout_id, "attempt": r.attempt_index} for r in rows[m.name]]
+                for m in attempt.group("agent")
+            }
+        },
+    )
     return {
         "agents": {n: {"records": a.records} for n, a in agents.items()},
         "policy": {
@@ -539,14 +563,23 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
 
 
 def _verify_entry(
-    staging: Path, entry: dict[str, Any], cache: DigestCache | None = None, *, walk: bool = True
+    staging: Path,
+    entry: dict[str, Any],
+    cache: DigestCache | None = None,
+    *,
+    walk: bool = True,
+    rows: dict[str, list[ContinuationRow]] | None = None,
 ) -> list[str]:
     """A participant's manifest digest and artifact references against the files in `staging`
     (read now, or taken from `cache` for a file unchanged since it was read).
 
     With `walk` (the default) its own folder is walked too: it may hold only what can be
     published. `walk=False` only where the whole tree was just refused for any such entry
-    (`tree_digests(strict=True)`, which publish runs first)."""
+    (`tree_digests(strict=True)`, which publish runs first).
+
+    With `rows` (the commit's check of an agent), its continuation index is read once and must
+    also be continuation rows, every record (`continuation_index_rows`); they go into
+    `rows[name]` when it holds no problem."""
     name = entry["name"]
     problems: list[str] = []
     rel = entry["manifest"]
@@ -583,10 +616,49 @@ def _verify_entry(
             except ValidationError:
                 problems.append(f"{name}: {key} is not a valid artifact reference")
                 continue
-            problem = verify_artifact(staging, ref, what=f"{name} {key}", cache=cache)
+            what = f"{name} {key}"
+            if rows is not None and key == "continuation_index":
+                read = continuation_index_rows(staging, ref, what=what, cache=cache)
+                if isinstance(read, str):
+                    problems.append(read)
+                else:
+                    rows[name] = read
+                continue
+            problem = verify_artifact(staging, ref, what=what, cache=cache)
             if problem:
                 problems.append(problem)
     return problems
+
+
+def continuation_index_rows(
+    staging: Path, ref: ArtifactRef, *, what: str, cache: DigestCache | None = None
+) -> list[ContinuationRow] | str:
+    """An agent's continuation index checked as `publish.verify_artifact` checks an artifact —
+    a regular file (never through a symlink) of the reference's bytes, sha256 and records (its
+    non-empty lines) — and parsed from the same bytes, read once: every record must be a
+    continuation row. Returns its rows, or the first problem (a file that is not rows fails the
+    commit like a digest that differs).
+
+    Its size and sha256 go into `cache` by its rules (`digests.regular_bytes`), so publication
+    hashes it no more; its record count is not kept there (publication's check counts it again)."""
+    rel = ref.relative_path
+    read = regular_bytes(staging / rel, cache=cache)
+    if read == "not a regular file":
+        return f"{what}: {rel} is missing (not a regular file)"
+    if isinstance(read, str):  # missing, or cannot be read
+        return f"{what}: {rel} {'is missing' if read == 'missing' else read}"
+    data, facts = read
+    if facts.size != ref.bytes:
+        return f"{what}: {rel} has {facts.size} bytes, the reply says {ref.bytes}"
+    if facts.sha256 != ref.sha256:
+        return f"{what}: {rel} sha256 {facts.sha256[:12]}… differs from the reply's {ref.sha256[:12]}…"
+    records = sum(1 for line in data.split(b"\n") if line.strip())
+    if records != ref.records:
+        return f"{what}: {rel} has {records} records, the reply says {ref.records}"
+    try:
+        return continuation_rows(rel, data)
+    except ValueError as error:
+        return f"{what}: a record is not a continuation row: {error}"
 
 
 def _owner(attempt: Attempt, entries: Sequence[str]) -> str | None:

@@ -135,6 +135,7 @@ async def test_seed_example_save_cycle(cluster: Any, ledger_url: str, configure:
         "phase.started",
         "phase.completed",
         "phase.started",
+        "rollouts.captured",  # what the commit saved of the agents' rollouts (issue 38)
         "phase.completed",
         "phase.started",
         "attempt.publishing",
