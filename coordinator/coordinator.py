@@ -923,7 +923,9 @@ class Coordinator:
         execution, a duplicate or an id Gym would refuse. Every request is a recorded control
         call (`call.sent` before it leaves, its outcome after) with the control token; a refusal,
         or a reply that does not cover exactly the requested set, raises `AcknowledgementError`
-        and nothing is assumed released. It may run while an attempt is in progress.
+        and nothing is assumed released. It may run while an attempt is in progress. Once the agent
+        acknowledged them, `rollouts.acknowledged` (its `server`: the agent) lists them; that record
+        is on disk when this returns.
 
         The anchor's agent takes the pairs themselves. Later Gym's takes each result's completion
         receipt instead (and answers the pairs with 422, releasing nothing). The receipts are
@@ -956,6 +958,7 @@ class Coordinator:
         if server not in self._receipt_sources:
             result = await self._acknowledge(target, pairs, wanted)
             if result.ok:
+                await self._record_acknowledged(server, result)
                 return wanted
             if not (result.error == "http" and result.status == 422):
                 raise self._not_acknowledged(server, wanted, result)
@@ -964,7 +967,25 @@ class Coordinator:
         result = await self._acknowledge(target, ReceiptAcknowledgeBody(executions=receipts), wanted)
         if not result.ok:
             raise self._not_acknowledged(server, wanted, result)
+        await self._record_acknowledged(server, result)
         return wanted
+
+    async def _record_acknowledged(self, server: str, result: CallResult) -> None:
+        """Append `rollouts.acknowledged` of an acknowledgement agent `server` answered: the
+        executions its reply lists (exactly the requested set), under no checkpoint id. Durable
+        (with the call's outcome, which it carries) before `acknowledge_completed` returns: the
+        caller may drop its copy of those results then."""
+        assert isinstance(result.reply, AcknowledgeReply)
+        await self._ctx.ledger.append(
+            "rollouts.acknowledged",
+            server=server,
+            data={
+                "executions": [
+                    {"rollout_id": e.rollout_id, "attempt": e.attempt_index}
+                    for e in result.reply.acknowledged
+                ]
+            },
+        )
 
     async def _receipts(
         self, target: Target, wanted: list[tuple[str, int]], refused: CallResult | None
