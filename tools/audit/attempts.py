@@ -13,6 +13,9 @@ attempt's id, in seq order; other events are ignored) and returns an `AttemptVie
 - `plane` (`v1`, or `v2` for Gym's unified plane, as `attempt.started` records it) and, for a v2
   attempt, `v2` (`V2Facts`): the episodes its `episodes.*` events recorded, its renewals, its
   retires; the participants' kinds come from the last `discovery.completed` before it.
+- for a v1 attempt that recorded its rollouts, `rollouts` (`RolloutFacts`): what its
+  `rollouts.captured` (a save's commit) and `rollouts.continued` (a restore) say, per agent.
+  `rollouts.acknowledged` names no attempt (it is the agent's, `server`), so no view holds it.
 
 Invariants: a call's `outcome` is `acknowledged` only for a `call.replied` with a 2xx status;
 any other reply and every `call.failed` is `failed`; a call with no outcome event is `unknown`.
@@ -349,6 +352,53 @@ class V2Facts:
         }
 
 
+Pair = tuple[str, int]
+
+
+def _pairs(value: Any) -> tuple[Pair, ...]:
+    """The `(rollout_id, attempt)` of each `{"rollout_id", "attempt"}` of a `rollouts.*` list
+    (an item of another shape is left out)."""
+    found: list[Pair] = []
+    for item in value if isinstance(value, list) else ():
+        if isinstance(item, Mapping):
+            rollout, attempt = _str(item.get("rollout_id")), _int(item.get("attempt"))
+            if rollout is not None and attempt is not None:
+                found.append((rollout, attempt))
+    return tuple(found)
+
+
+def _pairs_json(pairs: tuple[Pair, ...]) -> list[dict[str, Any]]:
+    return [{"rollout_id": rollout, "attempt": attempt} for rollout, attempt in pairs]
+
+
+@dataclass(slots=True)
+class RolloutFacts:
+    """What the ledger says of a v1 attempt's rollouts, as `(rollout_id, attempt)` pairs per agent.
+
+    `captured`: its `rollouts.captured` (a save's commit: each continuation row its agents saved).
+    `continued_from` / `continued` / `discarded` / `unknown`: its `rollouts.continued` (a restore:
+    the snapshot's checkpoint id, the executions each agent continues — their `/run` is sent again
+    —, those discarded to start over, and the agents whose saved folder did not say, with why).
+    """
+
+    captured: dict[str, tuple[Pair, ...]] | None = None
+    continued_from: str | None = None
+    continued: dict[str, tuple[Pair, ...]] | None = None
+    discarded: dict[str, tuple[Pair, ...]] = field(default_factory=dict)
+    unknown: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.captured is not None:
+            out["captured"] = {n: _pairs_json(p) for n, p in self.captured.items()}
+        if self.continued is not None:
+            out["continued_from"] = self.continued_from
+            out["continued"] = {n: _pairs_json(p) for n, p in self.continued.items()}
+            out["discarded"] = {n: _pairs_json(p) for n, p in self.discarded.items()}
+            out["unknown"] = dict(self.unknown)
+        return out
+
+
 @dataclass(slots=True)
 class AttemptView:
     """Everything the ledger says about one attempt. See the module docstring for the invariants."""
@@ -379,6 +429,7 @@ class AttemptView:
     pairing_errors: list[tuple[int, str]] = field(default_factory=list)
     plane: str = "v1"
     v2: V2Facts | None = None
+    rollouts: RolloutFacts | None = None
 
     @property
     def terminal(self) -> bool:
@@ -497,6 +548,8 @@ class AttemptView:
             "pairing_errors": [{"seq": s, "message": m} for s, m in self.pairing_errors],
             # v1 attempts keep their shape: the plane and its facts are added for v2 only
             **({"plane": self.plane, "v2": self.v2.to_json()} if self.v2 is not None else {}),
+            # and a v1 attempt's rollouts once it recorded them
+            **({"rollouts": self.rollouts.to_json()} if self.rollouts is not None else {}),
         }
 
 
@@ -717,6 +770,29 @@ class AttemptBuilder:
             if operation is not None:
                 facts.operations.append(operation)
 
+    def _rollouts(self, event: Event, ts: float) -> None:
+        """v1's `rollouts.captured` / `rollouts.continued` (a v2 attempt records its episodes instead)."""
+        view, data = self.view, event.data
+        if view.v2 is not None:
+            return
+        facts = view.rollouts = view.rollouts if view.rollouts is not None else RolloutFacts()
+        if event.kind == "rollouts.captured":
+            facts.captured = self._pairs_in_order(data.get("captured"))
+        elif event.kind == "rollouts.continued":
+            facts.continued_from = _str(data.get("source_checkpoint_id"))
+            facts.continued = self._pairs_in_order(data.get("continued"))
+            facts.discarded = self._pairs_in_order(data.get("discarded"))
+            unknown = data.get("unknown")
+            if isinstance(unknown, Mapping):
+                facts.unknown = {str(n): str(why) for n, why in unknown.items()}
+
+    def _pairs_in_order(self, value: Any) -> dict[str, tuple[Pair, ...]]:
+        """Per agent, its `(rollout_id, attempt)` pairs (`_pairs`), the participants first in
+        attempt order (the ledger stores the keys sorted)."""
+        found = {str(k): _pairs(v) for k, v in value.items()} if isinstance(value, Mapping) else {}
+        order = {name: i for i, name in enumerate(self.view.participants)}
+        return dict(sorted(found.items(), key=lambda item: (order.get(item[0], len(order)), item[0])))
+
 
 def _outcomes(event: Event) -> dict[str, str]:
     outcomes = event.data.get("outcomes") if event.kind == "recovery.completed" else None
@@ -746,6 +822,8 @@ _HANDLERS: Final = {
     "episodes.restored": AttemptBuilder._episodes,
     "episodes.retired": AttemptBuilder._episodes,
     "rollouts.forgotten": AttemptBuilder._episodes,
+    "rollouts.captured": AttemptBuilder._rollouts,
+    "rollouts.continued": AttemptBuilder._rollouts,
 }
 
 
