@@ -9,7 +9,9 @@ What counts, and when:
 - **captured** — a save's inventory counts once the save is published (``attempt.published``):
   on Gym's unified plane (v2) the commit scope (``episodes.scoped``; restarts are left out of
   it), on v1 every agent's continuation rows (``rollouts.captured``). A save that aborts
-  captured nothing.
+  captured nothing; a save published without its inventory recorded (a power loss took those
+  write-behind records and recovery found the snapshot; a ledger older than these events) is
+  passed over: it shows nothing captured, ended or lost.
 - **continued** — a restore's next attempts (v2 ``episodes.restored``, v1 ``rollouts.continued``
   — the resubmissions) count when recorded: the restored servers hold them from then on. A
   restore puts the run back at its snapshot, so the obligations left by anything before it end
@@ -196,6 +198,10 @@ class _Save:
     restarts: dict[tuple[str, int], list[str]] = field(default_factory=dict)
     exported: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
     captured: dict[tuple[str, int], list[str]] = field(default_factory=dict)  # v1: pair -> agents
+    #: its inventory was recorded (v2 ``episodes.scoped``, v1 ``rollouts.captured``): a save
+    #: published without it (a power loss took the write-behind records, recovery found the
+    #: snapshot; or a ledger older than these events) says nothing of what it captured
+    known: bool = False
     participants: tuple[str, ...] = ()
 
 
@@ -284,6 +290,7 @@ class LineageFold:
         if save is None:
             return
         save.scope = {episode_of_capture_key(str(k)) for k in _list(event.data.get("scope"))}
+        save.known = True
         restarts = event.data.get("restarts")
         if isinstance(restarts, Mapping):
             for server, keys in restarts.items():
@@ -305,6 +312,7 @@ class LineageFold:
         captured = event.data.get("captured")
         if save is None or not isinstance(captured, Mapping):
             return
+        save.known = True
         for agent, pairs in captured.items():
             for pair in _pairs(pairs):
                 save.captured.setdefault(pair, []).append(str(agent))
@@ -315,7 +323,7 @@ class LineageFold:
     def _published(self, event: Event) -> None:
         cid = event.checkpoint_id
         save = self._saves.pop(cid or "", None)
-        if save is None:
+        if save is None or not save.known:
             return
         seq = event.seq
         if save.plane == "v2":

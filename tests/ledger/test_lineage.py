@@ -251,3 +251,19 @@ def test_a_retried_restore_continues_what_the_failed_one_retired() -> None:
     report = log.fold()
     assert report.violations == []
     assert (report.rollouts["r1"].state, report.rollouts["r1"].attempt) == ("live", 1)
+
+
+def test_a_save_published_without_its_inventory_recorded_shows_nothing() -> None:
+    log = Log().discovered(**V2)
+    log.save_v2("c1", ["r1"], {"env": ["r1"]})
+    log.restore_v2("c2", "c1", {"env": ["r1-a1"]})
+    # recovery found c3's snapshot after a power loss took its scope and exports
+    log.add("attempt.started", "c3", kind="save", plane="v2", participants=["env"], deadline_ts=1.0)
+    log.add("attempt.published", "c3", final_dir="/f")
+    log.add("attempt.started", "c4", kind="save", participants=["a1"], deadline_ts=1.0)  # v1, old ledger
+    log.add("attempt.published", "c4", final_dir="/f")
+    report = log.fold()
+    assert report.violations == []
+    assert (report.rollouts["r1"].state, report.rollouts["r1"].attempt) == ("live", 1)
+    log.save_v2("c5", [], {"env": []})  # a save with its inventory: r1-a1 is missing from it
+    assert rules(log.fold()) == [("lost", "r1")]
