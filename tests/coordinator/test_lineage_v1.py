@@ -105,3 +105,25 @@ async def test_a_v1_run_accounts_for_every_rollout_then_shows_what_an_agent_lost
     ]
     assert all(again.checkpoint_id in v.message for v in report.violations)
     assert report.rollouts == {"live": 0, "restarted": 0, "retired": 0, "finished": 1, "lost": 2}
+
+
+async def test_v1_two_attempts_of_one_rollout_running_at_once_are_named(
+    make_cluster: MakeCluster, sqlite_url: str, configure: Any
+) -> None:
+    from tests.coordinator.test_rollout_events import TWO_AGENTS
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        with make_cluster(TWO_AGENTS) as running:
+            await _slow(http, running)
+            # a trainer that sends rollout r0 again, as attempt 1 on another agent, while attempt 0 runs
+            await client.start_rollout(http, running.urls[AGENT], "r0", 30)
+            await client.start_rollout(http, running.urls["idle_agent"], "r0", 30, attempt_index=1)
+            await client.wait_turns(http, running.urls[AGENT], 2)
+            await client.wait_turns(http, running.urls["idle_agent"], 2)
+            async with Coordinator.open(configure(running, sqlite_url)) as coord:
+                saved = await coord.checkpoint(deadline_s=30)
+    report = await check_ledger(sqlite_url)
+    assert [(v.rule, v.rollout_id, v.checkpoint_id) for v in report.violations] == [
+        ("lineage-twice", "r0", saved.checkpoint_id)
+    ]
+    assert "attempts 0, 1 of rollout r0" in report.violations[0].message
