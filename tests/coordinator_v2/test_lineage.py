@@ -1,5 +1,6 @@
 """The rollout lineage against real v2 reference servers: a save, a restore into a fresh cluster,
-and a trainer that continues all but one restored attempt — `check` is clean until a save shows
+and a trainer that continues all but one restored attempt and forgets one it finished — `check` is
+clean (every rollout accounted for) until a save shows
 the dropped one lost, then names it (API and CLI, `--expect` too), and `quiesce rollouts` tells
 its lineage."""
 
@@ -48,12 +49,16 @@ async def test_a_dropped_restored_attempt_is_lost_and_named(
             assert restored.state == "completed"
             # the trainer continues r0..r2 and never sends r3's /run
             await trainer.continue_on(second.urls["environment"], ["r0", "r1", "r2"], paced=True)
+            # r0 runs to its end; the trainer holds its result and forgets it
+            await trainer.unpace(["r0"])
+            await trainer.wait_done(["r0"])
+            await coord.forget(["r0"], deadline_s=10)
             await trainer.wait_parked()
             # restored, not saved since: every attempt is owed a save, none is lost yet
             clean = await check_ledger(sqlite_url)
             assert clean.violations == [], clean.violations
-            assert clean.rollouts == {"live": 4, "restarted": 0, "retired": 0, "finished": 0, "lost": 0}
-            kept = [EpisodeId(rollout_id=f"r{i}", attempt=1) for i in range(3)]
+            assert clean.rollouts == {"live": 3, "restarted": 0, "retired": 0, "finished": 1, "lost": 0}
+            kept = [EpisodeId(rollout_id=f"r{i}", attempt=1) for i in (1, 2)]
             later = await coord.checkpoint(deadline_s=20, episodes=kept)
         await trainer.detach()
 
@@ -62,7 +67,7 @@ async def test_a_dropped_restored_attempt_is_lost_and_named(
         ("lineage-lost", "r3", later.checkpoint_id)
     ]
     assert restored.checkpoint_id in report.violations[0].message
-    assert report.rollouts == {"live": 3, "restarted": 0, "retired": 0, "finished": 0, "lost": 1}
+    assert report.rollouts == {"live": 2, "restarted": 0, "retired": 0, "finished": 1, "lost": 1}
     async with Ledger.open(sqlite_url, readonly=True) as ledger:
         lineage = await read_lineage(ledger)
     r3 = lineage.rollouts["r3"]
@@ -72,8 +77,11 @@ async def test_a_dropped_restored_attempt_is_lost_and_named(
         ("lost", 1, later.checkpoint_id),
     ]
     assert {r: (x.state, x.attempt) for r, x in lineage.rollouts.items() if r != "r3"} == {
-        f"r{i}": ("live", 1) for i in range(3)
+        "r0": ("finished", 1),
+        "r1": ("live", 1),
+        "r2": ("live", 1),
     }
+    assert [s.what for s in lineage.rollouts["r0"].steps] == ["captured", "continued", "forgotten"]
 
     # the same through the CLI, as a real process
     ledger_file = sqlite_url.split("///", 1)[1]
@@ -89,7 +97,7 @@ async def test_a_dropped_restored_attempt_is_lost_and_named(
     ]
     # the trainer's own view: it believes r3's restored attempt is live too
     expect = tmp_path / "live.jsonl"
-    expect.write_text("".join(json.dumps({"rollout_id": f"r{i}", "attempt": 1}) + "\n" for i in range(4)))
+    expect.write_text("".join(json.dumps({"rollout_id": f"r{i}", "attempt": 1}) + "\n" for i in (1, 2, 3)))
     done = quiesce("check", "--ledger", ledger_file, "--expect", str(expect), "--json", cwd=tmp_path)
     assert done.returncode == 1
     found = json_of(done)
