@@ -22,7 +22,8 @@ from typing import Any
 
 import anyio
 
-from quiesce.ledger.lineage import STATES, LineageReport, Rollout, Step, read_lineage
+from quiesce.ledger.lineage import STATES, LineageReport, Rollout, read_lineage
+from quiesce.tools.audit.lineage import chosen, document, strip, unknown
 from quiesce.tools.audit.source import open_readonly
 from quiesce.tools.cli.flags import CommandError, add_ledger, add_output
 from quiesce.tools.cli.output import console, emit_json, emit_jsonl
@@ -52,28 +53,6 @@ async def read(url: str, only: list[str] | None) -> LineageReport:
         return await read_lineage(ledger, steps=True, only=only)
 
 
-def chosen(report: LineageReport, only: list[str] | None, state: str | None) -> list[Rollout]:
-    """The rollouts to show, by rollout id."""
-    rollouts = report.rollouts
-    ids = sorted(rollouts) if only is None else [r for r in dict.fromkeys(only) if r in rollouts]
-    return [rollouts[r] for r in ids if state is None or rollouts[r].state == state]
-
-
-def strip(steps: list[Step], *, seqs: bool = False) -> str:
-    """A rollout's steps in one line: `captured a0 @c1 → continued a1 @c2 → lost a1 @c3`."""
-    parts = []
-    for s in steps:
-        text = s.what if s.attempt is None else f"{s.what} a{s.attempt}"
-        if s.checkpoint_id:
-            text += f" @{s.checkpoint_id}"
-        elif s.servers:
-            text += f" on {', '.join(s.servers)}"
-        if seqs:
-            text += f" (seq {s.seq})"
-        parts.append(text)
-    return " → ".join(parts)
-
-
 _STATE_STYLE = {
     "live": "green",
     "finished": "",
@@ -86,20 +65,11 @@ _STATE_STYLE = {
 def handle(args: argparse.Namespace) -> int:
     report = anyio.run(read, args.ledger, args.rollout)
     rows = chosen(report, args.rollout, args.state)
-    missing = [r for r in dict.fromkeys(args.rollout or ()) if r not in report.rollouts]
+    missing = unknown(report, args.rollout)
     if args.output == "jsonl":
         emit_jsonl([r.to_json() for r in rows])
     elif args.json:
-        wanted = {r.rollout_id for r in rows}
-        emit_json(
-            {
-                "rollouts": [r.to_json() for r in rows],
-                "counts": report.counts(),
-                "violations": [v.to_json() for v in report.violations if v.rollout_id in wanted],
-                "warnings": [v.to_json() for v in report.warnings if v.rollout_id in wanted],
-                **({"unknown": missing} if missing else {}),
-            }
-        )
+        emit_json(document(report, rows, missing))
     else:
         _print_table(report, rows, wide=args.output == "wide")
     if missing:
