@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from quiesce.coordinator.publish import Snapshot, load_snapshot, read_latest, verify_snapshot
     from quiesce.coordinator.retire import RetireOutcome
     from quiesce.coordinator.status import ClusterStatus
+    from quiesce.ledger.lineage import Rollout, Step
 
 #: Public names and the module each lives in. Imported on first use, so that importing
 #: `quiesce.coordinator.errors` (the CLI does, at start) does not load httpx, the ledger and pydantic models.
@@ -76,6 +77,8 @@ _EXPORTS: dict[str, str] = {
     "QuiesceError": "quiesce.coordinator.errors",
     "Resubmission": "quiesce.coordinator.attempt",
     "UnknownResubmissions": "quiesce.coordinator.attempt",
+    "Rollout": "quiesce.ledger.lineage",
+    "Step": "quiesce.ledger.lineage",
     "ServerConfig": "quiesce.coordinator.config",
     "ServersHeld": "quiesce.coordinator.errors",
     "ClusterStatus": "quiesce.coordinator.status",
@@ -120,10 +123,12 @@ __all__ = [
     "QuiesceError",
     "Resubmission",
     "RetireOutcome",
+    "Rollout",
     "ServerConfig",
     "ServersHeld",
     "Snapshot",
     "SnapshotError",
+    "Step",
     "UnknownResubmissions",
     "load_config",
     "load_snapshot",

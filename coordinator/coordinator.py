@@ -104,6 +104,7 @@ from quiesce.coordinator.retire import RetireOutcome
 from quiesce.coordinator.status import ClusterStatus, Fence, read_status, refuse_if_held, status_from
 from quiesce.coordinator.version import VERSION
 from quiesce.ledger import AfterAppend, AttemptRow, Event, LeaseTerms, Ledger, LedgerError
+from quiesce.ledger.lineage import STATES, Rollout, read_lineage
 
 __all__ = ["Coordinator", "quiesce_version", "read_history"]
 
@@ -1168,6 +1169,24 @@ class Coordinator:
         if before is not None and anchor is None:
             raise QuiesceError(f"no attempt {before!r} in the ledger to page back from; history() lists them")
         return await ledger.attempts(outcome=outcome, limit=limit, before=anchor)
+
+    async def rollouts(
+        self, rollout_id: str | Sequence[str] | None = None, *, state: str | None = None
+    ) -> list[Rollout]:
+        """Each rollout's lineage from this coordinator's ledger (`quiesce.ledger.lineage`), with
+        its steps: every rollout by rollout id (`rollout_id` None), else the rollouts named, in
+        the order named, each once — an id the ledger never recorded is left out; with `state`
+        (`live`, `restarted`, `retired`, `finished`, `lost`) only those in it. Read-only: records
+        nothing and contacts no server. Another state raises `ConfigError`."""
+        if state is not None and state not in STATES:
+            raise ConfigError(f"no rollout state {state!r}; the states are {', '.join(STATES)}")
+        only = (
+            None if rollout_id is None else [rollout_id] if isinstance(rollout_id, str) else list(rollout_id)
+        )
+        report = await read_lineage(self._ctx.ledger, steps=True, only=only)
+        found = report.rollouts
+        ids = sorted(found) if only is None else [r for r in dict.fromkeys(only) if r in found]
+        return [found[r] for r in ids if state is None or found[r].state == state]
 
 
 def _chained(first: AfterAppend | None, second: AfterAppend | None) -> AfterAppend | None:
