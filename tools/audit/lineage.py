@@ -117,7 +117,7 @@ class SaveFigures:
 @dataclass(slots=True)
 class ReportLineage:
     """What the report shows of the lineage: `report` (every rollout's state; steps only of the
-    rollouts in `shown`), `shown` (the first `REPORT_CAP` by id, then every lost one after them),
+    rollouts in `shown`), `shown` (the first `cap` by id, then every lost one after them),
     `left_out` (how many rollouts are not shown) and `saves` (each published save's figures, by
     checkpoint id, in seq order)."""
 
@@ -125,6 +125,7 @@ class ReportLineage:
     shown: list[Rollout] = field(default_factory=list)
     left_out: int = 0
     saves: dict[str, SaveFigures] = field(default_factory=dict)
+    cap: int = REPORT_CAP
 
 
 async def report_lineage(ledger: Ledger, *, cap: int = REPORT_CAP) -> ReportLineage:
@@ -180,4 +181,5 @@ async def report_lineage(ledger: Ledger, *, cap: int = REPORT_CAP) -> ReportLine
         shown=[report.rollouts[r] for r in shown_ids],
         left_out=len(ids) - len(shown_ids),
         saves=saves,
+        cap=cap,
     )

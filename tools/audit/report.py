@@ -17,7 +17,15 @@ page holds:
   (`recovery.settled`) as diamonds on their lane;
 - for an attempt on Gym's unified plane (v2), its plane and the facts its `episodes.*` events
   recorded (scope, restarts, exports, blockers, restored attempts, retires and forgets) and its
-  renewals (`<ul class="v2">`, one `<li>` each).
+  renewals (`<ul class="v2">`, one `<li>` each);
+- given the ledger's rollout lineage (`tools.audit.lineage.report_lineage`): per published save
+  shown, the rollout attempts it captured, left out as restarts and showed lost, and those retired
+  since the previous published save (in its section's facts, and a table); then a "Rollouts"
+  section (`<section class="rollouts">`): the count in each state, the lineage violations and
+  warnings (`<li class="violation">`), and one row per rollout shown with its lineage strip (one
+  `<li class="step step-<what>">` per step, across checkpoints and restores), a lost rollout's
+  row `<tr class="rollout state-lost">` in red. It shows the first `REPORT_CAP` rollouts by id
+  and every lost one, and says how many it left out (and how many violations past the cap).
 
 Invariants: every ledger-derived string reaches the page only through `html.escape` (text and
 attribute values alike); class names come from fixed vocabularies, never from ledger text; element
@@ -34,7 +42,9 @@ from datetime import UTC, datetime
 from html import escape
 from typing import Final
 
+from quiesce.ledger.lineage import STATES, LineageViolation, Rollout, Step
 from quiesce.tools.audit.attempts import AttemptView, Call, Settled, call_duration
+from quiesce.tools.audit.lineage import REPORT_CAP, ReportLineage, SaveFigures
 from quiesce.tools.audit.present import PLANES, renewals_text, short_route, v2_lines
 from quiesce.tools.audit.timefmt import duration, short_at
 
@@ -93,6 +103,19 @@ line.axis { stroke: #afb8c1; }
 .sw-comp { border: 2px solid var(--comp); } .sw-dead { border-left: 2px dashed var(--bad); }
 .sw-rec { background: var(--comp); transform: rotate(45deg) scale(0.7); }
 .empty { color: var(--mute); font-style: italic; }
+section.rollouts { margin-top: 36px; }
+table.lineage td.id { font-family: ui-monospace, monospace; white-space: nowrap; }
+ol.strip { list-style: none; margin: 0; padding: 0; display: flex; flex-wrap: wrap; gap: 2px 18px; }
+ol.strip li { position: relative; white-space: nowrap; padding: 1px 6px; border-radius: 3px;
+       background: #eef1f4; }
+ol.strip li + li::before { content: "\\2192"; position: absolute; left: -15px; color: var(--mute);
+       font-weight: 400; }
+ol.strip li.step-captured { background: #dafbe1; } ol.strip li.step-continued { background: #ddf4ff; }
+ol.strip li.step-restart, ol.strip li.step-discarded, ol.strip li.step-retired { background: #fff8c5; }
+ol.strip li.step-lost { background: #ffebe9; color: var(--bad); font-weight: 600; }
+td.state-live { color: var(--ok); } td.state-restarted, td.state-retired { color: #9a6700; }
+tr.state-lost td { color: var(--bad); font-weight: 600; background: #fff5f5; }
+ul.lineage li.violation { color: var(--bad); } ul.lineage li.warning { color: #9a6700; }
 """
 
 
@@ -288,7 +311,7 @@ def _summary_row(index: int, view: AttemptView) -> str:
     return "<tr>" + "".join(cells) + "</tr>"
 
 
-def _attempt_section(index: int, view: AttemptView) -> str:
+def _attempt_section(index: int, view: AttemptView, figures: SaveFigures | None = None) -> str:
     outcome = view.outcome or "open (no terminal event)"
     facts = [
         f"{view.kind or '?'} · {outcome}",
@@ -296,6 +319,8 @@ def _attempt_section(index: int, view: AttemptView) -> str:
         f"duration {duration(view.duration_s)}",
         f"{len(view.calls)} calls",
     ]
+    if figures is not None:
+        facts.append(f"rollouts: {_figures_text(figures)}")
     if view.abort_reason:
         facts.append(f"reason: {view.abort_reason}")
     if view.left_paused:
@@ -323,8 +348,108 @@ def _v2_facts(view: AttemptView) -> str:
     return '<ul class="v2">' + "".join(f"<li>{_e(line)}</li>" for line in lines) + "</ul>"
 
 
-def render_report(views: Sequence[AttemptView], *, source: str, generated_at: datetime | None = None) -> str:
-    """The whole page for `views`, shown in their order (oldest first). `source` names the ledger."""
+def _figures_text(figures: SaveFigures) -> str:
+    return (
+        f"{figures.captured} captured, {figures.restarted} restarted, {figures.lost} lost;"
+        f" {figures.retired} retired since the previous save"
+    )
+
+
+def _violation_items(items: Sequence[LineageViolation], css: str) -> list[str]:
+    shown = [
+        f'<li class="{css}">seq {v.seq} · {_e(v.rule)} · {_e(v.rollout_id)}: {_e(v.message)}</li>'
+        for v in items[:REPORT_CAP]
+    ]
+    if len(items) > REPORT_CAP:
+        shown.append(
+            f'<li class="more">and {len(items) - REPORT_CAP} more {css}s (quiesce check lists all)</li>'
+        )
+    return shown
+
+
+def _rollout_row(rollout: Rollout) -> str:
+    state = rollout.state if rollout.state in STATES else "live"
+    steps = "".join(
+        f'<li class="step step-{_step_token(s.what)}" title="{_e(_step_title(s))}">'
+        f"{_e(_step_text(s.what, s.attempt, s.checkpoint_id))}</li>"
+        for s in rollout.steps
+    )
+    return (
+        f'<tr class="rollout state-{state}"><td class="id">{_e(rollout.rollout_id)}</td>'
+        f'<td class="state-{state}">{_e(rollout.state)}</td><td class="num">{rollout.attempt}</td>'
+        f'<td><ol class="strip">{steps}</ol></td></tr>'
+    )
+
+
+def _step_title(step: Step) -> str:
+    servers = f" on {', '.join(step.servers)}" if step.servers else ""
+    return f"seq {step.seq}{servers}" + (f" — {step.detail}" if step.detail else "")
+
+
+_STEPS: Final = frozenset(
+    {"captured", "restart", "continued", "discarded", "retired", "forgotten", "acknowledged", "ended", "lost"}
+)
+
+
+def _step_token(what: str) -> str:
+    return what if what in _STEPS else "other"
+
+
+def _step_text(what: str, attempt: int | None, checkpoint_id: str | None) -> str:
+    text = what if attempt is None else f"{what} a{attempt}"
+    return text + (f" @{checkpoint_id}" if checkpoint_id else "")
+
+
+def _rollouts_section(lineage: ReportLineage, ordered: Sequence[tuple[int, AttemptView]]) -> str:
+    """The "Rollouts" section (see the module docstring)."""
+    report = lineage.report
+    counts = ", ".join(f"{n} {state}" for state, n in report.counts().items() if n) or "none recorded"
+    parts = [
+        '<section class="rollouts" id="rollouts"><h2>Rollouts</h2>',
+        f'<p class="meta">{len(report.rollouts)} rollouts: {_e(counts)}</p>',
+    ]
+    saves = [(i, v, lineage.saves[v.checkpoint_id]) for i, v in ordered if v.checkpoint_id in lineage.saves]
+    if saves:
+        rows = "".join(
+            f'<tr class="save"><td><a href="#attempt-{i}">{_e(v.checkpoint_id)}</a></td>'
+            + "".join(f'<td class="num">{n}</td>' for n in (f.captured, f.restarted, f.retired, f.lost))
+            + "</tr>"
+            for i, v, f in saves
+        )
+        parts.append(
+            '<table class="summary saves"><thead><tr><th>published save</th><th>captured</th>'
+            "<th>restarted</th><th>retired since the previous save</th><th>lost</th></tr></thead>"
+            f"<tbody>{rows}</tbody></table>"
+        )
+    items = _violation_items(report.violations, "violation") + _violation_items(report.warnings, "warning")
+    if items:
+        parts.append(f'<ul class="lineage">{"".join(items)}</ul>')
+    else:
+        parts.append('<p class="empty">no lineage violations or warnings</p>')
+    if lineage.shown:
+        rows = "".join(_rollout_row(r) for r in lineage.shown)
+        parts.append(
+            '<table class="summary lineage"><thead><tr><th>rollout</th><th>state</th><th>attempt</th>'
+            f"<th>lineage</th></tr></thead><tbody>{rows}</tbody></table>"
+        )
+    if lineage.left_out:
+        parts.append(
+            f'<p class="meta left-out">{lineage.left_out} more rollouts not shown: this page shows the first'
+            f" {lineage.cap} by id and every lost one (quiesce rollouts lists all)</p>"
+        )
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def render_report(
+    views: Sequence[AttemptView],
+    *,
+    source: str,
+    generated_at: datetime | None = None,
+    lineage: ReportLineage | None = None,
+) -> str:
+    """The whole page for `views`, shown in their order (oldest first). `source` names the ledger;
+    `lineage` (when given) adds each published save's rollout figures and the "Rollouts" section."""
     when = (generated_at or datetime.now(UTC)).astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     ordered = list(enumerate(views))
     csp = (
@@ -346,9 +471,11 @@ def render_report(views: Sequence[AttemptView], *, source: str, generated_at: da
         if views
         else '<p class="empty">no attempts in this ledger</p>'
     )
-    sections = "".join(_attempt_section(i, v) for i, v in ordered)
+    saves = lineage.saves if lineage is not None else {}
+    sections = "".join(_attempt_section(i, v, saves.get(v.checkpoint_id)) for i, v in ordered)
+    rollouts = _rollouts_section(lineage, ordered) if lineage is not None else ""
     return (
         f"{head}<body><h1>quiesce — checkpoint attempts</h1>"
         f'<p class="meta">ledger {_e(source)} · {len(views)} attempts · generated {_e(when)}</p>'
-        f"{summary}{sections}</body></html>\n"
+        f"{summary}{sections}{rollouts}</body></html>\n"
     )

@@ -2,7 +2,9 @@
 
 Writes one self-contained HTML page (no network, no external scripts or fonts): a summary table of
 the most recent attempts and, per attempt, a Gantt timeline — one lane per server, one bar per
-call coloured by outcome, phase bands, the deadline, recovery actions. See `tools/audit/report.py`.
+call coloured by outcome, phase bands, the deadline, recovery actions; per published save its
+rollout figures, and the ledger's rollout lineage (states, violations, each rollout's steps:
+the first 200 and every lost one). See `tools/audit/report.py`.
 Exit 0 when written, 1 when the ledger (or the attempt) cannot be read.
 """
 
@@ -18,8 +20,10 @@ from rich.text import Text
 
 from quiesce.coordinator.wording import count
 from quiesce.ledger.urls import safe
+from quiesce.tools.audit.attempts import AttemptView
+from quiesce.tools.audit.lineage import ReportLineage, report_lineage
 from quiesce.tools.audit.report import render_report
-from quiesce.tools.audit.source import load_views
+from quiesce.tools.audit.source import load_views, open_readonly
 from quiesce.tools.cli.flags import add_ledger, out_file
 from quiesce.tools.cli.output import console, emit_json
 
@@ -46,10 +50,17 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=handle)
 
 
+async def _load(url: str, checkpoint_id: str | None, limit: int) -> tuple[list[AttemptView], ReportLineage]:
+    """The attempts the page shows, then the ledger's rollout lineage."""
+    views = await load_views(url, checkpoint_id, limit)
+    async with open_readonly(url) as ledger:
+        return views, await report_lineage(ledger)
+
+
 def handle(args: argparse.Namespace) -> int:
     out_file(args.out)  # exit 2 before the ledger is read
-    views = anyio.run(load_views, args.ledger, args.checkpoint, args.limit)
-    page = render_report(views, source=safe(args.ledger))
+    views, lineage = anyio.run(_load, args.ledger, args.checkpoint, args.limit)
+    page = render_report(views, source=safe(args.ledger), lineage=lineage)
     tmp = args.out.with_name(f".{args.out.name}.tmp")
     try:
         tmp.write_text(page, encoding="utf-8")
