@@ -6,7 +6,8 @@ Rules kept here:
   `/docs`, `/openapi.json`, `/healthz` and `/readyz` never do (they show no ledger data; the page
   asks for the token itself).
 - Every route that drives servers is one `Service.run` operation; the ledger reads
-  (`/v1/attempts...`) go through a separate read-only ledger, so they never disturb a save.
+  (`/v1/attempts...`, `/v1/rollouts`) go through a separate read-only ledger, so they never
+  disturb a save.
 - Two routes claim no operation, as the embedded API allows them beside an attempt: `GET
   /v1/status` (read-only: live fences, holders looked up in the read-only ledger, nothing
   recorded) and `POST /v1/acknowledge` (a trainer releasing a finished result may be what lets the
@@ -98,6 +99,8 @@ from quiesce.tools.serve.models import (
     RestoreReply,
     RestoreRequest,
     ResumeRequest,
+    RolloutsReply,
+    RolloutState,
     SaveRequest,
     SnapshotModel,
     StatusModel,
@@ -500,6 +503,30 @@ def build_app(service: Service, *, api_token: str | None, hosts: ServedHosts | N
         # `open` selects attempts without a terminal event; `limit` reads that many index rows
         rows = await reader.attempts(outcome=outcome, limit=limit, before=anchor)
         return [HistoryRow.of(r) for r in rows]
+
+    @app.get(
+        "/v1/rollouts",
+        dependencies=guarded,
+        responses=_ERRORS,
+        tags=["ledger"],
+        response_model=RolloutsReply,
+    )
+    async def rollouts(
+        rollout: Annotated[
+            list[str] | None, Query(description="only this rollout (repeat the parameter for several)")
+        ] = None,
+        state: Annotated[RolloutState | None, Query(description="only rollouts in this state")] = None,
+    ) -> JSONResponse:
+        """Each rollout's lineage from the ledger — what `quiesce rollouts --json` prints: every
+        rollout by id, or those named (in that order; `unknown` lists ids the ledger never
+        recorded), in `state` only if given; `counts` over every rollout, `violations` and
+        `warnings` of those shown. Read from the read-only ledger: served beside an attempt."""
+        from quiesce.ledger.lineage import read_lineage
+        from quiesce.tools.audit.lineage import chosen, document, unknown
+
+        reader = service.require_reader()
+        report = await read_lineage(reader, steps=True, only=rollout)
+        return JSONResponse(document(report, chosen(report, rollout, state), unknown(report, rollout)))
 
     async def resolved(reader: Ledger, checkpoint_id: str) -> str:
         """`checkpoint_id` itself; `latest`: the attempt in progress, else the ledger's newest (404: none)."""

@@ -11,7 +11,8 @@
 
 The methods return what `Coordinator`'s return — `coordinator.Attempt`, `coordinator.Outcome`,
 `coordinator.Discovery`, `quiesce.coordinator.status.ClusterStatus` (each server's `capabilities` None:
-not sent), `ledger.AttemptRow`, the acknowledged `(rollout_id, attempt_index)` pairs — and raise
+not sent), `ledger.AttemptRow`, `ledger.lineage.Rollout` (`rollouts()`), the acknowledged
+`(rollout_id, attempt_index)` pairs — and raise
 what they raise: a failed phase is a `PhaseError` with the same fields (what was resumed, what
 could not be), a bad snapshot a `SnapshotError`, a held participant `ServersHeld`, a refused
 acknowledgement `AcknowledgementError`, and so on; the service adds `Busy` (another attempt in
@@ -73,6 +74,7 @@ from quiesce.coordinator.retire import RetireOutcome
 from quiesce.coordinator.snapshots import SnapshotInfo
 from quiesce.coordinator.status import ClusterStatus
 from quiesce.ledger import AttemptRow
+from quiesce.ledger.lineage import Rollout
 from quiesce.tools.serve.auth import API_TOKEN_ENV
 from quiesce.tools.serve.errors import (
     Busy,
@@ -90,6 +92,7 @@ from quiesce.tools.serve.models import (
     OutcomeModel,
     RestoreReply,
     RetireReply,
+    RolloutsReply,
     SnapshotModel,
     StatusModel,
 )
@@ -297,6 +300,19 @@ class RemoteCoordinator:
         """The published snapshots, oldest first (`quiesce.coordinator.snapshots.list_published`);
         `latest` marks the one `LATEST` names."""
         return [SnapshotModel.model_validate(s).info() for s in await self._request("GET", "/v1/snapshots")]
+
+    async def rollouts(
+        self, rollout_id: str | Sequence[str] | None = None, *, state: str | None = None
+    ) -> list[Rollout]:
+        """Each rollout's lineage from the service's ledger, as `Coordinator.rollouts` selects it
+        (every rollout by id, or those named in that order, ids never recorded left out; `state`
+        only those in it); another state raises `InvalidRequest` (a `ConfigError`, as embedded)."""
+        names = [rollout_id] if isinstance(rollout_id, str) else list(rollout_id or ())
+        if rollout_id is not None and not names:
+            return []  # none named: none shown (a query without `rollout` means every rollout)
+        query = [("rollout", r) for r in names] + ([("state", state)] if state is not None else [])
+        reply = await self._request("GET", "/v1/rollouts" + (f"?{urlencode(query)}" if query else ""))
+        return [r.rollout() for r in RolloutsReply.model_validate(reply).rollouts]
 
     async def show(self, checkpoint_id: str) -> dict[str, Any]:
         """One attempt explained from the ledger (`quiesce show ID --json`)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -23,6 +23,7 @@ from quiesce.coordinator.retire import RetireOutcome
 from quiesce.coordinator.snapshots import SnapshotInfo
 from quiesce.coordinator.status import ClusterStatus, Holder, ServerStatus
 from quiesce.ledger import AttemptRow
+from quiesce.ledger.lineage import STATES, LineageViolation, Rollout, Step
 
 
 class Request(BaseModel):
@@ -645,6 +646,73 @@ class HistoryRow(BaseModel):
 
     def row(self) -> AttemptRow:
         return AttemptRow(**{**self.model_dump(), "participants": tuple(self.participants)})
+
+
+# -- rollout lineage --------------------------------------------------------------------------
+
+RolloutState = Literal["live", "restarted", "retired", "finished", "lost"]
+assert get_args(RolloutState) == STATES  # the lineage's states, as the query and reply name them
+
+
+class StepModel(BaseModel):
+    """One step of a rollout's lineage (`quiesce.ledger.lineage.Step`)."""
+
+    seq: int
+    what: Literal[
+        "captured",
+        "restart",
+        "continued",
+        "discarded",
+        "retired",
+        "forgotten",
+        "acknowledged",
+        "ended",
+        "lost",
+    ]
+    attempt: int | None = Field(description="the rollout attempt it concerns; null: the whole rollout")
+    checkpoint_id: str | None
+    servers: list[str]
+    detail: str | None
+
+    def step(self) -> Step:
+        return Step(self.seq, self.what, self.attempt, self.checkpoint_id, tuple(self.servers), self.detail)
+
+
+class RolloutModel(BaseModel):
+    """One rollout: its newest attempt, its state now, its steps (`quiesce.ledger.lineage.Rollout`)."""
+
+    rollout_id: str
+    attempt: int
+    state: RolloutState
+    steps: list[StepModel]
+
+    def rollout(self) -> Rollout:
+        return Rollout(self.rollout_id, self.attempt, self.state, [s.step() for s in self.steps])
+
+
+class LineageViolationModel(BaseModel):
+    """A broken lineage rule (or a warning), at the seq of the event that shows it."""
+
+    seq: int
+    rule: Literal["lost", "twice", "retired", "inventory", "expect"]
+    checkpoint_id: str | None
+    rollout_id: str
+    message: str
+
+    def violation(self) -> LineageViolation:
+        return LineageViolation(self.seq, self.rule, self.checkpoint_id, self.rollout_id, self.message)
+
+
+class RolloutsReply(BaseModel):
+    """`GET /v1/rollouts`: what `quiesce rollouts --json` prints."""
+
+    rollouts: list[RolloutModel]
+    counts: dict[str, int] = Field(description="rollouts in each state, over the whole ledger (zeros too)")
+    violations: list[LineageViolationModel] = Field(description="of the rollouts shown")
+    warnings: list[LineageViolationModel] = Field(description="of the rollouts shown")
+    unknown: list[str] | None = Field(
+        default=None, description="the rollout ids asked for that the ledger never recorded (only when some)"
+    )
 
 
 class Readiness(BaseModel):
