@@ -20,9 +20,19 @@ worker thread):
 - `quiesce_lease_held` — 1 while this service is the active, writable coordinator;
 - `quiesce_ledger_commit_seconds` — each ledger transaction (`Ledger.on_commit`);
 - `quiesce_seconds_since_last_published` — now − the last `attempt.published` (seeded from the
-  ledger at start; NaN before any).
+  ledger at start; NaN before any);
+- `quiesce_rollouts_captured_total`, `quiesce_rollouts_restarted_total`,
+  `quiesce_rollouts_retired_total`, `quiesce_rollouts_lost_total` — the rollout lineage's steps
+  (`quiesce.ledger.lineage`), one per rollout attempt: captured by a published save; left out of
+  one as a restart, discarded by a restore or replaced by one (the trainer starts it over);
+  retired; shown lost by a published save. A lineage fold (`tools.audit.lineage.StepFold`, no
+  steps kept) is fed the observed events; it is seeded at each term's start with the ledger's
+  lineage events before the first event this process observed, which are not counted (as every
+  counter here, they count from the process's start), so a restore before the start still
+  shows a later loss.
 
-State kept between events is bounded by what is in flight: open calls (by call id) and open
+State kept between events is bounded by what is in flight (and the lineage fold: a few hundred
+bytes per rollout): open calls (by call id) and open
 phases and attempts (by checkpoint id), each dropped at its end. An attempt this process did not
 see start (one a dead coordinator left, ended by recovery or by `resume`) is resolved later from
 the `attempts` projection (`unresolved`, `resolve`): its kind is not in its terminal event.
@@ -48,6 +58,8 @@ from prometheus_client import (
 )
 
 from quiesce.ledger import AttemptRow, Event
+from quiesce.ledger.lineage import LINEAGE_KINDS, Rollout, Step
+from quiesce.tools.audit.lineage import StepFold
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 _CONTROL_PREFIX: Final = "/ng-control/v1"
@@ -57,6 +69,7 @@ _COMMIT_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0
 _OUTCOMES: Final = frozenset({"published", "restored", "resumed", "aborted", "abandoned"})
 _FAILURES: Final = frozenset({"timeout", "connect", "http", "protocol"})
 _ENDED_KEPT: Final = 1024
+_LINEAGE_KINDS: Final = frozenset(LINEAGE_KINDS)
 
 
 #: no `*_created` series: they double what a scrape carries and say nothing a counter's reset does not
@@ -114,6 +127,35 @@ class Metrics:
             "Seconds since the last published snapshot (NaN before any)",
             registry=live,
         )
+        self.rollouts_captured = Counter(
+            "quiesce_rollouts_captured", "Rollout attempts captured by published saves", registry=registry
+        )
+        self.rollouts_restarted = Counter(
+            "quiesce_rollouts_restarted",
+            "Rollout attempts the trainer starts over: left out of a save as restarts, discarded or"
+            " replaced by a restore",
+            registry=registry,
+        )
+        self.rollouts_retired = Counter(
+            "quiesce_rollouts_retired", "Rollout attempts retired", registry=registry
+        )
+        self.rollouts_lost = Counter(
+            "quiesce_rollouts_lost",
+            "Restored rollout attempts a published save showed lost (not captured, finished, retired or"
+            " restarted)",
+            registry=registry,
+        )
+        self._step_counters: dict[str, Counter] = {
+            "captured": self.rollouts_captured,
+            "restart": self.rollouts_restarted,
+            "discarded": self.rollouts_restarted,
+            "retired": self.rollouts_retired,
+            "lost": self.rollouts_lost,
+        }
+        #: the lineage as of the last folded event; None until seeded this term (`lineage_seed`)
+        self._lineage: StepFold | None = None
+        self._lineage_held: list[Event] = []  # lineage events folded before the seed, in order
+        self._term_first: int | None = None  # the seq of the first event observed this term
         self.last_published_ts: float | None = None
         self.since_published.set_function(self._since_published)
         self._lease: Callable[[], bool] = lambda: False
@@ -172,8 +214,39 @@ class Metrics:
     def observe(self, events: Sequence[Event]) -> None:
         """Keep committed events for `fold` (the coordinator's `observe` hook): never raises into
         the ledger, and costs a save nothing but the keeping."""
+        if self._term_first is None and events:
+            self._term_first = events[0].seq
         self._pending.extend(events)
         self._version += 1
+
+    # -- the rollout lineage ---------------------------------------------------------------------
+
+    def new_term(self) -> None:
+        """A coordinator term begins (before its ledger is opened): what this process observed so
+        far is folded; the lineage waits for its seed again (another coordinator may have written
+        the ledger since)."""
+        self.fold()
+        self._lineage, self._lineage_held, self._term_first = None, [], None
+
+    def lineage_seed(self) -> tuple[StepFold, int | None]:
+        """A fold to feed the ledger's lineage events with, in seq order, up to (not including) the
+        seq returned — the first event observed this term (None: none observed yet, feed them
+        all) — then hand to `seeded`. What it is fed is not counted."""
+        return StepFold(), self._term_first
+
+    def seeded(self, fold: StepFold) -> None:
+        """Take the fed `fold` as the lineage; the lineage events folded before it are fed now."""
+        fold.on_step = self._counted
+        self._lineage = fold
+        held, self._lineage_held = self._lineage_held, []
+        for event in held:
+            fold.feed(event)
+        self._version += 1
+
+    def _counted(self, rollout: Rollout, step: Step) -> None:
+        counter = self._step_counters.get(step.what)
+        if counter is not None:
+            counter.inc()
 
     def fold(self) -> None:
         """Count the events observed since the last fold, in their order."""
@@ -191,6 +264,11 @@ class Metrics:
     def _one(self, event: Event) -> None:
         kind = event.kind
         cid = event.checkpoint_id
+        if kind in _LINEAGE_KINDS:
+            if self._lineage is None:
+                self._lineage_held.append(event)
+            else:
+                self._lineage.feed(event)
         if kind == "call.sent":
             if event.call_id is not None:
                 path = str(event.data.get("path", "")).removeprefix(_CONTROL_PREFIX)

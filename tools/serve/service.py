@@ -42,6 +42,7 @@ from quiesce.coordinator.errors import FencedError, LedgerError, QuiesceError
 from quiesce.coordinator.lease import advertised_address
 from quiesce.coordinator.recovery import RecoveryReport
 from quiesce.ledger import Event, Ledger
+from quiesce.ledger.lineage import LINEAGE_KINDS
 from quiesce.tools.serve.errors import Busy, Unavailable
 from quiesce.tools.serve.metrics import Metrics
 from quiesce.tools.serve.stream import EventHub
@@ -286,6 +287,7 @@ class Service:
         """One term: wait for the lease (standby), recover, serve until stopped or fenced."""
         self._took_lease = False
         self._lease_lost = anyio.Event()
+        self.metrics.new_term()
         self.state = "standby" if self.standby_mode else "starting"
         self._open_scope = scope = anyio.CancelScope()
         watching = anyio.CancelScope()
@@ -349,6 +351,7 @@ class Service:
                 self.reader = reader
                 published = await reader.attempts(outcome="published")
                 self.metrics.seed(published[-1] if published else None)
+                await self._seed_lineage(reader)
                 await self._resolve()
                 self.hub.reopen()
                 self.hub.last_seq = await reader.last_seq()
@@ -368,6 +371,18 @@ class Service:
             self.coord = None
             self.pending = None  # fenced with one waiting: the coordinator that took over recovers it
             coord.ledger.on_commit = None
+
+    async def _seed_lineage(self, reader: Ledger) -> None:
+        """Fold the ledger's lineage events before this term's first observed one into the
+        metrics' lineage (`Metrics.lineage_seed`): the events observed are folded by `fold`."""
+        fold, until = self.metrics.lineage_seed()
+        if until is None:
+            until = await reader.last_seq() + 1
+        async for event in reader.read(kinds=LINEAGE_KINDS):
+            if event.seq >= until:
+                break
+            fold.feed(event)
+        self.metrics.seeded(fold)
 
     @staticmethod
     async def _wait_event(event: anyio.Event, scope: anyio.CancelScope) -> None:
