@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple, Protocol, TypeAlias
 from quiesce.ledger.errors import FencedError, LedgerError
 from quiesce.ledger.events import Event
 from quiesce.ledger.projections import AttemptRow, fold, touched
+from quiesce.ledger.rollout_refs import REF_KINDS, rollout_ids
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection
@@ -80,6 +81,10 @@ class Tx(Protocol):
         """Store ``row``; ``before`` is the row stored under its checkpoint id now (None: none is)."""
         ...
 
+    def put_refs(self, refs: list[tuple[str, int]]) -> None:
+        """Insert ``rollout_refs`` rows ``(rollout_id, seq)`` (each new: its seq is being inserted)."""
+        ...
+
 
 def fenced_message(where: str, detail: str) -> str:
     return (
@@ -112,7 +117,11 @@ class ProjectionCache:
 
 
 def apply_append(tx: Tx, batch: Batch, cache: ProjectionCache) -> dict[str, AttemptRow | None]:
-    """Check the head, insert the rows, fold the projection: the body of every append transaction.
+    """Check the head, insert the rows, fold the projections: the body of every append transaction.
+
+    Projections written in it: the ``attempts`` rows the events change (``fold``) and the
+    ``rollout_refs`` rows of its lineage events (``quiesce.ledger.rollout_refs.rollout_ids``); an
+    event of any other kind costs one membership test there.
 
     The head check is the insert's own condition: the rows go in only after the writer's last
     known seq. A head that matches is one this writer wrote or loaded, so its epoch was checked
@@ -133,7 +142,11 @@ def apply_append(tx: Tx, batch: Batch, cache: ProjectionCache) -> dict[str, Atte
     pending: dict[str, AttemptRow | None] = {}
     stored: dict[str, AttemptRow] = {}
     cached = cache.rows
+    refs: list[tuple[str, int]] = []
     for event in batch.events:
+        if event.kind in REF_KINDS:
+            seq = event.seq
+            refs.extend((rollout_id, seq) for rollout_id in rollout_ids(event.kind, event.data))
         for cid in touched(event):
             if cid in pending:
                 row = pending[cid]
@@ -147,6 +160,8 @@ def apply_append(tx: Tx, batch: Batch, cache: ProjectionCache) -> dict[str, Atte
     for cid, new in pending.items():
         if new is not None:
             tx.put_attempt(new, stored.get(cid))
+    if refs:
+        tx.put_refs(refs)
     return pending
 
 
@@ -246,6 +261,47 @@ class Backend(ABC):
     @abstractmethod
     async def read_last(self, kind: str, before: int) -> RawEvent | None:
         """The row of ``kind`` with the largest seq below ``before`` (through the (kind, seq) index)."""
+
+    # -- the rollout_refs projection and the reads of one rollout's lineage -----------------------
+
+    @abstractmethod
+    async def rollout_ref_seqs(self, rollout_ids: Sequence[str]) -> list[int]:
+        """The seqs ``rollout_refs`` holds for any of ``rollout_ids``, ascending, each once (one
+        range of its key per rollout)."""
+
+    @abstractmethod
+    async def events_at(self, seqs: Sequence[int]) -> list[RawEvent]:
+        """The rows at ``seqs`` (those that exist), in seq order (primary-key lookups)."""
+
+    @abstractmethod
+    async def checkpoint_rows(self, checkpoint_ids: Sequence[str], kinds: Sequence[str]) -> list[RawEvent]:
+        """The rows of ``kinds`` of any of ``checkpoint_ids``, in seq order (``ix_events_checkpoint_id``)."""
+
+    @abstractmethod
+    async def first_in_ranges(
+        self, kinds: Sequence[str], ranges: Sequence[tuple[int, int | None]]
+    ) -> list[int | None]:
+        """Per range ``(lo, hi)``: the smallest seq of an event of one of ``kinds`` (marker kinds)
+        with ``lo < seq < hi`` (``hi`` None: no bound), or None; one marker-index lookup per kind
+        and range, in one query."""
+
+    @abstractmethod
+    async def last_before_each(self, kind: str, seqs: Sequence[int]) -> list[int | None]:
+        """Per seq: the largest seq below it of an event of ``kind`` (a marker kind), or None."""
+
+    @abstractmethod
+    async def rollout_refs_page(self, after: tuple[str, int] | None, limit: int) -> list[tuple[str, int]]:
+        """Up to ``limit`` ``rollout_refs`` rows after the key ``after``, in key order."""
+
+    @abstractmethod
+    async def rollout_refs_between(self, lo: int, hi: int) -> list[tuple[str, int]]:
+        """The ``rollout_refs`` rows with ``lo <= seq <= hi`` (a scan: for listing differences)."""
+
+    @abstractmethod
+    async def rebuild_rollout_refs(self) -> int:
+        """Replace the whole ``rollout_refs`` table with the rows derived from ``events`` (writer
+        only), in one transaction, reading the events that name rollouts a page at a time; returns
+        the rows written."""
 
     @abstractmethod
     async def attempts(self, query: AttemptQuery) -> list[AttemptRow]:

@@ -13,7 +13,7 @@ from typing import Final
 VERSION_TABLE: Final = "quiesce_alembic_version"
 #: The head revision of `migrations/versions` (checked against alembic by the tests). Opening a
 #: ledger whose stored revision equals it skips alembic entirely — the common case, kept cheap.
-HEAD_REVISION: Final = "0005"
+HEAD_REVISION: Final = "0006"
 
 #: The triggers on ``events`` that make it append-only at the head revision, per dialect (revision
 #: 0001: no UPDATE, DELETE or TRUNCATE; revision 0003: inserts only at the head of the chain). A
@@ -22,6 +22,9 @@ APPEND_ONLY_TRIGGERS: Final = {
     "sqlite": ("events_insert_at_head", "events_no_delete", "events_no_update"),
     "postgresql": ("events_insert_at_head", "events_no_truncate", "events_no_update_delete"),
 }
+
+#: The ``rollout_refs`` projection (revision 0006): one row per rollout id a lineage event names.
+ROLLOUT_REFS: Final = "rollout_refs"
 
 #: The columns of ``events``, in table order (``quiesce.ledger.backend.RawEvent`` follows it).
 EVENT_COLUMNS: Final = (

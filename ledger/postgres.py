@@ -39,7 +39,7 @@ from typing import Any, Final
 
 import anyio
 import asyncpg
-from sqlalchemy import Connection, Select, delete, func, insert, select, text, tuple_
+from sqlalchemy import Connection, Select, bindparam, delete, func, insert, select, text, tuple_
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -59,7 +59,8 @@ from quiesce.ledger.backend import (
 from quiesce.ledger.errors import FencedError, LedgerError
 from quiesce.ledger.layout import MARKER_WHERE_POSTGRESQL, VERSION_TABLE, indexed_kind
 from quiesce.ledger.projections import COLUMNS, AttemptRow, from_columns, stored_values, to_columns, touched
-from quiesce.ledger.schema import EVENT_COLUMNS, attempts, events
+from quiesce.ledger.rollout_refs import REF_KINDS, refs_of_rows
+from quiesce.ledger.schema import EVENT_COLUMNS, attempts, events, rollout_refs
 
 _EVENT_COLS = [events.c[name] for name in EVENT_COLUMNS]
 _ATTEMPT_COLS = list(attempts.c)
@@ -74,7 +75,7 @@ _AT_TYPES = ("varchar", "varchar", "varchar", "varchar", "varchar", "varchar", "
 
 
 @functools.cache
-def append_statement(behind: bool, one_row: bool, puts: int) -> str:
+def append_statement(behind: bool, one_row: bool, puts: int, refs: bool = False) -> str:
     """One append as one statement (see the module docstring): an ``INSERT`` of the events whose
     ``attempts`` upsert (``puts`` rows) is a data-modifying ``WITH``; ``$1``.. are the events'
     columns, then the ``attempts`` rows'.
@@ -85,7 +86,9 @@ def append_statement(behind: bool, one_row: bool, puts: int) -> str:
     of the stored chain is refused by revision 0003's insert-at-head trigger (or the seq key),
     which raises, and the statement writes nothing, projection rows included. ``behind``: the
     transaction commits with ``synchronous_commit`` off (a write-behind append under "full"),
-    set by the insert's own ``FROM``, so before any row goes in."""
+    set by the insert's own ``FROM``, so before any row goes in. ``refs``: the ``rollout_refs`` rows
+    of the batch's lineage events go in by one more ``WITH`` insert, from the last two parameters
+    (arrays of rollout ids and seqs), in the same statement: together with the events or not at all."""
     n = len(_EV_TYPES)
 
     def source(types: Sequence[str], first: int, scalar: bool) -> str:
@@ -103,6 +106,13 @@ def append_statement(behind: bool, one_row: bool, puts: int) -> str:
             + ", ".join(f"{c} = excluded.{c}" for c in COLUMNS if c != "checkpoint_id")
             + ") "
         )
+    if refs:
+        first = 1 + n + (len(_AT_TYPES) if puts else 0)
+        inserted = (
+            f"rf AS (INSERT INTO rollout_refs (rollout_id, seq) SELECT * FROM unnest(${first}::varchar[],"
+            f" ${first + 1}::bigint[])) "
+        )
+        statement = f"{statement[:-1]}, {inserted}" if statement else f"WITH {inserted}"
     rows = source(_EV_TYPES, 1, one_row)
     if behind:  # a subquery with a volatile call is evaluated (never pulled up) before any row is made
         setting = "(SELECT set_config('synchronous_commit', 'off', true)) AS cfg"
@@ -119,11 +129,12 @@ class _Prefetched:
     conditional insert (``accepted`` records whether it was asked), projection rows come from a
     prefetch, and the rows to store are collected for one upsert."""
 
-    __slots__ = ("found", "puts")
+    __slots__ = ("found", "puts", "refs")
 
     def __init__(self, found: dict[str, AttemptRow]) -> None:
         self.found = found
         self.puts: list[AttemptRow] = []
+        self.refs: list[tuple[str, int]] = []
 
     def head(self) -> tuple[int, int] | None:  # never asked: insert_after always accepts here
         raise AssertionError("head() is read by the conditional insert")
@@ -136,6 +147,9 @@ class _Prefetched:
 
     def put_attempt(self, row: AttemptRow, before: AttemptRow | None) -> None:
         self.puts.append(row)
+
+    def put_refs(self, refs: list[tuple[str, int]]) -> None:
+        self.refs.extend(refs)
 
 
 _NOW = "extract(epoch from clock_timestamp())::float8"
@@ -293,18 +307,20 @@ class PostgresBackend(Backend):
                 found = {r[0]: from_columns(tuple(r)) for r in fetched}
             tx = _Prefetched(found)
             written = apply_append(tx, batch, self._cache)
-            puts = tx.puts
+            puts, refs = tx.puts, tx.refs
             params: Sequence[Any]
-            if len(rows) == 1 and len(puts) <= 1:  # a recorded call's append: plain parameters
+            if len(rows) == 1 and len(puts) <= 1 and not refs:  # a recorded call's append: plain parameters
                 statement = append_statement(behind, True, len(puts))
                 params = (*rows[0], *stored_values(puts[0])) if puts else rows[0]
             else:
-                statement = append_statement(behind, False, min(len(puts), 2))
+                statement = append_statement(behind, False, min(len(puts), 2), bool(refs))
                 arrays: list[Any] = [list(column) for column in zip(*rows, strict=True)]
                 if len(puts) == 1:
                     arrays += stored_values(puts[0])
                 elif puts:
                     arrays += [list(c) for c in zip(*map(stored_values, puts), strict=True)]
+                if refs:
+                    arrays += [[r for r, _ in refs], [seq for _, seq in refs]]
                 params = arrays
             try:
                 status = await conn.execute(statement, *params)  # the events insert's tag, "INSERT 0 <rows>"
@@ -516,6 +532,111 @@ class PostgresBackend(Backend):
             return [from_columns(row) for row in reversed(rows)]
         rows = await self._rows(statement.order_by(attempts.c.started_at, attempts.c.checkpoint_id))
         return [from_columns(row) for row in rows]
+
+    # -- the rollout_refs projection and one rollout's lineage ---------------------------------------
+
+    async def rebuild_rollout_refs(self) -> int:
+        if self._writer is None:
+            raise LedgerError(f"ledger {self.where} is not open for writing")
+        page = (
+            select(events.c.seq, events.c.kind, events.c.data)
+            .where(events.c.kind.in_(sorted(REF_KINDS)), events.c.seq > bindparam("after"))
+            .where(text(MARKER_WHERE_POSTGRESQL))
+            .order_by(events.c.seq)
+            .limit(5000)
+        )
+
+        def swap(conn: Connection) -> int:
+            written, after = 0, -(2**63)
+            with conn.begin():
+                conn.execute(delete(rollout_refs))
+                while True:
+                    rows = [tuple(row) for row in conn.execute(page, {"after": after})]
+                    refs = [{"rollout_id": r, "seq": seq} for r, seq in refs_of_rows(rows)]
+                    if refs:
+                        conn.execute(insert(rollout_refs), refs)
+                    written += len(refs)
+                    if len(rows) < 5000:
+                        return written
+                    after = int(rows[-1][0])
+
+        with anyio.CancelScope(shield=True):
+            written = await self._writer.run_sync(swap)
+        return int(written)
+
+    async def rollout_ref_seqs(self, rollout_ids: Sequence[str]) -> list[int]:
+        if not rollout_ids:
+            return []
+        statement = (
+            select(rollout_refs.c.seq)
+            .where(rollout_refs.c.rollout_id.in_(list(rollout_ids)))
+            .distinct()
+            .order_by(rollout_refs.c.seq)
+        )
+        return [int(row[0]) for row in await self._rows(statement)]
+
+    async def events_at(self, seqs: Sequence[int]) -> list[RawEvent]:
+        if not seqs:
+            return []
+        return await self._rows(
+            select(*_EVENT_COLS).where(events.c.seq.in_(list(seqs))).order_by(events.c.seq)
+        )
+
+    async def checkpoint_rows(self, checkpoint_ids: Sequence[str], kinds: Sequence[str]) -> list[RawEvent]:
+        if not checkpoint_ids or not kinds:
+            return []
+        statement = (
+            select(*_EVENT_COLS)
+            .where(events.c.checkpoint_id.in_(list(checkpoint_ids)), events.c.kind.in_(list(kinds)))
+            .order_by(events.c.seq)
+        )
+        return await self._rows(statement)
+
+    async def first_in_ranges(
+        self, kinds: Sequence[str], ranges: Sequence[tuple[int, int | None]]
+    ) -> list[int | None]:
+        if not kinds or not ranges:
+            return [None] * len(ranges)
+        firsts = ", ".join(
+            f"(SELECT seq FROM events WHERE kind = :k{i} AND seq > g.lo AND seq < g.hi"
+            f" AND {MARKER_WHERE_POSTGRESQL} ORDER BY seq LIMIT 1)"
+            for i in range(len(kinds))
+        )
+        statement = text(
+            f"SELECT g.i, {firsts} FROM unnest(CAST(:lo AS BIGINT[]), CAST(:hi AS BIGINT[]))"
+            " WITH ORDINALITY AS g(lo, hi, i) ORDER BY g.i"
+        ).bindparams(
+            lo=[lo for lo, _ in ranges],
+            hi=[2**63 - 1 if hi is None else hi for _, hi in ranges],
+            **{f"k{i}": kind for i, kind in enumerate(kinds)},
+        )
+        rows = await self._rows(statement)
+        return [min((int(x) for x in row[1:] if x is not None), default=None) for row in rows]
+
+    async def last_before_each(self, kind: str, seqs: Sequence[int]) -> list[int | None]:
+        if not seqs:
+            return []
+        statement = text(
+            "SELECT g.i, (SELECT seq FROM events WHERE kind = :kind AND seq < g.x"
+            f" AND {MARKER_WHERE_POSTGRESQL} ORDER BY seq DESC LIMIT 1)"
+            " FROM unnest(CAST(:xs AS BIGINT[])) WITH ORDINALITY AS g(x, i) ORDER BY g.i"
+        ).bindparams(kind=kind, xs=list(seqs))
+        return [None if row[1] is None else int(row[1]) for row in await self._rows(statement)]
+
+    async def rollout_refs_page(self, after: tuple[str, int] | None, limit: int) -> list[tuple[str, int]]:
+        statement = select(rollout_refs.c.rollout_id, rollout_refs.c.seq)
+        if after is not None:
+            statement = statement.where(
+                tuple_(rollout_refs.c.rollout_id, rollout_refs.c.seq) > tuple_(*after)
+            )
+        statement = statement.order_by(rollout_refs.c.rollout_id, rollout_refs.c.seq).limit(limit)
+        return [(str(r), int(seq)) for r, seq in await self._rows(statement)]
+
+    async def rollout_refs_between(self, lo: int, hi: int) -> list[tuple[str, int]]:
+        statement = select(rollout_refs.c.rollout_id, rollout_refs.c.seq).where(
+            rollout_refs.c.seq.between(lo, hi)
+        )
+        return [(str(r), int(seq)) for r, seq in await self._rows(statement)]
 
     async def attempt(self, checkpoint_id: str) -> AttemptRow | None:
         rows = await self._rows(select(*_ATTEMPT_COLS).where(attempts.c.checkpoint_id == checkpoint_id))

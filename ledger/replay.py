@@ -11,8 +11,12 @@
   ``head_seq``/``head_hash``.
 - folds ``quiesce.ledger.projections.fold`` over the stream (through ``FoldFeed``) and compares the result
   with the live ``attempts`` table, column by column;
+- compares the live ``rollout_refs`` projection with the rows derived from the events that name
+  rollouts (``compare_rollout_refs``: per bucket of seqs an order-free digest of each side, then
+  the differing buckets row by row), up to the head seq the replay read;
 - with ``rebuild=True`` (needs writership; refused when the chain is broken) replaces the live
-  ``attempts`` table with the rebuilt rows in one transaction — also a projection that records
+  ``attempts`` table with the rebuilt rows in one transaction, and ``rollout_refs`` with the rows
+  derived from the events in another — also a projection that records
   seqs past the head (``--verify`` reports that as rows removed from the end: the events cannot
   tell it from an edited projection, and rebuilding is the operator's explicit call).
 
@@ -51,6 +55,7 @@ from quiesce.ledger.chain import check_rows, link, truncation
 from quiesce.ledger.errors import LedgerError
 from quiesce.ledger.projections import COLUMNS, AttemptRow, FoldFeed, fold_items
 from quiesce.ledger.replay_worker import Chunk
+from quiesce.ledger.rollout_refs import REF_KINDS, RefsDigest, refs_of_rows
 from quiesce.ledger.store import Ledger
 from quiesce.ledger.urls import parse, plain_sqlite_path
 
@@ -177,6 +182,56 @@ def compare_projection(live: Iterable[AttemptRow], rebuilt: dict[str, AttemptRow
                 diffs.append(Difference(row.checkpoint_id, column, _plain(a), _plain(b)))
     for cid in sorted(rebuilt.keys() - seen):
         diffs.append(Difference(cid, "(row)", None, "present"))
+    return diffs
+
+
+#: ``Difference.checkpoint_id`` of a ``rollout_refs`` row present on one side only.
+REFS_TABLE: Final = "(rollout_refs)"
+_REFS_PAGE: Final = 20_000
+
+
+async def compare_rollout_refs(ledger: Ledger, upto: int) -> list[Difference]:
+    """Every difference between the live ``rollout_refs`` rows and those derived from the events
+    (``quiesce.ledger.rollout_refs``), both up to seq ``upto``: a row present on one side only, as
+    ``Difference(REFS_TABLE, "rollout R, seq S", live, rebuilt)`` with ``"present"`` or None.
+
+    Both sides are summed per bucket of seqs (``RefsDigest``: memory independent of the rows); only
+    the buckets whose sums differ are read again, row by row. The events are read through the
+    marker index (only the kinds that name rollouts); the table a page at a time, in key order. The
+    caller reads ``upto`` before this: the rows of every event up to it were committed with it, and
+    rows past it are taken for those of events appended meanwhile (not compared)."""
+    kinds = sorted(REF_KINDS)
+    rebuilt = RefsDigest(upto)
+    async for page in ledger.read_pages(kinds=kinds, page_size=_REFS_PAGE):
+        rebuilt.add(refs_of_rows((row[0], row[2], row[7]) for row in page if row[0] <= upto))
+    live = RefsDigest(upto)
+    backend = ledger.backend
+    after: tuple[str, int] | None = None
+    while True:
+        rows = await backend.rollout_refs_page(after, _REFS_PAGE)
+        live.add(rows)
+        if len(rows) < _REFS_PAGE:
+            break
+        after = rows[-1]
+    diffs: list[Difference] = []
+    for lo, hi in live.differing(rebuilt):
+        hi = min(hi, upto)
+        stored = set(await backend.rollout_refs_between(lo, hi))
+        derived: set[tuple[str, int]] = set()
+        async for page in ledger.read_pages(lo - 1, kinds=kinds, page_size=_REFS_PAGE):
+            derived.update(refs_of_rows((row[0], row[2], row[7]) for row in page if row[0] <= hi))
+            if page[-1][0] > hi:
+                break
+        for rollout_id, seq in sorted(stored ^ derived, key=lambda ref: (ref[1], ref[0])):
+            present = (rollout_id, seq) in stored
+            diffs.append(
+                Difference(
+                    REFS_TABLE,
+                    f"rollout {rollout_id}, seq {seq}",
+                    "present" if present else None,
+                    None if present else "present",
+                )
+            )
     return diffs
 
 
@@ -354,6 +409,8 @@ async def replay_open(
         live = await backend.attempts(AttemptQuery())
     replayer.compare(live)
     report = replayer.report
+    if report.head_seq is not None:
+        report.differences.extend(await compare_rollout_refs(ledger, report.head_seq))
     cut = truncation(report.head_seq or 0, max((row.last_seq for row in live), default=None))
     if cut is not None and report.chain_ok and not rebuild:
         # rows removed from the end — or a projection edited: only the events can tell, and they
@@ -367,6 +424,7 @@ async def replay_open(
             )
         rows = sorted(replayer.rows.values(), key=lambda r: r.checkpoint_id)
         await backend.replace_attempts(rows)
+        await backend.rebuild_rollout_refs()
         report.rebuilt = True
     return report
 

@@ -30,6 +30,7 @@ __all__ = [
     "events",
     "lease",
     "metadata",
+    "rollout_refs",
 ]
 
 metadata = MetaData()
@@ -83,6 +84,17 @@ attempts = Table(
 Index("ix_attempts_last_seq", attempts.c.last_seq)
 #: `history`'s order (revision 0005): its newest N rows, or a page from any point, in O(N).
 Index("ix_attempts_started", attempts.c.started_at, attempts.c.checkpoint_id)
+
+#: Which rollouts each lineage event names (revision 0006; ``quiesce.ledger.rollout_refs``): written
+#: with the event, rebuilt and compared by replay. Keyed by rollout first: one rollout's seqs are one
+#: range of the key (SQLite: one b-tree, no rowid).
+rollout_refs = Table(
+    "rollout_refs",
+    metadata,
+    Column("rollout_id", String(256), primary_key=True),
+    Column("seq", BigInteger(), primary_key=True, autoincrement=False),
+    sqlite_with_rowid=False,
+)
 
 #: The coordinator lease (PostgreSQL standby takeover; unused on SQLite): one row per lease name.
 #: ``expires_at`` is Unix seconds on the database server's clock.

@@ -53,6 +53,7 @@ from quiesce.ledger.backend import (
 from quiesce.ledger.errors import FencedError, LedgerError
 from quiesce.ledger.layout import EVENT_COLUMNS, MARKER_WHERE_SQLITE, VERSION_TABLE, indexed_kind
 from quiesce.ledger.projections import COLUMNS, AttemptRow, from_columns, stored_values
+from quiesce.ledger.rollout_refs import REF_KINDS, refs_of_rows
 from quiesce.ledger.urls import parse, plain_sqlite_path
 
 if TYPE_CHECKING:
@@ -70,6 +71,16 @@ _HEAD_ROW = f"SELECT {_EV_COLS} FROM events ORDER BY seq DESC LIMIT 1"
 _TAIL_ROWS = f"SELECT {_EV_COLS} FROM events ORDER BY seq DESC LIMIT ?"
 _PROJECTION_LAST_SEQ = "SELECT max(last_seq) FROM attempts"
 _EVENT_TRIGGERS = "SELECT name FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'events'"
+_PUT_REF = "INSERT INTO rollout_refs (rollout_id, seq) VALUES (?, ?)"
+_REF_KIND_LIST = ", ".join(f"'{kind}'" for kind in sorted(REF_KINDS))
+#: A page of the events that name rollouts (through the marker index), for a rebuild of rollout_refs.
+_REF_EVENTS_PAGE = (
+    f"SELECT seq, kind, data FROM events WHERE kind IN ({_REF_KIND_LIST}) AND seq > ?"
+    f" AND {MARKER_WHERE_SQLITE} ORDER BY seq LIMIT ?"
+)
+#: Parameters per statement in the reads by lists (well under SQLite's limit).
+_CHUNK = 500
+_NO_BOUND = 2**63 - 1
 #: Appends whose commits take less than this on average run on the event loop's thread.
 INLINE_COMMIT_MAX_S = 0.002
 
@@ -130,6 +141,33 @@ class _SqliteTx:
         changed = tuple(i for i in range(1, len(values)) if values[i] != old[i])
         if changed:
             self._c.execute(update_sql(changed), (*[values[i] for i in changed], values[0]))
+
+    def put_refs(self, refs: list[tuple[str, int]]) -> None:
+        self._c.executemany(_PUT_REF, refs)
+
+
+def _marks(n: int) -> str:
+    return ", ".join("?" * n)
+
+
+def first_in_ranges_sql(kinds: int, ranges: int) -> str:
+    """``first_in_ranges``'s query: per range ``(i, lo, hi)`` one marker-index lookup per kind."""
+    firsts = ", ".join(
+        f"(SELECT seq FROM events WHERE kind = ? AND seq > g.lo AND seq < g.hi AND {MARKER_WHERE_SQLITE}"
+        " ORDER BY seq LIMIT 1)"
+        for _ in range(kinds)
+    )
+    values = ", ".join("(?, ?, ?)" for _ in range(ranges))
+    return f"WITH g(i, lo, hi) AS (VALUES {values}) SELECT i, {firsts} FROM g ORDER BY i"
+
+
+def last_before_sql(seqs: int) -> str:
+    """``last_before_each``'s query: per seq one backward marker-index lookup."""
+    values = ", ".join("(?, ?)" for _ in range(seqs))
+    return (
+        f"WITH g(i, x) AS (VALUES {values}) SELECT i, (SELECT seq FROM events WHERE kind = ? AND seq < g.x"
+        f" AND {MARKER_WHERE_SQLITE} ORDER BY seq DESC LIMIT 1) FROM g ORDER BY i"
+    )
 
 
 class SqliteBackend(Backend, InlineAppend):
@@ -384,6 +422,38 @@ class SqliteBackend(Backend, InlineAppend):
         except (sqlite3.Error, OSError) as error:
             raise self._problem(error, "rebuilding the projection") from None
 
+    async def rebuild_rollout_refs(self) -> int:
+        def swap() -> int:
+            conn = self._w
+            if conn is None:
+                raise LedgerError(f"ledger {self.where} is not open for writing")
+            written, after = 0, -(2**63)
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                conn.execute("DELETE FROM rollout_refs")
+                while True:
+                    rows = conn.execute(_REF_EVENTS_PAGE, (after, 5000)).fetchall()
+                    refs = list(refs_of_rows(rows))
+                    conn.executemany(_PUT_REF, refs)
+                    written += len(refs)
+                    if len(rows) < 5000:
+                        break
+                    after = rows[-1][0]
+                conn.execute("COMMIT")
+                self._committed(durable=True)
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            return written
+
+        try:
+            with anyio.CancelScope(shield=True):
+                written = await anyio.to_thread.run_sync(swap, limiter=self._wlimiter)
+        except (sqlite3.Error, OSError) as error:
+            raise self._problem(error, "rebuilding the projection") from None
+        return written
+
     # -- reads ---------------------------------------------------------------------------------
 
     async def _query(self, sql: str, params: Sequence[object]) -> list[tuple[object, ...]]:
@@ -460,6 +530,84 @@ class SqliteBackend(Backend, InlineAppend):
         sql = f"SELECT {_AT_COLS} FROM attempts WHERE {' AND '.join(where)} ORDER BY {order}"
         rows = [from_columns(row) for row in await self._query(sql, params)]
         return rows[::-1] if query.limit else rows
+
+    async def _chunked(
+        self, sql_of: Callable[[int], str], items: Sequence[object], tail: Sequence[object] = ()
+    ) -> list[tuple[object, ...]]:
+        """``sql_of(n)`` run per chunk of ``items`` (its ``n`` parameters, then ``tail``), rows joined."""
+        out: list[tuple[object, ...]] = []
+        for start in range(0, len(items), _CHUNK):
+            chunk = items[start : start + _CHUNK]
+            out.extend(await self._query(sql_of(len(chunk)), [*chunk, *tail]))
+        return out
+
+    async def rollout_ref_seqs(self, rollout_ids: Sequence[str]) -> list[int]:
+        rows = await self._chunked(
+            lambda n: f"SELECT DISTINCT seq FROM rollout_refs WHERE rollout_id IN ({_marks(n)})",
+            list(rollout_ids),
+        )
+        return sorted({int(row[0]) for row in rows})  # type: ignore[call-overload]
+
+    async def events_at(self, seqs: Sequence[int]) -> list[RawEvent]:
+        rows = await self._chunked(
+            lambda n: f"SELECT {_EV_COLS} FROM events WHERE seq IN ({_marks(n)}) ORDER BY seq", list(seqs)
+        )
+        return sorted(rows, key=lambda row: row[0])  # type: ignore[arg-type]
+
+    async def checkpoint_rows(self, checkpoint_ids: Sequence[str], kinds: Sequence[str]) -> list[RawEvent]:
+        if not kinds:
+            return []
+        rows = await self._chunked(
+            lambda n: (
+                f"SELECT {_EV_COLS} FROM events WHERE checkpoint_id IN ({_marks(n)})"
+                f" AND kind IN ({_marks(len(kinds))}) ORDER BY seq"
+            ),
+            list(checkpoint_ids),
+            list(kinds),
+        )
+        return sorted(rows, key=lambda row: row[0])  # type: ignore[arg-type]
+
+    async def first_in_ranges(
+        self, kinds: Sequence[str], ranges: Sequence[tuple[int, int | None]]
+    ) -> list[int | None]:
+        if not kinds or not ranges:
+            return [None] * len(ranges)
+        out: list[int | None] = []
+        for start in range(0, len(ranges), _CHUNK // 3):
+            chunk = ranges[start : start + _CHUNK // 3]
+            params: list[object] = []
+            for i, (lo, hi) in enumerate(chunk):
+                params += [i, lo, _NO_BOUND if hi is None else hi]
+            rows = await self._query(first_in_ranges_sql(len(kinds), len(chunk)), [*params, *kinds])
+            out += [min((int(s) for s in row[1:] if s is not None), default=None) for row in rows]  # type: ignore[call-overload]
+        return out
+
+    async def last_before_each(self, kind: str, seqs: Sequence[int]) -> list[int | None]:
+        out: list[int | None] = []
+        for start in range(0, len(seqs), _CHUNK // 2):
+            chunk = seqs[start : start + _CHUNK // 2]
+            params: list[object] = [x for i, seq in enumerate(chunk) for x in (i, seq)]
+            rows = await self._query(last_before_sql(len(chunk)), [*params, kind])
+            out += [None if row[1] is None else int(row[1]) for row in rows]  # type: ignore[call-overload]
+        return out
+
+    async def rollout_refs_page(self, after: tuple[str, int] | None, limit: int) -> list[tuple[str, int]]:
+        params: list[object]
+        if after is None:
+            sql, params = "SELECT rollout_id, seq FROM rollout_refs ORDER BY rollout_id, seq LIMIT ?", [limit]
+        else:
+            sql = (
+                "SELECT rollout_id, seq FROM rollout_refs WHERE (rollout_id, seq) > (?, ?)"
+                " ORDER BY rollout_id, seq LIMIT ?"
+            )
+            params = [after[0], after[1], limit]
+        return [(str(r), int(s)) for r, s in await self._query(sql, params)]  # type: ignore[call-overload]
+
+    async def rollout_refs_between(self, lo: int, hi: int) -> list[tuple[str, int]]:
+        rows = await self._query(
+            "SELECT rollout_id, seq FROM rollout_refs WHERE seq BETWEEN ? AND ?", (lo, hi)
+        )
+        return [(str(r), int(s)) for r, s in rows]  # type: ignore[call-overload]
 
     async def attempt(self, checkpoint_id: str) -> AttemptRow | None:
         rows = await self._query(_GET_ATTEMPT, (checkpoint_id,))

@@ -70,7 +70,7 @@ from quiesce.ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
 from quiesce.ledger.chain import check_rows, truncation
 from quiesce.ledger.errors import BrokenChainError, FencedError, LedgerError, require_extra
 from quiesce.ledger.events import COLUMN_RULES, KINDS, AppendItem, Event, new_event
-from quiesce.ledger.layout import APPEND_ONLY_TRIGGERS, HEAD_REVISION
+from quiesce.ledger.layout import APPEND_ONLY_TRIGGERS, HEAD_REVISION, indexed_kind
 from quiesce.ledger.projections import AttemptRow
 from quiesce.ledger.redact import Redactor
 from quiesce.ledger.urls import SQLITE_PREFIX, parse, plain_sqlite_path, safe
@@ -1008,6 +1008,51 @@ class Ledger:
         await self._flush_staged()
         raw = await self._backend.read_last(kind, seq)
         return event_from_raw(raw) if raw is not None else None
+
+    # -- one rollout's lineage (``quiesce.ledger.rollout_refs.read_rollout_lineage``) -------------------
+
+    async def rollout_ref_seqs(self, rollout_ids: Sequence[str]) -> list[int]:
+        """The seqs of the lineage events that name any of ``rollout_ids`` (the ``rollout_refs``
+        projection), ascending: one key range per rollout, whatever the ledger's length."""
+        await self._flush_staged()
+        return await self._backend.rollout_ref_seqs(list(rollout_ids))
+
+    async def events_at(self, seqs: Sequence[int]) -> list[Event]:
+        """The events at ``seqs`` (those that exist), in seq order."""
+        if not seqs:
+            return []
+        await self._flush_staged()
+        return [event_from_raw(raw) for raw in await self._backend.events_at(list(seqs))]
+
+    async def checkpoint_events(self, checkpoint_ids: Sequence[str], kinds: Sequence[str]) -> list[Event]:
+        """The events of ``kinds`` of any of ``checkpoint_ids``, in seq order (the checkpoint index)."""
+        if not checkpoint_ids or not kinds:
+            return []
+        await self._flush_staged()
+        rows = await self._backend.checkpoint_rows(list(checkpoint_ids), list(kinds))
+        return [event_from_raw(raw) for raw in rows]
+
+    async def first_in_ranges(
+        self, kinds: Sequence[str], ranges: Sequence[tuple[int, int | None]]
+    ) -> list[int | None]:
+        """Per range ``(lo, hi)``: the seq of the first event of one of ``kinds`` (marker kinds only:
+        ``quiesce.ledger.layout.indexed_kind``) with ``lo < seq < hi`` (``hi`` None: no bound), or
+        None. One kind-index lookup per kind and range, in one query."""
+        if not ranges:
+            return []
+        if not all(indexed_kind(kind) for kind in kinds):
+            raise LedgerError(f"first_in_ranges reads marker kinds only, not {list(kinds)}")
+        await self._flush_staged()
+        return await self._backend.first_in_ranges(list(kinds), list(ranges))
+
+    async def last_before_each(self, kind: str, seqs: Sequence[int]) -> list[int | None]:
+        """Per seq of ``seqs``: the seq of the last event of ``kind`` (a marker kind) before it, or None."""
+        if not seqs:
+            return []
+        if not indexed_kind(kind):
+            raise LedgerError(f"last_before_each reads a marker kind only, not {kind!r}")
+        await self._flush_staged()
+        return await self._backend.last_before_each(kind, list(seqs))
 
     async def head(self) -> Event | None:
         """The last stored event, or ``None`` for an empty ledger."""

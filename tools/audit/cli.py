@@ -9,7 +9,7 @@ from quiesce.ledger.backend import RawEvent
 from quiesce.ledger.chain import ChainCheck
 from quiesce.ledger.lineage import LineageFold, LineageViolation, expect_difference
 from quiesce.ledger.projections import AttemptRow, FoldFeed, fold_items
-from quiesce.ledger.replay import compare_projection
+from quiesce.ledger.replay import compare_projection, compare_rollout_refs
 from quiesce.tools.audit.check import ChainVerdict, CheckReport, ProjectionVerdict, ProtocolChecker, Violation
 from quiesce.tools.audit.source import open_readonly
 
@@ -17,8 +17,8 @@ from quiesce.tools.audit.source import open_readonly
 async def check_ledger(url: str, expect: Sequence[tuple[str, int]] | None = None) -> CheckReport:
     """The protocol check over every event of the ledger at `url`, streamed (read-only), and in
     the same pass the whole hash chain (`quiesce.ledger.chain.ChainCheck`): every row's hash recomputed
-    from its content, every link, no seq missing — at the end too — the `attempts` projection
-    against a fold of the events, and the rollout lineage (`quiesce.ledger.lineage`: its rules
+    from its content, every link, no seq missing — at the end too — the `attempts` and
+    `rollout_refs` projections against the events, and the rollout lineage (`quiesce.ledger.lineage`: rules
     reported as `lineage-<rule>`; with `expect`, the trainer's live (rollout id, attempt) pairs,
     every difference from the lineage too).
 
@@ -44,11 +44,12 @@ async def check_ledger(url: str, expect: Sequence[tuple[str, int]] | None = None
                 feed.add(folded)
                 fold_items(rebuilt, feed.take())
         problem = chain.finish(await ledger.recorded_last_seq())
+        refs = await compare_rollout_refs(ledger, upto)
     report = checker.finish()
     report.chain = ChainVerdict(
         "chain", problem is None, problem[0] if problem else None, problem[1] if problem else None, chain.rows
     )
-    report.projection = ProjectionVerdict(True, len(live), compare_projection(live, rebuilt))
+    report.projection = ProjectionVerdict(True, len(live), compare_projection(live, rebuilt) + refs)
     found = lineage.finish()
     report.rollouts = found.counts()
     report.violations += [_as_violation(v) for v in found.violations]
