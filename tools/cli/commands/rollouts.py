@@ -4,7 +4,9 @@ Each rollout's lineage, from the ledger alone (`quiesce.ledger.lineage`): every 
 checkpoint captured it, which restore continued it as which attempt, what was restarted,
 retired, forgotten or acknowledged — and its state now (`live`, `restarted`, `retired`,
 `finished`, `lost`). Read-only: it opens the ledger without taking an epoch, so it never fences a
-running coordinator; it reads only the lineage's event kinds.
+running coordinator; it reads only the lineage's event kinds — with `--rollout` (and no `--state`),
+only the events of those rollouts' lineage (`quiesce.ledger.rollout_refs`), and `counts` counts
+only the rollouts shown.
 
 `--rollout ID` (repeatable) shows only those rollouts; `--state S` only those in state S. A table
 by default — one row per rollout, its steps as a strip, `lost` in red; `-o wide` adds the seqs;
@@ -26,7 +28,7 @@ from quiesce.ledger.lineage import STATES, LineageReport, Rollout, read_lineage
 from quiesce.tools.audit.lineage import chosen, document, strip, unknown
 from quiesce.tools.audit.source import open_readonly
 from quiesce.tools.cli.flags import CommandError, add_ledger, add_output
-from quiesce.tools.cli.output import console, emit_json, emit_jsonl
+from quiesce.tools.cli.output import emit_json, emit_jsonl
 
 
 def register(subparsers: Any) -> None:
@@ -47,9 +49,18 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=handle)
 
 
-async def read(url: str, only: list[str] | None) -> LineageReport:
-    """The lineage of the ledger at `url` (read-only), steps kept for `only` (None: every rollout)."""
+async def read(url: str, only: list[str] | None, state: str | None = None) -> LineageReport:
+    """The lineage of the ledger at `url` (read-only), steps kept for `only` (None: every rollout).
+
+    `only` without `state`: those rollouts alone, through the `rollout_refs` projection
+    (`quiesce.ledger.rollout_refs.read_rollout_lineage`: the same rollouts, violations and warnings
+    as the whole fold gives them, read in time that grows with their own history); `counts` then
+    counts those rollouts only. Otherwise every lineage event is folded."""
     async with open_readonly(url) as ledger:
+        if only and state is None:
+            from quiesce.ledger.rollout_refs import read_rollout_lineage
+
+            return await read_rollout_lineage(ledger, only)
         return await read_lineage(ledger, steps=True, only=only)
 
 
@@ -63,7 +74,7 @@ _STATE_STYLE = {
 
 
 def handle(args: argparse.Namespace) -> int:
-    report = anyio.run(read, args.ledger, args.rollout)
+    report = anyio.run(read, args.ledger, args.rollout, args.state)
     rows = chosen(report, args.rollout, args.state)
     missing = unknown(report, args.rollout)
     if args.output == "jsonl":
@@ -88,6 +99,7 @@ def _print_table(report: LineageReport, rows: list[Rollout], *, wide: bool) -> N
     from rich.text import Text
 
     from quiesce.tools.audit.present import widened
+    from quiesce.tools.cli.output import console  # rich: only for a table (never for --json)
     from quiesce.tools.cli.safe_text import one_line
 
     counts = ", ".join(f"{n} {state}" for state, n in report.counts().items() if n) or "none recorded"
