@@ -49,6 +49,7 @@ MEASURES: dict[int, tuple[str, str]] = {
     10: ("service", "quiesce serve: save through the service vs embedded; /metrics scrape"),
     11: ("gymscale", "v2 save at N distinct origins vs Gym's own stateless coordination"),
     12: ("curve", "cost growth: commands and the save's ledger CPU at 0 / 10k / 100k / 1M events"),
+    13: ("rollouts", "one rollout's lineage from a cold process, and the lineage fold, 1M events"),
 }
 
 

@@ -11,7 +11,11 @@ Nothing in it is synthetic.
 and again, in their order, into a fresh ledger (through ``Ledger.append_many`` in batches, at
 durability "process"; a ``coordinator.started`` starts a new epoch, as a new coordinator does),
 giving every repeat its own checkpoint ids (the old id replaced in the payload text too) so that
-attempts never collide. Every attempt of the result is finished. The ledger is cached under
+attempts never collide. Every attempt of the result is finished. With ``rollouts`` (measure #13),
+the rollout ids of its lineage events rotate through that many ids: each save's rollouts get the
+next ids of the rotation (``r000000``, ``r000001``, ... wrapping at ``rollouts``), and the restores
+and acknowledgements after it name them by those ids, so the lineage of the history spans that
+many distinct rollouts, each captured, ended, continued as the corpus's cycles do. The ledger is cached under
 ``bench-results/.cache`` keyed by the corpus's and the schema's identity, and regenerated when
 this code refuses it.
 """
@@ -166,8 +170,76 @@ def record_corpus(path: str, work: str, sizes: list[int], saves: int | None = No
     return {"seconds": time.perf_counter() - started}
 
 
-def _remap(event: Event, ids: dict[str, str], new_id: Any) -> AppendItem:
+class _Rotation:
+    """The rollout ids of the history's lineage events: each save gives every rollout id it names
+    the next id of a rotation through ``size`` ids (see the module docstring)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.serial = 0
+        self.names: dict[str, str] = {}
+
+    def saving(self) -> None:
+        """A save starts: its rollouts get fresh ids."""
+        self.names = {}
+
+    def name(self, rollout_id: str) -> str:
+        name = self.names.get(rollout_id)
+        if name is None:
+            name = self.names[rollout_id] = f"r{self.serial % self.size:06d}"
+            self.serial += 1
+        return name
+
+    def rename(self, kind: str, data: dict[str, Any]) -> dict[str, Any]:
+        """``data`` of a lineage event of ``kind`` with its rollout ids renamed (v1 pairs, v2 keys)."""
+
+        def pairs(items: Any) -> Any:
+            if not isinstance(items, list):
+                return items
+            return [
+                {**p, "rollout_id": self.name(p["rollout_id"])}
+                if isinstance(p, dict) and isinstance(p.get("rollout_id"), str)
+                else p
+                for p in items
+            ]
+
+        def keys(items: Any) -> Any:
+            from quiesce.ledger.lineage import episode_of_capture_key
+
+            if not isinstance(items, list):
+                return items
+            out = []
+            for key in items:
+                rollout, attempt = episode_of_capture_key(str(key))
+                out.append(self.name(rollout) + (f"-a{attempt}" if attempt else ""))
+            return out
+
+        data = dict(data)
+        if kind in ("rollouts.captured", "rollouts.continued"):
+            for field in ("captured", "continued", "discarded"):
+                if isinstance(data.get(field), dict):
+                    data[field] = {agent: pairs(items) for agent, items in data[field].items()}
+        elif kind == "rollouts.acknowledged":
+            data["executions"] = pairs(data.get("executions"))
+        elif kind in ("episodes.scoped", "episodes.retired"):
+            for field in ("scope", "episodes"):
+                if field in data:
+                    data[field] = keys(data[field])
+        elif kind == "rollouts.forgotten":
+            data["rollout_ids"] = [self.name(str(r)) for r in data.get("rollout_ids", [])]
+        for field in ("exported", "restored", "restarts"):
+            if isinstance(data.get(field), dict):
+                data[field] = {server: keys(items) for server, items in data[field].items()}
+        return data
+
+
+def _remap(event: Event, ids: dict[str, str], new_id: Any, rotation: _Rotation | None = None) -> AppendItem:
     data = event.data
+    if rotation is not None:
+        if event.kind == "attempt.started" and data.get("kind") == "save":
+            rotation.saving()
+        elif event.kind in _NAMING:
+            data = rotation.rename(event.kind, data)
     cid = event.checkpoint_id
     if cid is not None:
         if cid not in ids:
@@ -184,7 +256,22 @@ def _remap(event: Event, ids: dict[str, str], new_id: Any) -> AppendItem:
     return AppendItem(event.kind, checkpoint_id=cid, server=event.server, call_id=call_id, data=data)
 
 
-async def _build(corpus: str, target: str, n: int) -> dict[str, Any]:
+#: The lineage kinds that name rollouts (``quiesce.ledger.rollout_refs.REF_KINDS``).
+_NAMING = frozenset(
+    {
+        "episodes.scoped",
+        "episodes.exported",
+        "episodes.restored",
+        "episodes.retired",
+        "rollouts.forgotten",
+        "rollouts.captured",
+        "rollouts.acknowledged",
+        "rollouts.continued",
+    }
+)
+
+
+async def _build(corpus: str, target: str, n: int, rollouts: int = 0) -> dict[str, Any]:
     """Append the corpus again and again until ``n`` events or more are written, stopping only where
     one of the corpus's coordinator processes ends (before a ``coordinator.started``, or at the
     corpus's end): a history cut inside a process could end between a restore and its resume, and
@@ -196,6 +283,7 @@ async def _build(corpus: str, target: str, n: int) -> dict[str, Any]:
     written = 0
     repeat = 0
     kinds: dict[str, int] = {}
+    rotation = _Rotation(rollouts) if rollouts else None
     async with Ledger.open(f"sqlite+aiosqlite:///{target}", durability="process") as ledger:
         while written < n:
             repeat += 1
@@ -219,7 +307,7 @@ async def _build(corpus: str, target: str, n: int) -> dict[str, Any]:
                     written += 1
                     kinds[event.kind] = kinds.get(event.kind, 0) + 1
                     continue
-                batch.append(_remap(event, ids, new_id))
+                batch.append(_remap(event, ids, new_id, rotation))
                 kinds[event.kind] = kinds.get(event.kind, 0) + 1
                 if len(batch) >= 5000:
                     await ledger.append_many(batch)
@@ -238,18 +326,20 @@ async def _build(corpus: str, target: str, n: int) -> dict[str, Any]:
             written += 1
         head = await ledger.head()
         attempts = len(await ledger.attempts())
-    return {"events": head.seq if head else 0, "repeats": repeat, "kinds": kinds, "attempts": attempts}
+    named = min(rotation.serial, rotation.size) if rotation is not None else 0
+    return {"events": head.seq if head else 0, "repeats": repeat, "kinds": kinds, "attempts": attempts,
+            "rollouts": named}  # fmt: skip
 
 
-def build_history(corpus: str, path: str, n: int) -> dict[str, Any]:
+def build_history(corpus: str, path: str, n: int, rollouts: int = 0) -> dict[str, Any]:
     """Write a ledger of about ``n`` events (at least) made from ``corpus`` at ``path`` (via a
-    temporary name, renamed when complete)."""
+    temporary name, renamed when complete); ``rollouts``: see the module docstring."""
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
     for leftover in target.parent.glob(tmp.name + "*"):
         leftover.unlink()
     start = time.perf_counter()
-    info = anyio.run(_build, corpus, str(tmp), n)
+    info = anyio.run(_build, corpus, str(tmp), n, rollouts)
     for suffix in ("-wal", "-shm", ".writer-lock"):
         Path(f"{tmp}{suffix}").unlink(missing_ok=True)
     os.replace(tmp, target)
@@ -292,16 +382,17 @@ def corpus(ctx: Context, sizes: list[int] | None = None) -> Path:
     return path
 
 
-def history(ctx: Context, n: int, sizes: list[int] | None = None) -> Path:
+def history(ctx: Context, n: int, sizes: list[int] | None = None, rollouts: int = 0) -> Path:
     """The cached ``n``-event ledger built from the corpus of ``sizes`` (built when missing or
-    refused)."""
+    refused); ``rollouts``: its lineage rotates through that many rollout ids (module docstring)."""
     source = corpus(ctx, sizes)
-    path = ctx.cache / f"history-{n}-b{BUILD_VERSION}-from-{source.stem}.db"
+    rotated = f"-rollouts{rollouts}" if rollouts else ""
+    path = ctx.cache / f"history-{n}{rotated}-b{BUILD_VERSION}-from-{source.stem}.db"
     if path.exists() and run_child("history:usable", {"path": str(path), "events": n})["ok"]:
         return path
     ctx.log(f"  building a {n:,}-event ledger from {source.name} in {path}")
-    done = run_child("history:build_history", {"corpus": str(source), "path": str(path), "n": n},
-                     timeout_s=3600)  # fmt: skip
+    params = {"corpus": str(source), "path": str(path), "n": n, "rollouts": rollouts}
+    done = run_child("history:build_history", params, timeout_s=3600)
     ctx.log(f"  built in {done['seconds']:.0f} s: {done['events']:,} events, {done['attempts']:,} attempts")
     return path
 
