@@ -40,7 +40,7 @@ def test_quick_bench_runs_every_measure_and_writes_json_and_markdown(tmp_path: P
     assert document["commit"]
     assert {"cpu", "cores", "ram_gb", "disk", "python", "sqlite"} <= set(document["machine"])
     measures = {m["id"]: m for m in document["measures"]}
-    assert sorted(measures) == sorted(MEASURES) == list(range(1, 13))
+    assert sorted(measures) == sorted(MEASURES) == list(range(1, 14))
     for measure in measures.values():
         assert set(measure) == MEASURE_KEYS, measure["id"]
         assert measure["status"] in ("ok", "unavailable"), (measure["id"], measure["reason"])
@@ -106,6 +106,31 @@ def test_quick_bench_runs_every_measure_and_writes_json_and_markdown(tmp_path: P
     assert document["commit"] in markdown
     assert "## Machine" in markdown
     assert not list(out.glob("quiesce-bench-*")), "the work folder is removed"
+
+
+def test_quick_bench_measures_one_rollouts_lineage_and_the_fold(tmp_path: Path) -> None:
+    """Measure #13 (issue #38) at tiny sizes: `quiesce rollouts --rollout ID` from a cold process and
+    the lineage fold against replay, on a history whose lineage rotates through many rollout ids."""
+    out = tmp_path / "results"
+    done = subprocess.run(
+        [sys.executable, "-m", "quiesce.tools.bench", "--quick", "--only", "13", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (measure,) = json.loads((out / "quick.json").read_text(encoding="utf-8"))["measures"]
+    assert measure["id"] == 13
+    assert measure["status"] == "ok", measure["reason"]
+    assert set(measure) == MEASURE_KEYS
+    assert {"rollout_beyond_start_s", "process_start_s", "fold_events_per_s", "replay_events_per_s",
+            "fold_replay_ratio", "peak_rss_mb"} <= set(measure["metrics"])  # fmt: skip
+    assert measure["met"] in (True, False, None)
+    assert "500 rollouts" in measure["title"]
+    sides = [side["side"] for side in measure["settings"]]
+    assert sides == ["rollouts --rollout ID", "lineage fold", "replay"]
 
 
 def test_only_and_quick_runs_never_write_latest() -> None:

@@ -12,14 +12,26 @@ deleted or added row is found by `replay` and `check` and fixed by `replay --reb
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
-from quiesce.ledger import AppendItem, Ledger, downgrade_schema, replay_url, upgrade_schema
-from quiesce.ledger.lineage import LineageReport, read_lineage
+from quiesce.ledger import (
+    AppendItem,
+    Ledger,
+    LedgerError,
+    downgrade_schema,
+    event_from_raw,
+    replay_url,
+    upgrade_schema,
+)
+from quiesce.ledger.lineage import LineageFold, LineageReport, read_lineage
 from quiesce.ledger.replay import REFS_TABLE
 from quiesce.ledger.rollout_refs import REF_KINDS, read_rollout_lineage, refs_of_rows, rollout_ids
 from quiesce.tools.audit.cli import check_ledger
@@ -240,13 +252,8 @@ async def test_the_generated_ledgers_reach_every_state_and_rule(tmp_path: Path) 
     for seed in range(60):
         gen = Gen(seed)
         gen.build(40)
-        from quiesce.ledger.lineage import LineageFold
-        from quiesce.ledger.store import event_from_raw
-
         fold = LineageFold()
         for seq, item in enumerate(gen.items, start=1):
-            import json
-
             raw = (
                 seq,
                 "t",
@@ -289,7 +296,8 @@ async def _derived(url: str) -> list[tuple[str, int]]:
 async def test_refs_are_written_with_their_events_and_backfilled_by_the_migration(ledger_url: str) -> None:
     await _write(ledger_url, Gen(7).build(40))
     written = await _refs(ledger_url)
-    assert written and written == await _derived(ledger_url)
+    assert written
+    assert written == await _derived(ledger_url)
     await downgrade_schema(ledger_url, "0005")
     assert (await upgrade_schema(ledger_url))[1] == "0006"
     assert await _refs(ledger_url) == written
@@ -298,8 +306,6 @@ async def test_refs_are_written_with_their_events_and_backfilled_by_the_migratio
 async def test_a_ledger_at_0005_is_refused_naming_the_upgrade(ledger_url: str) -> None:
     await _write(ledger_url, Gen(3).build(10))
     await downgrade_schema(ledger_url, "0005")
-    from quiesce.ledger import LedgerError
-
     with pytest.raises(LedgerError, match="quiesce db upgrade --ledger"):
         await Ledger.connect(ledger_url, readonly=True)
 
@@ -327,7 +333,8 @@ async def test_an_edited_deleted_or_added_ref_is_found_and_rebuilt(ledger_url: s
     other_rollout, other_seq = (await _refs(ledger_url))[-1]
     await raw_sql(
         ledger_url,
-        f"UPDATE rollout_refs SET rollout_id = 'edited' WHERE rollout_id = '{other_rollout}' AND seq = {other_seq}",
+        f"UPDATE rollout_refs SET rollout_id = 'edited' WHERE rollout_id = '{other_rollout}'"
+        f" AND seq = {other_seq}",
     )
     assert len((await replay_url(ledger_url)).differences) == 4
     await replay_url(ledger_url, rebuild=True)
@@ -366,3 +373,42 @@ def test_each_kind_names_what_the_fold_reads() -> None:
         )
     ) == [("z", 5)]
     assert "discovery.completed" not in REF_KINDS
+
+
+_ROLLOUT = """
+import sys
+from quiesce.tools.cli.main import main
+
+code = main(["rollouts", "--ledger", sys.argv[1], "--rollout", sys.argv[2], "--json"])
+print("MODULES", *sorted(sys.modules))
+raise SystemExit(code)
+"""
+
+
+def test_rollouts_rollout_json_reads_one_lineage_and_imports_only_what_it_needs(tmp_path: Path) -> None:
+    """`quiesce rollouts --rollout ID --json` (a cold process) shows the rollout as the whole fold
+    does, and loads no SQLAlchemy, alembic, pydantic, rich or wire models."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}"
+    anyio.run(_write, url, Gen(5).build(40))
+    full = anyio.run(_full, url)
+    rollout = sorted(full.rollouts)[0]
+    done = subprocess.run(
+        [sys.executable, "-c", _ROLLOUT, str(tmp_path / "ledger.db"), rollout],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    document, _, modules = done.stdout.partition("MODULES ")
+    shown = json.loads(document)
+    assert shown["rollouts"] == [full.rollouts[rollout].to_json()]
+    assert shown["violations"] == [v.to_json() for v in full.violations if v.rollout_id == rollout]
+    heavy = ("sqlalchemy", "alembic", "pydantic", "rich", "httpx", "fastapi")
+    loaded = [m for m in modules.split() if m.split(".")[0] in heavy]
+    loaded += [m for m in modules.split() if m in ("quiesce.ledger.payloads", "quiesce.coordinator.protocol")]
+    assert loaded == []
+
+
+async def _full(url: str) -> LineageReport:
+    async with Ledger.open(url, readonly=True) as ledger:
+        return await read_lineage(ledger)
