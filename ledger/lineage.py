@@ -46,7 +46,7 @@ trainer's own view of what is live.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
@@ -209,11 +209,19 @@ class LineageFold:
     """Feed events in seq order (``feed``), then ``finish()``; see the module docstring.
 
     ``steps``: keep each rollout's steps (``quiesce rollouts``); without, only its state (``check``:
-    memory per rollout stays a few hundred bytes). ``only``: keep steps of these rollouts alone."""
+    memory per rollout stays a few hundred bytes). ``only``: keep steps of these rollouts alone.
+    ``on_step``: called with every step as it is made, in seq order, kept or not (counters)."""
 
-    def __init__(self, *, steps: bool = False, only: Iterable[str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        steps: bool = False,
+        only: Iterable[str] | None = None,
+        on_step: Callable[[Rollout, Step], None] | None = None,
+    ) -> None:
         self._steps = steps
         self._only = frozenset(only) if only is not None else None
+        self.on_step = on_step
         self.report = LineageReport()
         self._saves: dict[str, _Save] = {}
         self._kinds: dict[str, str] = {}  # server -> component (v2: its kind)
@@ -249,6 +257,8 @@ class LineageFold:
         return rollout
 
     def _step(self, rollout: Rollout, step: Step) -> None:
+        if self.on_step is not None:
+            self.on_step(rollout, step)
         if self._steps and (self._only is None or rollout.rollout_id in self._only):
             rollout.steps.append(step)
 
