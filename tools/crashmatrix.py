@@ -385,7 +385,11 @@ def ledger_problems(url: str) -> list[str]:
             if not report.ok:
                 problems.append(f"replay verify: {report.problem or report.differences[:3]}")
             audit = await check_ledger(url)
-            problems += [f"audit {v.rule} seq {v.seq}: {v.message}" for v in audit.violations[:3]]
+            # the rollout lineage judges the trainer, and the matrix has none: each scenario
+            # starts rollouts of its own and leaves them (a restore's continuations never run
+            # on), which the lineage rightly calls lost. The lineage tests judge it instead.
+            judged = [v for v in audit.violations if not v.rule.startswith("lineage-")]
+            problems += [f"audit {v.rule} seq {v.seq}: {v.message}" for v in judged[:3]]
             return problems
 
         return anyio.run(run)
