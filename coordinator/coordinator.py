@@ -104,7 +104,8 @@ from quiesce.coordinator.retire import RetireOutcome
 from quiesce.coordinator.status import ClusterStatus, Fence, read_status, refuse_if_held, status_from
 from quiesce.coordinator.version import VERSION
 from quiesce.ledger import AfterAppend, AttemptRow, Event, LeaseTerms, Ledger, LedgerError
-from quiesce.ledger.lineage import STATES, Rollout, read_lineage
+from quiesce.ledger.lineage import STATES, Rollout
+from quiesce.ledger.rollout_refs import read_lineage_of
 
 __all__ = ["Coordinator", "quiesce_version", "read_history"]
 
@@ -1183,7 +1184,7 @@ class Coordinator:
         only = (
             None if rollout_id is None else [rollout_id] if isinstance(rollout_id, str) else list(rollout_id)
         )
-        report = await read_lineage(self._ctx.ledger, steps=True, only=only)
+        report = await read_lineage_of(self._ctx.ledger, only)
         found = report.rollouts
         ids = sorted(found) if only is None else [r for r in dict.fromkeys(only) if r in found]
         return [found[r] for r in ids if state is None or found[r].state == state]

@@ -40,7 +40,13 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, Protocol
 
 from quiesce.ledger.events import Event
-from quiesce.ledger.lineage import LINEAGE_KINDS, LineageFold, LineageReport, episode_of_capture_key
+from quiesce.ledger.lineage import (
+    LINEAGE_KINDS,
+    LineageFold,
+    LineageReport,
+    episode_of_capture_key,
+    read_lineage,
+)
 
 __all__ = [
     "REF_KINDS",
@@ -343,3 +349,13 @@ async def _add_discoveries(ledger: _Reads, events: dict[int, Event], needs: dict
             if left:
                 needs[seq] = left
     events.update(discoveries)
+
+
+async def read_lineage_of(ledger: Any, only: Sequence[str] | None) -> LineageReport:
+    """The lineage of every rollout (``only`` None: the whole fold, ``read_lineage``) or of the
+    rollouts ``only`` names alone (``read_rollout_lineage``: the same rollouts, violations and
+    warnings, read through the ``rollout_refs`` projection). The report holds the rollouts read,
+    so its ``counts()`` count those: every rollout, or the ones named that the ledger recorded."""
+    if only:
+        return await read_rollout_lineage(ledger, only)
+    return await read_lineage(ledger, steps=True)

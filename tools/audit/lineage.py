@@ -54,7 +54,7 @@ def unknown(report: LineageReport, only: Sequence[str] | None) -> list[str]:
 
 
 def document(report: LineageReport, rows: Sequence[Rollout], missing: Sequence[str] = ()) -> dict[str, Any]:
-    """The JSON of a selection `rows` of `report`: `counts` over every rollout; `violations` and
+    """The JSON of a selection `rows` of `report`: `counts` over every rollout read; `violations` and
     `warnings` only of the rollouts in `rows`; `unknown` (only when some) the ids never recorded."""
     wanted = {r.rollout_id for r in rows}
     return {

@@ -519,13 +519,14 @@ def build_app(service: Service, *, api_token: str | None, hosts: ServedHosts | N
     ) -> JSONResponse:
         """Each rollout's lineage from the ledger — what `quiesce rollouts --json` prints: every
         rollout by id, or those named (in that order; `unknown` lists ids the ledger never
-        recorded), in `state` only if given; `counts` over every rollout, `violations` and
-        `warnings` of those shown. Read from the read-only ledger: served beside an attempt."""
-        from quiesce.ledger.lineage import read_lineage
+        recorded), in `state` only if given; `counts` over the rollouts read (every one, or those
+        named), `violations` and `warnings` of those shown. Read from the read-only ledger: served
+        beside an attempt; named rollouts through the `rollout_refs` projection."""
+        from quiesce.ledger.rollout_refs import read_lineage_of
         from quiesce.tools.audit.lineage import chosen, document, unknown
 
         reader = service.require_reader()
-        report = await read_lineage(reader, steps=True, only=rollout)
+        report = await read_lineage_of(reader, rollout)
         return JSONResponse(document(report, chosen(report, rollout, state), unknown(report, rollout)))
 
     async def resolved(reader: Ledger, checkpoint_id: str) -> str:

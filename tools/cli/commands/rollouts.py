@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 
-from quiesce.ledger.lineage import STATES, LineageReport, Rollout, read_lineage
+from quiesce.ledger.lineage import STATES, LineageReport, Rollout
 from quiesce.tools.audit.lineage import chosen, document, strip, unknown
 from quiesce.tools.audit.source import open_readonly
 from quiesce.tools.cli.flags import CommandError, add_ledger, add_output
@@ -49,19 +49,14 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=handle)
 
 
-async def read(url: str, only: list[str] | None, state: str | None = None) -> LineageReport:
-    """The lineage of the ledger at `url` (read-only), steps kept for `only` (None: every rollout).
+async def read(url: str, only: list[str] | None) -> LineageReport:
+    """The lineage of the ledger at `url` (read-only): every rollout, or those `only` names alone
+    (`quiesce.ledger.rollout_refs.read_lineage_of`: through the `rollout_refs` projection, in time
+    that grows with their own history; `counts` then counts those)."""
+    from quiesce.ledger.rollout_refs import read_lineage_of
 
-    `only` without `state`: those rollouts alone, through the `rollout_refs` projection
-    (`quiesce.ledger.rollout_refs.read_rollout_lineage`: the same rollouts, violations and warnings
-    as the whole fold gives them, read in time that grows with their own history); `counts` then
-    counts those rollouts only. Otherwise every lineage event is folded."""
     async with open_readonly(url) as ledger:
-        if only and state is None:
-            from quiesce.ledger.rollout_refs import read_rollout_lineage
-
-            return await read_rollout_lineage(ledger, only)
-        return await read_lineage(ledger, steps=True, only=only)
+        return await read_lineage_of(ledger, only)
 
 
 _STATE_STYLE = {
@@ -74,7 +69,7 @@ _STATE_STYLE = {
 
 
 def handle(args: argparse.Namespace) -> int:
-    report = anyio.run(read, args.ledger, args.rollout, args.state)
+    report = anyio.run(read, args.ledger, args.rollout)
     rows = chosen(report, args.rollout, args.state)
     missing = unknown(report, args.rollout)
     if args.output == "jsonl":
