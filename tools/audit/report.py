@@ -411,7 +411,7 @@ def _rollouts_section(lineage: ReportLineage, ordered: Sequence[tuple[int, Attem
     saves = [(i, v, lineage.saves[v.checkpoint_id]) for i, v in ordered if v.checkpoint_id in lineage.saves]
     if saves:
         rows = "".join(
-            f'<tr class="save"><td><a href="#attempt-{i}">{_e(v.checkpoint_id)}</a></td>'
+            f'<tr class="save"><td class="id"><a href="#attempt-{i}">{_e(v.checkpoint_id)}</a></td>'
             + "".join(f'<td class="num">{n}</td>' for n in (f.captured, f.restarted, f.retired, f.lost))
             + "</tr>"
             for i, v, f in saves
