@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from quiesce.ledger.backend import LeaseState
     from quiesce.ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
     from quiesce.ledger.errors import BrokenChainError, FencedError, LedgerError, LedgerUrlError, QuiesceError
-    from quiesce.ledger.events import KINDS, PAYLOADS, AppendItem, Event, Payload
+    from quiesce.ledger.events import KINDS, PAYLOADS, AppendItem, Event, Payload, event_from_raw
     from quiesce.ledger.projections import AttemptRow, fold
     from quiesce.ledger.redact import BODY_CAP_BYTES, REDACTED
     from quiesce.ledger.replay import ReplayReport, replay_url
@@ -22,7 +22,6 @@ if TYPE_CHECKING:
         LeaseTerms,
         Ledger,
         downgrade_schema,
-        event_from_raw,
         restore_triggers,
         upgrade_schema,
         utc_now,
@@ -53,7 +52,7 @@ _EXPORTS: dict[str, str] = {
     "ReplayReport": "quiesce.ledger.replay",
     "chain_hash": "quiesce.ledger.canonical",
     "downgrade_schema": "quiesce.ledger.store",
-    "event_from_raw": "quiesce.ledger.store",
+    "event_from_raw": "quiesce.ledger.events",
     "fold": "quiesce.ledger.projections",
     "replay_url": "quiesce.ledger.replay",
     "restore_triggers": "quiesce.ledger.store",

@@ -16,6 +16,8 @@ with its outcome.
 from __future__ import annotations
 
 import importlib
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Final
 
@@ -153,3 +155,22 @@ class AppendItem:
 
 
 __all__ = ["COLUMN_RULES", "KINDS", "AppendItem", "Event", "new_event"]
+
+
+def event_from_raw(raw: Sequence[Any]) -> Event:
+    """The ``Event`` of a stored events row (columns in ``quiesce.ledger.layout.EVENT_COLUMNS``
+    order, ``data`` as JSON text; a payload that is not an object is kept as ``{"value": ...}``)."""
+    seq, at, kind, cid, server, call_id, epoch, data, prev_hash, digest = raw
+    parsed = json.loads(data)
+    return Event(
+        seq=int(seq),
+        at=at,
+        kind=kind,
+        checkpoint_id=cid,
+        server=server,
+        call_id=call_id,
+        epoch=int(epoch),
+        data=parsed if isinstance(parsed, dict) else {"value": parsed},
+        prev_hash=prev_hash,
+        hash=digest,
+    )

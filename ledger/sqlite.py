@@ -54,6 +54,7 @@ from quiesce.ledger.errors import FencedError, LedgerError
 from quiesce.ledger.layout import EVENT_COLUMNS, MARKER_WHERE_SQLITE, VERSION_TABLE, indexed_kind
 from quiesce.ledger.projections import COLUMNS, AttemptRow, from_columns, stored_values
 from quiesce.ledger.rollout_refs import REF_KINDS, refs_of_rows
+from quiesce.ledger.sqlite_reads import LineageReads
 from quiesce.ledger.urls import parse, plain_sqlite_path
 
 if TYPE_CHECKING:
@@ -79,8 +80,6 @@ _REF_EVENTS_PAGE = (
     f" AND {MARKER_WHERE_SQLITE} ORDER BY seq LIMIT ?"
 )
 #: Parameters per statement in the reads by lists (well under SQLite's limit).
-_CHUNK = 500
-_NO_BOUND = 2**63 - 1
 #: Appends whose commits take less than this on average run on the event loop's thread.
 INLINE_COMMIT_MAX_S = 0.002
 
@@ -146,31 +145,7 @@ class _SqliteTx:
         self._c.executemany(_PUT_REF, refs)
 
 
-def _marks(n: int) -> str:
-    return ", ".join("?" * n)
-
-
-def first_in_ranges_sql(kinds: int, ranges: int) -> str:
-    """``first_in_ranges``'s query: per range ``(i, lo, hi)`` one marker-index lookup per kind."""
-    firsts = ", ".join(
-        f"(SELECT seq FROM events WHERE kind = ? AND seq > g.lo AND seq < g.hi AND {MARKER_WHERE_SQLITE}"
-        " ORDER BY seq LIMIT 1)"
-        for _ in range(kinds)
-    )
-    values = ", ".join("(?, ?, ?)" for _ in range(ranges))
-    return f"WITH g(i, lo, hi) AS (VALUES {values}) SELECT i, {firsts} FROM g ORDER BY i"
-
-
-def last_before_sql(seqs: int) -> str:
-    """``last_before_each``'s query: per seq one backward marker-index lookup."""
-    values = ", ".join("(?, ?)" for _ in range(seqs))
-    return (
-        f"WITH g(i, x) AS (VALUES {values}) SELECT i, (SELECT seq FROM events WHERE kind = ? AND seq < g.x"
-        f" AND {MARKER_WHERE_SQLITE} ORDER BY seq DESC LIMIT 1) FROM g ORDER BY i"
-    )
-
-
-class SqliteBackend(Backend, InlineAppend):
+class SqliteBackend(LineageReads, Backend, InlineAppend):
     dialect = "sqlite"
 
     def __init__(self, url: str | URL, *, where: str, durability: str, readonly: bool) -> None:
@@ -530,66 +505,6 @@ class SqliteBackend(Backend, InlineAppend):
         sql = f"SELECT {_AT_COLS} FROM attempts WHERE {' AND '.join(where)} ORDER BY {order}"
         rows = [from_columns(row) for row in await self._query(sql, params)]
         return rows[::-1] if query.limit else rows
-
-    async def _chunked(
-        self, sql_of: Callable[[int], str], items: Sequence[object], tail: Sequence[object] = ()
-    ) -> list[tuple[object, ...]]:
-        """``sql_of(n)`` run per chunk of ``items`` (its ``n`` parameters, then ``tail``), rows joined."""
-        out: list[tuple[object, ...]] = []
-        for start in range(0, len(items), _CHUNK):
-            chunk = items[start : start + _CHUNK]
-            out.extend(await self._query(sql_of(len(chunk)), [*chunk, *tail]))
-        return out
-
-    async def rollout_ref_seqs(self, rollout_ids: Sequence[str]) -> list[int]:
-        rows = await self._chunked(
-            lambda n: f"SELECT DISTINCT seq FROM rollout_refs WHERE rollout_id IN ({_marks(n)})",
-            list(rollout_ids),
-        )
-        return sorted({int(row[0]) for row in rows})  # type: ignore[call-overload]
-
-    async def events_at(self, seqs: Sequence[int]) -> list[RawEvent]:
-        rows = await self._chunked(
-            lambda n: f"SELECT {_EV_COLS} FROM events WHERE seq IN ({_marks(n)}) ORDER BY seq", list(seqs)
-        )
-        return sorted(rows, key=lambda row: row[0])  # type: ignore[arg-type]
-
-    async def checkpoint_rows(self, checkpoint_ids: Sequence[str], kinds: Sequence[str]) -> list[RawEvent]:
-        if not kinds:
-            return []
-        rows = await self._chunked(
-            lambda n: (
-                f"SELECT {_EV_COLS} FROM events WHERE checkpoint_id IN ({_marks(n)})"
-                f" AND kind IN ({_marks(len(kinds))}) ORDER BY seq"
-            ),
-            list(checkpoint_ids),
-            list(kinds),
-        )
-        return sorted(rows, key=lambda row: row[0])  # type: ignore[arg-type]
-
-    async def first_in_ranges(
-        self, kinds: Sequence[str], ranges: Sequence[tuple[int, int | None]]
-    ) -> list[int | None]:
-        if not kinds or not ranges:
-            return [None] * len(ranges)
-        out: list[int | None] = []
-        for start in range(0, len(ranges), _CHUNK // 3):
-            chunk = ranges[start : start + _CHUNK // 3]
-            params: list[object] = []
-            for i, (lo, hi) in enumerate(chunk):
-                params += [i, lo, _NO_BOUND if hi is None else hi]
-            rows = await self._query(first_in_ranges_sql(len(kinds), len(chunk)), [*params, *kinds])
-            out += [min((int(s) for s in row[1:] if s is not None), default=None) for row in rows]  # type: ignore[call-overload]
-        return out
-
-    async def last_before_each(self, kind: str, seqs: Sequence[int]) -> list[int | None]:
-        out: list[int | None] = []
-        for start in range(0, len(seqs), _CHUNK // 2):
-            chunk = seqs[start : start + _CHUNK // 2]
-            params: list[object] = [x for i, seq in enumerate(chunk) for x in (i, seq)]
-            rows = await self._query(last_before_sql(len(chunk)), [*params, kind])
-            out += [None if row[1] is None else int(row[1]) for row in rows]  # type: ignore[call-overload]
-        return out
 
     async def rollout_refs_page(self, after: tuple[str, int] | None, limit: int) -> list[tuple[str, int]]:
         params: list[object]

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -69,7 +68,7 @@ from quiesce.ledger.backend import AttemptQuery, Backend, Batch, InlineAppend, L
 from quiesce.ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
 from quiesce.ledger.chain import check_rows, truncation
 from quiesce.ledger.errors import BrokenChainError, FencedError, LedgerError, require_extra
-from quiesce.ledger.events import COLUMN_RULES, KINDS, AppendItem, Event, new_event
+from quiesce.ledger.events import COLUMN_RULES, KINDS, AppendItem, Event, event_from_raw, new_event
 from quiesce.ledger.layout import APPEND_ONLY_TRIGGERS, HEAD_REVISION, indexed_kind
 from quiesce.ledger.projections import AttemptRow
 from quiesce.ledger.redact import Redactor
@@ -119,23 +118,6 @@ def utc_now() -> str:
         _second_cache[1] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
         _second_cache[0] = seconds
     return f"{_second_cache[1]}.{micros:06d}Z"
-
-
-def event_from_raw(raw: RawEvent | Sequence[Any]) -> Event:
-    seq, at, kind, cid, server, call_id, epoch, data, prev_hash, digest = raw
-    parsed = json.loads(data)
-    return Event(
-        seq=int(seq),
-        at=at,
-        kind=kind,
-        checkpoint_id=cid,
-        server=server,
-        call_id=call_id,
-        epoch=int(epoch),
-        data=parsed if isinstance(parsed, dict) else {"value": parsed},
-        prev_hash=prev_hash,
-        hash=digest,
-    )
 
 
 def make_backend(url: str, *, durability: Durability = "full", readonly: bool = False) -> Backend:

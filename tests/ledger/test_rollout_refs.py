@@ -34,6 +34,8 @@ from quiesce.ledger import (
 from quiesce.ledger.lineage import LineageFold, LineageReport, read_lineage
 from quiesce.ledger.replay import REFS_TABLE
 from quiesce.ledger.rollout_refs import REF_KINDS, read_rollout_lineage, refs_of_rows, rollout_ids
+from quiesce.ledger.sqlite_reads import read_rollout_lineage_now
+from quiesce.ledger.urls import plain_sqlite_path
 from quiesce.tools.audit.cli import check_ledger
 from tests.ledger.helpers import COORDINATOR, SENT, is_sqlite, raw_sql
 
@@ -233,6 +235,15 @@ async def _assert_equal(url: str) -> LineageReport:
         assert together.rollouts == full.rollouts
         assert together.violations == full.violations
         assert together.warnings == full.warnings
+    path = plain_sqlite_path(url)
+    if path is not None:  # the cold command's path: the same reads on this thread, no event loop
+        for rollout in [*ids[:8], "never-seen"]:
+            now = read_rollout_lineage_now(Path(path), [rollout])
+            assert now is not None
+            assert _of(now, rollout) == _of(full, rollout), rollout
+        now = read_rollout_lineage_now(Path(path), ids)
+        assert now is not None
+        assert (now.rollouts, now.violations, now.warnings) == (full.rollouts, full.violations, full.warnings)
     return full
 
 
@@ -306,6 +317,9 @@ async def test_refs_are_written_with_their_events_and_backfilled_by_the_migratio
 async def test_a_ledger_at_0005_is_refused_naming_the_upgrade(ledger_url: str) -> None:
     await _write(ledger_url, Gen(3).build(10))
     await downgrade_schema(ledger_url, "0005")
+    path = plain_sqlite_path(ledger_url)
+    if path is not None:  # the loop-free read leaves an old ledger to the Ledger, which says why
+        assert read_rollout_lineage_now(Path(path), ["r0"]) is None
     with pytest.raises(LedgerError, match="quiesce db upgrade --ledger"):
         await Ledger.connect(ledger_url, readonly=True)
 
@@ -387,7 +401,8 @@ raise SystemExit(code)
 
 def test_rollouts_rollout_json_reads_one_lineage_and_imports_only_what_it_needs(tmp_path: Path) -> None:
     """`quiesce rollouts --rollout ID --json` (a cold process) shows the rollout as the whole fold
-    does, and loads no SQLAlchemy, alembic, pydantic, rich or wire models."""
+    does, and loads no SQLAlchemy, alembic, pydantic, rich or wire models — nor anyio or asyncio:
+    a SQLite ledger's named rollouts are read without an event loop."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}"
     anyio.run(_write, url, Gen(5).build(40))
     full = anyio.run(_full, url)
@@ -403,7 +418,7 @@ def test_rollouts_rollout_json_reads_one_lineage_and_imports_only_what_it_needs(
     shown = json.loads(document)
     assert shown["rollouts"] == [full.rollouts[rollout].to_json()]
     assert shown["violations"] == [v.to_json() for v in full.violations if v.rollout_id == rollout]
-    heavy = ("sqlalchemy", "alembic", "pydantic", "rich", "httpx", "fastapi")
+    heavy = ("sqlalchemy", "alembic", "pydantic", "rich", "httpx", "fastapi", "anyio", "asyncio")
     loaded = [m for m in modules.split() if m.split(".")[0] in heavy]
     loaded += [m for m in modules.split() if m in ("quiesce.ledger.payloads", "quiesce.coordinator.protocol")]
     assert loaded == []

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from quiesce.ledger import Ledger
 from quiesce.ledger.lineage import LINEAGE_KINDS, LineageFold, LineageReport, Rollout, Step
+
+if TYPE_CHECKING:
+    from quiesce.ledger import Ledger
 
 __all__ = [
     "REPORT_CAP",

@@ -22,11 +22,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import anyio
-
 from quiesce.ledger.lineage import STATES, LineageReport, Rollout
 from quiesce.tools.audit.lineage import chosen, document, strip, unknown
-from quiesce.tools.audit.source import open_readonly
 from quiesce.tools.cli.flags import CommandError, add_ledger, add_output
 from quiesce.tools.cli.output import emit_json, emit_jsonl
 
@@ -54,9 +51,30 @@ async def read(url: str, only: list[str] | None) -> LineageReport:
     (`quiesce.ledger.rollout_refs.read_lineage_of`: through the `rollout_refs` projection, in time
     that grows with their own history; `counts` then counts those)."""
     from quiesce.ledger.rollout_refs import read_lineage_of
+    from quiesce.tools.audit.source import open_readonly
 
     async with open_readonly(url) as ledger:
         return await read_lineage_of(ledger, only)
+
+
+def read_now(url: str, only: list[str] | None) -> LineageReport:
+    """`read`'s answer. Named rollouts of a SQLite ledger at the head revision are read on this
+    thread without an event loop (`quiesce.ledger.sqlite_reads.read_rollout_lineage_now`: the same
+    queries and fold, a cold process's fastest path); anything else opens the `Ledger`."""
+    if only:
+        from quiesce.ledger.urls import plain_sqlite_path
+
+        path = plain_sqlite_path(url)
+        if path is not None:
+            from quiesce.ledger import sqlitefile
+            from quiesce.ledger.sqlite_reads import read_rollout_lineage_now
+
+            found = read_rollout_lineage_now(sqlitefile.resolve(path), only)
+            if found is not None:
+                return found
+    import anyio
+
+    return anyio.run(read, url, only)
 
 
 _STATE_STYLE = {
@@ -69,7 +87,7 @@ _STATE_STYLE = {
 
 
 def handle(args: argparse.Namespace) -> int:
-    report = anyio.run(read, args.ledger, args.rollout)
+    report = read_now(args.ledger, args.rollout)
     rows = chosen(report, args.rollout, args.state)
     missing = unknown(report, args.rollout)
     if args.output == "jsonl":
