@@ -60,12 +60,17 @@ __all__ = [
     "LineageViolation",
     "Rollout",
     "Step",
+    "StepKind",
     "episode_of_capture_key",
     "expect_difference",
     "read_lineage",
 ]
 
 State = Literal["live", "restarted", "retired", "finished", "lost"]
+#: What a lineage step says happened (``Step.what``).
+StepKind = Literal[
+    "captured", "restart", "continued", "discarded", "retired", "forgotten", "acknowledged", "ended", "lost"
+]
 #: The states a rollout can be in, as of the ledger's last event.
 STATES: Final[tuple[State, ...]] = ("live", "restarted", "retired", "finished", "lost")
 #: The event kinds the lineage reads (every other kind changes nothing in it).
@@ -104,17 +109,7 @@ class Step:
     a retire outside any attempt), on ``servers``; ``detail`` says more where there is more."""
 
     seq: int
-    what: Literal[
-        "captured",
-        "restart",
-        "continued",
-        "discarded",
-        "retired",
-        "forgotten",
-        "acknowledged",
-        "ended",
-        "lost",
-    ]
+    what: StepKind
     attempt: int | None
     checkpoint_id: str | None
     servers: tuple[str, ...] = ()

@@ -56,20 +56,9 @@ __all__ = [
     "rollout_ids",
 ]
 
-#: The lineage kinds that name rollouts: the only kinds with rows in ``rollout_refs``.
-REF_KINDS: Final = frozenset(
-    {
-        "episodes.scoped",
-        "episodes.exported",
-        "episodes.restored",
-        "episodes.retired",
-        "rollouts.forgotten",
-        "rollouts.captured",
-        "rollouts.acknowledged",
-        "rollouts.continued",
-    }
-)
-assert set(LINEAGE_KINDS) >= REF_KINDS
+#: The lineage kinds that name rollouts (every ``episodes.*`` and ``rollouts.*`` one the fold reads):
+#: the only kinds with rows in ``rollout_refs``.
+REF_KINDS: Final = frozenset(k for k in LINEAGE_KINDS if k.startswith(("episodes.", "rollouts.")))
 #: Restore continuations: they restart every live rollout they do not continue, and clear marks.
 CONTINUATION_KINDS: Final = ("episodes.restored", "rollouts.continued")
 #: A save's start and end events and its inventory (the fold passes over a publication without one).

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from sqlalchemy import Connection
     from sqlalchemy.engine import URL
 
+_T = TypeVar("_T")
 _EV_COLS = ", ".join(EVENT_COLUMNS)
 _AT_COLS = ", ".join(COLUMNS)
 _INSERT_EVENT = f"INSERT INTO events ({_EV_COLS}) VALUES ({', '.join('?' * len(EVENT_COLUMNS))})"
@@ -374,60 +375,54 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
                 )
         os.fdatasync(fd)
 
-    async def replace_attempts(self, rows: Sequence[AttemptRow]) -> None:
-        def swap() -> None:
+    async def _rebuild(self, body: Callable[[sqlite3.Connection], _T]) -> _T:
+        """``body`` in one durable write transaction on the writer's thread (shielded): a
+        projection rebuilt whole, or nothing of it (rolled back on any failure)."""
+
+        def run() -> _T:
             conn = self._w
             if conn is None:
                 raise LedgerError(f"ledger {self.where} is not open for writing")
-            self._cache.clear()
             try:
                 conn.execute("BEGIN IMMEDIATE")
-                conn.execute("DELETE FROM attempts")
-                conn.executemany(_PUT_ATTEMPT, [stored_values(r) for r in rows])
+                result = body(conn)
                 conn.execute("COMMIT")
                 self._committed(durable=True)
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+            return result
 
         try:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(swap, limiter=self._wlimiter)
+                done = await anyio.to_thread.run_sync(run, limiter=self._wlimiter)
         except (sqlite3.Error, OSError) as error:
             raise self._problem(error, "rebuilding the projection") from None
+        return done
+
+    async def replace_attempts(self, rows: Sequence[AttemptRow]) -> None:
+        def swap(conn: sqlite3.Connection) -> None:
+            self._cache.clear()
+            conn.execute("DELETE FROM attempts")
+            conn.executemany(_PUT_ATTEMPT, [stored_values(r) for r in rows])
+
+        await self._rebuild(swap)
 
     async def rebuild_rollout_refs(self) -> int:
-        def swap() -> int:
-            conn = self._w
-            if conn is None:
-                raise LedgerError(f"ledger {self.where} is not open for writing")
+        def swap(conn: sqlite3.Connection) -> int:
             written, after = 0, -(2**63)
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                conn.execute("DELETE FROM rollout_refs")
-                while True:
-                    rows = conn.execute(_REF_EVENTS_PAGE, (after, 5000)).fetchall()
-                    refs = list(refs_of_rows(rows))
-                    conn.executemany(_PUT_REF, refs)
-                    written += len(refs)
-                    if len(rows) < 5000:
-                        break
-                    after = rows[-1][0]
-                conn.execute("COMMIT")
-                self._committed(durable=True)
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-            return written
+            conn.execute("DELETE FROM rollout_refs")
+            while True:
+                rows = conn.execute(_REF_EVENTS_PAGE, (after, 5000)).fetchall()
+                refs = list(refs_of_rows(rows))
+                conn.executemany(_PUT_REF, refs)
+                written += len(refs)
+                if len(rows) < 5000:
+                    return written
+                after = rows[-1][0]
 
-        try:
-            with anyio.CancelScope(shield=True):
-                written = await anyio.to_thread.run_sync(swap, limiter=self._wlimiter)
-        except (sqlite3.Error, OSError) as error:
-            raise self._problem(error, "rebuilding the projection") from None
-        return written
+        return await self._rebuild(swap)
 
     # -- reads ---------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ only a ledger file at the head schema revision; anything else is left to the ful
 from __future__ import annotations
 
 import sqlite3
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -68,11 +69,12 @@ def last_before_sql(seqs: int) -> str:
     )
 
 
-class LineageReads:
+class LineageReads(ABC):
     """The lineage queries over ``_query`` (rows of the events table as stored: ``RawEvent``)."""
 
+    @abstractmethod
     async def _query(self, sql: str, params: Sequence[object]) -> list[Row]:
-        raise NotImplementedError
+        """The rows of ``sql`` run with ``params`` (the transport: a worker thread, or in place)."""
 
     async def _chunked(
         self, sql_of: Callable[[int], str], items: Sequence[object], tail: Sequence[object] = ()

@@ -27,6 +27,8 @@ down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
+#: ``quiesce.ledger.rollout_refs.REF_KINDS`` as of this revision, frozen here: a revision's backfill
+#: must not change when the code's constant later does.
 _KINDS = (
     "episodes.scoped",
     "episodes.exported",

@@ -42,6 +42,7 @@ from quiesce.coordinator.crashpoints import CRASH_BEFORE_SEND
 from quiesce.coordinator.protocol import RESOURCES, TOKEN_ENV, route
 from quiesce.ledger import AppendItem, Event, Ledger, LedgerError
 from quiesce.ledger.layout import HEAD_REVISION
+from quiesce.ledger.rollout_refs import REF_KINDS
 from quiesce.tools.bench.harness import REPO_ROOT, BenchError, Context, child_env, run_child
 from quiesce.tools.gymsim import client
 from quiesce.tools.gymsim.cluster import spawn_cluster, write_yaml_atomic
@@ -238,7 +239,7 @@ def _remap(event: Event, ids: dict[str, str], new_id: Any, rotation: _Rotation |
     if rotation is not None:
         if event.kind == "attempt.started" and data.get("kind") == "save":
             rotation.saving()
-        elif event.kind in _NAMING:
+        elif event.kind in REF_KINDS:
             data = rotation.rename(event.kind, data)
     cid = event.checkpoint_id
     if cid is not None:
@@ -254,21 +255,6 @@ def _remap(event: Event, ids: dict[str, str], new_id: Any, rotation: _Rotation |
     if call_id is not None and event.checkpoint_id is not None:
         call_id = call_id.replace(event.checkpoint_id, ids[event.checkpoint_id])
     return AppendItem(event.kind, checkpoint_id=cid, server=event.server, call_id=call_id, data=data)
-
-
-#: The lineage kinds that name rollouts (``quiesce.ledger.rollout_refs.REF_KINDS``).
-_NAMING = frozenset(
-    {
-        "episodes.scoped",
-        "episodes.exported",
-        "episodes.restored",
-        "episodes.retired",
-        "rollouts.forgotten",
-        "rollouts.captured",
-        "rollouts.acknowledged",
-        "rollouts.continued",
-    }
-)
 
 
 async def _build(corpus: str, target: str, n: int, rollouts: int = 0) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from quiesce.coordinator.retire import RetireOutcome
 from quiesce.coordinator.snapshots import SnapshotInfo
 from quiesce.coordinator.status import ClusterStatus, Holder, ServerStatus
 from quiesce.ledger import AttemptRow
-from quiesce.ledger.lineage import STATES, LineageViolation, Rollout, Step
+from quiesce.ledger.lineage import STATES, LineageViolation, Rollout, Step, StepKind
 
 
 class Request(BaseModel):
@@ -658,17 +658,7 @@ class StepModel(BaseModel):
     """One step of a rollout's lineage (`quiesce.ledger.lineage.Step`)."""
 
     seq: int
-    what: Literal[
-        "captured",
-        "restart",
-        "continued",
-        "discarded",
-        "retired",
-        "forgotten",
-        "acknowledged",
-        "ended",
-        "lost",
-    ]
+    what: StepKind
     attempt: int | None = Field(description="the rollout attempt it concerns; null: the whole rollout")
     checkpoint_id: str | None
     servers: list[str]
