@@ -38,6 +38,7 @@ __all__ = [
     "ServerConfig",
     "check_deadline",
     "find_token",
+    "folder_problem",
     "load_config",
     "missing_token",
     "parse_config",
@@ -50,14 +51,50 @@ MAX_DEADLINE_S = 86_400.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
+#: Most components a server's `folder` may have.
+MAX_FOLDER_DEPTH = 8
+
+
+def folder_problem(value: str) -> str | None:
+    """Why `value` is not a server folder (None: it is one): a relative path of at most
+    `MAX_FOLDER_DEPTH` plain names joined by '/' — no '.', '..', empty or absolute part, so it
+    always stays inside the snapshot."""
+    parts = value.split("/")
+    if 0 < len(value) <= 256 and len(parts) <= MAX_FOLDER_DEPTH and all(_NAME.fullmatch(p) for p in parts):
+        return None
+    return (
+        f"{value!r} is not a relative folder of at most {MAX_FOLDER_DEPTH} plain names joined by '/'"
+        " (each starts with a letter or digit and uses only letters, digits, '.', '_', '-'),"
+        " e.g. gym-instances/nemo_gym/replica-0"
+    )
+
+
 class ServerConfig(BaseModel):
-    """One Gym server: its name (as its capabilities report it), base URL, and optionally its role."""
+    """One Gym server: its name (as its capabilities report it), base URL, and optionally its role
+    and its folder.
+
+    `folder` (Gym's unified plane only): where inside every snapshot this server writes and
+    restores from — a relative path of plain names (`gym-instances/nemo_gym/replica-0`), the
+    snapshot itself when unset. Servers of one Gym deployment share a folder; deployments that
+    repeat Gym's instance names (replicas of one Gym config, as NeMo RL runs them) each need
+    their own, since Gym stores a participant under `gym/<kind>/<instance>/` of its folder."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: Annotated[str, Field(min_length=1, max_length=256)]
     url: str
     instance_role: InstanceRole | None = None
+    folder: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+    @field_validator("folder")
+    @classmethod
+    def _folder_ok(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        problem = folder_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
     @field_validator("name")
     @classmethod

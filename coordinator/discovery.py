@@ -65,6 +65,8 @@ class Member:
     features: tuple[str, ...] = ()
     #: the control plane it speaks (`v2`: Gym's unified plane; `component` is then its kind)
     plane: Plane = "v1"
+    #: v2: where it writes and restores inside a snapshot, relative ("": the snapshot itself)
+    folder: str = ""
 
     @property
     def target(self) -> Target:
@@ -136,6 +138,7 @@ class Discovery:
                     "url": m.url,
                     **({"plane": m.plane} if m.plane != "v1" else {}),
                     **({"features": list(m.features)} if m.features else {}),
+                    **({"folder": m.folder} if m.folder else {}),
                 }
                 for m in self.participants
             ],
@@ -154,6 +157,7 @@ class Discovery:
                     "checkpoint_mode": m.checkpoint_mode,
                     "instance_role": m.instance_role,
                     "plane": m.plane,
+                    **({"folder": m.folder} if m.folder else {}),
                 }
                 for m in self.participants
             ],
@@ -196,9 +200,12 @@ def classify_v2(config: ClusterConfig, found: Mapping[str, StatusReply | str]) -
     participant of its `kind` (Gym's own coordinator takes every one); one that cannot be read is
     refused; at least one `model` participant (the policy model) is required; a config
     `instance_role` has no meaning there (the plane has no auxiliary models: a judge serves no
-    checkpoint routes) and is refused."""
+    checkpoint routes) and is refused. Two servers reporting the same kind and instance may not
+    share a folder (`ServerConfig.folder`): Gym stores a participant under
+    `gym/<kind>/<instance>/` of its folder, so one would overwrite the other."""
     participants: list[Member] = []
     refused: list[tuple[str, str]] = []
+    stored_as: dict[tuple[str, str, str], str] = {}  # (folder, kind, instance) -> first server's name
     for server in config.servers:
         status = found.get(server.name, "was not asked for its status")
         if isinstance(status, str):
@@ -223,8 +230,21 @@ def classify_v2(config: ClusterConfig, found: Mapping[str, StatusReply | str]) -
                 role=V2_ROLE_OF_KIND[status.kind],
                 url=server.url,
                 plane="v2",
+                folder=server.folder or "",
             )
         )
+        place = (server.folder or "", status.kind, status.instance)
+        first = stored_as.setdefault(place, server.name)
+        if first != server.name:
+            where = f"folder {server.folder!r}" if server.folder else "the snapshot's top folder"
+            refused.append(
+                (
+                    server.name,
+                    f"reports kind {status.kind!r} and instance {status.instance!r}, as {first} does, and"
+                    f" both would write {where}: give each Gym deployment its own `folder` in the"
+                    " config (e.g. gym-instances/<deployment>)",
+                )
+            )
     if not refused and not any(m.component == "model" for m in participants):
         refused.append(
             (CLUSTER, "no model participant: Gym's unified plane needs the policy model server among them")
@@ -267,6 +287,11 @@ def classify(config: ClusterConfig, found: Mapping[str, Capabilities | str]) -> 
             reasons.append(
                 f"reports its name as {caps.name!r}; name it {caps.name!r} in the config (servers write"
                 " their files under their own name)"
+            )
+        if server.folder is not None:
+            reasons.append(
+                "has a `folder` in the config, which only Gym's unified plane supports (a v1 server"
+                " writes under its own name in the snapshot); remove it"
             )
         if caps.multi_process.mode == "unmanaged":
             reasons.append(

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
+from quiesce.coordinator.config import folder_problem
 from quiesce.coordinator.digests import DigestCache, file_digest, read_facts, regular_facts
 from quiesce.coordinator.durable import fsync_dir, syncfs, syncfs_available
 from quiesce.coordinator.errors import SnapshotError
@@ -55,6 +56,7 @@ __all__ = [
     "latest_problem",
     "list_snapshots",
     "load_snapshot",
+    "make_folders",
     "make_staging",
     "read_latest",
     "remove_tree",
@@ -166,6 +168,23 @@ def make_staging(staging: Path) -> tuple[int, int]:
     fsync_dir(staging.parent)
     fsync_dir(staging.parent.parent)
     return (found.st_dev, found.st_ino)
+
+
+def make_folders(staging: Path, folder: str) -> None:
+    """Create `folder` (relative, checked by `folder_problem`) inside `staging`, never through a
+    symlink: each part is made or found as a real folder, else `SnapshotError`."""
+    here = staging
+    for part in folder.split("/"):
+        here = here / part
+        with contextlib.suppress(FileExistsError):
+            here.mkdir()
+        found = os.lstat(here)
+        if not stat.S_ISDIR(found.st_mode):
+            raise SnapshotError(
+                f"{here} is {_special_kind(found.st_mode)}, not a folder quiesce made; remove it and"
+                " save again",
+                [f"{here}: {_special_kind(found.st_mode)}"],
+            )
 
 
 def staging_problem(staging: Path, identity: tuple[int, int] | None) -> str | None:
@@ -618,6 +637,12 @@ def verify_snapshot(path: Path, *, participants: Mapping[str, str]) -> Snapshot:
                 f"participant {name}: is a {participants[name]} now, the snapshot has a {recorded[name]}"
             )
     for entry in snapshot.participants:
+        folder = entry.get("folder")
+        if folder is not None and not (isinstance(folder, str) and folder_problem(folder) is None):
+            differences.append(
+                f"participant {entry.get('name')}: its folder {ascii(folder)[:90]} is not a relative"
+                " folder of plain names inside the snapshot"
+            )
         own = entry.get("manifest")
         own_digest = entry.get("manifest_digest")
         if (

@@ -136,7 +136,10 @@ async def read_attempt(ledger: Ledger, config: ClusterConfig, checkpoint_id: str
         if info.get("plane") == "v2" and component in V2_ROLE_OF_KIND and url:
             role_v2 = V2_ROLE_OF_KIND[component]
             policy = "policy" if role_v2 == "policy" else None
-            members.append(Member(name, component, "export_restore", policy, role_v2, url, plane="v2"))
+            folder = str(info.get("folder", "")) if configured is None else configured.folder or ""
+            members.append(
+                Member(name, component, "export_restore", policy, role_v2, url, plane="v2", folder=folder)
+            )
         elif component in (MODEL, AGENT, RESOURCES) and role in ("policy", "agent", "resources") and url:
             members.append(
                 Member(

@@ -64,6 +64,16 @@ def exported_by(snapshot: Snapshot) -> dict[str, list[str]]:
     return out
 
 
+def folders_of(snapshot: Snapshot) -> dict[str, str]:
+    """Each participant's folder inside the snapshot, as its publication recorded it (where it
+    committed, so where it restores from, whatever the config says now); absent: the top folder."""
+    return {
+        str(entry.get("name")): entry["folder"]
+        for entry in snapshot.participants
+        if isinstance(entry.get("folder"), str)
+    }
+
+
 def inventory(snapshot: Snapshot) -> list[EpisodeId]:
     """Every episode the snapshot's participants exported, sorted (ValueError: a key names none)."""
     return unique_episodes(episode_of_key(k) for keys in exported_by(snapshot).values() for k in keys)
@@ -162,18 +172,21 @@ async def _restore_body(
 ) -> dict[str, Any]:
     phase = "restore"
     exported = exported_by(snapshot)
-    body = encode_body(  # the same request to every server: encoded once
-        RestoreRequest(
-            checkpoint_id=attempt.checkpoint_id,
-            deadline_ts=attempt.deadline_ts,
-            checkpoint_dir=str(snapshot.path),
-            episode_ids=scope,
+    folders = folders_of(snapshot)
+    bodies: dict[str, Any] = {}
+    for folder in set(folders.values()) | {""}:  # the same request to every server of a folder
+        bodies[folder] = encode_body(
+            RestoreRequest(
+                checkpoint_id=attempt.checkpoint_id,
+                deadline_ts=attempt.deadline_ts,
+                checkpoint_dir=str(snapshot.path / folder) if folder else str(snapshot.path),
+                episode_ids=scope,
+            )
         )
-    )
 
     async def one(m: Member) -> None:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
-        result = await send_call(ctx, attempt, m, "restore", phase, body=body)
+        result = await send_call(ctx, attempt, m, "restore", phase, body=bodies[folders.get(m.name, "")])
         try:
             reply = expect_reply(result, RestoreReply, phase, "restore")
             if reply.source_checkpoint_id != snapshot.checkpoint_id:

@@ -71,7 +71,7 @@ from quiesce.coordinator.protocol_v2 import (
     participant_dir,
     unique_episodes,
 )
-from quiesce.coordinator.publish import make_staging
+from quiesce.coordinator.publish import make_folders, make_staging
 from quiesce.coordinator.resume import rolled_back_on_failure
 from quiesce.coordinator.wording import count
 
@@ -235,9 +235,17 @@ async def commit(ctx: Context, attempt: Attempt, *, episodes: Sequence[EpisodeId
     staging = attempt.staging_dir
     attempt.stop = stop
 
+    folders = sorted({m.folder for m in attempt.participants if m.folder})
+
+    def make() -> tuple[int, int]:
+        identity = make_staging(staging)
+        for folder in folders:  # each server is handed its folder ready, as Gym's own callers do
+            make_folders(staging, folder)
+        return identity
+
     async def body() -> None:
         try:
-            attempt.staging_identity = await anyio.to_thread.run_sync(make_staging, staging)
+            attempt.staging_identity = await anyio.to_thread.run_sync(make)
         except SnapshotError as error:
             raise PhaseFailure("commit", None, str(error)) from None
         except OSError as error:
@@ -267,19 +275,21 @@ async def _commit_body(
         arrived.append((time.monotonic(), m))
 
     async def fan_out(members: Sequence[Member], scope: list[EpisodeId] | None) -> None:
-        # every server of the fan-out gets the same request: built and encoded once
-        body = encode_body(
-            CommitRequest(
-                checkpoint_id=attempt.checkpoint_id,
-                deadline_ts=attempt.deadline_ts,
-                checkpoint_dir=str(staging),
-                episode_ids=scope,
-                stop=stop,
+        # the servers of one folder get the same request: built and encoded once per folder
+        bodies: dict[str, Body] = {}
+        for folder in {m.folder for m in members}:
+            bodies[folder] = encode_body(
+                CommitRequest(
+                    checkpoint_id=attempt.checkpoint_id,
+                    deadline_ts=attempt.deadline_ts,
+                    checkpoint_dir=os.path.join(staging, folder) if folder else str(staging),
+                    episode_ids=scope,
+                    stop=stop,
+                )
             )
-        )
         async with anyio.create_task_group() as tg:
             for m in members:
-                tg.start_soon(_failing_into, attempt, m, lambda m: one(m, body))
+                tg.start_soon(_failing_into, attempt, m, lambda m: one(m, bodies[m.folder]))
         failed = [attempt.settled[m.name] for m in members if m.name in attempt.settled]
         if failed:
             raise failed[0].with_others(failed[1:])
@@ -418,12 +428,16 @@ def _verify_commit(
         problems.append(f"it exported episodes outside the scope: {', '.join(outside[:NAMED_BLOCKERS])}")
     if m.component == "model":
         problems.extend(_staging_key_problems(reply, set(keys)))
-    folder = f"{participant_dir(manifest.kind, manifest.instance)}"
+    # relative to the snapshot: the member's own folder, then Gym's participant folder
+    folder = participant_dir(manifest.kind, manifest.instance)
+    if m.folder:
+        folder = f"{m.folder}/{folder}"
     entry: dict[str, Any] = {
         "name": m.name,
         "component": m.component,
         "role": m.role,
         "plane": "v2",
+        **({"folder": m.folder} if m.folder else {}),
         "manifest": f"{folder}/{MANIFEST}",
         "records": f"{folder}/{manifest.records_file}",
         "manifest_digest": "",

@@ -84,6 +84,8 @@ class Participant(Payload):
     #: v1: its capability `features` (the lineage reads `completed_result_acknowledgement`: an
     #: agent with it reports every finished result, so a rollout it drops is seen lost)
     features: list[str] = []
+    #: v2: its folder inside every snapshot (`ServerConfig.folder`; "": the snapshot itself)
+    folder: str = ""
 
 
 class NamedReason(Payload):
