@@ -82,6 +82,7 @@ async def test_two_deployments_with_the_same_instances_save_and_restore_exactly_
             await trainer.detach()
         in_flight = {p: [e.capture_key for e in t.in_flight()] for p, t in trainers.items()}
     assert attempt.snapshot is not None
+    assert attempt.staging_dir is not None
     assert sorted(attempt.scope) == sorted(in_flight["d0"] + in_flight["d1"])
     # each server got its deployment's folder inside the staging folder
     dirs = {ev.server: ev.data["body"]["checkpoint_dir"] for ev in await sent(sqlite_url, "commit")}

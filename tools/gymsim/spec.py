@@ -48,7 +48,9 @@ Plane v2 (`plane: v2`, NeMo Gym's unified `/ng-control/v1/checkpoint/*`, `tools/
 `kind: environment` exists only there (`agent:` names the agent each turn calls); `lease_grace_s`
 (default 600) is the lease grace; `checkpoint_mode` picks agents' `export_restore`/`restart_only`
 and resources' `exported` (`export_restore`)/`stateless`/`restart_only`; `workers: N` with
-`worker_mode: coordinator` makes an environment a multi-worker coordinator. `default_v2_spec()`:
+`worker_mode: coordinator` makes an environment a multi-worker coordinator; `instance` (default: the
+server's name) is the instance name the server reports in its status and stores under
+(`gym/<kind>/<instance>/`) — replicas of one Gym config, as NeMo RL runs them, repeat it. `default_v2_spec()`:
 environment, policy_model, agent, resources.
 """
 
@@ -76,6 +78,7 @@ class ServerSpec(BaseModel):
     kind: ServerKind
     name: str = Field(min_length=1)
     plane: Plane = "v1"
+    instance: str | None = Field(default=None, min_length=1)
     lease_grace_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     agent: str | None = None
     count: int = Field(default=1, ge=1)
@@ -96,6 +99,11 @@ class ServerSpec(BaseModel):
     body_before_auth: bool = False
     faults: list[Fault] = Field(default_factory=list)
 
+    @property
+    def instance_name(self) -> str:
+        """The instance it reports and stores under (v2): `instance`, else its name."""
+        return self.instance if self.instance is not None else self.name
+
     def expand(self) -> list[ServerSpec]:
         if self.count == 1:
             return [self]
@@ -115,6 +123,7 @@ class ServerSpec(BaseModel):
                         "resources": sub(self.resources),
                         "judge": sub(self.judge),
                         "agent": sub(self.agent),
+                        "instance": sub(self.instance),
                     }
                 )
             )
@@ -142,6 +151,13 @@ class ClusterSpec(BaseModel):
         bad = [n for n in names if not ROLLOUT_ID_RE.match(n)]
         if bad:
             raise ValueError(f"server names must match [A-Za-z0-9][A-Za-z0-9._-]*: {', '.join(bad)}")
+        instances = [s.instance_name for s in self.expanded()]
+        bad = [n for n in instances if not ROLLOUT_ID_RE.match(n)]
+        if bad:
+            raise ValueError(f"instance names must match [A-Za-z0-9][A-Za-z0-9._-]*: {', '.join(bad)}")
+        shared = sorted({n for n in instances if instances.count(n) > 1})
+        if shared:
+            raise ValueError(f"servers of one cluster share instance names: {', '.join(shared)}")
         known = set(names)
         for server in self.expanded():
             for field_name in ("policy", "resources", "judge", "agent"):
@@ -153,8 +169,10 @@ class ClusterSpec(BaseModel):
             if server.plane == "v1":
                 if server.kind == "environment":
                     raise ValueError(f"server {server.name}: kind environment exists only on plane v2")
-                if server.lease_grace_s is not None or server.agent is not None:
-                    raise ValueError(f"server {server.name}: lease_grace_s and agent apply to plane v2 only")
+                if server.lease_grace_s is not None or server.agent is not None or server.instance is not None:
+                    raise ValueError(
+                        f"server {server.name}: lease_grace_s, agent and instance apply to plane v2 only"
+                    )
             if server.worker_mode == "coordinator" and server.kind != (
                 "environment" if server.plane == "v2" else "model"
             ):
