@@ -169,7 +169,11 @@ class ClusterSpec(BaseModel):
             if server.plane == "v1":
                 if server.kind == "environment":
                     raise ValueError(f"server {server.name}: kind environment exists only on plane v2")
-                if server.lease_grace_s is not None or server.agent is not None or server.instance is not None:
+                if (
+                    server.lease_grace_s is not None
+                    or server.agent is not None
+                    or server.instance is not None
+                ):
                     raise ValueError(
                         f"server {server.name}: lease_grace_s, agent and instance apply to plane v2 only"
                     )

@@ -100,9 +100,7 @@ class V2Server:
         self.plane: ControlPlane | None = None
         if self.participant is not None:
             grace = spec.lease_grace_s if spec.lease_grace_s is not None else DEFAULT_LEASE_GRACE_S
-            self.plane = ControlPlane(
-                self.participant, instance=spec.instance_name, lease_grace_s=grace
-            )
+            self.plane = ControlPlane(self.participant, instance=spec.instance_name, lease_grace_s=grace)
             install_routes(self.app, self._plane, ctx.token)
         self._add_admin_routes()
         self.add_routes()
