@@ -101,6 +101,7 @@ from quiesce.coordinator.protocol import (
     refused_before_effect,
     route,
 )
+from quiesce.coordinator.publish import in_place_roots
 from quiesce.ledger import Ledger
 
 T = TypeVar("T")
@@ -261,6 +262,9 @@ class Attempt:
     deadline_ts: float
     participants: tuple[Member, ...]
     staging_dir: Path | None = None
+    #: save: committed into a folder its caller owns (`Coordinator.save(into=...)`) and published
+    #: there in place: only the servers' folders in it (`staging_roots`) are the attempt's
+    in_place: bool = False
     #: save: (device, inode) of the staging folder this attempt made (`publish.make_staging`);
     #: publication takes that very folder only (`publish.staging_problem`)
     staging_identity: tuple[int, int] | None = None
@@ -349,6 +353,12 @@ class Attempt:
     def plane(self) -> Plane:
         """The control plane of its participants (one per cluster)."""
         return "v2" if any(m.plane == "v2" for m in self.participants) else "v1"
+
+    @property
+    def staging_roots(self) -> list[str] | None:
+        """In place: the folders of `staging_dir` that are the attempt's (its servers'); None when
+        the whole staging folder is (a save into quiesce's own snapshots folder)."""
+        return in_place_roots(m.folder for m in self.participants) if self.in_place else None
 
     def resubmit_on(self, server: str) -> tuple[Resubmission, ...]:
         """The executions of `resubmit` to send to agent `server`."""

@@ -94,7 +94,15 @@ from quiesce.coordinator.protocol import (
 )
 from quiesce.coordinator.protocol_v2 import EpisodeId
 from quiesce.coordinator.provenance import Provenance, check_provenance
-from quiesce.coordinator.publish import Snapshot, empty_trash, read_latest, resolve_snapshot, verify_snapshot
+from quiesce.coordinator.publish import (
+    Snapshot,
+    empty_trash,
+    in_place_problem,
+    in_place_roots,
+    read_latest,
+    resolve_snapshot,
+    verify_snapshot,
+)
 from quiesce.coordinator.readback import read_attempt, release
 from quiesce.coordinator.renewal import renew_all, renewing
 from quiesce.coordinator.restore import can_discard, discard_plan, read_resubmissions
@@ -393,13 +401,20 @@ class Coordinator:
     # -- save, step-wise -----------------------------------------------------------------------
 
     @frozen_step
-    async def prepare(self, *, deadline_s: float | None = None, stop: bool = False) -> Attempt:
+    async def prepare(
+        self,
+        *,
+        deadline_s: float | None = None,
+        stop: bool = False,
+        into: str | os.PathLike[str] | None = None,
+    ) -> Attempt:
         """Start a save attempt and prepare it. Rolls back and raises on failure.
 
         v1: pause, prepare, drain. Gym's unified plane (v2): stage by stage, asking a server again
         while it answers `preparing`; not ready by the deadline → rolled back, each server's
         blockers named (`save_v2`). `stop` (v2 only) marks a stop-checkpoint: once published, its
-        servers stay paused for shutdown.
+        servers stay paused for shutdown. `into` (v2 only): the folder to commit into and publish in
+        place, instead of quiesce's own snapshots folder — see `save`.
 
         Before anything is recorded or called: `deadline_s` is checked (`ConfigError` when it is not a
         finite number of seconds in (0, `max_deadline_s`]) and the snapshots folder passes the
@@ -413,10 +428,11 @@ class Coordinator:
             raise QuiesceError(
                 "a stop-checkpoint (stop=True, --stop) needs Gym's unified plane; this cluster speaks v1"
             )
+        folder = self._in_place_folder(discovery, into) if into is not None else None
         await self._refuse_if_held(discovery, "checkpoint")
         self._changing()
         attempt = await saving.start_attempt(
-            self._ctx, discovery, deadline_s=budget, warnings=warnings, stop=stop
+            self._ctx, discovery, deadline_s=budget, warnings=warnings, stop=stop, into=folder
         )
         self._current = attempt
         if attempt.plane == "v2":
@@ -426,6 +442,26 @@ class Coordinator:
         else:
             await saving.prepare(self._ctx, attempt)
         return attempt
+
+    def _in_place_folder(self, discovery: Discovery, into: str | os.PathLike[str]) -> Path:
+        """`into` as the absolute folder a save commits into in place, or `QuiesceError` saying why
+        it cannot be (checked before anything is recorded or sent)."""
+        if discovery.plane != "v2":
+            raise QuiesceError(
+                "a save into a folder of the caller's (into=...) needs Gym's unified plane; this cluster"
+                " speaks v1, whose snapshots go into quiesce's snapshots folder"
+            )
+        folder = Path(os.path.abspath(os.fspath(into)))  # not resolved: a symlink is refused, not followed
+        snapshots = Path(os.path.abspath(self._ctx.config.snapshots))
+        if folder == snapshots or snapshots in folder.parents or folder in snapshots.parents:
+            raise QuiesceError(
+                f"{folder} overlaps quiesce's snapshots folder {snapshots}, whose retention and sweeps"
+                " would remove it; give a folder outside it"
+            )
+        problem = in_place_problem(folder, in_place_roots(m.folder for m in discovery.participants))
+        if problem is not None:
+            raise QuiesceError(problem)
+        return folder
 
     @frozen_step
     async def commit(
@@ -615,6 +651,7 @@ class Coordinator:
         deadline_s: float | None = None,
         episodes: Sequence[EpisodeId] | None = None,
         stop: bool = False,
+        into: str | os.PathLike[str] | None = None,
     ) -> AsyncIterator[Attempt]:
         """Prepare and commit on entry; yield the attempt (write into `attempt.staging_dir`).
 
@@ -628,6 +665,14 @@ class Coordinator:
         leaves the servers paused for shutdown. While the block and the publication run, every
         server's lease is renewed (`renewal.py`); a renewal refused — a server let go of the save
         on its own — fails the save on leaving the block: rolled back, nothing published.
+
+        `into` (unified plane): commit into this folder of the caller's (e.g. the snapshot folder
+        NeMo RL publishes itself) instead of quiesce's snapshots folder, and publish there in
+        place: the servers write only their folders in it (each server's `folder`, or Gym's `gym/`),
+        which must not be there yet; publication verifies and hashes those alone and writes
+        `quiesce-manifest.json` beside them (the commit point); nothing is renamed, LATEST and
+        retention are left alone, and a rollback removes only what the servers wrote. The folder
+        is then a snapshot `restore` takes like any other, checked against the ledger.
         """
         self._ctx.caller.require_token()  # before anything is read or recorded
         discovery = await self._discovered()
@@ -635,7 +680,7 @@ class Coordinator:
             save_v2.require_scope(discovery.participants, episodes)  # before any request
         elif episodes is not None or stop:
             raise QuiesceError("episodes and stop are notions of Gym's unified plane; this cluster speaks v1")
-        attempt = await self.prepare(deadline_s=deadline_s, stop=stop)
+        attempt = await self.prepare(deadline_s=deadline_s, stop=stop, into=into)
         await self.commit(attempt, episodes=episodes)
         horizon = deadline_s if deadline_s is not None else self._ctx.config.deadline_s
         raised: BaseException | None = None
@@ -722,10 +767,11 @@ class Coordinator:
         deadline_s: float | None = None,
         episodes: Sequence[EpisodeId] | None = None,
         stop: bool = False,
+        into: str | os.PathLike[str] | None = None,
     ) -> Attempt:
         """prepare → commit → publish → resume, with nothing added by the caller (`episodes`,
-        `stop`: Gym's unified plane, see `save`)."""
-        async with self.save(deadline_s=deadline_s, episodes=episodes, stop=stop) as attempt:
+        `stop`, `into`: Gym's unified plane, see `save`)."""
+        async with self.save(deadline_s=deadline_s, episodes=episodes, stop=stop, into=into) as attempt:
             pass
         return attempt
 

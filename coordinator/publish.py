@@ -44,6 +44,7 @@ from quiesce.coordinator.errors import SnapshotError
 from quiesce.coordinator.protocol import ArtifactRef
 
 __all__ = [
+    "IN_PLACE_MANIFEST",
     "LATEST",
     "MANIFEST",
     "SNAPSHOT_FORMAT",
@@ -51,13 +52,18 @@ __all__ = [
     "Snapshot",
     "apply_retention",
     "build_manifest",
+    "discard_in_place",
+    "discard_staging",
     "empty_trash",
     "fsync_dir",
+    "in_place_problem",
+    "in_place_roots",
     "latest_problem",
     "list_snapshots",
     "load_snapshot",
     "make_folders",
     "make_staging",
+    "manifest_file_of",
     "read_latest",
     "remove_tree",
     "rename_into_place",
@@ -73,6 +79,9 @@ __all__ = [
 ]
 
 MANIFEST: Final = "manifest.json"
+#: The manifest of a snapshot published in place, in a folder its caller owns (`into`): named so it
+#: never meets a file of the caller's own.
+IN_PLACE_MANIFEST: Final = "quiesce-manifest.json"
 LATEST: Final = "LATEST"
 #: Where retention moves snapshots it removes, until `empty_trash` deletes them.
 TRASH: Final = ".trash"
@@ -479,12 +488,85 @@ def _latest(snapshots: Path) -> tuple[Path | None, str | None]:
     return path, None
 
 
+def manifest_file_of(path: Path) -> Path:
+    """The manifest of the snapshot at `path`: `manifest.json`, or — when only it is there — the
+    `quiesce-manifest.json` of a snapshot published in place."""
+    own = path / MANIFEST
+    if not own.exists() and (path / IN_PLACE_MANIFEST).is_file():
+        return path / IN_PLACE_MANIFEST
+    return own
+
+
+def in_place_roots(folders: Iterable[str]) -> list[str]:
+    """The folders a snapshot published in place owns inside its caller's folder: each server's
+    `folder` (`gym`, Gym's own top folder, for a server without one), none inside another."""
+    tops = sorted({folder or "gym" for folder in folders})
+    return [t for t in tops if not any(t.startswith(f"{o}/") for o in tops if o != t)]
+
+
+def in_place_problem(into: Path, roots: Sequence[str]) -> str | None:
+    """Why a save cannot be committed into `into` in place (None: it can): it must be a real
+    folder or not exist yet, outside nothing quiesce owns, and hold none of the folders the
+    servers will write (what is there would be mixed into the snapshot, or removed by a rollback)."""
+    if into.is_symlink():
+        return f"{into} is a symlink; give the folder itself"
+    if into.exists() and not into.is_dir():
+        return f"{into} exists and is not a folder"
+    there = [r for r in roots if (into / r).exists() or (into / r).is_symlink()]
+    if (into / IN_PLACE_MANIFEST).exists():
+        there.append(IN_PLACE_MANIFEST)
+    if there:
+        return (
+            f"{into} already holds {', '.join(there)}, which this save would write; give it a fresh"
+            " folder (a snapshot is committed into a folder once)"
+        )
+    return None
+
+
+def discard_in_place(into: Path, roots: Sequence[str]) -> None:
+    """Roll back a save committed in place: remove what its servers wrote (`roots`) and its
+    manifest, never the caller's folder or anything else in it. Idempotent."""
+    for root in roots:
+        target = into / root
+        if target.is_symlink():
+            target.unlink()
+        elif target.exists():
+            remove_tree(target)
+    (into / IN_PLACE_MANIFEST).unlink(missing_ok=True)
+    if into.is_dir():
+        fsync_dir(into)
+
+
+def discard_staging(staging: Path, roots: Sequence[str] | None) -> None:
+    """Remove what a rolled-back save staged: its whole staging folder, or — committed in place
+    (`roots` given) — only its servers' folders and its manifest (`discard_in_place`)."""
+    if roots is None:
+        remove_tree(staging)
+    else:
+        discard_in_place(staging, roots)
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """A published snapshot: its folder and parsed manifest."""
 
     path: Path
     manifest: dict[str, Any]
+
+    @property
+    def in_place(self) -> bool:
+        """Published in place, in a folder its caller owns (only `roots` are the snapshot's)."""
+        return self.manifest.get("in_place") is True
+
+    @property
+    def manifest_file(self) -> Path:
+        return self.path / (IN_PLACE_MANIFEST if self.in_place else MANIFEST)
+
+    @property
+    def roots(self) -> list[str]:
+        """The folders of an in-place snapshot (empty for one that owns its whole folder)."""
+        value = self.manifest.get("roots")
+        return [r for r in value if isinstance(r, str)] if isinstance(value, list) else []
 
     @property
     def checkpoint_id(self) -> str:
@@ -515,7 +597,8 @@ class Snapshot:
 
 def load_snapshot(path: Path) -> Snapshot:
     """Read a snapshot's manifest. Raises `SnapshotError` when it is missing or not ours."""
-    manifest_file = path / MANIFEST
+    manifest_file = manifest_file_of(path)
+    name = manifest_file.name
     if not path.is_dir():
         raise SnapshotError(f"{path} is not a snapshot folder", [f"{path}: no such folder"])
     try:
@@ -527,8 +610,14 @@ def load_snapshot(path: Path) -> Snapshot:
         ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != SNAPSHOT_FORMAT:
         raise SnapshotError(
-            f"{path}/{MANIFEST} is not a quiesce snapshot manifest",
-            [f"{MANIFEST}: format is not {SNAPSHOT_FORMAT}"],
+            f"{path}/{name} is not a quiesce snapshot manifest",
+            [f"{name}: format is not {SNAPSHOT_FORMAT}"],
+        )
+    if (manifest.get("in_place") is True) != (name == IN_PLACE_MANIFEST):
+        raise SnapshotError(
+            f"{path}/{name} is not a quiesce snapshot manifest of its kind (in_place and its file name"
+            " disagree)",
+            [f"{name}: in_place is {manifest.get('in_place')!r}"],
         )
     return Snapshot(path, manifest)
 
@@ -608,6 +697,19 @@ def verify_snapshot(path: Path, *, participants: Mapping[str, str]) -> Snapshot:
     for entry in snapshot.manifest.get("files", []):
         if isinstance(entry, dict) and isinstance(entry.get("path"), str):
             listed[entry["path"]] = entry
+    roots = snapshot.roots
+    if snapshot.in_place:
+        bad = [r for r in roots if folder_problem(r) is not None]
+        differences.extend(f"root {ascii(r)[:90]}: not a relative folder of plain names" for r in bad)
+        roots = [r for r in roots if r not in bad]
+        outside = [
+            rel
+            for rel in listed
+            if not any(rel.startswith(f"{r}/") for r in roots) or {".", "..", ""} & set(rel.split("/"))
+        ]
+        differences.extend(f"{ascii(rel)[:90]}: listed outside the snapshot's folders" for rel in outside)
+        for rel in outside:
+            del listed[rel]
     present = sorted(rel for rel in listed if (path / rel).is_file() and not (path / rel).is_symlink())
     sums = dict(zip(present, _each(file_digest, [path / rel for rel in present]), strict=True))
     for rel, entry in sorted(listed.items()):
@@ -620,10 +722,22 @@ def verify_snapshot(path: Path, *, participants: Mapping[str, str]) -> Snapshot:
         elif digest != entry.get("sha256"):
             differences.append(f"{rel}: sha256 differs from the manifest")
     odd: list[str] = []
-    walked = _walk(path, links=True, odd=odd)
+    if snapshot.in_place:  # only the snapshot's own folders: the rest of the folder is its caller's
+        walked: list[tuple[str, Path, os.stat_result]] = []
+        for root in roots:
+            if (path / root).is_dir() and not (path / root).is_symlink():
+                inner: list[str] = []
+                walked.extend(
+                    (f"{root}/{rel}", p, st) for rel, p, st in _walk(path / root, links=True, odd=inner)
+                )
+                odd.extend(f"{root}/{entry}" for entry in inner)
+            else:
+                differences.append(f"{root}: missing (or not a folder)")
+    else:
+        walked = _walk(path, links=True, odd=odd)
     odd_paths = {entry.split(": ", 1)[0] for entry in odd}
     for rel, _, _ in walked:
-        if rel != MANIFEST and rel not in listed and rel not in odd_paths:
+        if rel not in (MANIFEST, IN_PLACE_MANIFEST) and rel not in listed and rel not in odd_paths:
             differences.append(f"{rel}: not listed in the manifest")
     differences.extend(f"{entry}, which a snapshot never holds" for entry in odd)
     recorded = {str(p.get("name")): str(p.get("component")) for p in snapshot.participants}

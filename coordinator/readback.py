@@ -39,7 +39,7 @@ from quiesce.coordinator.discovery import Member
 from quiesce.coordinator.errors import PhaseError, QuiesceError, SnapshotError
 from quiesce.coordinator.phases import V2_ROLE_OF_KIND
 from quiesce.coordinator.protocol import AGENT, MODEL, RESOURCES
-from quiesce.coordinator.publish import MANIFEST, load_snapshot, write_latest
+from quiesce.coordinator.publish import load_snapshot, manifest_file_of, write_latest
 from quiesce.coordinator.restore import redrive, resubmissions_of, reverify
 from quiesce.coordinator.restore_v2 import abandon, replacements
 from quiesce.coordinator.resume import finish_resume, next_step, resume_members, roll_back
@@ -158,6 +158,7 @@ async def read_attempt(ledger: Ledger, config: ClusterConfig, checkpoint_id: str
         deadline_ts=float(data.get("deadline_ts", 0.0)),
         participants=tuple(members),
         staging_dir=Path(data["staging_dir"]) if data.get("staging_dir") else None,
+        in_place=data.get("in_place") is True,
         snapshot=Path(data["snapshot_dir"]) if data.get("snapshot_dir") else None,
         source_checkpoint_id=data.get("source_checkpoint_id"),
         snapshot_sha256=data.get("manifest_sha256") if isinstance(data.get("manifest_sha256"), str) else None,
@@ -269,7 +270,7 @@ def publication_on_disk(recorded: Recorded) -> Path | None:
     if recorded.publishing is not None:
         final = Path(recorded.publishing["final_dir"])
     elif attempt.staging_dir is not None:
-        final = final_dir_of(attempt.staging_dir)
+        final = final_dir_of(attempt.staging_dir, in_place=attempt.in_place)
     else:
         return None
     try:
@@ -292,13 +293,14 @@ async def settle_publication(ctx: Context, recorded: Recorded) -> bool:
     final = await anyio.to_thread.run_sync(publication_on_disk, recorded)
     if final is None:
         return False
-    _, digest = await anyio.to_thread.run_sync(file_digest, final / MANIFEST)
+    _, digest = await anyio.to_thread.run_sync(file_digest, manifest_file_of(final))
     await ctx.ledger.stage(
         "attempt.published",
         checkpoint_id=attempt.checkpoint_id,
         data={"final_dir": str(final), "manifest_sha256": digest},
     )
-    await anyio.to_thread.run_sync(write_latest, final.parent, final.name)
+    if not attempt.in_place:  # a folder published in place is its caller's to point at
+        await anyio.to_thread.run_sync(write_latest, final.parent, final.name)
     recorded.published = {"final_dir": str(final), "manifest_sha256": digest}
     attempt.snapshot = final
     attempt.state = "published"

@@ -89,9 +89,9 @@ from quiesce.coordinator.protocol import MODEL, Capabilities
 from quiesce.coordinator.protocol_v2 import StatusReply
 from quiesce.coordinator.publish import (
     apply_retention,
+    discard_staging,
     empty_trash,
     read_latest,
-    remove_tree,
     sweep_staging,
     write_latest,
 )
@@ -419,7 +419,7 @@ async def _abort(ctx: Context, recorded: Recorded, found: str) -> AttemptReport:
     )
     _apply_resume_results(settled, resumed, not_paused, failures)
     if attempt.staging_dir is not None:
-        await anyio.to_thread.run_sync(remove_tree, attempt.staging_dir)
+        await anyio.to_thread.run_sync(discard_staging, attempt.staging_dir, attempt.staging_roots)
     servers = await _record_settled(ctx, attempt, settled)
     # resume failures and servers still running an operation of this attempt are left paused
     left_all = [s.name for s in settled if s.result in ("unknown_server", "left_paused")]

@@ -491,7 +491,7 @@ def _same_agents(path: Path, manifest_sha256: str, agents: Sequence[Member]) -> 
     """The snapshot at `path` when its manifest has `manifest_sha256` and each agent's manifest the
     digest it names (`manifest_digest`), else None."""
     snapshot = load_snapshot(path)
-    if file_digest(path / MANIFEST)[1] != manifest_sha256:
+    if file_digest(snapshot.manifest_file)[1] != manifest_sha256:
         return None
     for member in agents:
         entry = snapshot.participant(member.name) or {}
@@ -654,7 +654,7 @@ async def reverify(ctx: Context, attempt: Attempt) -> Snapshot | str:
         if attempt.snapshot_sha256 is None:
             await check_provenance(ctx.ledger, path)
             return snapshot
-        _, digest = await anyio.to_thread.run_sync(file_digest, path / MANIFEST)
+        _, digest = await anyio.to_thread.run_sync(file_digest, snapshot.manifest_file)
     except SnapshotError as error:
         return f"the snapshot {path} is gone or damaged: " + ("; ".join(error.differences[:5]) or str(error))
     except OSError as error:

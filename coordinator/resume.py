@@ -54,8 +54,8 @@ from quiesce.coordinator.protocol import (
 )
 from quiesce.coordinator.protocol_v2 import CHECKPOINT_CONFLICT
 from quiesce.coordinator.publish import (
+    discard_staging,
     read_latest,
-    remove_tree,
 )
 from quiesce.coordinator.restore import reinstate
 from quiesce.coordinator.stranded import stranded
@@ -319,7 +319,7 @@ async def roll_back(
     refused = dict(attempt.refused)
     never = [name for name in attempt.touched if name in refused]
     if attempt.staging_dir is not None:
-        await anyio.to_thread.run_sync(remove_tree, attempt.staging_dir)
+        await anyio.to_thread.run_sync(discard_staging, attempt.staging_dir, attempt.staging_roots)
     await ctx.ledger.append(
         "attempt.aborted",
         checkpoint_id=attempt.checkpoint_id,

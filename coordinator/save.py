@@ -87,9 +87,11 @@ from quiesce.coordinator.protocol import (
     manifest_path,
 )
 from quiesce.coordinator.publish import (
+    IN_PLACE_MANIFEST,
     MANIFEST,
     apply_retention,
     build_manifest,
+    fsync_dir,
     make_staging,
     rename_into_place,
     staging_problem,
@@ -132,14 +134,16 @@ async def start_attempt(
     deadline_s: float | None = None,
     warnings: Sequence[str] = (),
     stop: bool = False,
+    into: Path | None = None,
 ) -> Attempt:
     """Append `attempt.started` for a new save attempt and return it (nothing is called yet).
 
     `warnings` (the preflight's) are recorded in it and kept on the attempt; so are the plane of
-    the cluster and, on the unified plane, `stop` (a stop-checkpoint: its servers stay paused)."""
+    the cluster and, on the unified plane, `stop` (a stop-checkpoint: its servers stay paused)
+    and `into` (committed into that folder and published there in place: `in_place`)."""
     checkpoint_id = await next_checkpoint_id(ctx.ledger)
     deadline_ts = time.time() + (deadline_s if deadline_s is not None else ctx.config.deadline_s)
-    staging = ctx.config.staging_root / checkpoint_id
+    staging = into if into is not None else ctx.config.staging_root / checkpoint_id
     attempt = Attempt(
         checkpoint_id=checkpoint_id,
         kind="save",
@@ -149,6 +153,7 @@ async def start_attempt(
         skipped=[{"name": n, "reason": r} for n, r in discovery.skipped],
         warnings=list(warnings),
         stop=stop,
+        in_place=into is not None,
     )
     await ctx.ledger.stage(
         "attempt.started",
@@ -156,6 +161,7 @@ async def start_attempt(
         data={
             **({"plane": "v2"} if discovery.plane == "v2" else {}),
             **({"stop": True} if stop else {}),
+            **({"in_place": True} if into is not None else {}),
             "kind": "save",
             "deadline_ts": deadline_ts,
             "participants": attempt.names,
@@ -674,13 +680,14 @@ def _owner(attempt: Attempt, entries: Sequence[str]) -> str | None:
     return None
 
 
-def final_dir_of(staging: Path) -> Path:
-    """Where a save's staging folder `<snapshots>/.staging/<id>` is renamed to: `<snapshots>/<id>`.
+def final_dir_of(staging: Path, *, in_place: bool = False) -> Path:
+    """Where a save's staging folder `<snapshots>/.staging/<id>` is renamed to: `<snapshots>/<id>`;
+    a save committed in place is published where it was staged.
 
     The one rule `publish` and recovery share. It reads only the staging folder, which the durable
     `attempt.started` records, so recovery finds a publication even when the ledger kept no
     `attempt.publishing` and the configured snapshot folder has changed since."""
-    return staging.parent.parent / staging.name
+    return staging if in_place else staging.parent.parent / staging.name
 
 
 async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False) -> Path:
@@ -697,6 +704,8 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
     happens next.
     """
     require_state(attempt, ("committed",), "publish")
+    if attempt.in_place:
+        return await _publish_in_place(ctx, attempt)
     staging = attempt.staging_dir
     assert staging is not None
     final = final_dir_of(staging)
@@ -818,6 +827,108 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
     )
     ctx.progress(Progress(attempt.checkpoint_id, "publish", step="done"))
     return final
+
+
+async def _publish_in_place(ctx: Context, attempt: Attempt) -> Path:
+    """Publish a save committed into its caller's folder (`Coordinator.save(into=...)`), in place.
+
+    The servers' folders (`attempt.staging_roots`) are verified, hashed and made durable like a
+    staging folder, then `quiesce-manifest.json` — listing only them, with `in_place` and `roots` —
+    is written durably into the folder: that write is the commit point (recovery reads it from the
+    filesystem, `final_dir_of` the folder being the folder itself). Nothing is renamed, LATEST and
+    retention are left alone, and nothing else in the folder is read or written: the folder, and
+    its publication as a whole, are the caller's. A failure before the manifest is on disk rolls
+    back: the servers' folders and the manifest are removed, never the caller's files.
+    """
+    staging = attempt.staging_dir
+    roots = attempt.staging_roots
+    assert staging is not None
+    assert roots is not None
+    await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data={"phase": "publish"})
+    ctx.progress(Progress(attempt.checkpoint_id, "publish", step="phase", deadline_ts=attempt.deadline_ts))
+    written: list[bytes] = []
+    files: list[int] = []
+
+    async def body() -> None:
+        entries = list(attempt.commits.values())
+
+        def verify() -> tuple[dict[str, tuple[int, str]], list[str]]:
+            cache = attempt.digests
+            digests: dict[str, tuple[int, str]] = {}
+            for root in roots:
+                found = tree_digests(staging / root, sync=True, cache=cache, strict=True)
+                digests.update((f"{root}/{rel}", value) for rel, value in found.items())
+                parts = root.split("/")
+                for depth in range(len(parts) - 1, -1, -1):  # the entries leading to the root
+                    fsync_dir(staging.joinpath(*parts[:depth]))
+            return digests, [p for entry in entries for p in _verify_entry(staging, entry, cache, walk=False)]
+
+        replaced = await anyio.to_thread.run_sync(staging_problem, staging, attempt.staging_identity)
+        if replaced is not None:
+            raise PhaseFailure("publish", None, replaced)
+        try:
+            digests, problems = await anyio.to_thread.run_sync(verify)
+        except OSError as error:
+            raise PhaseFailure(
+                "publish", None, f"cannot read the servers' folders in {staging}: {error}"
+            ) from None
+        except SnapshotError as error:
+            raise PhaseFailure("publish", _owner(attempt, error.differences), str(error)) from None
+        if problems:
+            server = next(
+                (e["name"] for e in entries if problems[0].split(":")[0].split(" ")[0] == e["name"]),
+                next(iter(attempt.commits)),
+            )
+            raise PhaseFailure("publish", server, "; ".join(problems))
+        ledger_seq = await ctx.ledger.last_seq()
+        manifest = build_manifest(
+            staging,
+            checkpoint_id=attempt.checkpoint_id,
+            created=utc_now(),
+            epoch=ctx.ledger.epoch,
+            ledger_seq=ledger_seq,
+            participants=entries,
+            skipped=attempt.skipped,
+            digests=digests,
+        )
+        manifest["in_place"] = True
+        manifest["roots"] = roots
+        files.append(len(manifest["files"]))
+        try:
+            written.append(
+                await anyio.to_thread.run_sync(write_json_durably, staging / IN_PLACE_MANIFEST, manifest)
+            )
+        except OSError as error:
+            raise PhaseFailure(
+                "publish", None, f"cannot write the snapshot manifest in {staging}: {error}"
+            ) from None
+        await ctx.ledger.stage(
+            "attempt.publishing",
+            checkpoint_id=attempt.checkpoint_id,
+            data={"staging_dir": str(staging), "final_dir": str(staging)},
+        )
+
+    try:
+        await rolled_back_on_failure(ctx, attempt, "publish", body)
+    finally:
+        attempt.digests.clear()
+    await ctx.ledger.stage(
+        "attempt.published",
+        checkpoint_id=attempt.checkpoint_id,
+        data={"final_dir": str(staging), "manifest_sha256": hashlib.sha256(written[0]).hexdigest()},
+    )
+    attempt.state = "published"
+    attempt.snapshot = staging
+    await ctx.ledger.stage(
+        "phase.completed",
+        checkpoint_id=attempt.checkpoint_id,
+        data={
+            "phase": "publish",
+            "summary": {"final_dir": str(staging), "files": files[0], "in_place": True, "roots": roots},
+        },
+    )
+    ctx.progress(Progress(attempt.checkpoint_id, "publish", step="done"))
+    return staging
 
 
 async def _sweep_finished(ctx: Context) -> list[Path]:

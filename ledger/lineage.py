@@ -8,10 +8,11 @@ What counts, and when:
 
 - **captured** — a save's inventory counts once the save is published (``attempt.published``):
   on Gym's unified plane (v2) the commit scope (``episodes.scoped``; restarts are left out of
-  it), on v1 every agent's continuation rows (``rollouts.captured``). A save that aborts
-  captured nothing; a save published without its inventory recorded (a power loss took those
-  write-behind records and recovery found the snapshot; a ledger older than these events) is
-  passed over: it shows nothing captured, ended or lost.
+  it) with what each server exported of it (``episodes.exported``), on v1 every agent's
+  continuation rows (``rollouts.captured``). A save that aborts captured nothing; a save
+  published without its inventory recorded (a crash or power loss took those staged records and
+  recovery found the snapshot; a ledger older than these events) is passed over: it shows
+  nothing captured, ended or lost.
 - **continued** — a restore's next attempts (v2 ``episodes.restored``, v1 ``rollouts.continued``
   — the resubmissions) count when recorded: the restored servers hold them from then on. A
   restore puts the run back at its snapshot, so the obligations left by anything before it end
@@ -193,9 +194,10 @@ class _Save:
     restarts: dict[tuple[str, int], list[str]] = field(default_factory=dict)
     exported: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
     captured: dict[tuple[str, int], list[str]] = field(default_factory=dict)  # v1: pair -> agents
-    #: its inventory was recorded (v2 ``episodes.scoped``, v1 ``rollouts.captured``): a save
-    #: published without it (a power loss took the write-behind records, recovery found the
-    #: snapshot; or a ledger older than these events) says nothing of what it captured
+    #: its inventory was recorded (v2 ``episodes.scoped`` and then ``episodes.exported``, v1
+    #: ``rollouts.captured``): a save published without it (a crash or power loss took the staged
+    #: records, recovery found the snapshot; or a ledger older than these events) says nothing of
+    #: what it captured
     known: bool = False
     participants: tuple[str, ...] = ()
 
@@ -295,7 +297,6 @@ class LineageFold:
         if save is None:
             return
         save.scope = {episode_of_capture_key(str(k)) for k in _list(event.data.get("scope"))}
-        save.known = True
         restarts = event.data.get("restarts")
         if isinstance(restarts, Mapping):
             for server, keys in restarts.items():
@@ -311,6 +312,7 @@ class LineageFold:
             save.exported.setdefault(str(server), set()).update(
                 episode_of_capture_key(str(k)) for k in _list(keys)
             )
+        save.known = save.scope is not None  # the scope, then what was exported of it
 
     def _captured_v1(self, event: Event) -> None:
         save = self._saves.get(event.checkpoint_id or "")

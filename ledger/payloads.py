@@ -120,6 +120,8 @@ class AttemptStarted(Payload):
     resume: bool = False
     #: the control plane of its participants (`v2`: Gym's unified plane)
     plane: Literal["v1", "v2"] = "v1"
+    #: save only: committed into its caller's folder (`staging_dir`) and published there in place
+    in_place: bool = False
     #: save, v2: commit with `stop` — the servers stay paused for shutdown once published
     stop: bool = False
     #: restore, v1: the cluster's `restart_only` resources servers when it began — the restored

@@ -67,6 +67,7 @@ _SAVE_KINDS: Final = (
     "attempt.published",
     "attempt.aborted",
     "episodes.scoped",
+    "episodes.exported",
     "rollouts.captured",
 )
 _DISCOVERY: Final = "discovery.completed"
@@ -204,22 +205,25 @@ class _Reads(Protocol):
 def _effective(seq: int, events: list[Event]) -> bool:
     """Whether the ``attempt.published`` at ``seq`` ends a save the fold holds open with its
     inventory recorded (its ``_saves`` and ``_Save.known``): a save's ``attempt.started`` came before
-    it, then its ``episodes.scoped`` or ``rollouts.captured``, and no publication or abort since
-    (``events``: that checkpoint's ``_SAVE_KINDS`` events, in seq order)."""
-    held = known = False
+    it, then its ``episodes.scoped`` and after it its ``episodes.exported`` (v2), or its
+    ``rollouts.captured`` (v1), and no publication or abort since (``events``: that checkpoint's
+    ``_SAVE_KINDS`` events, in seq order)."""
+    held = scoped = known = False
     for event in events:
         if event.seq >= seq:
             break
         kind = event.kind
         if kind == "attempt.started":
             if event.data.get("kind") == "save":
-                held, known = True, False
-        elif kind == "episodes.scoped" or (
-            kind == "rollouts.captured" and isinstance(event.data.get("captured"), Mapping)
-        ):
+                held, scoped, known = True, False, False
+        elif kind == "episodes.scoped":
+            scoped = scoped or held
+        elif kind == "episodes.exported":
+            known = known or (scoped and isinstance(event.data.get("exported"), Mapping))
+        elif kind == "rollouts.captured" and isinstance(event.data.get("captured"), Mapping):
             known = known or held
         else:
-            held = known = False
+            held = scoped = known = False
     return held and known
 
 

@@ -262,6 +262,11 @@ def test_a_save_published_without_its_inventory_recorded_shows_nothing() -> None
     log.add("attempt.published", "c3", final_dir="/f")
     log.add("attempt.started", "c4", kind="save", participants=["a1"], deadline_ts=1.0)  # v1, old ledger
     log.add("attempt.published", "c4", final_dir="/f")
+    # a crash took c6's staged exports, not its scope (committed with the commit requests); its
+    # manifest, written before anything else was committed, made it published
+    log.add("attempt.started", "c6", kind="save", plane="v2", participants=["env"], deadline_ts=1.0)
+    log.add("episodes.scoped", "c6", scope=["r1-a1", "r9"], source="given", restarts={})
+    log.add("attempt.published", "c6", final_dir="/f")
     report = log.fold()
     assert report.violations == []
     assert (report.rollouts["r1"].state, report.rollouts["r1"].attempt) == ("live", 1)

@@ -248,6 +248,56 @@ async def test_a_save_killed_mid_way_is_rolled_back_or_finished_from_the_ledger(
     await assert_ledger_ok(ledger_url)
 
 
+#: where a `quiesce checkpoint --into FOLDER` (published in place, in the trainer's folder) dies
+IN_PLACE_KILLS = {
+    # every commit verified; the publish step began, its manifest not written yet
+    "in place, before the manifest": (
+        {"kind": "phase.started", "phase": "publish", "when": "staged"},
+        "resumed",
+    ),
+    # the manifest is on disk (the commit point); the ledger has no word of it yet
+    "in place, after the manifest": ({"kind": "attempt.publishing", "when": "staged"}, "published"),
+}
+
+
+@pytest.mark.parametrize("where", list(IN_PLACE_KILLS))
+async def test_a_save_into_the_trainers_folder_killed_mid_way_is_settled_from_the_folder(
+    where: str, v2: Any, ledger_url: str, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    kill, action = IN_PLACE_KILLS[where]
+    tasks = make_tasks(3, turns=5)
+    into = tmp_path / "trainer" / "step_3"
+    into.mkdir(parents=True)
+    (into / "trainer_state.pt").write_bytes(b"the trainer's half")
+    with v2("cluster") as cluster:
+        trainer = await parked_trainer(http, cluster, tasks)
+        await killed("checkpoint", "--config", str(cluster.config), "--into", str(into), kill=kill)
+        cid = [ev for ev in await events(ledger_url) if ev.kind == "attempt.started"][-1].checkpoint_id
+        document = await recover(cluster)
+        assert [(a["checkpoint_id"], a["action"]) for a in document["attempts"]] == [(cid, action)]
+        assert await phases(http, cluster) == dict.fromkeys(NAMES, ("idle", None))
+        await assert_no_lease_expired(http, cluster)
+        kinds = [ev.kind for ev in await events(ledger_url) if ev.checkpoint_id == cid]
+        if action == "published":  # read from the folder: its manifest names the attempt
+            published = [ev for ev in await events(ledger_url) if ev.kind == "attempt.published"]
+            assert [(ev.checkpoint_id, ev.data["final_dir"]) for ev in published] == [(cid, str(into))]
+            assert load_snapshot(into).checkpoint_id == cid
+            assert (into / "gym").is_dir()
+            assert "attempt.completed" in kinds
+            assert "attempt.aborted" not in kinds
+        else:  # rolled back: what the servers wrote is gone
+            assert "attempt.published" not in kinds
+            assert sorted(p.name for p in into.iterdir()) == ["trainer_state.pt"]
+            assert kinds[-1] == "attempt.aborted"
+        assert (into / "trainer_state.pt").read_bytes() == b"the trainer's half"
+        assert read_latest(cluster.snapshots) is None
+        assert published_folders(cluster.snapshots) == []
+        await assert_second_recover_is_a_no_op(http, cluster, ledger_url)
+        await trainer.unpace()
+        assert await trainer.wait_results() == expected_results(tasks)
+    await assert_ledger_ok(ledger_url)
+
+
 # ---------------------------------------------------------------------------------------------
 # Restores
 # ---------------------------------------------------------------------------------------------

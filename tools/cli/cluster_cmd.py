@@ -97,6 +97,7 @@ class Driver(Protocol):
         deadline_s: float | None = None,
         episodes: Sequence[EpisodeId] | None = None,
         stop: bool = False,
+        into: str | os.PathLike[str] | None = None,
     ) -> Awaitable[Attempt]: ...
 
     def restore(

@@ -278,7 +278,7 @@ def build_app(service: Service, *, api_token: str | None, hosts: ServedHosts | N
         attempt: Attempt = await op(
             "checkpoint",
             lambda coord: coord.checkpoint(
-                deadline_s=body.deadline_s, episodes=body.episodes, stop=body.stop
+                deadline_s=body.deadline_s, episodes=body.episodes, stop=body.stop, into=body.into
             ),
         )
         return AttemptModel.of(attempt, outcome="published")
@@ -288,13 +288,14 @@ def build_app(service: Service, *, api_token: str | None, hosts: ServedHosts | N
         `staging_dir`, then `POST /v1/attempts/{id}/publish` (or `/abort`) before the deadline."""
         deadline_s = request.deadline_s if request is not None else None
         episodes = request.episodes if request is not None else None
+        into = request.into if request is not None else None
 
         async def prepare_commit(coord: Coordinator) -> Attempt:
             if episodes is not None and (await coord_discovery(coord)).plane != "v2":
                 raise QuiesceError(  # before the prepare: a v1 commit would refuse it, servers paused
                     "an episode scope is a notion of Gym's unified plane; this cluster speaks v1"
                 )
-            attempt = await coord.prepare(deadline_s=deadline_s)
+            attempt = await coord.prepare(deadline_s=deadline_s, into=into)
             await coord.commit(attempt, episodes=episodes)
             service.pending = attempt
             return attempt

@@ -164,15 +164,20 @@ class RemoteCoordinator:
 
     @asynccontextmanager
     async def save(
-        self, *, deadline_s: float | None = None, episodes: Sequence[EpisodeId] | None = None
+        self,
+        *,
+        deadline_s: float | None = None,
+        episodes: Sequence[EpisodeId] | None = None,
+        into: str | os.PathLike[str] | None = None,
     ) -> AsyncIterator[Attempt]:
         """Prepare and commit on entry; yield the attempt (write into `attempt.staging_dir`).
 
         Normal exit publishes, then resumes (`attempt.snapshot` is then the published folder). An
         exception inside the block rolls back and is re-raised with a note on what was done.
-        `episodes` (Gym's unified plane): the commit scope, as `Coordinator.save` takes it.
+        `episodes`, `into` (Gym's unified plane): as `Coordinator.save` takes them (`into` is a
+        folder on the service's host).
         """
-        body = {**_deadline(deadline_s), **_episodes(episodes)}
+        body = {**_deadline(deadline_s), **_episodes(episodes), **_into(into)}
         reply = await self._send("POST", "/v1/attempts", json=body)
         attempt = AttemptModel.model_validate_json(reply).attempt()
         try:
@@ -198,11 +203,18 @@ class RemoteCoordinator:
         deadline_s: float | None = None,
         episodes: Sequence[EpisodeId] | None = None,
         stop: bool = False,
+        into: str | os.PathLike[str] | None = None,
     ) -> Attempt:
         """prepare → commit → publish → resume, with nothing added by the caller (one request).
         Gym's unified plane: `episodes` is the commit scope, `stop` leaves the servers paused for
-        shutdown once published (as `Coordinator.checkpoint`)."""
-        body = {**_deadline(deadline_s), **_episodes(episodes), **({"stop": True} if stop else {})}
+        shutdown once published, `into` commits into a folder and publishes there in place (a
+        folder on the service's host) — as `Coordinator.checkpoint`."""
+        body = {
+            **_deadline(deadline_s),
+            **_episodes(episodes),
+            **({"stop": True} if stop else {}),
+            **_into(into),
+        }
         reply = await self._request("POST", "/v1/checkpoints", json=body)
         return AttemptModel.model_validate(reply).attempt()
 
@@ -407,6 +419,10 @@ def _deadline(deadline_s: float | None) -> dict[str, Any]:
 
 def _episodes(episodes: Sequence[EpisodeId] | None) -> dict[str, Any]:
     return {"episodes": [e.model_dump() for e in episodes]} if episodes is not None else {}
+
+
+def _into(into: str | os.PathLike[str] | None) -> dict[str, Any]:
+    return {"into": os.fspath(into)} if into is not None else {}
 
 
 def _update(attempt: Attempt, model: AttemptModel) -> None:

@@ -163,6 +163,12 @@ class SaveRequest(Request):
         description="Gym's unified plane only: the episodes the trainer continues (the commit scope),"
         " `[{rollout_id, attempt}]`; default: what the environment servers export",
     )
+    into: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Gym's unified plane only: a folder on the service's host to commit into and publish"
+        " in place (the trainer's own snapshot folder), instead of the snapshots folder",
+    )
 
 
 class CheckpointRequest(SaveRequest):

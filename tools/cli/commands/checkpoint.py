@@ -1,4 +1,5 @@
-"""`quiesce checkpoint --config C | --service URL [--deadline-s N] [--episodes FILE|-] [--stop] [--json]`
+"""`quiesce checkpoint --config C | --service URL [--deadline-s N] [--episodes FILE|-] [--stop]
+[--into FOLDER] [--json]`
 — prepare → commit → publish → resume.
 
 Prints the published snapshot: one line `published ID -> PATH` on stdout (progress is on stderr),
@@ -15,6 +16,9 @@ Gym's unified plane (v2) only — asked of a v1 cluster, either flag is bad usag
   scope is what the environment servers export.
 - `--stop`: a stop-checkpoint — published, then the servers stay paused for shutdown; the way on is
   a restore into freshly started servers.
+- `--into FOLDER`: commit into FOLDER (the trainer's own snapshot folder, which it publishes itself)
+  and publish there in place, not into the config's snapshots folder (`Coordinator.save(into=...)`);
+  through `--service` the folder is the service host's.
 On v2 the outcome adds the scope's size, the restarts left out of it (the trainer starts them over)
 and what each server exported — on stdout under a terminal, on stderr when stdout is a pipe (which
 keeps its one line).
@@ -86,6 +90,14 @@ def register(subparsers: Any) -> None:
         help="unified plane: a stop-checkpoint — publish, then leave the servers paused for shutdown"
         " (restore into freshly started servers to go on)",
     )
+    into = parser.add_argument(
+        "--into",
+        metavar="FOLDER",
+        default=None,
+        help="unified plane: commit into FOLDER (e.g. the trainer's own snapshot folder) and publish there"
+        " in place, instead of the snapshots folder; only the servers' folders in it are the snapshot's",
+    )
+    into.complete = FILE_COMPLETION  # type: ignore[attr-defined]  # read by shtab
     parser.set_defaults(handler=handle)
 
 
@@ -117,9 +129,11 @@ def handle(args: argparse.Namespace) -> int:
                             require_unified(found, "--episodes")
                         if args.stop:
                             require_unified(found, "--stop")
+                        if args.into is not None:
+                            require_unified(found, "--into")
                         try:
                             attempt = await coord.checkpoint(
-                                deadline_s=args.deadline_s, episodes=scope, stop=args.stop
+                                deadline_s=args.deadline_s, episodes=scope, stop=args.stop, into=args.into
                             )
                         except PhaseError as error:
                             failure = error
