@@ -524,14 +524,22 @@ def in_place_problem(into: Path, roots: Sequence[str]) -> str | None:
 
 
 def discard_in_place(into: Path, roots: Sequence[str]) -> None:
-    """Roll back a save committed in place: remove what its servers wrote (`roots`) and its
-    manifest, never the caller's folder or anything else in it. Idempotent."""
+    """Roll back a save committed in place: remove what its servers wrote (`roots`), the folders
+    above them left empty (up to `into`), and its manifest — never the caller's folder or anything
+    else in it. Idempotent."""
     for root in roots:
         target = into / root
         if target.is_symlink():
             target.unlink()
         elif target.exists():
             remove_tree(target)
+        parent = target.parent
+        while parent != into and into in parent.parents:
+            try:
+                parent.rmdir()  # only while empty: what holds anything else is the caller's
+            except OSError:
+                break
+            parent = parent.parent
     (into / IN_PLACE_MANIFEST).unlink(missing_ok=True)
     if into.is_dir():
         fsync_dir(into)

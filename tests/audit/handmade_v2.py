@@ -40,8 +40,9 @@ def episodes(keys: Sequence[str]) -> list[dict[str, Any]]:
 class V2Script:
     """Writes one coordinator's v2 events through an open writer `Ledger`."""
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, folders: Mapping[str, str] | None = None) -> None:
         self.ledger = ledger
+        self.folders = dict(folders or {})
         self._n = 0
         self._prefix = uuid.uuid4().hex[:8]
 
@@ -60,6 +61,7 @@ class V2Script:
                         "role": {"model": "policy"}.get(KIND[name], KIND[name]),
                         "url": f"http://127.0.0.1:{8100 + i}",
                         "plane": "v2",
+                        **({"folder": self.folders[name]} if name in self.folders else {}),
                     }
                     for i, name in enumerate(V2_PARTICIPANTS)
                 ],

@@ -451,3 +451,35 @@ async def test_show_names_blockers_restarts_and_cleanup(url: str, capsys: pytest
     assert view.v2 is not None
     assert view.v2.restarts == {AGENT: ("r2",)}
     assert view.to_json()["v2"]["scope_size"] == 2
+
+
+async def test_each_server_commits_into_its_own_folder_of_one_staging_folder(url: str) -> None:
+    # servers with a `folder` (one Gym deployment each) get the staging folder plus that folder;
+    # the rule compares what is left once each server's own folder is taken off
+    folders = {ENV: "gym-instances/d0", MODEL: "gym-instances/d0", AGENT: "gym-instances/d1"}
+    async with Ledger.open(url) as ledger:
+        s = V2Script(ledger, folders)
+        await s.start()
+        await s.attempt("ok")
+        await s.prepare("ok")
+        await s.phase("ok", "commit")
+        await s.event("episodes.scoped", "ok", scope=["r0"], source="given", restarts={})
+        for server in (ENV, MODEL, AGENT, RES):
+            own = folders.get(server)
+            await s.commit_one(
+                "ok", server, ["r0"], ["r0"], folder="/snap/.staging/ok" + (f"/{own}" if own else "")
+            )
+        await s.phase_done("ok", "commit")
+        await s.publish("ok")
+        await s.resume("ok")
+        await s.completed("ok")
+        # an agent sent the other deployment's folder: not the same staging folder once its own is off
+        await s.attempt("bad")
+        await s.prepare("bad")
+        await s.phase("bad", "commit")
+        await s.event("episodes.scoped", "bad", scope=["r0"], source="given", restarts={})
+        await s.commit_one("bad", ENV, ["r0"], ["r0"], folder="/snap/.staging/bad/gym-instances/d0")
+        await s.commit_one("bad", AGENT, ["r0"], ["r0"], folder="/snap/.staging/bad/gym-instances/d0")
+    report = await _check(url)
+    assert [(v.rule, v.checkpoint_id, v.server) for v in report.violations][:1] == [("commit", "bad", AGENT)]
+    assert all(v.checkpoint_id != "ok" for v in report.violations)

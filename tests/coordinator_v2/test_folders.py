@@ -20,6 +20,7 @@ import pytest
 
 from quiesce.coordinator import ClusterConfig, Coordinator, parse_config
 from quiesce.coordinator.errors import ConfigError, DiscoveryError, SnapshotError
+from quiesce.tools.audit.cli import check_ledger
 from quiesce.tools.gymsim.cluster import RunningCluster
 from quiesce.tools.gymsim.v2.trainer import Trainer, expected_results, make_tasks
 from tests.coordinator_v2.conftest import v2_spec
@@ -117,6 +118,8 @@ async def test_two_deployments_with_the_same_instances_save_and_restore_exactly_
             assert await trainer.wait_results() == expected_results(tasks[prefix])
     for trainer in trainers.values():
         await trainer.aclose()
+    # the protocol check knows each server's folder: one staging folder, each in its own
+    assert (await check_ledger(sqlite_url)).violations == []
 
 
 async def test_servers_that_would_write_one_folder_are_refused_at_discovery(

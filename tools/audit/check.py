@@ -328,6 +328,7 @@ class ProtocolChecker:
         self._max_epoch_seq: int | None = None
         self._drain_only: frozenset[str] = frozenset()  # as of the last discovery.completed
         self._kinds: dict[str, str] = {}  # participant -> component, as of the last discovery.completed
+        self._folders: dict[str, str] = {}  # participant -> its folder in a snapshot (v2), the same
         self._open_saves: dict[str, int] = {}  # save attempts with no terminal event -> started seq
         self._operations = Operations()  # retires and forgets outside any attempt
 
@@ -353,6 +354,9 @@ class ProtocolChecker:
                 str(p.get("name")) for p in participants if p.get("mode") not in (None, "export_restore")
             )
             self._kinds = {str(p.get("name")): str(p.get("component")) for p in participants}
+            self._folders = {
+                str(p.get("name")): str(p.get("folder") or "") for p in participants if p.get("folder")
+            }
         if cid is None:
             self._outside(event)
             return
@@ -431,6 +435,7 @@ class ProtocolChecker:
             stop=data.get("stop") is True,
             participants=names,
             kinds={n: self._kinds[n] for n in names if n in self._kinds},
+            folders={n: self._folders[n] for n in names if n in self._folders},
             source=source if isinstance(source, str) else None,
         )
         if attempt.kind == "restore" and source == attempt.checkpoint_id:

@@ -11,9 +11,10 @@ Rules (each violation names the seq, the server and the rule):
   `prepared`; resumes (resume, rollback, recovery) run the stages backwards.
 - `same_id` — every request of an attempt carries its checkpoint id (a prepare is asked again only
   with the same id).
-- `commit` — commit only once every participant answered `prepared`; the same `checkpoint_dir`,
-  scope and `stop` (the attempt's) to all; no scope only to an environment server committed
-  first, before a scope is recorded, and only when that scope is then `derived`.
+- `commit` — commit only once every participant answered `prepared`; the same `checkpoint_dir`
+  (each server's `folder` inside it, as discovery recorded it), scope and `stop` (the attempt's)
+  to all; no scope only to an environment server committed first, before a scope is recorded,
+  and only when that scope is then `derived`.
 - `scope` — the recorded scope (`episodes.scoped`) leaves out every restart reported (prepare
   replies, `episodes.scoped.restarts`); every commit's `episode_ids` and every export
   (`episodes.exported`) lie within it (an environment's derived export may also hold restarts).
@@ -23,8 +24,8 @@ Rules (each violation names the seq, the server and the rule):
 - `stop` — a stop-checkpoint, once published, resumes nobody and ends `attempt.completed
   {servers: [], outcome: published}`.
 - `restore` — a restore has an id new to the ledger (not its snapshot's); every participant gets
-  the same folder and inventory, and a finished restore has every participant `restored` from
-  the snapshot's checkpoint.
+  the same folder (its own `folder` inside it) and inventory, and a finished restore has every
+  participant `restored` from the snapshot's checkpoint.
 - `all_or_nothing` — a failed restore retires the next attempts of its inventory on every
   participant, then resumes every participant, and ends `attempt.aborted`.
 - `retire_order` — retire and forget reach callers before callees: environment → agent →
@@ -157,6 +158,8 @@ class V2Attempt:
     stop: bool
     participants: tuple[str, ...]
     kinds: dict[str, str]
+    #: each participant's folder inside a snapshot (discovery's; absent: the snapshot itself)
+    folders: dict[str, str] = field(default_factory=dict)
     source: str | None = None
     prepare_sent: set[str] = field(default_factory=set)
     prepared: set[str] = field(default_factory=set)
@@ -259,7 +262,7 @@ class V2Attempt:
         missing = [p for p in self.participants if p not in self.prepared]
         if missing:
             report(seq, "commit", cid, server, f"commit sent before {', '.join(missing)} answered prepared")
-        shape = (body.get("checkpoint_dir"), body.get("stop"))
+        shape = (self._base(server, body.get("checkpoint_dir")), body.get("stop"))
         if self.commit_shape is None:
             self.commit_shape = (*shape, server)
         elif shape != self.commit_shape[:2]:
@@ -315,6 +318,14 @@ class V2Attempt:
                 f"commit names episodes outside the recorded scope: {_named(outside)}",
             )
 
+    def _base(self, server: str, folder: Any) -> Any:
+        """The folder a request names without the server's own `folder` at its end: what every
+        server of one attempt must share. Anything else is left as sent, to be found different."""
+        own = self.folders.get(server)
+        if own and isinstance(folder, str) and folder.endswith(f"/{own}"):
+            return folder[: -len(own) - 1]
+        return folder
+
     def _renew(self, report: Report, seq: int, server: str) -> None:
         cid = self.checkpoint_id
         if server not in self.prepare_sent:
@@ -334,7 +345,7 @@ class V2Attempt:
                 server,
                 f"restore sent with checkpoint id {sent_id!r}, not the restore's own",
             )
-        shape = (body.get("checkpoint_dir"), _keys(body.get("episode_ids")))
+        shape = (self._base(server, body.get("checkpoint_dir")), _keys(body.get("episode_ids")))
         if self.restore_shape is None:
             self.restore_shape = (*shape, server)
         elif shape != self.restore_shape[:2]:
