@@ -237,3 +237,40 @@ async def test_a_v1_cluster_refuses_the_unified_operations(
         async with RemoteCoordinator(service.url) as remote:
             with pytest.raises(QuiesceError, match="speaks v1"):
                 await remote.retire([EpisodeId(rollout_id="r0")])
+
+
+async def test_a_save_into_a_folder_of_the_callers_through_the_service(
+    v2_cluster: RunningCluster, tmp_path: Path, spawn_service: Any, token: str
+) -> None:
+    # `into` is a folder on the service's host: the route, RemoteCoordinator and the CLI all take it
+    service = await _service(spawn_service, _config(v2_cluster, tmp_path))
+    folders = [tmp_path / "trainer" / f"step_{i}" for i in range(3)]
+    async with (
+        httpx.AsyncClient(base_url=service.url, trust_env=False, timeout=120) as http,
+        Trainer(v2_cluster.urls["environment"]) as trainer,
+    ):
+        await trainer.start(make_tasks(2), paced=True)
+        await trainer.wait_parked()
+        reply = await http.post("/v1/checkpoints", json={"deadline_s": 60, "into": str(folders[0])})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["snapshot"] == str(folders[0])
+        async with RemoteCoordinator(service.url) as remote:
+            attempt = await remote.checkpoint(deadline_s=60, into=folders[1])
+        assert attempt.snapshot == folders[1]
+        cli = await anyio.to_thread.run_sync(
+            lambda: quiesce(
+                "checkpoint", "--service", service.url, "--into", str(folders[2]), "--json", cwd=tmp_path
+            )
+        )
+        assert cli.returncode == 0, cli.stderr
+        assert json_of(cli)["snapshot"] == str(folders[2])
+        again = await http.post("/v1/checkpoints", json={"deadline_s": 60, "into": str(folders[0])})
+        assert again.status_code == 409, again.text  # a folder is committed into once
+        assert "already holds gym" in again.text
+    for folder in folders:
+        assert (folder / "quiesce-manifest.json").is_file()
+        assert (folder / "gym").is_dir()
+    assert (
+        not (tmp_path / "snaps").exists()
+        or [p for p in (tmp_path / "snaps").iterdir() if p.name != ".staging"] == []
+    )
