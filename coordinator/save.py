@@ -37,7 +37,7 @@ import hashlib
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Final
@@ -725,28 +725,7 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
             digests = tree_digests(staging, sync=True, skip=[MANIFEST], cache=cache, strict=True)
             return digests, [p for entry in entries for p in _verify_entry(staging, entry, cache, walk=False)]
 
-        replaced = await anyio.to_thread.run_sync(staging_problem, staging, attempt.staging_identity)
-        if replaced is not None:  # never walk, hash or rename what a symlink points at
-            raise PhaseFailure("publish", None, replaced)
-        try:
-            digests, problems = await anyio.to_thread.run_sync(verify)
-        except OSError as error:
-            raise PhaseFailure(
-                "publish", None, f"cannot read the staging folder {staging}: {error}"
-            ) from None
-        except SnapshotError as error:  # a symlink, FIFO, socket, device or outside hard link
-            raise PhaseFailure("publish", _owner(attempt, error.differences), str(error)) from None
-        if problems:
-            first = next(iter(attempt.commits))
-            server = next(
-                (
-                    e["name"]
-                    for e in attempt.commits.values()
-                    if problems[0].split(":")[0].split(" ")[0] == e["name"]
-                ),
-                first,
-            )
-            raise PhaseFailure("publish", server, "; ".join(problems))
+        digests = await _verified(attempt, verify, f"the staging folder {staging}")
         ledger_seq = await ctx.ledger.last_seq()
         try:
             manifest = await anyio.to_thread.run_sync(
@@ -765,12 +744,7 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
             raise PhaseFailure(
                 "publish", None, f"cannot write the snapshot manifest in {staging}: {error}"
             ) from None
-        try:
-            written.append(await anyio.to_thread.run_sync(write_json_durably, staging / MANIFEST, manifest))
-        except OSError as error:
-            raise PhaseFailure(
-                "publish", None, f"cannot write the snapshot manifest in {staging}: {error}"
-            ) from None
+        written.append(await _write_manifest(staging / MANIFEST, manifest))
         # staged, not committed before the rename: whether the rename happened is read from the
         # filesystem, never from the ledger (`settle_publication`)
         await ctx.ledger.stage(
@@ -829,6 +803,44 @@ async def publish(ctx: Context, attempt: Attempt, *, defer_delete: bool = False)
     return final
 
 
+#: hashes, fsyncs and checks a staged tree (on a worker thread): its digests and the problems found
+Verify = Callable[[], tuple[dict[str, tuple[int, str]], list[str]]]
+
+
+async def _verified(attempt: Attempt, verify: Verify, what: str) -> dict[str, tuple[int, str]]:
+    """`verify()`'s digests (it hashes and fsyncs the tree and checks every commit entry, on a
+    worker thread) once the staging folder is still the one the attempt made; any problem is a
+    publish `PhaseFailure` naming the server it concerns. Nothing is walked, hashed or renamed
+    through a symlink put in the staging folder's place."""
+    staging = attempt.staging_dir
+    assert staging is not None
+    replaced = await anyio.to_thread.run_sync(staging_problem, staging, attempt.staging_identity)
+    if replaced is not None:
+        raise PhaseFailure("publish", None, replaced)
+    try:
+        digests, problems = await anyio.to_thread.run_sync(verify)
+    except OSError as error:
+        raise PhaseFailure("publish", None, f"cannot read {what}: {error}") from None
+    except SnapshotError as error:  # a symlink, FIFO, socket, device or outside hard link
+        raise PhaseFailure("publish", _owner(attempt, error.differences), str(error)) from None
+    if problems:
+        named = problems[0].split(":")[0].split(" ")[0]
+        server = next((n for n in attempt.commits if n == named), next(iter(attempt.commits)))
+        raise PhaseFailure("publish", server, "; ".join(problems))
+    return digests
+
+
+async def _write_manifest(path: Path, manifest: dict[str, Any]) -> bytes:
+    """Write a snapshot manifest durably (`write_json_durably`); the bytes written, or a publish
+    `PhaseFailure` saying what the filesystem refused."""
+    try:
+        return await anyio.to_thread.run_sync(write_json_durably, path, manifest)
+    except OSError as error:
+        raise PhaseFailure(
+            "publish", None, f"cannot write the snapshot manifest in {path.parent}: {error}"
+        ) from None
+
+
 async def _publish_in_place(ctx: Context, attempt: Attempt) -> Path:
     """Publish a save committed into its caller's folder (`Coordinator.save(into=...)`), in place.
 
@@ -863,23 +875,7 @@ async def _publish_in_place(ctx: Context, attempt: Attempt) -> Path:
                     fsync_dir(staging.joinpath(*parts[:depth]))
             return digests, [p for entry in entries for p in _verify_entry(staging, entry, cache, walk=False)]
 
-        replaced = await anyio.to_thread.run_sync(staging_problem, staging, attempt.staging_identity)
-        if replaced is not None:
-            raise PhaseFailure("publish", None, replaced)
-        try:
-            digests, problems = await anyio.to_thread.run_sync(verify)
-        except OSError as error:
-            raise PhaseFailure(
-                "publish", None, f"cannot read the servers' folders in {staging}: {error}"
-            ) from None
-        except SnapshotError as error:
-            raise PhaseFailure("publish", _owner(attempt, error.differences), str(error)) from None
-        if problems:
-            server = next(
-                (e["name"] for e in entries if problems[0].split(":")[0].split(" ")[0] == e["name"]),
-                next(iter(attempt.commits)),
-            )
-            raise PhaseFailure("publish", server, "; ".join(problems))
+        digests = await _verified(attempt, verify, f"the servers' folders in {staging}")
         ledger_seq = await ctx.ledger.last_seq()
         manifest = build_manifest(
             staging,
@@ -894,14 +890,7 @@ async def _publish_in_place(ctx: Context, attempt: Attempt) -> Path:
         manifest["in_place"] = True
         manifest["roots"] = roots
         files.append(len(manifest["files"]))
-        try:
-            written.append(
-                await anyio.to_thread.run_sync(write_json_durably, staging / IN_PLACE_MANIFEST, manifest)
-            )
-        except OSError as error:
-            raise PhaseFailure(
-                "publish", None, f"cannot write the snapshot manifest in {staging}: {error}"
-            ) from None
+        written.append(await _write_manifest(staging / IN_PLACE_MANIFEST, manifest))
         await ctx.ledger.stage(
             "attempt.publishing",
             checkpoint_id=attempt.checkpoint_id,
