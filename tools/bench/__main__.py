@@ -50,6 +50,7 @@ MEASURES: dict[int, tuple[str, str]] = {
     11: ("gymscale", "v2 save at N distinct origins vs Gym's own stateless coordination"),
     12: ("curve", "cost growth: commands and the save's ledger CPU at 0 / 10k / 100k / 1M events"),
     13: ("rollouts", "one rollout's lineage from a cold process, and the lineage fold, 1M events"),
+    14: ("rlbackend", "NeMo RL backend: a snapshot through quiesce.rl vs the embedded coordinator"),
 }
 
 
