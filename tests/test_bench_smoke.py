@@ -40,7 +40,7 @@ def test_quick_bench_runs_every_measure_and_writes_json_and_markdown(tmp_path: P
     assert document["commit"]
     assert {"cpu", "cores", "ram_gb", "disk", "python", "sqlite"} <= set(document["machine"])
     measures = {m["id"]: m for m in document["measures"]}
-    assert sorted(measures) == sorted(MEASURES) == list(range(1, 14))
+    assert sorted(measures) == sorted(MEASURES) == list(range(1, 15))
     for measure in measures.values():
         assert set(measure) == MEASURE_KEYS, measure["id"]
         assert measure["status"] in ("ok", "unavailable"), (measure["id"], measure["reason"])

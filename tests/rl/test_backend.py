@@ -20,6 +20,7 @@ import pytest
 
 from quiesce.coordinator.publish import IN_PLACE_MANIFEST
 from quiesce.ledger import Ledger
+from quiesce.ledger.lineage import read_lineage
 from quiesce.rl.backend import POINTER, QuiesceEnvironmentCheckpoint
 from quiesce.rl.builder import build_quiesce_environment_checkpoint
 from quiesce.rl.episodes import Episode
@@ -149,6 +150,14 @@ async def test_snapshot_cut_check_and_exact_restore_into_fresh_deployments(
     await again.aclose()
     report = await check_ledger(url)
     assert report.violations == []
+    # the lineage covers the whole run: every rollout of both deployments, continued by the restore
+    assert report.rollouts is not None
+    assert sum(report.rollouts.values()) == 5
+    async with Ledger.open(url, readonly=True) as ledger:
+        lineage = await read_lineage(ledger)
+    assert {r: (x.attempt, x.state) for r, x in lineage.rollouts.items()} == {
+        e.rollout_id: (1, "live") for e in manifest.episodes()
+    }
 
 
 async def test_a_cut_that_does_not_match_rolls_the_snapshot_back(
