@@ -34,9 +34,13 @@ def scope_of(tasks: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def running_episodes(envs: Mapping[str, str], per_env: int) -> Iterator[list[dict[str, Any]]]:
-    """Start ``per_env`` endless, free-running episodes on each environment (name → URL); yields
-    their scope once every environment has registered them; detaches the trainers on exit."""
+def running_episodes(
+    envs: Mapping[str, str], per_env: int, *, parked_after: int | None = None
+) -> Iterator[list[dict[str, Any]]]:
+    """Start ``per_env`` endless episodes on each environment (name → URL); yields their scope once
+    every environment has registered them — free-running, or with ``parked_after`` paced: run that
+    many turns and parked at that boundary (every save then has the same scope and no turn under
+    way) — and detaches the trainers on exit."""
     tasks = tasks_of(envs, per_env)
     loop = asyncio.new_event_loop()
     trainers: list[Trainer] = []
@@ -45,7 +49,12 @@ def running_episodes(envs: Mapping[str, str], per_env: int) -> Iterator[list[dic
         for name, url in envs.items():
             trainer = Trainer(url)
             trainers.append(trainer)
-            await trainer.start(tasks[name], paced=False)
+            await trainer.start(tasks[name], paced=parked_after is not None)
+            if parked_after is not None:
+                await trainer.advance(parked_after)
+        if parked_after is not None:
+            for trainer in trainers:
+                await trainer.wait_parked()
 
     async def stop() -> None:
         for trainer in trainers:

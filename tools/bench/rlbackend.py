@@ -36,13 +36,11 @@ every run's saves pooled per side give a bootstrap interval of the difference (`
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import secrets
 import statistics
-import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,11 +56,10 @@ from quiesce.coordinator.publish import IN_PLACE_MANIFEST
 from quiesce.rl.backend import QuiesceEnvironmentCheckpoint
 from quiesce.rl.gym_manifest import MANIFEST_FILENAME
 from quiesce.tools.bench.cycle import interval_text, pooled_difference
-from quiesce.tools.bench.episodes import scope_of, tasks_of
+from quiesce.tools.bench.episodes import running_episodes
 from quiesce.tools.bench.harness import Context, Result, Stats, bootstrap_difference, run_child, stats_of
 from quiesce.tools.gymsim.cluster import spawn_cluster
 from quiesce.tools.gymsim.spec import default_v2_spec
-from quiesce.tools.gymsim.v2.trainer import Trainer
 
 #: Gym deployments (RL replicas) in the cluster, and episodes parked on each.
 DEPLOYMENTS = 2
@@ -99,41 +96,6 @@ def deployment_spec(index: int) -> dict[str, Any]:
             if server.get(ref):
                 server[ref] = f"nemo_gym.r{index}.{server[ref]}"
     return document
-
-
-@contextlib.contextmanager
-def parked_episodes(envs: Mapping[str, str], per_env: int) -> Iterator[list[dict[str, Any]]]:
-    """``per_env`` paced episodes on each environment (key → URL), run ``TURNS_IN`` turns and parked
-    at that boundary, held open by a trainer in a background thread of this process; yields their
-    scope (``{"rollout_id", "attempt"}``, sorted by rollout id); detaches the trainers on exit."""
-    tasks = tasks_of(envs, per_env)
-    loop = asyncio.new_event_loop()
-    trainers: list[Trainer] = []
-
-    async def start() -> None:
-        for key, url in envs.items():
-            trainer = Trainer(url)
-            trainers.append(trainer)
-            await trainer.start(tasks[key], paced=True)
-            await trainer.advance(TURNS_IN)
-        for trainer in trainers:
-            await trainer.wait_parked()
-
-    async def stop() -> None:
-        for trainer in trainers:
-            await trainer.aclose()
-
-    thread = threading.Thread(target=loop.run_forever, name="bench-parked-episodes", daemon=True)
-    thread.start()
-    try:
-        asyncio.run_coroutine_threadsafe(start(), loop).result(120)
-        yield scope_of(tasks)
-    finally:
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(stop(), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=30)
-        loop.close()
 
 
 @dataclass
@@ -282,7 +244,7 @@ def one_run(ctx: Context, index: int, token: str, rounds: int) -> dict[str, Any]
         }
         folder = ctx.work / f"rlbackend-{index}"
         folder.mkdir()
-        with parked_episodes(envs, EPISODES) as scope:
+        with running_episodes(envs, EPISODES, parked_after=TURNS_IN) as scope:
             params = {
                 "servers": servers,
                 "token": token,
@@ -409,6 +371,5 @@ __all__ = [
     "embedded_save",
     "measure",
     "one_run",
-    "parked_episodes",
     "run_snapshots",
 ]
