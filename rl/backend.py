@@ -52,7 +52,7 @@ import anyio.to_thread
 
 from quiesce.coordinator import Attempt, ClusterConfig, Coordinator, QuiesceError
 from quiesce.coordinator.config import load_config
-from quiesce.coordinator.discovery import Discovery, Member
+from quiesce.coordinator.discovery import Member
 from quiesce.coordinator.protocol_v2 import episode_of_key
 from quiesce.coordinator.publish import write_json_durably
 from quiesce.coordinator.recovery import RecoveryReport
@@ -246,7 +246,6 @@ class QuiesceEnvironmentCheckpoint:
         self._expected = expected
         self._stack: AsyncExitStack | None = None
         self._coord: Coordinator | None = None
-        self._discovery: Discovery | None = None
         self._lock = anyio.Lock()
         self.recovery: RecoveryReport | None = None
 
@@ -283,7 +282,7 @@ class QuiesceEnvironmentCheckpoint:
                     config = load_config(Path(config))
                 coord = await stack.enter_async_context(Coordinator.open(config, token=self._token))
                 self.recovery = coord.last_recovery
-                self._discovery = await coord.discover()
+                await coord.discover()
             except BaseException as error:
                 with anyio.CancelScope(shield=True):
                     await stack.aclose()

@@ -22,26 +22,17 @@ from quiesce.coordinator import ClusterConfig, Coordinator, parse_config
 from quiesce.coordinator.errors import ConfigError, DiscoveryError, SnapshotError
 from quiesce.tools.audit.cli import check_ledger
 from quiesce.tools.gymsim.cluster import RunningCluster
+from quiesce.tools.gymsim.spec import default_v2_spec, replica_spec
 from quiesce.tools.gymsim.v2.trainer import Trainer, expected_results, make_tasks
-from tests.coordinator_v2.conftest import v2_spec
 from tests.coordinator_v2.helpers import events, sent
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 
-REFS = ("agent", "policy", "resources")  # the spec fields that name another server of the deployment
-
 
 def deployment_spec(prefix: str) -> dict[str, Any]:
-    """The default v2 deployment with every server renamed `<prefix>.<name>` (references too), each
-    still reporting its original name as its instance — as the replicas of one Gym config do."""
-    document = v2_spec()
-    for server in document["servers"]:
-        server["instance"] = server["name"]
-        server["name"] = f"{prefix}.{server['name']}"
-        for ref in REFS:
-            if server.get(ref):
-                server[ref] = f"{prefix}.{server[ref]}"
-    return document
+    """The default v2 deployment as replica `prefix` (`replica_spec`): servers `<prefix>.<name>`,
+    each still reporting its own name as its instance."""
+    return replica_spec(default_v2_spec(), f"{prefix}.").model_dump(mode="json")
 
 
 def union_config(

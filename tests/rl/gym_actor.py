@@ -37,7 +37,7 @@ from starlette.routing import Route
 from quiesce.coordinator.protocol import TOKEN_ENV
 from quiesce.tools.gymsim import client as v1_client
 from quiesce.tools.gymsim.cluster import ClusterProcess, spawn_cluster
-from quiesce.tools.gymsim.spec import ClusterSpec, default_spec, default_v2_spec
+from quiesce.tools.gymsim.spec import ClusterSpec, default_spec, default_v2_spec, replica_spec
 from quiesce.tools.gymsim.v2.trainer import Trainer
 
 Plane = Literal["v1", "v2"]
@@ -49,7 +49,6 @@ SERVER_TYPE = {
     "resources": "resources_servers",
     "environment": "environment_servers",
 }
-REFS = ("policy", "resources", "judge", "agent")
 STARTUP_TIMEOUT_S = 30.0
 
 
@@ -59,27 +58,6 @@ class HeadServerConfig:
 
     host: str
     port: int
-
-
-def replica_spec(base: ClusterSpec, prefix: str) -> ClusterSpec:
-    """`base` with every server named `<prefix><name>` (references too) and, on v2, its instance the
-    plain name."""
-    document = base.model_dump(mode="json")
-    servers = []
-    for server in base.expanded():
-        entry = server.model_dump(mode="json")
-        if server.prefix:
-            raise ValueError(f"{server.name}: a path-prefixed server has no host and port of its own")
-        if server.plane == "v2":
-            entry["instance"] = server.instance_name
-        entry["name"] = prefix + server.name
-        for ref in REFS:
-            value = entry.get(ref)
-            if isinstance(value, str) and not value.startswith(("http://", "https://")):
-                entry[ref] = prefix + value
-        servers.append(entry)
-    document["servers"] = servers
-    return ClusterSpec.model_validate(document)
 
 
 def global_config(base: ClusterSpec, urls: dict[str, str], head: HeadServerConfig) -> dict[str, Any]:

@@ -59,7 +59,7 @@ from quiesce.tools.bench.cycle import interval_text, pooled_difference
 from quiesce.tools.bench.episodes import running_episodes
 from quiesce.tools.bench.harness import Context, Result, Stats, bootstrap_difference, run_child, stats_of
 from quiesce.tools.gymsim.cluster import spawn_cluster
-from quiesce.tools.gymsim.spec import default_v2_spec
+from quiesce.tools.gymsim.spec import default_v2_spec, replica_spec
 
 #: Gym deployments (RL replicas) in the cluster, and episodes parked on each.
 DEPLOYMENTS = 2
@@ -75,8 +75,6 @@ DEADLINE_S = 30.0
 #: The judged goal: the backend's extra wall time per save.
 GOAL_S = 0.010
 SIDES = ("embedded", "backend")
-#: The servers' names point at each other inside one deployment.
-_REFS = ("agent", "policy", "resources")
 
 
 def replica_of(index: int) -> str:
@@ -85,17 +83,9 @@ def replica_of(index: int) -> str:
 
 
 def deployment_spec(index: int) -> dict[str, Any]:
-    """The default v2 deployment with every server named ``nemo_gym.r<index>.<name>`` (references
-    too), each still reporting its original name as its instance — as the replicas of one Gym config
-    do."""
-    document = default_v2_spec().model_dump(mode="json")
-    for server in document["servers"]:
-        server["instance"] = server["name"]
-        server["name"] = f"nemo_gym.r{index}.{server['name']}"
-        for ref in _REFS:
-            if server.get(ref):
-                server[ref] = f"nemo_gym.r{index}.{server[ref]}"
-    return document
+    """The default v2 deployment as RL's replica ``index`` (``replica_spec``): servers
+    ``nemo_gym.r<index>.<name>``, each still reporting its own name as its instance."""
+    return replica_spec(default_v2_spec(), f"nemo_gym.r{index}.").model_dump(mode="json")
 
 
 @dataclass

@@ -239,6 +239,32 @@ def default_v2_spec() -> ClusterSpec:
     )
 
 
+#: The spec fields that name another server of the same cluster (a URL names one outside it).
+SERVER_REFS = ("policy", "resources", "judge", "agent")
+
+
+def replica_spec(base: ClusterSpec, prefix: str) -> ClusterSpec:
+    """`base` as one replica of a Gym deployment: every server named `<prefix><name>` (references
+    too) and, on v2, still reporting its own instance name — as the replicas of one Gym config do,
+    which is why each needs its own folder in a snapshot."""
+    document = base.model_dump(mode="json")
+    servers = []
+    for server in base.expanded():
+        entry = server.model_dump(mode="json")
+        if server.prefix:
+            raise ValueError(f"{server.name}: a path-prefixed server has no host and port of its own")
+        if server.plane == "v2":
+            entry["instance"] = server.instance_name
+        entry["name"] = prefix + server.name
+        for ref in SERVER_REFS:
+            value = entry.get(ref)
+            if isinstance(value, str) and not value.startswith(("http://", "https://")):
+                entry[ref] = prefix + value
+        servers.append(entry)
+    document["servers"] = servers
+    return ClusterSpec.model_validate(document)
+
+
 SpecLike = ClusterSpec | dict[str, Any] | str | Path | None
 
 
