@@ -190,9 +190,8 @@ async def test_a_cut_that_does_not_match_rolls_the_snapshot_back(
     # rolled back: every server resumed, nothing of Gym's left in RL's folder
     assert sorted(p.name for p in path.iterdir()) == ["tq.pt"]
     assert not (path / "gym_checkpoint.json").exists()
-    for handle in shards.checkpoint_handles.values():
-        await handle.unpace.remote()
-    # the servers run on: a second snapshot, with a view that matches, goes through
+    # the servers are let go (the episodes stay parked at their boundary, so the scope holds
+    # still): a second snapshot, with a view that matches, goes through
     backend._expected = lambda cut: in_flight(shards)  # RL's view now agrees
     path2 = tmp_path / "rl" / "step_7"
     path2.mkdir()
