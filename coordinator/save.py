@@ -135,15 +135,19 @@ async def start_attempt(
     warnings: Sequence[str] = (),
     stop: bool = False,
     into: Path | None = None,
+    in_place: bool = False,
 ) -> Attempt:
     """Append `attempt.started` for a new save attempt and return it (nothing is called yet).
 
     `warnings` (the preflight's) are recorded in it and kept on the attempt; so are the plane of
     the cluster and, on the unified plane, `stop` (a stop-checkpoint: its servers stay paused)
-    and `into` (committed into that folder and published there in place: `in_place`)."""
+    and `into` (committed into that folder and published there in place: `in_place`).
+    `in_place` without `into`: published in place into a folder the commit names
+    (`save_v2.commit(into=...)`); until then the attempt has no staging folder."""
     checkpoint_id = await next_checkpoint_id(ctx.ledger)
     deadline_ts = time.time() + (deadline_s if deadline_s is not None else ctx.config.deadline_s)
-    staging = into if into is not None else ctx.config.staging_root / checkpoint_id
+    in_place = in_place or into is not None
+    staging = into if into is not None else None if in_place else ctx.config.staging_root / checkpoint_id
     attempt = Attempt(
         checkpoint_id=checkpoint_id,
         kind="save",
@@ -153,7 +157,7 @@ async def start_attempt(
         skipped=[{"name": n, "reason": r} for n, r in discovery.skipped],
         warnings=list(warnings),
         stop=stop,
-        in_place=into is not None,
+        in_place=in_place,
     )
     await ctx.ledger.stage(
         "attempt.started",
@@ -161,11 +165,11 @@ async def start_attempt(
         data={
             **({"plane": "v2"} if discovery.plane == "v2" else {}),
             **({"stop": True} if stop else {}),
-            **({"in_place": True} if into is not None else {}),
+            **({"in_place": True} if in_place else {}),
             "kind": "save",
             "deadline_ts": deadline_ts,
             "participants": attempt.names,
-            "staging_dir": str(staging),
+            **({"staging_dir": str(staging)} if staging is not None else {}),
             **({"warnings": list(warnings)} if warnings else {}),
         },
         durable=True,  # see "Durability" in the module docstring
