@@ -552,10 +552,12 @@ async def run_phase(
     body: Callable[[], Awaitable[dict[str, Any]]],
     *,
     own_budget: bool = False,
+    staging_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Run one phase inside the attempt's deadline scope, with phase.started / phase.completed.
     `own_budget`: `attempt.deadline_ts` was set anew for this run (not the one `attempt.started`
-    recorded), and `phase.started` records it.
+    recorded), and `phase.started` records it. `staging_dir`: the folder a save started in place
+    commits into, named only now — `phase.started` records it, durably, before `body` runs.
 
     Raises `PhaseFailure` (deadline=True when the scope expired) — the caller rolls back. When
     the deadline ends it while participants were being asked again (`Attempt.waiting_on`) or
@@ -565,7 +567,12 @@ async def run_phase(
     started: dict[str, Any] = {"phase": phase}
     if own_budget:
         started["deadline_ts"] = attempt.deadline_ts
-    await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data=started)
+    if staging_dir is not None:
+        started["staging_dir"] = str(staging_dir)
+    if staging_dir is not None:  # on disk before anything is created there (recovery removes it)
+        await ctx.ledger.append("phase.started", checkpoint_id=attempt.checkpoint_id, data=started)
+    else:
+        await ctx.ledger.stage("phase.started", checkpoint_id=attempt.checkpoint_id, data=started)
     servers = len(attempt.participants)
     ctx.progress(
         Progress(attempt.checkpoint_id, phase, step="phase", servers=servers, deadline_ts=attempt.deadline_ts)

@@ -407,6 +407,7 @@ class Coordinator:
         deadline_s: float | None = None,
         stop: bool = False,
         into: str | os.PathLike[str] | None = None,
+        in_place: bool = False,
     ) -> Attempt:
         """Start a save attempt and prepare it. Rolls back and raises on failure.
 
@@ -414,7 +415,9 @@ class Coordinator:
         while it answers `preparing`; not ready by the deadline → rolled back, each server's
         blockers named (`save_v2`). `stop` (v2 only) marks a stop-checkpoint: once published, its
         servers stay paused for shutdown. `into` (v2 only): the folder to commit into and publish in
-        place, instead of quiesce's own snapshots folder — see `save`.
+        place, instead of quiesce's own snapshots folder — see `save`. `in_place` (v2 only): the
+        same, into a folder not known yet, which `commit(into=...)` names (NeMo RL's per-actor
+        calls name it only at commit); until then the attempt has no staging folder.
 
         Before anything is recorded or called: `deadline_s` is checked (`ConfigError` when it is not a
         finite number of seconds in (0, `max_deadline_s`]) and the snapshots folder passes the
@@ -429,10 +432,21 @@ class Coordinator:
                 "a stop-checkpoint (stop=True, --stop) needs Gym's unified plane; this cluster speaks v1"
             )
         folder = self._in_place_folder(discovery, into) if into is not None else None
+        if in_place and discovery.plane != "v2":
+            raise QuiesceError(
+                "a save published in place (in_place=True) needs Gym's unified plane; this cluster"
+                " speaks v1, whose snapshots go into quiesce's snapshots folder"
+            )
         await self._refuse_if_held(discovery, "checkpoint")
         self._changing()
         attempt = await saving.start_attempt(
-            self._ctx, discovery, deadline_s=budget, warnings=warnings, stop=stop, into=folder
+            self._ctx,
+            discovery,
+            deadline_s=budget,
+            warnings=warnings,
+            stop=stop,
+            into=folder,
+            in_place=in_place,
         )
         self._current = attempt
         if attempt.plane == "v2":
@@ -465,16 +479,48 @@ class Coordinator:
 
     @frozen_step
     async def commit(
-        self, attempt: Attempt | None = None, *, episodes: Sequence[EpisodeId] | None = None
+        self,
+        attempt: Attempt | None = None,
+        *,
+        episodes: Sequence[EpisodeId] | None = None,
+        into: str | os.PathLike[str] | None = None,
     ) -> Attempt:
         """Commit a prepared attempt into its staging folder; verifies every digest. Rolls back on failure.
 
         `episodes` (Gym's unified plane only): the episodes the caller continues — the commit
         scope, minus the restarts the servers reported (`attempt.restarts`). None: derived from
-        the environment servers' own export; a cluster without one is refused (rolled back)."""
+        the environment servers' own export; a cluster without one is refused (rolled back).
+
+        `into`: the folder of an attempt prepared with `in_place=True` (required there, refused
+        anywhere else), checked as `save(into=...)` checks it; a folder refused rolls back."""
         chosen = self._pick(attempt, "commit")
+        deferred = chosen.in_place and chosen.staging_dir is None
+        folder: Path | None = None
+        if into is not None or deferred:
+            problem: str | None = None
+            if not deferred:
+                problem = (
+                    f"attempt {chosen.checkpoint_id} already has its folder ({chosen.staging_dir});"
+                    " give `into` only to an attempt prepared with in_place=True"
+                )
+            elif into is None:
+                problem = (
+                    f"attempt {chosen.checkpoint_id} was prepared in place with no folder; name it:"
+                    " commit(into=FOLDER)"
+                )
+            else:
+                try:
+                    folder = self._in_place_folder(await self._discovered(), into)
+                except QuiesceError as refused:
+                    problem = str(refused)
+            if problem is not None and chosen.state == "prepared":
+                with anyio.CancelScope(shield=True), heap_frozen():
+                    rolled = await roll_back(self._ctx, chosen, None, reason=problem)
+                raise QuiesceError(f"{problem}. {rolled}")
+            if problem is not None:
+                raise QuiesceError(problem)
         if chosen.plane == "v2":
-            await save_v2.commit(self._ctx, chosen, episodes=episodes, stop=chosen.stop)
+            await save_v2.commit(self._ctx, chosen, episodes=episodes, stop=chosen.stop, into=folder)
         elif episodes is not None:  # prepared already: let go of the servers before refusing
             reason = "an episode scope is a notion of Gym's unified plane; this cluster speaks v1"
             with anyio.CancelScope(shield=True), heap_frozen():

@@ -215,6 +215,8 @@ async def read_attempt(ledger: Ledger, config: ClusterConfig, checkpoint_id: str
             attempt.restart = _discarded(ev.data.get("summary"), attempt.restart)
         elif kind == "phase.started" and ev.data.get("phase") == "resume":
             recorded.resume_begun = True
+        elif kind == "phase.started" and attempt.in_place and isinstance(ev.data.get("staging_dir"), str):
+            attempt.staging_dir = Path(ev.data["staging_dir"])  # named by the commit (`save_v2.commit`)
     outcome = recorded.last_outcome
     if outcome == "aborted":
         attempt.state = "aborted"

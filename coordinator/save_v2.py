@@ -37,6 +37,7 @@ import json
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any, Final
 
 import anyio
@@ -228,9 +229,22 @@ def blockers_text(report: PrepareReport) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-async def commit(ctx: Context, attempt: Attempt, *, episodes: Sequence[EpisodeId] | None, stop: bool) -> None:
-    """Commit with the episode scope (module docstring); verify every reply. Rolls back on failure."""
+async def commit(
+    ctx: Context,
+    attempt: Attempt,
+    *,
+    episodes: Sequence[EpisodeId] | None,
+    stop: bool,
+    into: Path | None = None,
+) -> None:
+    """Commit with the episode scope (module docstring); verify every reply. Rolls back on failure.
+
+    `into`: the folder a save started in place with no folder yet commits into (checked by the
+    caller); its `phase.started` records it durably before anything is created there, so a
+    rollback or recovery finds what the servers wrote."""
     require_state(attempt, ("prepared",), "commit")
+    if into is not None:
+        attempt.staging_dir = into
     assert attempt.staging_dir is not None
     staging = attempt.staging_dir
     attempt.stop = stop
@@ -243,7 +257,7 @@ async def commit(ctx: Context, attempt: Attempt, *, episodes: Sequence[EpisodeId
             make_folders(staging, folder)
         return identity
 
-    async def body() -> None:
+    async def made() -> None:
         try:
             attempt.staging_identity = await anyio.to_thread.run_sync(make)
         except SnapshotError as error:
@@ -252,6 +266,16 @@ async def commit(ctx: Context, attempt: Attempt, *, episodes: Sequence[EpisodeId
             raise PhaseFailure(
                 "commit", None, f"cannot create the staging folder {staging}: {error}"
             ) from None
+
+    async def made_then_committed() -> dict[str, Any]:
+        await made()
+        return await _commit_body(ctx, attempt, episodes, stop)
+
+    async def body() -> None:
+        if into is not None:  # recorded first, then created
+            await run_phase(ctx, attempt, "commit", made_then_committed, staging_dir=into)
+            return
+        await made()
         await run_phase(ctx, attempt, "commit", lambda: _commit_body(ctx, attempt, episodes, stop))
 
     await rolled_back_on_failure(ctx, attempt, "commit", body)

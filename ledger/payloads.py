@@ -137,6 +137,9 @@ class PhaseStarted(Payload):
     #: a run of the phase that works to its own budget, not the attempt's `deadline_ts` (a
     #: restore re-driven under its id: `quiesce.coordinator.restore.redrive`)
     deadline_ts: float | None = None
+    #: commit of a save started in place with no folder yet: the folder it commits into and is
+    #: published in (recorded durably before anything is created there)
+    staging_dir: str | None = None
 
 
 class CallSent(Payload):

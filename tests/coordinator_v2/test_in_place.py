@@ -21,6 +21,7 @@ from quiesce.coordinator import Coordinator, QuiesceError
 from quiesce.coordinator.errors import SnapshotError
 from quiesce.coordinator.publish import IN_PLACE_MANIFEST, read_latest
 from quiesce.tools.gymsim.v2.trainer import Trainer, expected_results, make_tasks
+from tests.coordinator.helpers import assert_protocol_ok
 from tests.coordinator_v2.helpers import events, phases, sent
 from tests.coordinator_v2.test_folders import deployment_spec, union_config
 
@@ -176,4 +177,92 @@ async def test_a_save_into_a_folder_needs_the_unified_plane(
         async with Coordinator.open(config) as coord:
             with pytest.raises(QuiesceError, match="needs Gym's unified plane; this cluster speaks v1"):
                 await coord.checkpoint(into=tmp_path / "rl")
+            with pytest.raises(QuiesceError, match=r"in_place=True\) needs Gym's unified plane"):
+                await coord.prepare(in_place=True)
     assert not (tmp_path / "rl").exists()
+
+
+async def test_a_save_prepared_in_place_takes_its_folder_at_commit_and_restores(
+    v2_cluster: Callable[..., Any], tmp_path: Path, sqlite_url: str, http: httpx.AsyncClient, token: str
+) -> None:
+    """NeMo RL's per-actor calls name the folder only at commit: prepare(in_place=True), then
+    commit(into=...). The folder is on disk in the ledger before anything is created in it, and a
+    ledger read back (what recovery and `resume` use) finds it."""
+    from quiesce.coordinator.readback import read_attempt
+
+    into = rl_folder(tmp_path)
+    tasks = make_tasks(2, turns=4, prefix="a")
+    with v2_cluster(deployment_spec("d0")) as d0:
+        trainer = Trainer(d0.urls["d0.environment"], http=http)
+        await trainer.start(tasks, paced=True)
+        await trainer.advance(2)
+        await trainer.wait_parked()
+        config = union_config(tmp_path, sqlite_url, {"d0": d0})
+        async with Coordinator.open(config) as coord:
+            attempt = await coord.prepare(deadline_s=30, in_place=True)
+            assert attempt.staging_dir is None
+            assert attempt.in_place
+            assert not (into / "gym-instances" / "d0").exists()
+            await coord.commit(attempt, into=into)
+            assert attempt.staging_dir == into
+            recorded = await read_attempt(coord.ledger, config, attempt.checkpoint_id)
+            assert recorded is not None
+            assert recorded.attempt.staging_dir == into
+            assert recorded.attempt.in_place
+            await coord.publish_and_resume(attempt)
+            assert attempt.snapshot == into
+        await trainer.detach()
+        in_flight = sorted(e.capture_key for e in trainer.in_flight())
+    started = [
+        e for e in await events(sqlite_url, "attempt.started") if e.checkpoint_id == attempt.checkpoint_id
+    ]
+    assert started[0].data["in_place"] is True
+    assert started[0].data.get("staging_dir") is None
+    commit_started = [
+        e
+        for e in await events(sqlite_url, "phase.started")
+        if e.checkpoint_id == attempt.checkpoint_id and e.data["phase"] == "commit"
+    ]
+    assert [e.data.get("staging_dir") for e in commit_started] == [str(into)]
+    first_commit = min(e.seq for e in await sent(sqlite_url, "commit"))
+    assert commit_started[0].seq < first_commit
+    assert json.loads((into / IN_PLACE_MANIFEST).read_text())["roots"] == ["gym-instances/d0"]
+    assert read_latest(config.snapshots) is None
+    with v2_cluster(deployment_spec("d0")) as f0:
+        async with Coordinator.open(union_config(tmp_path, sqlite_url, {"d0": f0})) as coord:
+            restore = await coord.restore(into, resume=True)
+        assert restore.state == "completed"
+        again = await trainer.continue_on(f0.urls["d0.environment"])
+        assert sorted(e.capture_key for e in again) == [f"{k}-a1" for k in in_flight]
+        assert await trainer.wait_results() == expected_results(tasks)
+    await trainer.aclose()
+    await assert_protocol_ok(sqlite_url)  # `check`: the commit's folder is the one recorded
+
+
+async def test_a_save_prepared_in_place_refuses_a_commit_without_its_folder_and_rolls_back(
+    v2_cluster: Callable[..., Any], tmp_path: Path, sqlite_url: str, http: httpx.AsyncClient, token: str
+) -> None:
+    into = rl_folder(tmp_path)
+    (into / "gym-instances" / "d0").mkdir()  # a folder this save would write: refused at commit
+    with v2_cluster(deployment_spec("d0")) as d0:
+        trainer = Trainer(d0.urls["d0.environment"], http=http)
+        await trainer.start(make_tasks(2, turns=3, prefix="a"), paced=True)
+        await trainer.wait_parked()
+        async with Coordinator.open(union_config(tmp_path, sqlite_url, {"d0": d0})) as coord:
+            attempt = await coord.prepare(deadline_s=30, in_place=True)
+            with pytest.raises(QuiesceError, match=r"prepared in place with no folder; name it"):
+                await coord.commit(attempt)
+            assert attempt.state == "aborted"
+            assert set((await phases(http, d0.urls, token)).values()) == {"idle"}
+            attempt = await coord.prepare(deadline_s=30, in_place=True)
+            with pytest.raises(QuiesceError, match=r"already holds gym-instances/d0"):
+                await coord.commit(attempt, into=into)
+            assert attempt.state == "aborted"
+            normal = await coord.prepare(deadline_s=30)
+            with pytest.raises(QuiesceError, match=r"give `into` only to an attempt prepared with in_place"):
+                await coord.commit(normal, into=into)
+            assert normal.state == "aborted"
+        assert set((await phases(http, d0.urls, token)).values()) == {"idle"}
+        await trainer.aclose()
+    assert await sent(sqlite_url, "commit") == []
+    await assert_protocol_ok(sqlite_url)
