@@ -329,6 +329,9 @@ class Attempt:
     #: caller or derived — and the restarts each server reported (left out of it)
     scope: tuple[str, ...] = ()
     restarts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: v2 save: the servers not ready by the prepare's deadline → the blockers each reported (at
+    #: most `protocol_v2.MAX_BLOCKERS`), as `episodes.blocked` records them
+    blocked: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: v2: what each server's commit exported (capture keys)
     exported: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: v2 restore: the next attempts each server restored (capture keys)

@@ -484,8 +484,13 @@ class Coordinator:
         *,
         episodes: Sequence[EpisodeId] | None = None,
         into: str | os.PathLike[str] | None = None,
+        deadline_s: float | None = None,
     ) -> Attempt:
         """Commit a prepared attempt into its staging folder; verifies every digest. Rolls back on failure.
+
+        `deadline_s` (unified plane): the commit works to a budget of its own from now, recorded in
+        its `phase.started` — for a caller that gives every step its own deadline, as NeMo RL's
+        per-actor calls do — instead of the attempt's (None).
 
         `episodes` (Gym's unified plane only): the episodes the caller continues — the commit
         scope, minus the restarts the servers reported (`attempt.restarts`). None: derived from
@@ -494,6 +499,7 @@ class Coordinator:
         `into`: the folder of an attempt prepared with `in_place=True` (required there, refused
         anywhere else), checked as `save(into=...)` checks it; a folder refused rolls back."""
         chosen = self._pick(attempt, "commit")
+        budget = check_deadline(self._ctx.config, deadline_s) if deadline_s is not None else None
         deferred = chosen.in_place and chosen.staging_dir is None
         folder: Path | None = None
         if into is not None or deferred:
@@ -520,7 +526,9 @@ class Coordinator:
             if problem is not None:
                 raise QuiesceError(problem)
         if chosen.plane == "v2":
-            await save_v2.commit(self._ctx, chosen, episodes=episodes, stop=chosen.stop, into=folder)
+            await save_v2.commit(
+                self._ctx, chosen, episodes=episodes, stop=chosen.stop, into=folder, budget_s=budget
+            )
         elif episodes is not None:  # prepared already: let go of the servers before refusing
             reason = "an episode scope is a notion of Gym's unified plane; this cluster speaks v1"
             with anyio.CancelScope(shield=True), heap_frozen():

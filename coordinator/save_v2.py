@@ -194,7 +194,9 @@ async def _failing_into(attempt: Attempt, m: Member, fn: Callable[[Member], Awai
 
 
 async def _blocked(ctx: Context, attempt: Attempt, waiting: dict[str, PrepareReport]) -> None:
-    """Record the blockers of the servers not ready by the deadline, then fail naming them."""
+    """Record the blockers of the servers not ready by the deadline (in the ledger and on the
+    attempt), then fail naming them."""
+    attempt.blocked = {n: tuple(r.blockers) for n, r in waiting.items()}
     await ctx.ledger.stage(
         "episodes.blocked",
         checkpoint_id=attempt.checkpoint_id,
@@ -236,13 +238,17 @@ async def commit(
     episodes: Sequence[EpisodeId] | None,
     stop: bool,
     into: Path | None = None,
+    budget_s: float | None = None,
 ) -> None:
     """Commit with the episode scope (module docstring); verify every reply. Rolls back on failure.
 
     `into`: the folder a save started in place with no folder yet commits into (checked by the
     caller); its `phase.started` records it durably before anything is created there, so a
-    rollback or recovery finds what the servers wrote."""
+    rollback or recovery finds what the servers wrote. `budget_s`: the commit's own budget from
+    now (recorded in its `phase.started`) instead of the attempt's deadline."""
     require_state(attempt, ("prepared",), "commit")
+    if budget_s is not None:
+        attempt.deadline_ts = time.time() + budget_s
     if into is not None:
         attempt.staging_dir = into
     assert attempt.staging_dir is not None
@@ -272,11 +278,14 @@ async def commit(
         return await _commit_body(ctx, attempt, episodes, stop)
 
     async def body() -> None:
+        own = budget_s is not None
         if into is not None:  # recorded first, then created
-            await run_phase(ctx, attempt, "commit", made_then_committed, staging_dir=into)
+            await run_phase(ctx, attempt, "commit", made_then_committed, staging_dir=into, own_budget=own)
             return
         await made()
-        await run_phase(ctx, attempt, "commit", lambda: _commit_body(ctx, attempt, episodes, stop))
+        await run_phase(
+            ctx, attempt, "commit", lambda: _commit_body(ctx, attempt, episodes, stop), own_budget=own
+        )
 
     await rolled_back_on_failure(ctx, attempt, "commit", body)
     attempt.state = "committed"

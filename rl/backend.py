@@ -101,7 +101,7 @@ def _episode(key: str) -> Episode:
     return Episode.from_episode_id(episode_of_key(key))
 
 
-def _absolute(path: str | os.PathLike[str]) -> Path:
+def absolute_folder(path: str | os.PathLike[str]) -> Path:
     """`path` made absolute without resolving symlinks (the coordinator refuses a symlink)."""
     return Path(os.path.abspath(os.fspath(path)))
 
@@ -307,7 +307,7 @@ class QuiesceEnvironmentCheckpoint:
         if the block raises (module docstring)."""
         await self.start()
         coord = self.coordinator
-        folder = _absolute(path)
+        folder = absolute_folder(path)
         v2 = coord.discovery is not None and coord.discovery.plane == "v2"
         try:
             scope = None
@@ -392,7 +392,7 @@ class QuiesceEnvironmentCheckpoint:
         restore continued (module docstring)."""
         await self.start()
         coord = self.coordinator
-        folder = _absolute(path)
+        folder = absolute_folder(path)
         try:
             manifest, source = await anyio.to_thread.run_sync(_read_folder, folder)
         except (OSError, ValueError, KeyError, TypeError) as error:

@@ -19,7 +19,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,7 +28,7 @@ from quiesce.coordinator.errors import ConfigError
 from quiesce.rl.backend import Expected, QuiesceEnvironmentCheckpoint, Scope
 from quiesce.rl.deployments import cluster_servers, find_deployments
 
-__all__ = ["SETTINGS_KEY", "build_quiesce_environment_checkpoint"]
+__all__ = ["SETTINGS_KEY", "build_quiesce_environment_checkpoint", "rl_cluster_config"]
 
 #: The key of quiesce's settings in RL's master config.
 SETTINGS_KEY = "quiesce"
@@ -52,6 +52,23 @@ def _settings(master_config: Any) -> tuple[dict[str, Any], Literal["v1", "v2"]]:
     return settings, plane
 
 
+def rl_cluster_config(
+    master_config: Any, *, env_handles: Mapping[str, Any]
+) -> Callable[[], Awaitable[ClusterConfig]]:
+    """The cluster config of RL's run, made when first awaited (its deployments found through
+    Ray then): `master_config["quiesce"]`'s settings plus a server entry for every server of every
+    Gym deployment in `env_handles`. Settings errors are raised here. Picklable (Ray's
+    cloudpickle) when `env_handles` is, so a host actor can be given it."""
+    settings, plane = _settings(master_config)
+
+    async def config() -> ClusterConfig:
+        deployments = await find_deployments(env_handles)
+        document = {**settings, "servers": cluster_servers(deployments, plane=plane)}
+        return parse_config(document, base_dir=Path.cwd())
+
+    return config
+
+
 def build_quiesce_environment_checkpoint(
     master_config: Any,
     *,
@@ -64,16 +81,10 @@ def build_quiesce_environment_checkpoint(
 ) -> QuiesceEnvironmentCheckpoint:
     """quiesce's `EnvironmentCheckpoint` for RL's run (module docstring). Settings errors are
     raised here; the deployments are found on first use."""
-    settings, plane = _settings(master_config)
+    settings, _ = _settings(master_config)
     deadline = settings.get("deadline_s")
-
-    async def config() -> ClusterConfig:
-        deployments = await find_deployments(env_handles)
-        document = {**settings, "servers": cluster_servers(deployments, plane=plane)}
-        return parse_config(document, base_dir=Path.cwd())
-
     return QuiesceEnvironmentCheckpoint(
-        config,
+        rl_cluster_config(master_config, env_handles=env_handles),
         token=token,
         deadline_s=float(deadline) if isinstance(deadline, int | float) else None,
         scope=scope,

@@ -201,6 +201,16 @@ class NemoGym:
     async def wait_parked(self) -> None:
         await self._trainer().wait_parked()
 
+    async def hold_mid_turn(self, rollout_ids: list[str]) -> None:
+        """Start these rollouts' next turn and hold them in it (a prepare blocker) until `release`."""
+        trainer = self._trainer()
+        await trainer.hold(rollout_ids)
+        await trainer.advance(1, rollout_ids)
+        await trainer.wait_mid_turn(rollout_ids)
+
+    async def release(self) -> None:
+        await self._trainer().release()
+
     async def in_flight(self) -> list[dict[str, Any]]:
         """Every unfinished rollout as its current attempt `{"rollout_id", "attempt"}`."""
         return [e.model_dump() for e in self._trainer().in_flight()]

@@ -1,0 +1,335 @@
+"""RL's per-actor checkpoint methods over quiesce (`quiesce.rl.actors`), driven by a stand-in of
+RL's own cross-actor coordinator (`tests/rl/rl_coordinator.py`) through `QuiesceShardSet`'s
+handles, the host a real async Ray actor, two real Ray actors standing in for RL's Gym actors
+(each a gymsim v2 deployment), a real SQLite ledger and real files:
+
+- save: prepare → renew → commit into RL's folder → RL writes `gym_checkpoint.json` and its half
+  → resume publishes in place; one quiesce attempt holds every deployment's calls; `check` and
+  the lineage cover the run; a restore into fresh deployments continues exactly what was saved;
+- a commit RL did not record (its body failed) is rolled back by the resume RL sends after it;
+- a deployment not ready by the deadline answers `prepared=False` with its own blockers, and the
+  resume after RL's `NotReady` leaves every server idle;
+- a failed restore: RL's cleanup (retire the next attempts, resume) leaves no deployment held;
+- the host SIGKILLed mid-commit is restarted by Ray, recovers from the ledger before it answers,
+  and RL's retry under a new id succeeds.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import ray
+import yaml
+
+from quiesce.coordinator.protocol_v2 import PREFIX
+from quiesce.coordinator.publish import IN_PLACE_MANIFEST
+from quiesce.ledger import Ledger
+from quiesce.ledger.lineage import read_lineage
+from quiesce.rl.actors import METHODS, ActorCheckpointHost, QuiesceShardSet
+from quiesce.rl.builder import rl_cluster_config
+from quiesce.rl.episodes import Episode, PrepareSummary
+from quiesce.rl.gym_manifest import GymCheckpointManifest
+from quiesce.tools.audit.cli import check_ledger
+from quiesce.tools.gymsim.v2.trainer import expected_results, make_tasks
+from tests.rl.conftest import ShardSet, StartActors, env_handles
+from tests.rl.rl_coordinator import NotReady, OperationError, RLCoordinator
+from tests.rl.test_host import events, ledger_of, phases, started, write_config
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300), pytest.mark.usefixtures("ray_local")]
+
+INSTANCES = ("nemo_gym/replica-0", "nemo_gym/replica-1")
+
+
+def host_actor(config: Path, token: str, **options: Any) -> Any:
+    """The host as RL would run it: an async Ray actor (the token an argument, never an env var)."""
+    options = {"max_restarts": 0, **options}
+    return ray.remote(**options)(ActorCheckpointHost).remote(str(config), token=token)
+
+
+async def candidates(shards: ShardSet) -> dict[str, tuple[Episode, ...]]:
+    """RL's inventory: each instance's episodes in flight."""
+    return {
+        i: tuple(sorted(Episode.coerce(e) for e in await h.in_flight.remote()))
+        for i, h in shards.checkpoint_handles.items()
+    }
+
+
+async def parked(shards: ShardSet, tasks: dict[str, dict[str, Any]]) -> None:
+    for instance, handle in shards.checkpoint_handles.items():
+        await handle.start_episodes.remote(tasks[instance], paced=True)
+        await handle.advance.remote(2)
+        await handle.wait_parked.remote()
+
+
+def tasks_for() -> dict[str, dict[str, Any]]:
+    return {
+        INSTANCES[0]: make_tasks(3, turns=4, prefix="a"),
+        INSTANCES[1]: make_tasks(2, turns=4, prefix="b"),
+    }
+
+
+def test_the_handles_have_rls_method_signatures() -> None:
+    """Each handle method takes RL's arguments after the instance the host adds."""
+    for name in METHODS:
+        params = list(inspect.signature(getattr(ActorCheckpointHost, name)).parameters.values())
+        assert params[1].name == "instance_id"
+        assert params[-1].name == "deadline_ts"
+        assert params[-1].kind is inspect.Parameter.KEYWORD_ONLY
+    restore = inspect.signature(ActorCheckpointHost.checkpoint_restore).parameters
+    assert restore["source_checkpoint_id"].kind is inspect.Parameter.KEYWORD_ONLY
+    handles = QuiesceShardSet.over("host", INSTANCES).checkpoint_handles
+    assert list(handles) == list(INSTANCES)
+    with pytest.raises(AttributeError):
+        _ = handles[INSTANCES[0]].checkpoint_publish
+
+
+async def test_rls_coordinator_over_quiesce_saves_into_its_folder_and_restores_exactly(
+    gym_actors: StartActors, tmp_path: Path, token: str
+) -> None:
+    tasks = tasks_for()
+    shards = await gym_actors("v2")
+    await parked(shards, tasks)
+    config = await write_config(shards, tmp_path)
+    url = ledger_of(config)
+    host = host_actor(config, token)
+    assert await started(host) == {"attempts": [], "instances": list(INSTANCES)}
+    rl = RLCoordinator(QuiesceShardSet.over(host, INSTANCES), control_timeout_s=30)
+    root = tmp_path / "rl" / "step_3"
+    root.mkdir(parents=True)
+    inventory = await candidates(shards)
+    async with rl.prepared("rl-step-3"):
+        manifest, summaries = await rl.commit("rl-step-3", root, inventory)
+        (root / "tq.pt").write_bytes(b"RL's half")
+        # not published yet: RL's half is written while every server is still paused
+        assert not (root / IN_PLACE_MANIFEST).exists()
+    assert [op for op, _ in rl.calls] == ["prepare"] * 2 + ["renew"] * 2 + ["commit"] * 2 + ["resume"] * 2
+    # each instance got its own part: its servers, its episodes, its model's staging keys
+    for instance in INSTANCES:
+        summary = summaries[instance]
+        assert summary.exported_episodes == inventory[instance]
+        assert {p.server_name for p in summary.participants} == {
+            "agent",
+            "environment",
+            "policy_model",
+            "resources",
+        }
+        assert {p.manifest.checkpoint_id for p in summary.participants} == {
+            summary.participants[0].manifest.checkpoint_id
+        }
+        assert manifest.staging_keys[instance]
+    assert manifest.checkpoint_id == "rl-step-3"
+    assert GymCheckpointManifest.load(root) == manifest
+    published = json.loads((root / IN_PLACE_MANIFEST).read_text())
+    assert published["roots"] == [f"gym-instances/{i}" for i in INSTANCES]
+    assert set((await phases(shards, token)).values()) == {"idle"}
+    # one quiesce attempt for RL's id, both deployments' calls in it, the folder named at commit
+    every = await events(url)
+    saves = [e for e in every if e.kind == "attempt.started"]
+    assert len(saves) == 1
+    cid = saves[0].checkpoint_id
+    commits = [e for e in every if e.kind == "call.sent" and e.data["path"].endswith("/commit")]
+    assert sorted(e.server for e in commits) == sorted(
+        s["name"] for s in yaml.safe_load(config.read_text())["servers"]
+    )
+    assert [
+        e.data.get("staging_dir")
+        for e in every
+        if e.kind == "phase.started" and e.checkpoint_id == cid and e.data["phase"] == "commit"
+    ] == [str(root)]
+    states = {i: await h.episodes_state.remote() for i, h in shards.checkpoint_handles.items()}
+    for handle in shards.checkpoint_handles.values():
+        await handle.detach.remote()
+    await host.close.remote()
+    ray.kill(host)
+
+    # RL restarts: fresh deployments, a fresh host over the same ledger, RL's restore → resume
+    fresh = await gym_actors("v2")
+    (tmp_path / "again").mkdir()
+    config2 = await write_config(fresh, tmp_path / "again")
+    config2.write_text(yaml.safe_dump({**yaml.safe_load(config2.read_text()), "ledger": url}))
+    host2 = host_actor(config2, token)
+    await started(host2)
+    rl2 = RLCoordinator(QuiesceShardSet.over(host2, INSTANCES), control_timeout_s=30)
+    loaded = GymCheckpointManifest.load(root)
+    await rl2.restore("rl-restore-1", root, loaded)
+    await rl2.resume("rl-restore-1")
+    for instance, handle in fresh.checkpoint_handles.items():
+        continued = await handle.continue_episodes.remote(states[instance])
+        assert sorted(Episode.coerce(e) for e in continued) == sorted(loaded.next_attempts()[instance])
+        assert await handle.wait_results.remote() == expected_results(tasks[instance])
+    await host2.close.remote()
+    report = await check_ledger(url)
+    assert report.violations == []
+    async with Ledger.open(url, readonly=True) as ledger:
+        lineage = await read_lineage(ledger)
+    assert {r: (x.attempt, x.state) for r, x in lineage.rollouts.items()} == {
+        e.rollout_id: (1, "live") for e in loaded.episodes()
+    }
+
+
+async def test_a_commit_rl_did_not_record_is_rolled_back_by_its_resume(
+    gym_actors: StartActors, tmp_path: Path, token: str
+) -> None:
+    shards = await gym_actors("v2")
+    await parked(shards, tasks_for())
+    config = await write_config(shards, tmp_path)
+    host = host_actor(config, token)
+    await started(host)
+    rl = RLCoordinator(QuiesceShardSet.over(host, INSTANCES), control_timeout_s=30)
+    root = tmp_path / "rl" / "step_4"
+    root.mkdir(parents=True)
+    (root / "tq.pt").write_bytes(b"RL")
+    inventory = await candidates(shards)
+
+    async def commit_then_fail() -> None:
+        async with rl.prepared("rl-step-4"):
+            # RL's own commit step fails after Gym committed, before gym_checkpoint.json is written
+            handles = QuiesceShardSet.over(host, INSTANCES).checkpoint_handles
+            deadline = time.time() + 30
+
+            async def commit(instance: str) -> None:
+                await handles[instance].checkpoint_commit.remote(
+                    "rl-step-4", str(root), inventory[instance], deadline_ts=deadline
+                )
+
+            async with anyio.create_task_group() as tg:
+                for instance in handles:
+                    tg.start_soon(commit, instance)
+            assert (root / "gym-instances" / INSTANCES[0]).is_dir()  # Gym committed
+            raise RuntimeError("RL's transfer queue could not be saved")
+
+    with pytest.raises(RuntimeError, match="transfer queue"):
+        await commit_then_fail()
+    assert set((await phases(shards, token)).values()) == {"idle"}
+    assert sorted(p.name for p in root.iterdir()) == ["tq.pt"]
+    assert not (root / IN_PLACE_MANIFEST).exists()
+    ended = [e for e in await events(ledger_of(config)) if e.kind in ("attempt.aborted", "attempt.completed")]
+    assert ended[-1].kind == "attempt.aborted"
+    assert "wrote no gym_checkpoint.json" in ended[-1].data["reason"]
+    await host.close.remote()
+
+
+async def test_a_deployment_not_ready_answers_its_own_blockers_and_rls_resume_frees_everyone(
+    gym_actors: StartActors, tmp_path: Path, token: str
+) -> None:
+    shards = await gym_actors("v2")
+    handles = shards.checkpoint_handles
+    await handles[INSTANCES[0]].start_episodes.remote(make_tasks(2, turns=4, prefix="a"), paced=True)
+    await handles[INSTANCES[0]].advance.remote(1)
+    await handles[INSTANCES[0]].wait_parked.remote()
+    # replica 1's episode is held mid-turn: its environment cannot park it
+    await handles[INSTANCES[1]].start_episodes.remote(make_tasks(1, turns=4, prefix="b"), paced=True)
+    await handles[INSTANCES[1]].wait_parked.remote()
+    await handles[INSTANCES[1]].hold_mid_turn.remote(["b0"])
+    # the host built from RL's own arguments: its deployments found through Ray when it starts
+    master_config = {
+        "quiesce": {
+            "ledger": f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}",
+            "snapshots": str(tmp_path / "snapshots"),
+            "deadline_s": 30,
+        }
+    }
+    config = rl_cluster_config(master_config, env_handles=env_handles(shards, math=object()))
+    host: Any = ray.remote(max_restarts=0)(ActorCheckpointHost).remote(config, token=token)
+    assert (await started(host))["instances"] == list(INSTANCES)
+    rl = RLCoordinator(QuiesceShardSet.over(host, INSTANCES), control_timeout_s=2)
+    with pytest.raises(NotReady) as caught:
+        async with rl.prepared("rl-step-5"):
+            raise AssertionError("never prepared")
+    blockers = caught.value.blockers
+    # one attempt for the run: nobody is held once it failed; only replica 1 names blockers
+    assert sorted(blockers) == list(INSTANCES)
+    assert blockers[INSTANCES[0]] == {}
+    assert any("b0" in key for keys in blockers[INSTANCES[1]].values() for key in keys)
+    assert set((await phases(shards, token)).values()) == {"idle"}
+    assert [op for op, _ in rl.calls] == ["prepare", "prepare", "resume", "resume"]
+    summary = await host.checkpoint_prepare.remote(INSTANCES[0], "rl-step-5", deadline_ts=time.time() + 5)
+    assert summary == PrepareSummary(False, {})  # the shared outcome: replica 0 itself was ready
+    await handles[INSTANCES[1]].release.remote()
+    await host.close.remote()
+
+
+async def test_a_failed_restore_is_cleaned_up_by_rls_retire_and_resume(
+    gym_actors: StartActors, tmp_path: Path, token: str
+) -> None:
+    shards = await gym_actors("v2")
+    await parked(shards, tasks_for())
+    config = await write_config(shards, tmp_path)
+    host = host_actor(config, token)
+    await started(host)
+    rl = RLCoordinator(QuiesceShardSet.over(host, INSTANCES), control_timeout_s=30)
+    root = tmp_path / "rl" / "step_6"
+    root.mkdir(parents=True)
+    async with rl.prepared("rl-step-6"):
+        manifest, _ = await rl.commit("rl-step-6", root, await candidates(shards))
+    # into the same, used deployments: Gym refuses a restore into servers holding live episodes
+    with pytest.raises(OperationError) as caught:
+        await rl.restore("rl-restore-6", root, manifest)
+    assert set(caught.value.failures) == set(INSTANCES)
+    assert [op for op, _ in rl.calls][-6:] == ["restore"] * 2 + ["restore_cleanup"] * 2 + ["resume"] * 2
+    assert set((await phases(shards, token)).values()) == {"idle"}
+    await host.close.remote()
+    report = await check_ledger(ledger_of(config))
+    assert [v for v in report.violations if not v.rule.startswith("lineage")] == []
+
+
+async def test_the_host_killed_mid_commit_recovers_when_restarted_and_rls_retry_succeeds(
+    gym_actors: StartActors, tmp_path: Path, token: str
+) -> None:
+    shards = await gym_actors("v2")
+    await parked(shards, tasks_for())
+    config = await write_config(shards, tmp_path)
+    url = ledger_of(config)
+    host = host_actor(config, token, max_restarts=1, max_task_retries=0)
+    await started(host)
+    agent_url = (await shards.checkpoint_handles[INSTANCES[1]].urls.remote())["agent"]
+    slow = {"kind": "delay", "path": f"{PREFIX}/commit", "seconds": 5.0, "when": "during", "times": 1}
+    async with httpx.AsyncClient(trust_env=False) as http:
+        assert (
+            await http.post(f"{agent_url}/gymsim/admin/faults", json={"faults": [slow]})
+        ).status_code == 200
+    rl = RLCoordinator(QuiesceShardSet.over(host, INSTANCES), control_timeout_s=30)
+    root = tmp_path / "rl" / "step_7"
+    root.mkdir(parents=True)
+    inventory = await candidates(shards)
+    failures: list[BaseException] = []
+
+    async def save() -> None:
+        try:
+            async with rl.prepared("rl-step-7"):
+                await rl.commit("rl-step-7", root, inventory)
+        except Exception as error:
+            failures.append(error)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(save)
+        for _ in range(150):
+            if any(e.kind == "call.sent" and e.data["path"].endswith("/commit") for e in await events(url)):
+                break
+            await anyio.sleep(0.2)
+        await anyio.sleep(0.5)
+        ray.kill(host, no_restart=False)
+    assert len(failures) == 1
+    assert isinstance(failures[0], OperationError)
+    dead = [e for e in await events(url) if e.kind == "attempt.started"][-1].checkpoint_id
+    recovered = await started(host)
+    assert recovered["attempts"] == [{"checkpoint_id": dead, "action": "resumed"}]
+    assert set((await phases(shards, token)).values()) == {"idle"}
+    assert not (root / "gym-instances" / INSTANCES[0]).exists()
+    # RL retries under a new id: it goes through
+    async with rl.prepared("rl-step-7b"):
+        manifest, _ = await rl.commit("rl-step-7b", root, inventory)
+    assert {e.capture_key for e in manifest.episodes()} == {
+        e.capture_key for eps in inventory.values() for e in eps
+    }
+    assert (root / IN_PLACE_MANIFEST).is_file()
+    await host.close.remote()
+    report = await check_ledger(url)
+    assert [v for v in report.violations if not v.rule.startswith("lineage")] == []
