@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,31 @@ def tasks_for() -> dict[str, dict[str, Any]]:
         INSTANCES[0]: make_tasks(3, turns=4, prefix="a"),
         INSTANCES[1]: make_tasks(2, turns=4, prefix="b"),
     }
+
+
+@dataclass
+class Run:
+    """Two parked deployments, the host over them, RL's coordinator over the host, RL's folder."""
+
+    shards: ShardSet
+    config: Path
+    host: Any
+    rl: RLCoordinator
+    root: Path
+
+
+async def rl_over_quiesce(
+    gym_actors: StartActors, tmp_path: Path, token: str, step: str, **host_options: Any
+) -> Run:
+    shards = await gym_actors("v2")
+    await parked(shards, tasks_for())
+    config = await write_config(shards, tmp_path)
+    host = host_actor(config, token, **host_options)
+    await started(host)
+    rl = RLCoordinator(QuiesceShardSet.over(host, INSTANCES), control_timeout_s=30)
+    root = tmp_path / "rl" / step
+    root.mkdir(parents=True)
+    return Run(shards, config, host, rl, root)
 
 
 def test_the_handles_have_rls_method_signatures() -> None:
@@ -177,14 +203,8 @@ async def test_rls_coordinator_over_quiesce_saves_into_its_folder_and_restores_e
 async def test_a_commit_rl_did_not_record_is_rolled_back_by_its_resume(
     gym_actors: StartActors, tmp_path: Path, token: str
 ) -> None:
-    shards = await gym_actors("v2")
-    await parked(shards, tasks_for())
-    config = await write_config(shards, tmp_path)
-    host = host_actor(config, token)
-    await started(host)
-    rl = RLCoordinator(QuiesceShardSet.over(host, INSTANCES), control_timeout_s=30)
-    root = tmp_path / "rl" / "step_4"
-    root.mkdir(parents=True)
+    run = await rl_over_quiesce(gym_actors, tmp_path, token, "step_4")
+    shards, config, host, rl, root = run.shards, run.config, run.host, run.rl, run.root
     (root / "tq.pt").write_bytes(b"RL")
     inventory = await candidates(shards)
 
@@ -259,14 +279,8 @@ async def test_a_deployment_not_ready_answers_its_own_blockers_and_rls_resume_fr
 async def test_a_failed_restore_is_cleaned_up_by_rls_retire_and_resume(
     gym_actors: StartActors, tmp_path: Path, token: str
 ) -> None:
-    shards = await gym_actors("v2")
-    await parked(shards, tasks_for())
-    config = await write_config(shards, tmp_path)
-    host = host_actor(config, token)
-    await started(host)
-    rl = RLCoordinator(QuiesceShardSet.over(host, INSTANCES), control_timeout_s=30)
-    root = tmp_path / "rl" / "step_6"
-    root.mkdir(parents=True)
+    run = await rl_over_quiesce(gym_actors, tmp_path, token, "step_6")
+    shards, config, host, rl, root = run.shards, run.config, run.host, run.rl, run.root
     async with rl.prepared("rl-step-6"):
         manifest, _ = await rl.commit("rl-step-6", root, await candidates(shards))
     # into the same, used deployments: Gym refuses a restore into servers holding live episodes
@@ -283,21 +297,15 @@ async def test_a_failed_restore_is_cleaned_up_by_rls_retire_and_resume(
 async def test_the_host_killed_mid_commit_recovers_when_restarted_and_rls_retry_succeeds(
     gym_actors: StartActors, tmp_path: Path, token: str
 ) -> None:
-    shards = await gym_actors("v2")
-    await parked(shards, tasks_for())
-    config = await write_config(shards, tmp_path)
-    url = ledger_of(config)
-    host = host_actor(config, token, max_restarts=1, max_task_retries=0)
-    await started(host)
+    run = await rl_over_quiesce(gym_actors, tmp_path, token, "step_7", max_restarts=1, max_task_retries=0)
+    shards, host, rl, root = run.shards, run.host, run.rl, run.root
+    url = ledger_of(run.config)
     agent_url = (await shards.checkpoint_handles[INSTANCES[1]].urls.remote())["agent"]
     slow = {"kind": "delay", "path": f"{PREFIX}/commit", "seconds": 5.0, "when": "during", "times": 1}
     async with httpx.AsyncClient(trust_env=False) as http:
         assert (
             await http.post(f"{agent_url}/gymsim/admin/faults", json={"faults": [slow]})
         ).status_code == 200
-    rl = RLCoordinator(QuiesceShardSet.over(host, INSTANCES), control_timeout_s=30)
-    root = tmp_path / "rl" / "step_7"
-    root.mkdir(parents=True)
     inventory = await candidates(shards)
     failures: list[BaseException] = []
 
