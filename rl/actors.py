@@ -24,16 +24,19 @@ Rules the host keeps:
   plane, published in place); the other instances' prepares of that id share its outcome, each
   told its own servers' blockers. Not ready anywhere by the deadline rolls the whole attempt back,
   so every instance answers `prepared=False` (those with nothing blocking name no blocker) — a
-  deployment is never left paused while RL's coordinator gives up on the checkpoint. `commit`, `retire` and `restore` are joined: the host waits until
-  every instance has called (until the call's `deadline_ts`), then runs one quiesce operation for
+  deployment is never left paused while RL's coordinator gives up on the checkpoint.
+- **Joined calls.** `commit`, `retire` and `restore` are joined: the host waits until every
+  instance has called (until the call's `deadline_ts`), then runs one quiesce operation for
   all — the commit into `checkpoint_root` with the union of the instances' episodes as its scope
   (each deployment writes into its folder, `gym-instances/<shard>/replica-<i>`), under RL's
   deadline — and answers each instance with its own part. An instance that never calls fails the
   others at the deadline, naming it, and the attempt is rolled back.
 - **Resume decides**: the first `checkpoint_resume` of an id publishes a committed save in place
-  (`quiesce-manifest.json` beside RL's files, the commit point) and resumes every server; an id
-  whose commit failed, or that never committed, is rolled back instead — RL calls resume after
-  errors too. A restore is resumed. The other instances' resumes share the outcome; a resume of an
+  (`quiesce-manifest.json` beside RL's files, the commit point) and resumes every server — only
+  when RL recorded the commit: its `gym_checkpoint.json` in the root names the id (RL writes it
+  once every instance's commit returned). An id whose commit failed, never ran, or that RL did
+  not record is rolled back instead: RL calls resume after errors too. A restore is resumed.
+  The other instances' resumes share the outcome; a resume of an
   id the host does not hold (finished, or settled by a restarted host's recovery) does nothing.
 - **Renewals** are shared: concurrent renews of one id are one round of renewals.
 - **Checked before RL sees them**: each instance's commit exports only its own candidates; a
@@ -43,6 +46,9 @@ Rules the host keeps:
   answers (an attempt its dead process left open is rolled back or finished); calls for an id it
   no longer holds then fail (`invariant`), and resume does nothing — RL's retry under a new id
   succeeds.
+- **RL's classes**: the handles answer quiesce's values, which have RL's fields; given RL's
+  adapter module (`types=`), they answer RL's own classes, for a coordinator that checks them with
+  `isinstance` (RL's does for the commit summary at @448b0253). RL is never imported here.
 - Errors leave as `EnvironmentCheckpointError` (picklable; RL's coordinator gathers them per
   instance). Ray is imported by nothing here.
 """
@@ -77,7 +83,14 @@ from quiesce.rl.episodes import (
 from quiesce.rl.errors import EnvironmentCheckpointError, from_quiesce
 from quiesce.rl.gym_manifest import MANIFEST_FILENAME, GymCheckpointManifest
 
-__all__ = ["METHODS", "ActorCheckpointHost", "InstanceHandle", "QuiesceShardSet", "instance_handles"]
+__all__ = [
+    "METHODS",
+    "ActorCheckpointHost",
+    "InstanceHandle",
+    "QuiesceShardSet",
+    "as_rl",
+    "instance_handles",
+]
 
 #: RL's six per-actor methods, in the order of a snapshot.
 METHODS: Final = (
@@ -671,40 +684,95 @@ def _recorded_by_rl(root: Path | None, checkpoint_id: str) -> str | None:
 # -- the handles RL's coordinator holds --------------------------------------------------------
 
 
+def as_rl(value: Any, types: Any) -> Any:
+    """`value` (a `PrepareSummary` or `CommitSummary`; anything else as it is) rebuilt as RL's own
+    class of that name from `types` — RL's `nemo_rl.environments.gym_checkpoint_adapter` module,
+    or anything with its five classes (`GymCheckpointEpisode`, `GymCheckpointPrepareSummary`,
+    `GymCheckpointCommitSummary`, `GymCheckpointParticipantCommitSummary`,
+    `GymCheckpointParticipantManifest`) — for a coordinator that checks `isinstance` against them."""
+    if isinstance(value, PrepareSummary):
+        return types.GymCheckpointPrepareSummary(prepared=value.prepared, blockers=dict(value.blockers))
+    if not isinstance(value, CommitSummary):
+        return value
+
+    def episode(e: Episode) -> Any:
+        return types.GymCheckpointEpisode(rollout_id=e.rollout_id, attempt=e.attempt)
+
+    participants = tuple(
+        types.GymCheckpointParticipantCommitSummary(
+            server_name=p.server_name,
+            kind=p.kind,
+            phase=p.phase,
+            capture_keys=p.capture_keys,
+            manifest=types.GymCheckpointParticipantManifest(
+                schema_version=p.manifest.schema_version,
+                kind=p.manifest.kind,
+                instance=p.manifest.instance,
+                checkpoint_id=p.manifest.checkpoint_id,
+                records_file=p.manifest.records_file,
+                records_sha256=p.manifest.records_sha256,
+                record_count=p.manifest.record_count,
+            ),
+            staging_keys=p.staging_keys,
+        )
+        for p in value.participants
+    )
+    return types.GymCheckpointCommitSummary(
+        exported_episodes=tuple(episode(e) for e in value.exported_episodes),
+        staging_keys=value.staging_keys,
+        participants=participants,
+        staging_keys_by_episode={episode(e): keys for e, keys in value.staging_keys_by_episode.items()},
+        unowned_live_episodes=tuple(episode(e) for e in value.unowned_live_episodes),
+    )
+
+
+async def _converted(pending: Awaitable[Any], types: Any) -> Any:
+    return as_rl(await pending, types)
+
+
 class _Method:
-    """`handle.<method>.remote(*args, **kwargs)` as RL calls it: the host's method with the instance first."""
+    """`handle.<method>.remote(*args, **kwargs)` as RL calls it: the host's method with the instance
+    first. Returns the host's object ref (RL awaits it, and may `ray.cancel` it) — or, with `types`,
+    a coroutine awaiting it and rebuilding the value as RL's class (`as_rl`; not cancellable by
+    `ray.cancel`, which RL's coordinator only tries, best effort)."""
 
-    __slots__ = ("_host", "_instance", "_name")
+    __slots__ = ("_host", "_instance", "_name", "_types")
 
-    def __init__(self, host: Any, instance: str, name: str) -> None:
-        self._host, self._instance, self._name = host, instance, name
+    def __init__(self, host: Any, instance: str, name: str, types: Any) -> None:
+        self._host, self._instance, self._name, self._types = host, instance, name, types
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         method = getattr(self._host, self._name)
         remote = getattr(method, "remote", None)
-        if remote is not None:  # a Ray actor handle: the object ref RL awaits (and may cancel)
-            return remote(self._instance, *args, **kwargs)
-        return method(self._instance, *args, **kwargs)  # the host itself: a coroutine
+        if remote is not None:  # a Ray actor handle
+            pending = remote(self._instance, *args, **kwargs)
+        else:  # the host itself, on this loop: a coroutine
+            pending = method(self._instance, *args, **kwargs)
+        return pending if self._types is None else _converted(pending, self._types)
 
 
 @dataclass(frozen=True)
 class InstanceHandle:
     """One RL instance's actor handle as RL's coordinator uses it (`handle.checkpoint_*.remote(...)`),
     over an `ActorCheckpointHost` — its Ray actor handle, or the host itself on the driver's loop.
-    Picklable when the host handle is."""
+    `types`: RL's value classes to answer in (`as_rl`); None: quiesce's, matched by shape.
+    Picklable when the host handle and `types` are."""
 
     host: Any
     instance_id: str
+    types: Any = None
 
     def __getattr__(self, name: str) -> _Method:
         if name in METHODS:
-            return _Method(self.host, self.instance_id, name)
+            return _Method(self.host, self.instance_id, name, self.types)
         raise AttributeError(name)
 
 
-def instance_handles(host: Any, instance_ids: Iterable[str]) -> dict[str, InstanceHandle]:
+def instance_handles(
+    host: Any, instance_ids: Iterable[str], *, types: Any = None
+) -> dict[str, InstanceHandle]:
     """`{instance_id: InstanceHandle}` for RL's coordinator (`checkpoint_handles`)."""
-    return {i: InstanceHandle(host, i) for i in sorted(instance_ids)}
+    return {i: InstanceHandle(host, i, types) for i in sorted(instance_ids)}
 
 
 @dataclass(frozen=True)
@@ -715,5 +783,7 @@ class QuiesceShardSet:
     checkpoint_handles: Mapping[str, InstanceHandle]
 
     @classmethod
-    def over(cls, host: Any, instance_ids: Iterable[str]) -> QuiesceShardSet:
-        return cls(instance_handles(host, instance_ids))
+    def over(cls, host: Any, instance_ids: Iterable[str], *, types: Any = None) -> QuiesceShardSet:
+        """Handles over `host` for `instance_ids`; `types`: RL's adapter module, for an RL
+        coordinator that checks its own classes with `isinstance` (@448b0253 does for the commit)."""
+        return cls(instance_handles(host, instance_ids, types=types))

@@ -21,13 +21,56 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quiesce.rl.episodes import CommitSummary, Episode
+from quiesce.rl.episodes import Episode
 from quiesce.rl.gym_manifest import GymCheckpointManifest
 
 GRACE_S = 5.0
+
+
+class RLTypes:
+    """RL's value classes of `gym_checkpoint_adapter` @ec883a24 as RL's coordinator sees them
+    (frozen dataclasses with its field names), for the `isinstance` check its commit makes."""
+
+    @dataclass(frozen=True)
+    class GymCheckpointEpisode:
+        rollout_id: str
+        attempt: int
+
+    @dataclass(frozen=True)
+    class GymCheckpointPrepareSummary:
+        prepared: bool
+        blockers: dict[str, tuple[str, ...]]
+
+    @dataclass(frozen=True)
+    class GymCheckpointParticipantManifest:
+        schema_version: int
+        kind: str
+        instance: str
+        checkpoint_id: str
+        records_file: str
+        records_sha256: str
+        record_count: int
+
+    @dataclass(frozen=True)
+    class GymCheckpointParticipantCommitSummary:
+        server_name: str
+        kind: str
+        phase: str
+        capture_keys: tuple[str, ...]
+        manifest: Any
+        staging_keys: tuple[str, ...]
+
+    @dataclass(frozen=True)
+    class GymCheckpointCommitSummary:
+        exported_episodes: tuple[Any, ...]
+        staging_keys: tuple[str, ...]
+        participants: tuple[Any, ...]
+        staging_keys_by_episode: Mapping[Any, tuple[str, ...]] = field(default_factory=dict)
+        unowned_live_episodes: tuple[Any, ...] = ()
 
 
 class OperationError(RuntimeError):
@@ -45,9 +88,10 @@ class NotReady(RuntimeError):
 
 
 class RLCoordinator:
-    def __init__(self, shard_set: Any, *, control_timeout_s: float) -> None:
+    def __init__(self, shard_set: Any, *, control_timeout_s: float, summary_type: type | None = None) -> None:
         self._handles: dict[str, Any] = dict(shard_set.checkpoint_handles)
         self._timeout = control_timeout_s
+        self._summary_type = summary_type  # RL's own class, checked with isinstance as RL does
         self.calls: list[tuple[str, str]] = []  # (operation, instance), in the order sent
 
     def _deadline(self) -> float:
@@ -109,10 +153,10 @@ class RLCoordinator:
 
     async def commit(
         self, checkpoint_id: str, root: Path, episodes_by_instance: Mapping[str, tuple[Any, ...]]
-    ) -> tuple[GymCheckpointManifest, dict[str, CommitSummary]]:
+    ) -> tuple[GymCheckpointManifest, dict[str, Any]]:
         inventory = self._inventory(episodes_by_instance)
         deadline = self._deadline()
-        summaries: dict[str, CommitSummary] = await self._collect(
+        summaries: dict[str, Any] = await self._collect(
             "commit",
             {
                 i: self._handles[i].checkpoint_commit.remote(
@@ -123,7 +167,10 @@ class RLCoordinator:
             deadline_ts=deadline,
         )
         for instance, summary in summaries.items():
-            unexpected = set(summary.exported_episodes) - {Episode.coerce(e) for e in inventory[instance]}
+            if self._summary_type is not None and not isinstance(summary, self._summary_type):
+                raise TypeError(f"Gym checkpoint actor returned an invalid commit summary: {instance}")
+            exported = {Episode.coerce(e) for e in summary.exported_episodes}
+            unexpected = exported - {Episode.coerce(e) for e in inventory[instance]}
             if unexpected:
                 raise RuntimeError(
                     f"Gym checkpoint actor exported an episode outside the candidate set: {instance}"
@@ -133,7 +180,9 @@ class RLCoordinator:
             for i, s in summaries.items()
         }
         manifest = GymCheckpointManifest(
-            checkpoint_id, {i: s.exported_episodes for i, s in summaries.items()}, staging
+            checkpoint_id,
+            {i: tuple(Episode.coerce(e) for e in s.exported_episodes) for i, s in summaries.items()},
+            staging,
         )
         await asyncio.to_thread(manifest.write, root)
         return manifest, summaries

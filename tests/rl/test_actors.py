@@ -16,6 +16,7 @@ handles, the host a real async Ray actor, two real Ray actors standing in for RL
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import time
@@ -33,14 +34,20 @@ from quiesce.coordinator.protocol_v2 import PREFIX
 from quiesce.coordinator.publish import IN_PLACE_MANIFEST
 from quiesce.ledger import Ledger
 from quiesce.ledger.lineage import read_lineage
-from quiesce.rl.actors import METHODS, ActorCheckpointHost, QuiesceShardSet
+from quiesce.rl.actors import METHODS, ActorCheckpointHost, QuiesceShardSet, as_rl
 from quiesce.rl.builder import rl_cluster_config
-from quiesce.rl.episodes import Episode, PrepareSummary
+from quiesce.rl.episodes import (
+    CommitSummary,
+    Episode,
+    ParticipantCommitSummary,
+    ParticipantManifest,
+    PrepareSummary,
+)
 from quiesce.rl.gym_manifest import GymCheckpointManifest
 from quiesce.tools.audit.cli import check_ledger
 from quiesce.tools.gymsim.v2.trainer import expected_results, make_tasks
 from tests.rl.conftest import ShardSet, StartActors, env_handles
-from tests.rl.rl_coordinator import NotReady, OperationError, RLCoordinator
+from tests.rl.rl_coordinator import NotReady, OperationError, RLCoordinator, RLTypes
 from tests.rl.test_host import events, ledger_of, phases, started, write_config
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300), pytest.mark.usefixtures("ray_local")]
@@ -116,6 +123,45 @@ def test_the_handles_have_rls_method_signatures() -> None:
         _ = handles[INSTANCES[0]].checkpoint_publish
 
 
+def test_values_are_rebuilt_as_rls_own_classes_with_every_field() -> None:
+    manifest = ParticipantManifest(1, "model", "policy_model", "q1-2-e3", "records-1.jsonl", "a" * 64, 2)
+    ours = CommitSummary(
+        exported_episodes=(Episode("r1", 0), Episode("r2", 1)),
+        staging_keys=("k1", "k2"),
+        participants=(
+            ParticipantCommitSummary("policy_model", "model", "committed", ("r1",), manifest, ("k1", "k2")),
+        ),
+        staging_keys_by_episode={Episode("r1", 0): ("k1",), Episode("r2", 1): ("k2",)},
+    )
+    theirs = as_rl(ours, RLTypes)
+    assert type(theirs) is RLTypes.GymCheckpointCommitSummary
+    assert theirs.exported_episodes == (
+        RLTypes.GymCheckpointEpisode("r1", 0),
+        RLTypes.GymCheckpointEpisode("r2", 1),
+    )
+    assert theirs.staging_keys_by_episode == {
+        RLTypes.GymCheckpointEpisode("r2", 1): ("k2",),
+        RLTypes.GymCheckpointEpisode("r1", 0): ("k1",),
+    }
+    (participant,) = theirs.participants
+    assert type(participant.manifest) is RLTypes.GymCheckpointParticipantManifest
+    assert dataclasses.asdict(participant.manifest) == dataclasses.asdict(manifest)
+    assert (
+        participant.server_name,
+        participant.kind,
+        participant.capture_keys,
+        participant.staging_keys,
+    ) == (
+        "policy_model",
+        "model",
+        ("r1",),
+        ("k1", "k2"),
+    )
+    prepared = as_rl(PrepareSummary(False, {"environment": ("b0",)}), RLTypes)
+    assert prepared == RLTypes.GymCheckpointPrepareSummary(False, {"environment": ("b0",)})
+    assert as_rl(None, RLTypes) is None  # renew, retire, restore and resume answer nothing
+
+
 async def test_rls_coordinator_over_quiesce_saves_into_its_folder_and_restores_exactly(
     gym_actors: StartActors, tmp_path: Path, token: str
 ) -> None:
@@ -126,7 +172,12 @@ async def test_rls_coordinator_over_quiesce_saves_into_its_folder_and_restores_e
     url = ledger_of(config)
     host = host_actor(config, token)
     assert await started(host) == {"attempts": [], "instances": list(INSTANCES)}
-    rl = RLCoordinator(QuiesceShardSet.over(host, INSTANCES), control_timeout_s=30)
+    # RL's own classes answered, as its coordinator checks the commit summary with isinstance
+    rl = RLCoordinator(
+        QuiesceShardSet.over(host, INSTANCES, types=RLTypes),
+        control_timeout_s=30,
+        summary_type=RLTypes.GymCheckpointCommitSummary,
+    )
     root = tmp_path / "rl" / "step_3"
     root.mkdir(parents=True)
     inventory = await candidates(shards)
@@ -139,7 +190,9 @@ async def test_rls_coordinator_over_quiesce_saves_into_its_folder_and_restores_e
     # each instance got its own part: its servers, its episodes, its model's staging keys
     for instance in INSTANCES:
         summary = summaries[instance]
-        assert summary.exported_episodes == inventory[instance]
+        assert isinstance(summary, RLTypes.GymCheckpointCommitSummary)
+        assert isinstance(summary.participants[0].manifest, RLTypes.GymCheckpointParticipantManifest)
+        assert tuple(Episode.coerce(e) for e in summary.exported_episodes) == inventory[instance]
         assert {p.server_name for p in summary.participants} == {
             "agent",
             "environment",
