@@ -70,14 +70,19 @@ def folder_problem(value: str) -> str | None:
 
 
 class ServerConfig(BaseModel):
-    """One Gym server: its name (as its capabilities report it), base URL, and optionally its role
-    and its folder.
+    """One Gym server: its name (quiesce's, unique in the config), base URL, and optionally its
+    role and its folder.
 
-    `folder` (Gym's unified plane only): where inside every snapshot this server writes and
-    restores from — a relative path of plain names (`gym-instances/nemo_gym/replica-0`), the
-    snapshot itself when unset. Servers of one Gym deployment share a folder; deployments that
-    repeat Gym's instance names (replicas of one Gym config, as NeMo RL runs them) each need
-    their own, since Gym stores a participant under `gym/<kind>/<instance>/` of its folder."""
+    `folder` (both planes): where inside every snapshot this server writes and restores from — a
+    relative path of plain names (`gym-instances/nemo_gym/replica-0`), the snapshot itself when
+    unset. The servers of one folder are one Gym deployment; deployments that repeat Gym's names
+    (replicas of one Gym config, as NeMo RL runs them) each need their own, since Gym stores a
+    participant under a path of its own name inside its folder (v2: `gym/<kind>/<instance>/`; v1:
+    `model-ledger/<name>/`, `agent/instance-<sha256(name)>/`, `resources/<name>/`).
+
+    `name`: a v1 server without a folder must report this name in its capabilities; with a folder
+    it may report another (the name it writes under), so replicas reporting one name each keep
+    their own name here."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -11,11 +11,18 @@ Rules (Gym's control plane v1, the coordinator's side), applied by the pure func
 - refused — the whole setup fails with a `DiscoveryError` listing every offender: a server that
   cannot be reached or whose capabilities do not validate (one without a capabilities route that
   answers Gym's control plane v2 status instead is named as such), `schema_version` ≠ 1, `unmanaged`
-  multiple workers, a name differing from the configured one, a model with no instance role
-  (unless the config gives one), a config `instance_role` contradicting the server's own or set on
-  a non-model, no policy model at all, a policy model that cannot reach `paused`;
-- warning: more than one model claims the policy role (they are all paused, as one role group),
-  naming them and the config key that fixes it (`instance_role: auxiliary`).
+  multiple workers, a name differing from the configured one (unless the server has a `folder`),
+  a model with no instance role (unless the config gives one), a config `instance_role`
+  contradicting the server's own or set on a non-model, no policy model at all, a policy model
+  that cannot reach `paused`;
+- folders (v1 too): a v1 server writes under the name it reports (`Member.gym_name`), in its
+  `folder` of the snapshot. With a folder it may report another name than the config's (replicas
+  of one Gym config report the same names); two participants that would write the same files —
+  same folder, component and reported name — are refused, naming both. The servers of one folder
+  are one Gym deployment: an exporting agent needs a policy model in its folder (the model's
+  commit takes the indexes of its own folder's agents only);
+- warning: more than one model of one folder claims the policy role (they are all paused, as one
+  role group), naming them and the config key that fixes it (`instance_role: auxiliary`).
 
 Each server's plane is found per server: its v1 capabilities; or — when that route answers 404 —
 the unified plane's status (`GET /ng-control/v1/checkpoint/status`, with the token); a server
@@ -32,7 +39,7 @@ raising or returning.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,7 +49,7 @@ from quiesce.coordinator.calls import Caller, CallResult, Target
 from quiesce.coordinator.config import ClusterConfig
 from quiesce.coordinator.errors import DiscoveryError
 from quiesce.coordinator.phases import V2_ROLE_OF_KIND, Plane, Role, role_of
-from quiesce.coordinator.protocol import MODEL, RESOURCES, SCHEMA_VERSION, Capabilities
+from quiesce.coordinator.protocol import MODEL, RESOURCES, SCHEMA_VERSION, Capabilities, manifest_path
 from quiesce.coordinator.protocol_v2 import StatusReply
 from quiesce.ledger import Ledger
 
@@ -65,12 +72,20 @@ class Member:
     features: tuple[str, ...] = ()
     #: the control plane it speaks (`v2`: Gym's unified plane; `component` is then its kind)
     plane: Plane = "v1"
-    #: v2: where it writes and restores inside a snapshot, relative ("": the snapshot itself)
+    #: where it writes and restores inside a snapshot, relative ("": the snapshot itself)
     folder: str = ""
+    #: v1: the name the server reports in its capabilities, under which it writes its files
+    #: (`model-ledger/<it>/`, ...) in its folder; "" when it is `name` (always, without a folder)
+    reported_name: str = ""
 
     @property
     def target(self) -> Target:
         return Target(self.name, self.component, self.url)
+
+    @property
+    def gym_name(self) -> str:
+        """The name the Gym server goes by (v1): what it reports and writes its files under."""
+        return self.reported_name or self.name
 
     @property
     def exports(self) -> bool:
@@ -104,14 +119,18 @@ class Discovery:
 
     @property
     def restart_only_resources(self) -> tuple[str, ...]:
-        """The resources servers that answered `checkpoint_mode: restart_only` (config order):
-        they come back empty after a restore, so no saved turn that depends on one can continue."""
+        """The resources servers that answered `checkpoint_mode: restart_only` (config order, each
+        name once): they come back empty after a restore, so no saved turn that depends on one can
+        continue. Named as they report themselves — as an agent's `resource_state_revisions` names
+        them; their config names unless they have a `folder`."""
         return tuple(
-            name
-            for name, caps in self.found.items()
-            if isinstance(caps, Capabilities)
-            and caps.component == RESOURCES
-            and caps.checkpoint_mode == "restart_only"
+            dict.fromkeys(
+                caps.name
+                for caps in self.found.values()
+                if isinstance(caps, Capabilities)
+                and caps.component == RESOURCES
+                and caps.checkpoint_mode == "restart_only"
+            )
         )
 
     @property
@@ -158,6 +177,7 @@ class Discovery:
                     "instance_role": m.instance_role,
                     "plane": m.plane,
                     **({"folder": m.folder} if m.folder else {}),
+                    **({"reported_name": m.reported_name} if m.reported_name else {}),
                 }
                 for m in self.participants
             ],
@@ -283,15 +303,11 @@ def classify(config: ClusterConfig, found: Mapping[str, Capabilities | str]) -> 
         reasons: list[str] = []
         if caps.schema_version != SCHEMA_VERSION:
             reasons.append(f"speaks control-plane schema_version {caps.schema_version}; quiesce speaks 1")
-        if caps.name != server.name:
+        if caps.name != server.name and server.folder is None:
             reasons.append(
                 f"reports its name as {caps.name!r}; name it {caps.name!r} in the config (servers write"
-                " their files under their own name)"
-            )
-        if server.folder is not None:
-            reasons.append(
-                "has a `folder` in the config, which only Gym's unified plane supports (a v1 server"
-                " writes under its own name in the snapshot); remove it"
+                " their files under their own name), or give it its Gym deployment's `folder` (then"
+                " the config may name it apart from replicas that report the same name)"
             )
         if caps.multi_process.mode == "unmanaged":
             reasons.append(
@@ -356,6 +372,8 @@ def classify(config: ClusterConfig, found: Mapping[str, Capabilities | str]) -> 
                 role=group,
                 url=server.url,
                 features=tuple(caps.features),
+                folder=server.folder or "",
+                reported_name=caps.name if caps.name != server.name else "",
             )
         )
 
@@ -368,12 +386,66 @@ def classify(config: ClusterConfig, found: Mapping[str, Capabilities | str]) -> 
                 " or `instance_role: policy` in the config)",
             )
         )
-    if len(policy) > 1:
-        warnings.append(
-            f"more than one model claims the policy role: {', '.join(policy)}; all of them will be paused."
-            " If one is a judge or reward model, set `instance_role: auxiliary` for it in the config"
-        )
+    folder_of = {s.name: s.folder or "" for s in config.servers}
+    refused.extend(_same_files(participants))
+    if claimed:
+        refused.extend(_agents_without_policy(participants, {folder_of[n] for n in claimed}))
+    by_folder: dict[str, list[str]] = {}
+    for name in policy:
+        by_folder.setdefault(folder_of[name], []).append(name)
+    for folder, names in by_folder.items():
+        if len(names) > 1:
+            where = f" in folder {folder!r}" if folder else ""
+            warnings.append(
+                f"more than one model claims the policy role{where}: {', '.join(names)}; all of them will"
+                " be paused. If one is a judge or reward model, set `instance_role: auxiliary` for it in"
+                " the config"
+            )
     return Discovery(tuple(participants), tuple(skipped), tuple(refused), tuple(warnings), features)
+
+
+def _where(folder: str) -> str:
+    return f"folder {folder!r}" if folder else "the snapshot's top folder"
+
+
+def _same_files(participants: Sequence[Member]) -> list[tuple[str, str]]:
+    """v1: every exporting participant that would write the files of an earlier one — same folder,
+    component and reported name (`Member.gym_name`: a v1 server writes under the name it reports),
+    refused naming that one."""
+    refused: list[tuple[str, str]] = []
+    first: dict[tuple[str, str, str], str] = {}
+    for m in participants:
+        if not m.exports:
+            continue  # a drain-only model writes nothing
+        earlier = first.setdefault((m.folder, m.component, m.gym_name), m.name)
+        if earlier != m.name:
+            files = manifest_path(m.component, m.gym_name).rsplit("/", 1)[0]
+            refused.append(
+                (
+                    m.name,
+                    f"reports its name as {m.gym_name!r}, as {earlier} does, and both would write {files}/"
+                    f" in {_where(m.folder)}: give each Gym deployment its own `folder` in the config"
+                    " (e.g. gym-instances/<deployment>)",
+                )
+            )
+    return refused
+
+
+def _agents_without_policy(participants: Sequence[Member], policy_folders: set[str]) -> list[tuple[str, str]]:
+    """v1: every agent whose folder holds no policy model — the servers of one folder are one
+    deployment, and a model's commit takes the continuation indexes of its own folder's agents
+    only, so this agent's rollouts would be saved without their model calls."""
+    return [
+        (
+            m.name,
+            f"is an agent in {_where(m.folder)}, which holds no policy model: a model's commit takes"
+            " the continuation indexes of the agents of its own folder only (the servers of one folder"
+            " are one Gym deployment), so its rollouts would be saved without their model calls —"
+            " give its deployment's policy model the same `folder`",
+        )
+        for m in participants
+        if m.role == "agent" and m.folder not in policy_folders
+    ]
 
 
 def _claims_policy(caps: Capabilities | str | None) -> bool:

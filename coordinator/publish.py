@@ -588,6 +588,17 @@ class Snapshot:
     def participant(self, name: str) -> dict[str, Any] | None:
         return next((p for p in self.participants if p.get("name") == name), None)
 
+    @property
+    def folders(self) -> dict[str, str]:
+        """Each participant's folder inside the snapshot, as its publication recorded it (where it
+        committed, so where it restores from, whatever the config says now), on either plane;
+        absent: the top folder. `verify_snapshot` refuses one that is not a relative folder."""
+        return {
+            str(entry.get("name")): entry["folder"]
+            for entry in self.participants
+            if isinstance(entry.get("folder"), str)
+        }
+
     def order_key(self) -> tuple[str, int, int, str]:
         """Oldest first: by creation time (snapshots of several ledgers share one folder when a
         new ledger drives the same cluster, and epochs restart at 1 in each), then epoch and seq."""

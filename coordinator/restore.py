@@ -1,5 +1,10 @@
 """A restore: policy → agents → resources under a new checkpoint id; the servers stay paused.
 
+Each server restores from its folder of the snapshot as the publication recorded it
+(`Snapshot.folders`: where it committed; the snapshot itself without one), and every file of a
+server read here — its agent records, its continuation index — is read there; the artifact
+references a server gave are relative to that folder.
+
 The caller verifies the snapshot before any call. Each reply is checked against the snapshot: a
 reply naming another checkpoint than the snapshot's is a failed call (`calls.py`); each agent's
 `continuation_index` and each policy model's `storage_reference_index` must equal the committed
@@ -57,6 +62,7 @@ A re-drive of the phase (`redrive`: recovery, `quiesce resume ID`, a server rest
 it only when the ledger holds none for the attempt — one per restore, whichever process finished it.
 """
 
+import re
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -293,13 +299,14 @@ def read_resubmissions(snapshot: Snapshot, agents: Sequence[Member]) -> Resubmis
     found: list[Resubmission] = []
     unknown: list[UnknownResubmissions] = []
     damaged: list[str] = []
+    folders = snapshot.folders
     for member in agents:
         if member.component != AGENT:
             continue
-        folder = agent_instance_dir(member.name)
+        base, folder = _agent_dirs(snapshot, member, folders.get(member.name, ""))
         rel = f"{folder}/manifest.json"
         try:
-            manifest = AgentManifest.model_validate_json((snapshot.path / rel).read_bytes())
+            manifest = AgentManifest.model_validate_json((base / rel).read_bytes())
         except OSError as error:
             unknown.append(
                 UnknownResubmissions(member.name, f"{rel} cannot be read: {error.strerror or error}")
@@ -323,7 +330,7 @@ def read_resubmissions(snapshot: Snapshot, agents: Sequence[Member]) -> Resubmis
             if record == index.relative_path and digest == index.sha256:
                 continue  # the continuation index listed among the files: not a record
             try:
-                data = (snapshot.path / record).read_bytes()
+                data = (base / record).read_bytes()
             except OSError as error:
                 damaged.append(f"{member.name}: {record} cannot be read: {error.strerror or error}")
                 continue
@@ -359,6 +366,24 @@ def read_resubmissions(snapshot: Snapshot, agents: Sequence[Member]) -> Resubmis
     return Resubmissions(tuple(found), tuple(unknown))
 
 
+#: An agent's instance folder, relative to its checkpoint dir (`protocol.agent_instance_dir`).
+_AGENT_DIR = re.compile(r"agent/instance-[0-9a-f]{64}")
+
+
+def _agent_dirs(snapshot: Snapshot, member: Member, folder: str) -> tuple[Path, str]:
+    """Where an agent of `snapshot` restores from — its recorded `folder` of the snapshot — and its
+    instance folder relative to that: the one its commit recorded its manifest in (it wrote under
+    the name it reported), else the one of the name it reports now (`Member.gym_name`)."""
+    base = snapshot.path / folder if folder else snapshot.path
+    recorded = (snapshot.participant(member.name) or {}).get("manifest")
+    prefix, suffix = (f"{folder}/" if folder else ""), "/manifest.json"
+    if isinstance(recorded, str) and recorded.startswith(prefix) and recorded.endswith(suffix):
+        instance = recorded[len(prefix) : -len(suffix)]
+        if _AGENT_DIR.fullmatch(instance):
+            return base, instance
+    return base, agent_instance_dir(member.gym_name)
+
+
 def can_discard(member: Member) -> bool:
     """Whether an agent drops a restored continuation on request and says what each depends on."""
     wanted = {DISCARD_RESTORED_CONTINUATION, AGENT_RESOURCE_DEPENDENCY_INDEX}
@@ -383,11 +408,13 @@ def discards(snapshot: Snapshot, agents: Sequence[str], restart_only: Collection
         return Resubmissions()
     chosen: list[Resubmission] = []
     unknown: list[UnknownResubmissions] = []
+    folders = snapshot.folders
     for name in agents:
         ref = (snapshot.participant(name) or {}).get("continuation_index")
+        folder = folders.get(name)
         try:
-            index = ArtifactRef.model_validate(ref)
-            data = (snapshot.path / index.relative_path).read_bytes()
+            index = ArtifactRef.model_validate(ref)  # relative to the agent's folder, where it committed
+            data = ((snapshot.path / folder if folder else snapshot.path) / index.relative_path).read_bytes()
             if sha256_hex(data) != index.sha256:
                 raise ValueError(f"{index.relative_path}: sha256 differs from the committed one")
             rows = continuation_rows(index.relative_path, data)
@@ -518,11 +545,15 @@ async def restore_body(
     """
     phase = "restore"
     source = snapshot.checkpoint_id
-    body = CheckpointDirBody(
-        checkpoint_id=attempt.checkpoint_id,
-        deadline_ts=attempt.deadline_ts,
-        checkpoint_dir=str(snapshot.path),
-    )
+    folders = snapshot.folders  # where each committed, as the publication recorded it
+
+    def dir_body(m: Member) -> CheckpointDirBody:
+        folder = folders.get(m.name)
+        return CheckpointDirBody(
+            checkpoint_id=attempt.checkpoint_id,
+            deadline_ts=attempt.deadline_ts,
+            checkpoint_dir=str(snapshot.path / folder) if folder else str(snapshot.path),
+        )
 
     async def call(m: Member, request: CheckpointDirBody) -> CallResult:
         return await send_call(ctx, attempt, m, "restore", phase, body=request, expect_checkpoint=source)
@@ -553,6 +584,7 @@ async def restore_body(
 
     async def policy(m: Member) -> dict[str, Any]:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
+        body = dir_body(m)
         result = await call(
             m, ModelRestoreBody.model_validate({**body.model_dump(), INCLUDE_STORAGE_REFERENCE_INDEX: True})
         )
@@ -570,7 +602,7 @@ async def restore_body(
 
     async def agent(m: Member) -> dict[str, Any]:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
-        result = await call(m, body)
+        result = await call(m, dir_body(m))
         if resumed_already(m, result):
             return {"resumed_already": True}
         reply = expect_reply(result, AgentRestoreReply, phase, "agent restore")
@@ -579,7 +611,7 @@ async def restore_body(
 
     async def resources(m: Member) -> dict[str, Any]:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
-        result = await call(m, body)
+        result = await call(m, dir_body(m))
         if resumed_already(m, result):
             return {"resumed_already": True}
         reply = expect_reply(result, ResourcesRestoreReply, phase, "resources restore")

@@ -64,16 +64,6 @@ def exported_by(snapshot: Snapshot) -> dict[str, list[str]]:
     return out
 
 
-def folders_of(snapshot: Snapshot) -> dict[str, str]:
-    """Each participant's folder inside the snapshot, as its publication recorded it (where it
-    committed, so where it restores from, whatever the config says now); absent: the top folder."""
-    return {
-        str(entry.get("name")): entry["folder"]
-        for entry in snapshot.participants
-        if isinstance(entry.get("folder"), str)
-    }
-
-
 def inventory(snapshot: Snapshot) -> list[EpisodeId]:
     """Every episode the snapshot's participants exported, sorted (ValueError: a key names none)."""
     return unique_episodes(episode_of_key(k) for keys in exported_by(snapshot).values() for k in keys)
@@ -172,7 +162,7 @@ async def _restore_body(
 ) -> dict[str, Any]:
     phase = "restore"
     exported = exported_by(snapshot)
-    folders = folders_of(snapshot)
+    folders = snapshot.folders  # as the publication recorded them
     bodies: dict[str, Any] = {}
     for folder in set(folders.values()) | {""}:  # the same request to every server of a folder
         bodies[folder] = encode_body(

@@ -13,11 +13,16 @@
   before they are). While other work may still park, it is retried; its held results are read
   again only when its refusal's counts change, and named if the deadline ends the wait — also when
   the deadline cuts a retry, a status read or the pause between them short (`Attempt.waiting_on`).
-- commit: agents → policy (given every agent's continuation index) → resources; each role group's
-  manifest digests and artifact references are verified before the next group is called. Each
-  agent's continuation index (`continuations.jsonl`) is read once for that: its bytes, sha256 and
-  record count must be the reply's reference and every record a continuation row — else the
-  commit fails at that agent, before the model is called. A drain-only policy model
+- commit: agents → policy (given the continuation indexes of the agents of its own folder) →
+  resources; each server's `checkpoint_dir` is its folder of the staging folder (`Member.folder`;
+  the folders are made first), where it writes under the name it reports (`Member.gym_name`).
+  Each commit record names its folder, its manifest by its path in the snapshot (the folder
+  first), and its artifact references as the server gave them (relative to its folder, and
+  checked there). Each role group's manifest digests and artifact references are verified
+  before the next group is called. Each agent's continuation index (`continuations.jsonl`) is
+  read once for that: its bytes, sha256 and record count must be the reply's reference and every
+  record a continuation row — else the commit fails at that agent, before the model is called.
+  A drain-only policy model
   (`checkpoint_mode: stateless`) is not committed. The model's `storage_reference_index` is
   verified like every artifact and kept in the attempt's commit record (so in the snapshot
   manifest) and in the commit phase's summary. Once every group is verified, `rollouts.captured`
@@ -92,6 +97,7 @@ from quiesce.coordinator.publish import (
     apply_retention,
     build_manifest,
     fsync_dir,
+    make_folders,
     make_staging,
     rename_into_place,
     staging_problem,
@@ -441,18 +447,27 @@ async def _drain(ctx: Context, attempt: Attempt, m: Member, workers: Workers) ->
 
 
 async def commit(ctx: Context, attempt: Attempt) -> None:
-    """Commit: agents → policy (with every agent's continuation index) → resources; each role
-    group's manifest digests and artifact references are verified before the next group is called.
+    """Commit: agents → policy (with the continuation indexes of its folder's agents) → resources;
+    each role group's manifest digests and artifact references are verified before the next group
+    is called.
 
-    The staging folder is created (durably) first; a failure rolls back and removes it.
+    The staging folder is created (durably) first, and each server's folder in it; a failure rolls
+    back and removes it.
     """
     require_state(attempt, ("prepared",), "commit")
     assert attempt.staging_dir is not None
     staging = attempt.staging_dir
+    folders = sorted({m.folder for m in attempt.participants if m.folder})
+
+    def make() -> tuple[int, int]:
+        identity = make_staging(staging)
+        for folder in folders:  # each server is handed its folder ready, as on the unified plane
+            make_folders(staging, folder)
+        return identity
 
     async def body() -> None:
         try:
-            attempt.staging_identity = await anyio.to_thread.run_sync(make_staging, staging)
+            attempt.staging_identity = await anyio.to_thread.run_sync(make)
         except SnapshotError as error:
             raise PhaseFailure("commit", None, str(error)) from None
         except OSError as error:
@@ -469,21 +484,25 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
     phase = "commit"
     staging = attempt.staging_dir
     assert staging is not None
-    checkpoint_dir = str(staging)
 
-    def dir_body() -> CheckpointDirBody:
+    def checkpoint_dir(m: Member) -> str:
+        return os.path.join(staging, m.folder) if m.folder else str(staging)
+
+    def dir_body(m: Member) -> CheckpointDirBody:
         return CheckpointDirBody(
             checkpoint_id=attempt.checkpoint_id,
             deadline_ts=attempt.deadline_ts,
-            checkpoint_dir=checkpoint_dir,
+            checkpoint_dir=checkpoint_dir(m),
         )
 
     def record(m: Member, reply: BaseModel, digest: str, refs: dict[str, ArtifactRef | None]) -> None:
+        own = manifest_path(m.component, m.gym_name)
         entry: dict[str, Any] = {
             "name": m.name,
             "component": m.component,
             "role": m.role,
-            "manifest": manifest_path(m.component, m.name),
+            **({"folder": m.folder} if m.folder else {}),
+            "manifest": f"{m.folder}/{own}" if m.folder else own,
             "manifest_digest": digest,
             "reply": reply.model_dump(mode="json"),
         }
@@ -507,7 +526,7 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
 
     async def agent(m: Member) -> AgentCommitReply:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
-        result = await send_call(ctx, attempt, m, "commit", phase, body=dir_body())
+        result = await send_call(ctx, attempt, m, "commit", phase, body=dir_body(m))
         reply = expect_reply(result, AgentCommitReply, phase, "agent commit")
         record(m, reply, reply.manifest_digest, {"continuation_index": reply.continuation_index})
         return reply
@@ -515,15 +534,18 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
     agents = await each_member(ctx, attempt, attempt.group("agent"), agent)
     rows: dict[str, list[ContinuationRow]] = {}
     await verify(attempt.group("agent"), rows)
-    indexes = [agents[m.name].continuation_index for m in attempt.group("agent")]
+    # a model is handed the indexes of its own deployment's agents only: those of its folder
+    indexes: dict[str, list[ArtifactRef]] = {}
+    for a in attempt.group("agent"):
+        indexes.setdefault(a.folder, []).append(agents[a.name].continuation_index)
 
     async def policy(m: Member) -> ModelCommitReply:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
         body = ModelCommitBody(
             checkpoint_id=attempt.checkpoint_id,
             deadline_ts=attempt.deadline_ts,
-            checkpoint_dir=checkpoint_dir,
-            continuation_indexes=indexes,
+            checkpoint_dir=checkpoint_dir(m),
+            continuation_indexes=indexes.get(m.folder, []),
         )
         result = await send_call(ctx, attempt, m, "commit", phase, body=body)
         reply = expect_reply(result, ModelCommitReply, phase, "model commit")
@@ -534,7 +556,7 @@ async def _commit_body(ctx: Context, attempt: Attempt) -> dict[str, Any]:
 
     async def resources(m: Member) -> ResourcesCommitReply:
         ctx.progress(Progress(attempt.checkpoint_id, phase, m.name))
-        result = await send_call(ctx, attempt, m, "commit", phase, body=dir_body())
+        result = await send_call(ctx, attempt, m, "commit", phase, body=dir_body(m))
         reply = expect_reply(result, ResourcesCommitReply, phase, "resources commit")
         record(m, reply, reply.manifest_digest, {})
         return reply
@@ -581,7 +603,9 @@ def _verify_entry(
     rows: dict[str, list[ContinuationRow]] | None = None,
 ) -> list[str]:
     """A participant's manifest digest and artifact references against the files in `staging`
-    (read now, or taken from `cache` for a file unchanged since it was read).
+    (read now, or taken from `cache` for a file unchanged since it was read). Its manifest is named
+    relative to `staging` (its folder first); its artifact references relative to its folder
+    (`entry["folder"]`), where it was committed.
 
     With `walk` (the default) its own folder is walked too: it may hold only what can be
     published. `walk=False` only where the whole tree was just refused for any such entry
@@ -619,6 +643,8 @@ def _verify_entry(
             f"{name}: manifest_digest {entry['manifest_digest'][:12]}… does not match the sha256 of {rel}"
             f" ({digest[:12]}…)"
         )
+    own = entry.get("folder")
+    root = staging / own if isinstance(own, str) and own else staging
     for key in ("continuation_index", "storage_reference_index"):
         if key in entry:
             try:
@@ -626,15 +652,15 @@ def _verify_entry(
             except ValidationError:
                 problems.append(f"{name}: {key} is not a valid artifact reference")
                 continue
-            what = f"{name} {key}"
+            what = f"{name} {key}" + (f" (in folder {own})" if root != staging else "")
             if rows is not None and key == "continuation_index":
-                read = continuation_index_rows(staging, ref, what=what, cache=cache)
+                read = continuation_index_rows(root, ref, what=what, cache=cache)
                 if isinstance(read, str):
                     problems.append(read)
                 else:
                     rows[name] = read
                 continue
-            problem = verify_artifact(staging, ref, what=what, cache=cache)
+            problem = verify_artifact(root, ref, what=what, cache=cache)
             if problem:
                 problems.append(problem)
     return problems

@@ -262,16 +262,19 @@ async def test_a_cluster_mixing_the_two_planes_is_refused_naming_each_servers_pl
     await assert_protocol_ok(sqlite_url)  # the audit reads a ledger holding such probes
 
 
-async def test_a_folder_on_a_v1_server_is_refused(make_cluster: Any, sqlite_url: str, configure: Any) -> None:
-    # a server's own folder in a snapshot is a notion of Gym's unified plane: a v1 server writes
-    # under its own name, and its model commit reads the agents' indexes by path
+async def test_a_v1_policy_model_alone_in_a_folder_leaves_its_agents_refused(
+    make_cluster: Any, sqlite_url: str, configure: Any
+) -> None:
+    # the servers of one folder are one deployment: a v1 model's commit takes the indexes of its
+    # own folder's agents only, so an agent without a policy model in its folder is refused
+    # (folders on v1: tests/coordinator/test_folders_v1.py)
     with make_cluster(None) as running:
         document = configure(running, sqlite_url).model_dump(mode="json")
+        assert document["servers"][0]["name"] == "policy_model"
         document["servers"][0]["folder"] = "gym-instances/d0"
         config = parse_config(document, base_dir=Path(sqlite_url.split("///", 1)[1]).parent)
         async with Coordinator.open(config) as coord:
             with pytest.raises(DiscoveryError) as caught:
                 await coord.discover()
-    first = config.servers[0].name
-    assert [name for name, _ in caught.value.reasons] == [first]
-    assert "only Gym's unified plane supports" in str(caught.value)
+    assert [name for name, _ in caught.value.reasons] == ["simple_agent"]
+    assert "the snapshot's top folder, which holds no policy model" in str(caught.value)
