@@ -47,6 +47,12 @@ Rules (each `Violation` names the seq of the offending event):
   its own `deadline_ts` (a restore re-driven under its id) is judged against that budget instead.
 - `epoch` — no event carries an epoch lower than one already seen at a smaller seq.
 - `pairing` — every outcome follows its `call.sent`, once (a second `call.sent` with one id too).
+- `commit` / `restore` (v1; v2 has its own, see `check_v2`) — every commit (restore) of an attempt
+  names the same `checkpoint_dir` but for each server's own `folder` (discovery's) at its end, and
+  a server with a folder is sent one that ends with it; a policy model's commit carries exactly the
+  continuation indexes the agents of its folder replied with in this attempt (the servers of one
+  folder are one Gym deployment: a model is never handed another's rollouts). A request whose body
+  the ledger capped is not judged by these.
 
 Gym's unified plane (v2: `attempt.started {plane: v2}`, or a call on its routes): `order` is not
 judged — the v2 rules of `check_v2` are (stage order, same id, commit, scope, renew, publish,
@@ -253,6 +259,7 @@ class _Open:
     rank: int | None
     sent_seq: int
     v2: bool = False
+    component: str | None = None
 
 
 @dataclass(slots=True)
@@ -295,6 +302,11 @@ class _Attempt:
     run_deadline: dict[tuple[str, int], float] = field(default_factory=dict)
     servers: dict[str, _Server] = field(default_factory=dict)
     v2: V2Attempt | None = None  # an attempt on Gym's unified plane: its rules' state
+    folders: dict[str, str] = field(default_factory=dict)  # participant -> its folder (discovery's)
+    # v1: operation -> (the checkpoint_dir without the server's folder, the first server sent it)
+    dirs: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # v1: agent -> (relative_path, sha256) of the continuation index its acknowledged commit replied
+    indexes: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def server(self, name: str) -> _Server:
         found = self.servers.get(name)
@@ -312,6 +324,13 @@ def _rank(phase: str, component: str | None, operation: str | None) -> int | Non
         return _RESUME_RANK.get(role) if operation == "resume" else None
     step = _READ_AS.get((phase, role, operation), (role, operation))
     return _RANKS.get(phase, {}).get(step)
+
+
+def _index_key(ref: Any) -> tuple[str, str]:
+    """An artifact reference as the `commit` rule compares them: (relative_path, sha256)."""
+    if not isinstance(ref, dict):
+        return ("", repr(ref))
+    return (str(ref.get("relative_path")), str(ref.get("sha256")))
 
 
 def _int(value: Any) -> int | None:
@@ -378,6 +397,7 @@ class ProtocolChecker:
             attempt.epoch = event.epoch
             attempt.started_seq = event.seq
             attempt.drain_only = self._drain_only
+            attempt.folders = dict(self._folders)
             deadline = data.get("deadline_ts")
             if isinstance(deadline, int | float) and not isinstance(deadline, bool):
                 attempt.deadline_ts = float(deadline)
@@ -541,6 +561,9 @@ class ProtocolChecker:
                     )
                     break
 
+        if not v2 and operation in ("commit", "restore") and isinstance(data.get("body"), dict):
+            self._v1_folder(attempt, event.seq, server, component, operation, data["body"])
+
         # deadline
         # A later coordinator acting on this attempt (recovery) works to its own budget.
         by_recovery = attempt.epoch is not None and event.epoch > attempt.epoch
@@ -569,7 +592,56 @@ class ProtocolChecker:
             state.last_resume_sent_seq = event.seq
         elif not compensating and operation not in (None, "capabilities", *(("status",) if v2 else ())):
             state.touches.append(event.seq)
-        attempt.open[call_id] = _Open(server, phase, operation, run, rank, event.seq, v2)
+        attempt.open[call_id] = _Open(server, phase, operation, run, rank, event.seq, v2, component)
+
+    def _v1_folder(
+        self,
+        attempt: _Attempt,
+        seq: int,
+        server: str,
+        component: str | None,
+        operation: str,
+        body: dict[str, Any],
+    ) -> None:
+        """v1's `commit` and `restore` rules (module docstring) for one request sent."""
+        cid = attempt.checkpoint_id
+        rule: Rule = "commit" if operation == "commit" else "restore"
+        own = attempt.folders.get(server, "")
+        folder = body.get("checkpoint_dir")
+        if isinstance(folder, str):
+            if own and not folder.endswith(f"/{own}"):
+                self._violation(
+                    seq,
+                    rule,
+                    cid,
+                    server,
+                    f"{operation} sent with checkpoint_dir {folder!r}, not in its folder {own!r}",
+                )
+            base = folder[: -len(own) - 1] if own and folder.endswith(f"/{own}") else folder
+            first = attempt.dirs.setdefault(operation, (base, server))
+            if first[0] != base:
+                self._violation(
+                    seq,
+                    rule,
+                    cid,
+                    server,
+                    f"{operation} sent into {base!r} (its own folder aside), but {first[1]} got {first[0]!r}",
+                )
+        sent = body.get("continuation_indexes")
+        if operation == "commit" and component == MODEL and isinstance(sent, list):
+            mine = sorted(
+                ref for agent, ref in attempt.indexes.items() if attempt.folders.get(agent, "") == own
+            )
+            if sorted(_index_key(ref) for ref in sent) != mine:
+                where = f"folder {own!r}" if own else "its folder"
+                self._violation(
+                    seq,
+                    "commit",
+                    cid,
+                    server,
+                    f"model commit carries {len(sent)} continuation index(es), not exactly the {len(mine)}"
+                    f" the agents of {where} committed: a model is handed its own deployment's indexes only",
+                )
 
     def _outcome(self, attempt: _Attempt, event: Event) -> None:
         call_id = event.call_id or ""
@@ -593,6 +665,14 @@ class ProtocolChecker:
             attempt.v2.outcome(self._violation, event.seq, call_id, acknowledged, reply)
         if call.operation == "commit" and acknowledged:
             state.commit_ack_seq = call.sent_seq
+            reply = event.data.get("body")
+            if (
+                not v2
+                and call.component == AGENT
+                and isinstance(reply, dict)
+                and "continuation_index" in reply
+            ):
+                attempt.indexes[call.server] = _index_key(reply["continuation_index"])
         refused = protocol_v2.refused_before_effect if v2 else refused_before_effect
         if call.sent_seq in state.touches and refused(status, code):
             state.refused.add(call.sent_seq)
