@@ -17,7 +17,8 @@ Invariants:
 - Every error names the deployment (its instance id) and never quotes the config's values beyond
   the offending server entry's name (Gym's config also holds keys and tokens).
 - `cluster_servers` names are unique and match `^[A-Za-z0-9][A-Za-z0-9._-]*$`; each server of a
-  deployment gets that deployment's `folder` (v2 only: the v1 plane has no folders).
+  deployment gets that deployment's `folder`, on either plane (replicas of one Gym config report
+  the same names, v1 and v2 alike, so each deployment writes into its own folder).
 """
 
 from __future__ import annotations
@@ -112,8 +113,10 @@ def cluster_servers(
     deployments: list[Deployment] | tuple[Deployment, ...], *, plane: Literal["v1", "v2"] = "v2"
 ) -> list[dict[str, Any]]:
     """quiesce cluster-config server entries for every server of `deployments`, in order:
-    `{"name", "url", "folder"}` (v2) or `{"name", "url"}` (v1, whose servers write under their own
-    name). Names are `quiesce_name(...)`, made unique with a digest suffix when two collide."""
+    `{"name", "url", "folder"}` — the folder its deployment's (`gym-instances/<shard>/replica-<i>`)
+    on either plane: a v1 server too writes under the Gym name it reports, which every replica
+    repeats. Names are `quiesce_name(...)`, made unique with a digest suffix when two collide.
+    `plane` is the plane the servers speak (accepted for the builder; the entries are the same)."""
     entries: list[dict[str, Any]] = []
     used: set[str] = set()
     for deployment in deployments:
@@ -125,10 +128,7 @@ def cluster_servers(
                 digest = hashlib.sha256(f"{deployment.instance_id}\0{gym_name}\0{n}".encode()).hexdigest()
                 name = f"{base[: _MAX_NAME - 9]}-{digest[:8]}"
             used.add(name)
-            entry: dict[str, Any] = {"name": name, "url": url}
-            if plane == "v2":
-                entry["folder"] = deployment.folder
-            entries.append(entry)
+            entries.append({"name": name, "url": url, "folder": deployment.folder})
     return entries
 
 

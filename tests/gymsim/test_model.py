@@ -363,3 +363,17 @@ async def test_auxiliary_judge_refuses_control_but_never_gates(gym: Gym, tmp_pat
     assert (await gym.op("policy_model", "pause")).status_code == 200
     assert (await call(gym, "r1", 1, name="judge")).status_code == 200
     assert await gym.fence("judge") == ("idle", None)
+
+
+async def test_commit_with_another_deployments_index_is_ledger_mismatch(gym: Gym, tmp_path: Path) -> None:
+    # a replica's model served only its own deployment's rollouts: a continuation row of a rollout
+    # it never served (another deployment's agent's index) is refused, as Gym refuses it
+    await call(gym, "a0", 1)
+    await pause_until_prepared(gym)
+    index = write_index(tmp_path, [row("a0", "call-1"), row("b0", "call-1")])
+    reply = await gym.op("policy_model", "commit", checkpoint_dir=str(tmp_path), continuation_indexes=[index])
+    assert reply.status_code == 409
+    assert code(reply) == "ledger_mismatch"
+    assert "b0" in reply.json()["error"]["detail"]
+    assert await gym.fence("policy_model") == ("prepared", "c1")
+    assert not (tmp_path / "model-ledger").exists()

@@ -52,7 +52,6 @@ def test_count_expands_the_instance_too() -> None:
 @pytest.mark.parametrize(
     ("servers", "message"),
     [
-        ([{"kind": "model", "name": "m", "instance": "x"}], "apply to plane v2 only"),
         ([{"kind": "model", "plane": "v2", "name": "m", "instance": "../x"}], "instance names must match"),
         ([{"kind": "model", "plane": "v2", "name": "m", "instance": ""}], "at least 1 character"),
         (

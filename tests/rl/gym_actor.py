@@ -1,9 +1,9 @@
 """A Ray actor standing in for NeMo RL's Gym actor (`NemoGym`), as far as quiesce uses it.
 
 `NemoGym.remote(plane, prefix, token)` starts one gymsim deployment in its own process (the default
-v1 or v2 spec), every server named `<prefix><gym name>`; on v2 each also reports the plain Gym name
-as its `instance`, so two actors are two replicas of one Gym config: same instance names, distinct
-server names. A head server (uvicorn, loopback, in a thread of the actor) answers Gym's
+v1 or v2 spec), every server named `<prefix><gym name>`; each also reports the plain Gym name (v1:
+as its name, v2: as its `instance`) and writes under it, so two actors are two replicas of one Gym
+config: same reported names, distinct server names. A head server (uvicorn, loopback, in a thread of the actor) answers Gym's
 `GET /global_config_dict_yaml` with the deployment's global config: a JSON string of YAML whose
 top-level entries `<gym name>: {<server type>: {<implementation>: {entrypoint, host, port}}}` are the
 servers. The actor keeps the head address where RL's does: `head_server_config` (`.host`, `.port`).
@@ -153,7 +153,8 @@ class NemoGym:
         return dict(self.gym_urls)
 
     def server_names(self) -> dict[str, str]:
-        """Gym name → the name the server itself reports (v1) / is addressed by in gymsim."""
+        """Gym name → the server's name in gymsim (`<prefix><gym name>`: quiesce's name for it; it
+        reports the plain Gym name, as replicas do)."""
         return {name: self.prefix + name for name in self.gym_urls}
 
     def head_url(self) -> str:

@@ -83,14 +83,15 @@ async def test_v2_replicas_are_found_with_their_servers_and_folders(
     ray.kill(other)
 
 
-async def test_v1_replicas_are_found_and_named_as_their_servers_name_themselves(
+async def test_v1_replicas_are_found_each_named_per_replica_and_in_its_folder(
     gym_actors: StartActors, tmp_path: Path
 ) -> None:
     shard_set = await gym_actors("v1")
     found = await find_deployments(env_handles(shard_set))
     await _check_found(found, shard_set, V1_NAMES)
     entries = cluster_servers(found, plane="v1")
-    assert all(set(e) == {"name", "url"} for e in entries)  # the v1 plane has no folders
+    # replicas' v1 servers report the same Gym names: each deployment writes into its own folder
+    assert [e["folder"] for e in entries] == [d.folder for d in found for _ in d.servers]
     for deployment, actor in zip(found, shard_set.handles["nemo_gym"], strict=True):
         own = await actor.server_names.remote()
         mine = [e for e in entries if e["url"] in dict(deployment.servers).values()]

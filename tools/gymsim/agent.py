@@ -36,7 +36,7 @@ Checkpoint rules (export_restore agents):
   `checkpoint_parked` has changed nothing of its turn: it is parked at its last boundary
   (`parked_with_boundary`) and re-runs the turn from there. The prepare reply has exactly the
   anchor's fields, `state` `preparing` once a checkpoint asked the rollouts to park.
-- commit writes, under `agent/instance-<sha256hex(name)>/`, as real Gym does: one
+- commit writes, under `agent/instance-<sha256hex(instance name)>/`, as real Gym does: one
   `<rollout_id>.a<attempt_index>.json` per parked rollout (its boundary record, which names
   `rollout_id` and `attempt_index`), `continuations.jsonl` (the spec's rows, sorted by capture
   key, only for records with a `last_committed_model_call_id`) and `manifest.json` last
@@ -71,6 +71,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -568,7 +569,7 @@ class AgentServer(GymServer):
         rollout.turns_done = turn
         rollout.last_model_call_id = call_id
         if revision is not None and self.spec.resources is not None:
-            rollout.revisions[_resources_key(self.spec.resources)] = revision
+            rollout.revisions[_resources_key(self.spec.resources, self.ctx.instances)] = revision
         rollout.turn_log.append(
             {
                 "turn": turn,
@@ -746,7 +747,7 @@ class AgentServer(GymServer):
             raise ControlRejection(AGENT_PREPARE_INCOMPLETE, "a rollout is running; prepare again")
         records = [r.boundary_record() for r in rollouts]
         rows = [r.continuation_row() for r in rollouts if r.last_model_call_id is not None]
-        folder = agent_instance_dir(self.name)
+        folder = agent_instance_dir(self.instance)
 
         def write() -> tuple[str, ArtifactRef]:
             writer = ArtifactWriter(body.checkpoint_dir, folder)
@@ -759,7 +760,7 @@ class AgentServer(GymServer):
             index = writer.write(AGENT_CONTINUATIONS, data, count)
             manifest = AgentManifest(
                 checkpoint_id=body.checkpoint_id,
-                instance_name=self.name,
+                instance_name=self.instance,
                 files=files,
                 continuation_index=index,
             )
@@ -771,12 +772,12 @@ class AgentServer(GymServer):
         return reply.model_dump(mode="json")
 
     async def _restore(self, body: CheckpointDirBody) -> dict[str, Any]:
-        folder = agent_instance_dir(self.name)
+        folder = agent_instance_dir(self.instance)
         manifest, records = await asyncio.to_thread(read_agent_checkpoint, body.checkpoint_dir, folder)
-        if manifest.instance_name != self.name:
+        if manifest.instance_name != self.instance:
             raise ControlRejection(
                 RESTORE_FAILED,
-                f"agent checkpoint belongs to instance {manifest.instance_name!r}, not {self.name!r}",
+                f"agent checkpoint belongs to instance {manifest.instance_name!r}, not {self.instance!r}",
             )
         index = manifest.continuation_index
         source_id = manifest.checkpoint_id
@@ -902,9 +903,12 @@ def read_agent_checkpoint(checkpoint_dir: str, folder: str) -> tuple[AgentManife
     return manifest, records
 
 
-def _resources_key(name_or_url: str) -> str:
-    """The key of `resource_state_revisions`: the resources server's name."""
-    return name_or_url.rstrip("/").rsplit("/", 1)[-1] if "://" in name_or_url else name_or_url
+def _resources_key(name_or_url: str, instances: Mapping[str, str]) -> str:
+    """The key of `resource_state_revisions`: the resources server's name — the one it reports
+    (its `instance`) when it is a server of this cluster."""
+    if "://" in name_or_url:
+        return name_or_url.rstrip("/").rsplit("/", 1)[-1]
+    return instances.get(name_or_url, name_or_url)
 
 
 def _code(reply: httpx.Response) -> str | None:

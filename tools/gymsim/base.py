@@ -104,6 +104,8 @@ class HostContext:
 
     token: str | None
     peers: dict[str, str] = field(default_factory=dict)
+    #: each peer's instance name (what it reports and writes under; its spec name by default)
+    instances: dict[str, str] = field(default_factory=dict)
     http: HttpHolder = field(default_factory=HttpHolder)
     #: replace the named server by a fresh one, as a restarted process would be (set by the host)
     restart: Callable[[str], None] | None = None
@@ -347,6 +349,9 @@ class GymServer(ABC):
     def __init__(self, spec: ServerSpec, ctx: HostContext) -> None:
         self.spec = spec
         self.name = spec.name
+        #: the name it reports in its capabilities and writes its files under (spec `instance`,
+        #: else its name): replicas of one Gym config repeat it
+        self.instance = spec.instance_name
         self.ctx = ctx
         self.latency_s = spec.latency_s
         self.fence = Fence(self.fence_rules())
@@ -424,7 +429,7 @@ class GymServer(ABC):
         return Capabilities.model_validate(
             {
                 "component": self.component,
-                "name": self.name,
+                "name": self.instance,
                 "schema_version": SCHEMA_VERSION,
                 "admission_states": ["accepting", "draining", "paused"],
                 "checkpoint_mode": self.checkpoint_mode(),

@@ -151,6 +151,7 @@ class Host:
         if shared is not None:
             self._sockets.append((shared, PrefixRouter(prefixed)))
         self.ctx.peers.update(self.urls)
+        self.ctx.instances.update((s.name, s.instance_name) for s in expanded)
 
     @property
     def servers(self) -> dict[str, GymServer]:

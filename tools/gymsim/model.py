@@ -22,7 +22,7 @@ worker is connected, has acknowledged the closed state, and nothing is in flight
 `POST /gymsim/admin/workers {"connected": k}` disconnects (or reconnects) workers.
 
 Durable when: nothing is durable until commit; commit writes Gym's layout under
-`model-ledger/<name>/` — one `<capture_key>.lineage.jsonl` per continuation root (its calls up
+`model-ledger/<instance name>/` — one `<capture_key>.lineage.jsonl` per continuation root (its calls up
 to the root's `last_committed_model_call_id`), `storage-references.jsonl` (the staging rows
 those calls need), then `manifest.json` (schema 2) — and only then answers, naming the index
 as `storage_reference_index`. Restore verifies every digest (lineage files and the index)
@@ -562,7 +562,7 @@ class ModelServer(GymServer):
             raise unreadable
         keys = sorted(selected)
         excluded_inactive = sum(1 for key in self.ledger if key not in selected)
-        folder = model_ledger_dir(self.name)
+        folder = model_ledger_dir(self.instance)
         roots = {key: selected[key][0] for key in keys}
         chosen = {key: selected[key][1] for key in keys}
         sources = sorted({(row.rollout_id, row.attempt_index) for row in roots.values()})
@@ -597,7 +597,7 @@ class ModelServer(GymServer):
                 {
                     "schema_version": LEDGER_SCHEMA_VERSION,
                     "checkpoint_id": body.checkpoint_id,
-                    "server_name": self.name,
+                    "server_name": self.instance,
                     "rollouts": rollouts,
                     "continuation_roots_sha256": sha256_hex(
                         json.dumps(roots_json, sort_keys=True, separators=(",", ":")).encode("utf-8")
@@ -632,7 +632,7 @@ class ModelServer(GymServer):
                 f"{self.name} is checkpoint_mode {self.spec.checkpoint_mode}: it has no state to restore",
             )
         self._close_admission()
-        folder = model_ledger_dir(self.name)
+        folder = model_ledger_dir(self.instance)
         manifest, by_key, index = await asyncio.to_thread(_read_lineage, body.checkpoint_dir, folder)
         try:
             identity = {

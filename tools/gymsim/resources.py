@@ -303,7 +303,7 @@ class ResourcesServer(GymServer):
     async def _commit(self, body: CheckpointDirBody) -> dict[str, Any]:
         sessions = sorted(self.sessions.values(), key=lambda s: (s.rollout_id, s.attempt_index))
         documents = [s.document() for s in sessions]
-        folder = resources_dir(self.name)
+        folder = resources_dir(self.instance)
 
         def write() -> str:
             writer = ArtifactWriter(body.checkpoint_dir, folder)
@@ -314,7 +314,7 @@ class ResourcesServer(GymServer):
                 {
                     "schema_version": 1,
                     "component": RESOURCES,
-                    "name": self.name,
+                    "name": self.instance,
                     "checkpoint_id": body.checkpoint_id,
                     "sessions": len(documents),
                 }
@@ -330,7 +330,7 @@ class ResourcesServer(GymServer):
                 UNSAFE_RESOURCES_RESTORE,
                 f"{self.name} already applied mutations; restore into a fresh process",
             )
-        folder = resources_dir(self.name)
+        folder = resources_dir(self.instance)
         manifest, contents = await asyncio.to_thread(read_manifest, body.checkpoint_dir, folder)
         try:
             documents = [json.loads(data) for data in contents.values()]

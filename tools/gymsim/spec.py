@@ -40,17 +40,19 @@ flight and holds their responses until resume), `discard` (export_restore agents
 `POST /agent-checkpoint/discard-restored-continuation` and its features
 `discard_restored_continuation_v1`, `agent_resource_dependency_index_v1`),
 `policy` / `resources` (agent: server name or URL), `judge` (resources: the model `/verify`
-calls), `body_before_auth` (as Gym's own FastAPI routes: a control request's body or query is
-validated before its token, so one with neither gets 422, one with a valid body and no valid token
-401), `faults` (see `faults.py`).
+calls), `instance` (both planes; default: the server's name: the name the server reports — v1:
+its capabilities `name` — and writes its files under — v1: `model-ledger/<instance>/`, ...;
+replicas of one Gym config, as NeMo RL runs them, repeat it), `body_before_auth` (as Gym's own
+FastAPI routes: a control request's body or query is validated before its token, so one with
+neither gets 422, one with a valid body and no valid token 401), `faults` (see `faults.py`).
 
 Plane v2 (`plane: v2`, NeMo Gym's unified `/ng-control/v1/checkpoint/*`, `tools/gymsim/v2`):
 `kind: environment` exists only there (`agent:` names the agent each turn calls); `lease_grace_s`
 (default 600) is the lease grace; `checkpoint_mode` picks agents' `export_restore`/`restart_only`
 and resources' `exported` (`export_restore`)/`stateless`/`restart_only`; `workers: N` with
-`worker_mode: coordinator` makes an environment a multi-worker coordinator; `instance` (default: the
-server's name) is the instance name the server reports in its status and stores under
-(`gym/<kind>/<instance>/`) — replicas of one Gym config, as NeMo RL runs them, repeat it. `default_v2_spec()`:
+`worker_mode: coordinator` makes an environment a multi-worker coordinator; `instance` is the
+instance name the server reports in its status and stores under (`gym/<kind>/<instance>/`).
+`default_v2_spec()`:
 environment, policy_model, agent, resources.
 """
 
@@ -101,7 +103,7 @@ class ServerSpec(BaseModel):
 
     @property
     def instance_name(self) -> str:
-        """The instance it reports and stores under (v2): `instance`, else its name."""
+        """The name it reports and stores under: `instance`, else its name."""
         return self.instance if self.instance is not None else self.name
 
     def expand(self) -> list[ServerSpec]:
@@ -169,14 +171,8 @@ class ClusterSpec(BaseModel):
             if server.plane == "v1":
                 if server.kind == "environment":
                     raise ValueError(f"server {server.name}: kind environment exists only on plane v2")
-                if (
-                    server.lease_grace_s is not None
-                    or server.agent is not None
-                    or server.instance is not None
-                ):
-                    raise ValueError(
-                        f"server {server.name}: lease_grace_s, agent and instance apply to plane v2 only"
-                    )
+                if server.lease_grace_s is not None or server.agent is not None:
+                    raise ValueError(f"server {server.name}: lease_grace_s and agent apply to plane v2 only")
             if server.worker_mode == "coordinator" and server.kind != (
                 "environment" if server.plane == "v2" else "model"
             ):
@@ -245,16 +241,16 @@ SERVER_REFS = ("policy", "resources", "judge", "agent")
 
 def replica_spec(base: ClusterSpec, prefix: str) -> ClusterSpec:
     """`base` as one replica of a Gym deployment: every server named `<prefix><name>` (references
-    too) and, on v2, still reporting its own instance name — as the replicas of one Gym config do,
-    which is why each needs its own folder in a snapshot."""
+    too) and still reporting — and writing its files under — its own name (`instance`), on either
+    plane, as the replicas of one Gym config do, which is why each needs its own folder in a
+    snapshot."""
     document = base.model_dump(mode="json")
     servers = []
     for server in base.expanded():
         entry = server.model_dump(mode="json")
         if server.prefix:
             raise ValueError(f"{server.name}: a path-prefixed server has no host and port of its own")
-        if server.plane == "v2":
-            entry["instance"] = server.instance_name
+        entry["instance"] = server.instance_name
         entry["name"] = prefix + server.name
         for ref in SERVER_REFS:
             value = entry.get(ref)
