@@ -19,6 +19,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +49,7 @@ from quiesce.rl.episodes import (
 from quiesce.rl.gym_manifest import GymCheckpointManifest
 from quiesce.tools.audit.cli import check_ledger
 from quiesce.tools.gymsim.v2.trainer import expected_results, make_tasks
-from tests.rl.conftest import ShardSet, StartActors, env_handles
+from tests.rl.conftest import ROOT, ShardSet, StartActors, env_handles
 from tests.rl.rl_coordinator import NotReady, OperationError, RLCoordinator, RLTypes
 from tests.rl.test_host import events, ledger_of, phases, started, write_config
 
@@ -393,4 +396,44 @@ async def test_the_host_killed_mid_commit_recovers_when_restarted_and_rls_retry_
     assert (root / IN_PLACE_MANIFEST).is_file()
     await host.close.remote()
     report = await check_ledger(url)
+    assert [v for v in report.violations if not v.rule.startswith("lineage")] == []
+
+
+async def test_the_host_killed_between_commit_and_resume_leaves_nothing_paused_after_recover(
+    gym_actors: StartActors, tmp_path: Path, token: str
+) -> None:
+    """No restart this time (the driver and its actors gone, as when RL's job dies): the servers
+    stay paused under the dead host's checkpoint until `quiesce recover` rolls it back — RL never
+    recorded it, so nothing of Gym's stays in RL's folder."""
+    run = await rl_over_quiesce(gym_actors, tmp_path, token, "step_8")
+    inventory = await candidates(run.shards)
+
+    async def save_while_the_host_dies() -> None:
+        async with run.rl.prepared("rl-step-8"):
+            await run.rl.commit("rl-step-8", run.root, inventory)
+            (run.root / "tq.pt").write_bytes(b"RL's half")
+            ray.kill(run.host, no_restart=True)  # the host's process dies before RL's resume
+
+    with pytest.raises(OperationError) as caught:
+        await save_while_the_host_dies()
+    assert caught.value.operation in ("renew", "resume")
+    held = await phases(run.shards, token)
+    assert set(held.values()) == {"committed"}, held
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = await anyio.to_thread.run_sync(
+        lambda: subprocess.run(
+            [sys.executable, "-m", "quiesce", "recover", "--config", str(run.config), "--json"],
+            env=env, capture_output=True, text=True, timeout=120, check=False,
+        )
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    cid = [e for e in await events(ledger_of(run.config)) if e.kind == "attempt.started"][-1].checkpoint_id
+    assert [(a["checkpoint_id"], a["action"]) for a in json.loads(done.stdout)["attempts"]] == [
+        (cid, "resumed")
+    ]
+    assert set((await phases(run.shards, token)).values()) == {"idle"}
+    # recovery found the folder the commit named (recorded before anything was made in it)
+    assert not (run.root / "gym-instances").exists()
+    assert (run.root / "tq.pt").read_bytes() == b"RL's half"
+    report = await check_ledger(ledger_of(run.config))
     assert [v for v in report.violations if not v.rule.startswith("lineage")] == []
