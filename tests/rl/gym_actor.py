@@ -3,10 +3,11 @@
 `NemoGym.remote(plane, prefix, token)` starts one gymsim deployment in its own process (the default
 v1 or v2 spec), every server named `<prefix><gym name>`; each also reports the plain Gym name (v1:
 as its name, v2: as its `instance`) and writes under it, so two actors are two replicas of one Gym
-config: same reported names, distinct server names. A head server (uvicorn, loopback, in a thread of the actor) answers Gym's
-`GET /global_config_dict_yaml` with the deployment's global config: a JSON string of YAML whose
-top-level entries `<gym name>: {<server type>: {<implementation>: {entrypoint, host, port}}}` are the
-servers. The actor keeps the head address where RL's does: `head_server_config` (`.host`, `.port`).
+config: same reported names, distinct server names. A head server (uvicorn, loopback, in a thread
+of the actor) answers Gym's `GET /global_config_dict_yaml` with the deployment's global config: a
+JSON string of YAML whose top-level entries `<gym name>: {<server type>: {<implementation>:
+{entrypoint, host, port}}}` are the servers. The actor keeps the head address where RL's does:
+`head_server_config` (`.host`, `.port`).
 
 The v2 episode methods run one `Trainer` on the actor's event loop (RL runs rollouts from this
 actor too); the v1 ones start and resubmit rollouts on an agent. The control token is a
