@@ -158,6 +158,7 @@ class Discovery:
                     **({"plane": m.plane} if m.plane != "v1" else {}),
                     **({"features": list(m.features)} if m.features else {}),
                     **({"folder": m.folder} if m.folder else {}),
+                    **({"reported_name": m.reported_name} if m.reported_name else {}),
                 }
                 for m in self.participants
             ],

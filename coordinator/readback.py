@@ -149,6 +149,8 @@ async def read_attempt(ledger: Ledger, config: ClusterConfig, checkpoint_id: str
                     "policy" if role == "policy" else None,
                     role,
                     url,
+                    folder=str(info.get("folder", "")),  # where it committed, as discovered then
+                    reported_name=str(info.get("reported_name", "")),
                 )
             )
     data = started.data

@@ -84,8 +84,10 @@ class Participant(Payload):
     #: v1: its capability `features` (the lineage reads `completed_result_acknowledgement`: an
     #: agent with it reports every finished result, so a rollout it drops is seen lost)
     features: list[str] = []
-    #: v2: its folder inside every snapshot (`ServerConfig.folder`; "": the snapshot itself)
+    #: its folder inside every snapshot (`ServerConfig.folder`; "": the snapshot itself)
     folder: str = ""
+    #: v1 with a folder: the name it reports and writes under, when not its config name ("": that)
+    reported_name: str = ""
 
 
 class NamedReason(Payload):

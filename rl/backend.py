@@ -20,9 +20,10 @@ Rules the backend keeps:
   servers' leases are renewed while RL's block runs. Leaving the block publishes in place
   (`quiesce-manifest.json`, the commit point) and resumes every server. If the block raises,
   everything is rolled back — every server resumed, what the servers wrote and
-  `gym_checkpoint.json` removed — and RL's exception propagates unchanged (with a note). On v1,
-  whose servers write under their own names, the snapshot goes into quiesce's snapshots folder and
-  `path` receives `quiesce-snapshot.json`, naming it (v1 has no episode ids: no `gym_checkpoint.json`).
+  `gym_checkpoint.json` removed — and RL's exception propagates unchanged (with a note). On v1
+  (each deployment in its folder there too) the snapshot goes into quiesce's snapshots folder —
+  a save in place is the unified plane's — and `path` receives `quiesce-snapshot.json`, naming
+  it (v1 has no episode ids: no `gym_checkpoint.json`).
 - **`check_against_cut(cut)`**: the cut must still be held (RL's cut has `require_live()`), and
   the episodes RL has in flight — `expected(cut)` when the backend was given one, else the cut's
   own `episodes` — must be exactly the committed scope plus the restarts Gym left out of it;
@@ -85,8 +86,8 @@ Scope = Callable[[], Iterable[Any] | Awaitable[Iterable[Any]]]
 
 def instance_of(member: Member) -> str:
     """The RL instance id (`<shard>/replica-<i>`) of a participant: read from its folder
-    (`gym-instances/<shard>/replica-<i>`, as `quiesce.rl.deployments` writes it on v2), else from
-    its name (`<shard>.r<i>.<gym name>`, its v1 name there), else RL's unsharded default."""
+    (`gym-instances/<shard>/replica-<i>`, as `quiesce.rl.deployments` writes it on either plane),
+    else from its name (`<shard>.r<i>.<gym name>`), else RL's unsharded default."""
     prefix = "gym-instances/"
     if member.folder.startswith(prefix) and member.folder.count("/") == 2:
         return member.folder.removeprefix(prefix)

@@ -25,7 +25,8 @@ import pytest
 from quiesce.coordinator import ClusterConfig, Coordinator, PhaseError, Resubmission, parse_config
 from quiesce.coordinator.errors import DiscoveryError, SnapshotError
 from quiesce.coordinator.protocol import AGENT, MODEL, RESOURCES, agent_instance_dir, manifest_path
-from quiesce.ledger import Event
+from quiesce.coordinator.readback import read_attempt
+from quiesce.ledger import Event, Ledger
 from quiesce.tools.audit.check import check_events
 from quiesce.tools.gymsim import client
 from quiesce.tools.gymsim.cluster import RunningCluster
@@ -182,6 +183,19 @@ async def test_two_deployments_with_the_same_names_save_and_restore_each_in_its_
     ]
     assert {n: sorted(r["rollout_id"] for r in rs) for n, rs in captured[0].data["captured"].items()} == {
         f"{p}.simple_agent": sorted(ROLLOUTS[p]) for p in "ab"
+    }
+
+    # the ledger's discovery names each server's folder and the name it writes under, and an
+    # attempt read back from the ledger (recovery's view) has them too
+    discovered = [e for e in await read_events(sqlite_url) if e.kind == "discovery.completed"][-1]
+    assert {p["name"]: (p["folder"], p["reported_name"]) for p in discovered.data["participants"]} == {
+        f"{p}.{gym}": (p, gym) for p in "ab" for gym in GYM_NAMES
+    }
+    async with Ledger.open(sqlite_url, readonly=True) as ledger:
+        recorded = await read_attempt(ledger, config, attempt.checkpoint_id)
+    assert recorded is not None
+    assert {m.name: (m.folder, m.gym_name) for m in recorded.attempt.participants} == {
+        f"{p}.{gym}": (p, gym) for p in "ab" for gym in GYM_NAMES
     }
 
     # restore into fresh servers of both deployments: each from its folder

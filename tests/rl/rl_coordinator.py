@@ -1,7 +1,7 @@
 """A stand-in of NeMo RL's driver-side `GymCheckpointCoordinator`, for the tests of quiesce's
 per-actor methods: it calls the six methods on `checkpoint_handles` as RL's coordinator does
-(`../shared/rl-integration.md`; NeMo RL `nemo_rl/environments/gym_checkpoint_coordinator.py`
-@448b0253), written here from that behaviour:
+(NeMo RL `nemo_rl/environments/gym_checkpoint_coordinator.py` @448b0253), written here from
+that behaviour:
 
 - each operation's `deadline_ts` is `time.time() + control_timeout_s`; replies are awaited until
   the deadline plus `min(control_timeout_s, 5 s)`, a call still unanswered is cancelled, and any

@@ -240,8 +240,7 @@ async def test_a_failed_restore_cleans_up_every_deployment(
 async def test_a_v1_deployment_snapshots_into_quiesce_and_rls_folder_names_it(
     gym_actors: StartActors, tmp_path: Path, backends: list[QuiesceEnvironmentCheckpoint]
 ) -> None:
-    # one deployment: a v1 model's commit takes every agent's continuation index, so two v1
-    # deployments in one cluster would hand each model the other's rollouts (not supported yet)
+    # one deployment (two, each in its folder: tests/rl/test_backend_v1.py)
     shards = await gym_actors("v1", replicas=1)
     for handle in shards.checkpoint_handles.values():
         await handle.start_rollouts.remote({"a0": 1_000_000, "a1": 1_000_000})
