@@ -49,6 +49,7 @@ from quiesce.rl.episodes import (
 from quiesce.rl.gym_manifest import GymCheckpointManifest
 from quiesce.tools.audit.cli import check_ledger
 from quiesce.tools.gymsim.v2.trainer import expected_results, make_tasks
+from tests.cli.helpers import json_of, quiesce
 from tests.rl.conftest import ROOT, ShardSet, StartActors, env_handles
 from tests.rl.rl_coordinator import NotReady, OperationError, RLCoordinator, RLTypes
 from tests.rl.test_host import events, ledger_of, phases, started, write_config
@@ -249,6 +250,14 @@ async def test_rls_coordinator_over_quiesce_saves_into_its_folder_and_restores_e
     await host2.close.remote()
     report = await check_ledger(url)
     assert report.violations == []
+    # the CLI over the run's one ledger: every rollout of both deployments, continued once
+    shown = json_of(quiesce("rollouts", "--ledger", url, "--json", cwd=tmp_path))
+    assert {(r["rollout_id"], r["state"], r["attempt"]) for r in shown["rollouts"]} == {
+        (e.rollout_id, "live", 1) for e in loaded.episodes()
+    }
+    checked = quiesce("check", "--ledger", url, "--json", cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert json_of(checked)["violations"] == []
     async with Ledger.open(url, readonly=True) as ledger:
         lineage = await read_lineage(ledger)
     assert {r: (x.attempt, x.state) for r, x in lineage.rollouts.items()} == {
