@@ -48,7 +48,8 @@ Rules the host keeps:
   succeeds.
 - **RL's classes**: the handles answer quiesce's values, which have RL's fields; given RL's
   adapter module (`types=`), they answer RL's own classes, for a coordinator that checks them with
-  `isinstance` (RL's does for the commit summary at @448b0253). RL is never imported here.
+  `isinstance` (RL's does for the commit summary at @448b0253), and raise a transient failure as
+  its `GymCheckpointUnavailable`, which RL's retry rule recognises. RL is never imported here.
 - Errors leave as `EnvironmentCheckpointError` (picklable; RL's coordinator gathers them per
   instance). Ray is imported by nothing here.
 """
@@ -80,7 +81,7 @@ from quiesce.rl.episodes import (
     PrepareSummary,
     sorted_episodes,
 )
-from quiesce.rl.errors import EnvironmentCheckpointError, from_quiesce
+from quiesce.rl.errors import EnvironmentCheckpointError, from_quiesce, is_transient
 from quiesce.rl.gym_manifest import MANIFEST_FILENAME, GymCheckpointManifest
 
 __all__ = [
@@ -726,8 +727,19 @@ def as_rl(value: Any, types: Any) -> Any:
     )
 
 
-async def _converted(pending: Awaitable[Any], types: Any) -> Any:
-    return as_rl(await pending, types)
+async def _converted(pending: Awaitable[Any], types: Any, method: str) -> Any:
+    """The value awaited, as RL's class (`as_rl`). A failure that may go away when tried again
+    (`quiesce.rl.errors.is_transient`) is raised as RL's `GymCheckpointUnavailable` when `types`
+    has it — the type RL's `is_transient_gym_checkpoint_failure` retries on — carrying the text;
+    anything else is raised as it is."""
+    try:
+        value = await pending
+    except Exception as error:
+        unavailable = getattr(types, "GymCheckpointUnavailable", None)
+        if unavailable is not None and is_transient(error):
+            raise unavailable(str(from_quiesce(method.removeprefix("checkpoint_"), error))) from error
+        raise
+    return as_rl(value, types)
 
 
 class _Method:
@@ -748,7 +760,7 @@ class _Method:
             pending = remote(self._instance, *args, **kwargs)
         else:  # the host itself, on this loop: a coroutine
             pending = method(self._instance, *args, **kwargs)
-        return pending if self._types is None else _converted(pending, self._types)
+        return pending if self._types is None else _converted(pending, self._types, self._name)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,9 @@ class RLTypes:
     """RL's value classes of `gym_checkpoint_adapter` @ec883a24 as RL's coordinator sees them
     (frozen dataclasses with its field names), for the `isinstance` check its commit makes."""
 
+    class GymCheckpointUnavailable(RuntimeError):
+        """RL's picklable stand-in for a Gym coordination error: text only."""
+
     @dataclass(frozen=True)
     class GymCheckpointEpisode:
         rollout_id: str

@@ -37,7 +37,7 @@ from quiesce.coordinator.protocol_v2 import PREFIX
 from quiesce.coordinator.publish import IN_PLACE_MANIFEST
 from quiesce.ledger import Ledger
 from quiesce.ledger.lineage import read_lineage
-from quiesce.rl.actors import METHODS, ActorCheckpointHost, QuiesceShardSet, as_rl
+from quiesce.rl.actors import METHODS, ActorCheckpointHost, InstanceHandle, QuiesceShardSet, as_rl
 from quiesce.rl.builder import rl_cluster_config
 from quiesce.rl.episodes import (
     CommitSummary,
@@ -46,6 +46,7 @@ from quiesce.rl.episodes import (
     ParticipantManifest,
     PrepareSummary,
 )
+from quiesce.rl.errors import EnvironmentCheckpointError
 from quiesce.rl.gym_manifest import GymCheckpointManifest
 from quiesce.tools.audit.cli import check_ledger
 from quiesce.tools.gymsim.v2.trainer import expected_results, make_tasks
@@ -164,6 +165,43 @@ def test_values_are_rebuilt_as_rls_own_classes_with_every_field() -> None:
     prepared = as_rl(PrepareSummary(False, {"environment": ("b0",)}), RLTypes)
     assert prepared == RLTypes.GymCheckpointPrepareSummary(False, {"environment": ("b0",)})
     assert as_rl(None, RLTypes) is None  # renew, retire, restore and resume answer nothing
+
+
+async def test_a_transient_failure_reaches_rl_as_its_unavailable_type_and_others_as_they_are() -> None:
+    """RL retries a failed operation only when every failure is its `GymCheckpointUnavailable` (or
+    infrastructure): given RL's types, a transient quiesce failure is raised as that type."""
+
+    not_ready = EnvironmentCheckpointError(
+        "servers not ready", operation="prepare", code="not_ready", transient=True
+    )
+    handle = InstanceHandle(Failing(not_ready), INSTANCES[0], RLTypes)
+    with pytest.raises(RLTypes.GymCheckpointUnavailable, match="servers not ready") as caught:
+        await handle.checkpoint_prepare.remote("c1", deadline_ts=time.time() + 5)
+    assert caught.value.__cause__ is not_ready
+    broken = EnvironmentCheckpointError(
+        "a reply was malformed", operation="commit", code="malformed_reply", transient=False
+    )
+    handle = InstanceHandle(Failing(broken), INSTANCES[0], RLTypes)
+    with pytest.raises(EnvironmentCheckpointError) as raised:
+        await handle.checkpoint_commit.remote("c1", "/root", (), deadline_ts=time.time() + 5)
+    assert raised.value is broken
+    plain = InstanceHandle(Failing(not_ready), INSTANCES[0])  # no RL types: quiesce's error as it is
+    with pytest.raises(EnvironmentCheckpointError):
+        await plain.checkpoint_prepare.remote("c1", deadline_ts=time.time() + 5)
+
+
+class Failing:
+    """A host whose every method raises `error` (what a Ray actor's method raising it looks like
+    once awaited)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __getattr__(self, name: str) -> Any:
+        async def method(*args: Any, **kwargs: Any) -> None:
+            raise self.error
+
+        return method
 
 
 async def test_rls_coordinator_over_quiesce_saves_into_its_folder_and_restores_exactly(
