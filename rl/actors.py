@@ -325,6 +325,12 @@ class ActorCheckpointHost:
             self._keep(checkpoint_id, op)
         elif op.kind != "save" or op.prepared is None:
             raise _fail("prepare", f"prepare: {checkpoint_id} names a restore, not a checkpoint")
+        elif op.resumed is not None:
+            raise _fail(
+                "prepare",
+                f"prepare: checkpoint {checkpoint_id} has ended (resumed); Gym never takes an id twice —"
+                " prepare under a new id",
+            )
         blocked = await asyncio.shield(op.prepared)
         mine = {
             server_name(m): blocked[m.name]

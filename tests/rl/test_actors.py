@@ -484,3 +484,38 @@ async def test_the_host_killed_between_commit_and_resume_leaves_nothing_paused_a
     assert (run.root / "tq.pt").read_bytes() == b"RL's half"
     report = await check_ledger(ledger_of(run.config))
     assert [v for v in report.violations if not v.rule.startswith("lineage")] == []
+
+
+async def test_renewals_during_a_slow_commit_keep_every_deployment_and_a_spent_id_is_refused(
+    gym_actors: StartActors, tmp_path: Path, token: str
+) -> None:
+    """RL renews in the background while its body runs, the commit included: with a 3 s control
+    timeout it renews every second, while one agent takes 2.5 s over its commit."""
+    run = await rl_over_quiesce(gym_actors, tmp_path, token, "step_9")
+    rl = RLCoordinator(QuiesceShardSet.over(run.host, INSTANCES), control_timeout_s=3)
+    agent_url = (await run.shards.checkpoint_handles[INSTANCES[0]].urls.remote())["agent"]
+    slow = {"kind": "delay", "path": f"{PREFIX}/commit", "seconds": 2.5, "when": "during", "times": 1}
+    async with httpx.AsyncClient(trust_env=False) as http:
+        assert (
+            await http.post(f"{agent_url}/gymsim/admin/faults", json={"faults": [slow]})
+        ).status_code == 200
+    inventory = await candidates(run.shards)
+    async with rl.prepared("rl-step-9"):
+        manifest, _ = await rl.commit("rl-step-9", run.root, inventory)
+        await anyio.sleep(1.5)  # RL's own half, while the renewals go on
+    assert (run.root / IN_PLACE_MANIFEST).is_file()
+    assert {e.capture_key for e in manifest.episodes()} == {
+        e.capture_key for eps in inventory.values() for e in eps
+    }
+    url = ledger_of(run.config)
+    every = await events(url)
+    renews = [e for e in every if e.kind == "call.sent" and e.data["path"].endswith("/renew")]
+    commits = [e for e in every if e.kind == "call.sent" and e.data["path"].endswith("/commit")]
+    committed = next(e.seq for e in every if e.kind == "phase.completed" and e.data["phase"] == "commit")
+    assert any(min(c.seq for c in commits) < r.seq < committed for r in renews)  # during the commit
+    assert set((await phases(run.shards, token)).values()) == {"idle"}
+    with pytest.raises(Exception, match="has ended"):
+        await run.host.checkpoint_prepare.remote(INSTANCES[0], "rl-step-9", deadline_ts=time.time() + 5)
+    await run.host.close.remote()
+    report = await check_ledger(url)
+    assert [v for v in report.violations if not v.rule.startswith("lineage")] == []
