@@ -132,3 +132,34 @@ async def _ready(actors: list[Any]) -> None:
 def env_handles(shard_set: ShardSet, **others: Any) -> Mapping[str, Any]:
     """RL's `env_handles`: the Gym shard set under its task name, next to other environments."""
     return {"nemo_gym": shard_set, **others}
+
+
+def backend_over(shard_set: ShardSet, master_config: Any, made: list[Any], **options: Any) -> Any:
+    """quiesce's backend for `shard_set`, built as RL's selector builds it (no rollout manager or
+    data-plane client), kept in `made` so the test closes it; `options`: `expected`, `scope`..."""
+    from quiesce.rl.builder import build_quiesce_environment_checkpoint
+
+    backend = build_quiesce_environment_checkpoint(
+        master_config, env_handles=env_handles(shard_set), rollout_manager=None, dp_client=None, **options
+    )
+    made.append(backend)
+    return backend
+
+
+def settings(tmp_path: Path, plane: Plane = "v2") -> dict[str, Any]:
+    """RL's master config as quiesce reads it: its `quiesce` settings (a SQLite ledger in `tmp_path`)."""
+    quiesce = {
+        "ledger": f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}",
+        "snapshots": str(tmp_path / "snapshots"),
+        "deadline_s": 30,
+    }
+    return {"quiesce": {**quiesce, "plane": plane} if plane != "v2" else quiesce}
+
+
+@pytest.fixture
+async def backends() -> Any:
+    """Every backend a test makes (`backend_over`) is closed at its end."""
+    made: list[Any] = []
+    yield made
+    for backend in made:
+        await backend.aclose()

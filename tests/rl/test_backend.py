@@ -10,7 +10,6 @@ into fresh deployments, the continued episodes (attempt n + 1) must be what was 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from quiesce.rl.errors import EnvironmentCheckpointError
 from quiesce.rl.gym_manifest import GymCheckpointManifest
 from quiesce.tools.audit.cli import check_ledger
 from quiesce.tools.gymsim.v2.trainer import expected_results, make_tasks
-from tests.rl.conftest import ShardSet, StartActors, env_handles
+from tests.rl.conftest import ShardSet, StartActors, backend_over, env_handles, settings
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
@@ -44,16 +43,6 @@ class Cut:
     def require_live(self) -> None:
         if not self.held:
             raise RuntimeError("the data-plane barrier was released")
-
-
-def settings(tmp_path: Path) -> dict[str, Any]:
-    return {
-        "quiesce": {
-            "ledger": f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}",
-            "snapshots": str(tmp_path / "snapshots"),
-            "deadline_s": 30,
-        }
-    }
 
 
 async def in_flight(shards: ShardSet) -> list[Episode]:
@@ -78,15 +67,6 @@ def tasks_for() -> dict[str, dict[str, dict[str, Any]]]:
         INSTANCES[0]: make_tasks(3, turns=4, prefix="a"),
         INSTANCES[1]: make_tasks(2, turns=4, prefix="b"),
     }
-
-
-@pytest.fixture
-async def backends() -> AsyncIterator[list[QuiesceEnvironmentCheckpoint]]:
-    """Every backend a test makes is closed at its end."""
-    made: list[QuiesceEnvironmentCheckpoint] = []
-    yield made
-    for backend in made:
-        await backend.aclose()
 
 
 async def test_snapshot_cut_check_and_exact_restore_into_fresh_deployments(
@@ -134,10 +114,7 @@ async def test_snapshot_cut_check_and_exact_restore_into_fresh_deployments(
 
     # RL restarts: fresh deployments, a fresh backend over the same ledger
     fresh = await gym_actors("v2")
-    again = build_quiesce_environment_checkpoint(
-        settings(tmp_path), env_handles=env_handles(fresh), rollout_manager=None, dp_client=None
-    )
-    backends.append(again)
+    again = backend_over(fresh, settings(tmp_path), backends)
     restored = await again.restore(path)
     assert restored.source_checkpoint_id == snap.checkpoint_id
     assert dict(restored.by_instance) == dict(manifest.next_attempts())
@@ -170,14 +147,7 @@ async def test_a_cut_that_does_not_match_rolls_the_snapshot_back(
     async def rl_view(cut: Any) -> list[Episode]:
         return [*await in_flight(shards), ghost]
 
-    backend = build_quiesce_environment_checkpoint(
-        settings(tmp_path),
-        env_handles=env_handles(shards),
-        rollout_manager=None,
-        dp_client=None,
-        expected=rl_view,
-    )
-    backends.append(backend)
+    backend = backend_over(shards, settings(tmp_path), backends, expected=rl_view)
     path = tmp_path / "rl" / "step_6"
     path.mkdir(parents=True)
     (path / "tq.pt").write_bytes(b"RL")
@@ -205,14 +175,7 @@ async def test_a_failed_restore_cleans_up_every_deployment(
 ) -> None:
     shards = await gym_actors("v2")
     await parked(shards, tasks_for())
-    backend = build_quiesce_environment_checkpoint(
-        settings(tmp_path),
-        env_handles=env_handles(shards),
-        rollout_manager=None,
-        dp_client=None,
-        expected=lambda cut: in_flight(shards),
-    )
-    backends.append(backend)
+    backend = backend_over(shards, settings(tmp_path), backends, expected=lambda cut: in_flight(shards))
     path = tmp_path / "rl" / "step_8"
     path.mkdir(parents=True)
     async with backend.snapshot(path) as snap:
@@ -220,10 +183,7 @@ async def test_a_failed_restore_cleans_up_every_deployment(
     await backend.aclose()
     # restoring into the same, used deployments: Gym refuses a restore into a process that holds
     # live episodes, so the restore fails — and must leave no deployment paused or half-restored
-    again = build_quiesce_environment_checkpoint(
-        settings(tmp_path), env_handles=env_handles(shards), rollout_manager=None, dp_client=None
-    )
-    backends.append(again)
+    again = backend_over(shards, settings(tmp_path), backends)
     with pytest.raises(EnvironmentCheckpointError) as caught:
         await again.restore(path)
     assert caught.value.operation == "restore"
@@ -246,10 +206,7 @@ async def test_a_v1_deployment_snapshots_into_quiesce_and_rls_folder_names_it(
         await handle.start_rollouts.remote({"a0": 1_000_000, "a1": 1_000_000})
     config = settings(tmp_path)
     config["quiesce"]["plane"] = "v1"
-    backend = build_quiesce_environment_checkpoint(
-        config, env_handles=env_handles(shards), rollout_manager=None, dp_client=None, expected=lambda cut: []
-    )
-    backends.append(backend)
+    backend = backend_over(shards, config, backends, expected=lambda cut: [])
     path = tmp_path / "rl" / "step_9"
     path.mkdir(parents=True)
     async with backend.snapshot(path) as snap:
@@ -261,10 +218,7 @@ async def test_a_v1_deployment_snapshots_into_quiesce_and_rls_folder_names_it(
     await backend.aclose()
     # the pointer restores: into a fresh deployment, the saved rollouts continue as attempt 1
     fresh = await gym_actors("v1", replicas=1)
-    again = build_quiesce_environment_checkpoint(
-        config, env_handles=env_handles(fresh), rollout_manager=None, dp_client=None
-    )
-    backends.append(again)
+    again = backend_over(fresh, config, backends)
     restored = await again.restore(path)
     assert restored.source_checkpoint_id == snap.checkpoint_id
     assert dict(restored.by_instance) == {"nemo_gym/replica-0": (Episode("a0", 1), Episode("a1", 1))}

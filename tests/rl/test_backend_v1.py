@@ -11,9 +11,7 @@ deployments lists each RL instance's continued rollouts.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
@@ -21,36 +19,15 @@ import pytest
 from quiesce.coordinator.protocol import agent_instance_dir
 from quiesce.ledger import Ledger
 from quiesce.rl.backend import POINTER, QuiesceEnvironmentCheckpoint
-from quiesce.rl.builder import build_quiesce_environment_checkpoint
 from quiesce.rl.episodes import Episode
 from quiesce.tools.audit.cli import check_ledger
-from tests.rl.conftest import StartActors, env_handles
+from tests.rl.conftest import StartActors, backend_over, settings
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
 INSTANCES = ("nemo_gym/replica-0", "nemo_gym/replica-1")
 #: Rollouts per RL instance (distinct ids: one trainer runs them all), too long to finish here.
 ROLLOUTS = {INSTANCES[0]: {"a0": 1_000_000, "a1": 1_000_000}, INSTANCES[1]: {"b0": 1_000_000}}
-
-
-@pytest.fixture
-async def backends() -> AsyncIterator[list[QuiesceEnvironmentCheckpoint]]:
-    """Every backend a test makes is closed at its end."""
-    made: list[QuiesceEnvironmentCheckpoint] = []
-    yield made
-    for backend in made:
-        await backend.aclose()
-
-
-def settings(tmp_path: Path) -> dict[str, Any]:
-    return {
-        "quiesce": {
-            "ledger": f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}",
-            "snapshots": str(tmp_path / "snapshots"),
-            "deadline_s": 30,
-            "plane": "v1",
-        }
-    }
 
 
 class Cut:
@@ -66,14 +43,7 @@ async def test_two_v1_deployments_snapshot_each_into_its_folder_and_restore_into
     shards = await gym_actors("v1")
     for instance, handle in shards.checkpoint_handles.items():
         await handle.start_rollouts.remote(ROLLOUTS[instance])
-    backend = build_quiesce_environment_checkpoint(
-        settings(tmp_path),
-        env_handles=env_handles(shards),
-        rollout_manager=None,
-        dp_client=None,
-        expected=lambda cut: [],
-    )
-    backends.append(backend)
+    backend = backend_over(shards, settings(tmp_path, "v1"), backends, expected=lambda cut: [])
     await backend.start()
     discovery = backend.coordinator.discovery
     assert discovery is not None
@@ -95,7 +65,7 @@ async def test_two_v1_deployments_snapshot_each_into_its_folder_and_restore_into
         # each deployment's model saved its own deployment's rollouts, no other
         ledger = json.loads((own / "model-ledger/policy_model/manifest.json").read_text())
         assert set(ledger["rollouts"]) == set(ROLLOUTS[instance])
-    url = settings(tmp_path)["quiesce"]["ledger"]
+    url = settings(tmp_path, "v1")["quiesce"]["ledger"]
     async with Ledger.open(url, readonly=True) as ledger:
         events = [e async for e in ledger.read(checkpoint_id=snap.checkpoint_id)]
     models = [
@@ -106,10 +76,7 @@ async def test_two_v1_deployments_snapshot_each_into_its_folder_and_restore_into
 
     # RL restarts: fresh deployments, a fresh backend over the same ledger, restored from the pointer
     fresh = await gym_actors("v1")
-    again = build_quiesce_environment_checkpoint(
-        settings(tmp_path), env_handles=env_handles(fresh), rollout_manager=None, dp_client=None
-    )
-    backends.append(again)
+    again = backend_over(fresh, settings(tmp_path, "v1"), backends)
     restored = await again.restore(path)
     assert restored.source_checkpoint_id == snap.checkpoint_id
     assert dict(restored.by_instance) == {
