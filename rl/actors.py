@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import re
 import time
@@ -691,45 +692,63 @@ def _recorded_by_rl(root: Path | None, checkpoint_id: str) -> str | None:
 # -- the handles RL's coordinator holds --------------------------------------------------------
 
 
+def _built(cls: Any, values: dict[str, Any]) -> Any:
+    """`cls(**values)`, keeping only the fields a dataclass `cls` declares (RL's classes differ
+    between versions: a field one of them lacks is left out, not passed)."""
+    if dataclasses.is_dataclass(cls):
+        declared = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in values.items() if k in declared}
+    return cls(**values)
+
+
 def as_rl(value: Any, types: Any) -> Any:
     """`value` (a `PrepareSummary` or `CommitSummary`; anything else as it is) rebuilt as RL's own
-    class of that name from `types` — RL's `nemo_rl.environments.gym_checkpoint_adapter` module,
-    or anything with its five classes (`GymCheckpointEpisode`, `GymCheckpointPrepareSummary`,
-    `GymCheckpointCommitSummary`, `GymCheckpointParticipantCommitSummary`,
-    `GymCheckpointParticipantManifest`) — for a coordinator that checks `isinstance` against them."""
+    class of that name from `types` — RL's `nemo_rl.environments.gym_checkpoint_adapter` module —
+    for a coordinator that checks `isinstance` against them. Both shapes RL has shipped are met:
+    @ec883a24 (participants as `GymCheckpointParticipantCommitSummary`, each with its
+    `GymCheckpointParticipantManifest`) and the nightly one (participants as server names, when
+    the module has no participant class); fields RL's class does not declare are left out."""
     if isinstance(value, PrepareSummary):
-        return types.GymCheckpointPrepareSummary(prepared=value.prepared, blockers=dict(value.blockers))
+        return _built(
+            types.GymCheckpointPrepareSummary, {"prepared": value.prepared, "blockers": dict(value.blockers)}
+        )
     if not isinstance(value, CommitSummary):
         return value
 
     def episode(e: Episode) -> Any:
-        return types.GymCheckpointEpisode(rollout_id=e.rollout_id, attempt=e.attempt)
+        return _built(types.GymCheckpointEpisode, {"rollout_id": e.rollout_id, "attempt": e.attempt})
 
-    participants = tuple(
-        types.GymCheckpointParticipantCommitSummary(
-            server_name=p.server_name,
-            kind=p.kind,
-            phase=p.phase,
-            capture_keys=p.capture_keys,
-            manifest=types.GymCheckpointParticipantManifest(
-                schema_version=p.manifest.schema_version,
-                kind=p.manifest.kind,
-                instance=p.manifest.instance,
-                checkpoint_id=p.manifest.checkpoint_id,
-                records_file=p.manifest.records_file,
-                records_sha256=p.manifest.records_sha256,
-                record_count=p.manifest.record_count,
-            ),
-            staging_keys=p.staging_keys,
+    participant_class = getattr(types, "GymCheckpointParticipantCommitSummary", None)
+    manifest_class = getattr(types, "GymCheckpointParticipantManifest", None)
+    participants: tuple[Any, ...]
+    if participant_class is None or manifest_class is None:
+        participants = tuple(p.server_name for p in value.participants)
+    else:
+        participants = tuple(
+            _built(
+                participant_class,
+                {
+                    "server_name": p.server_name,
+                    "kind": p.kind,
+                    "phase": p.phase,
+                    "capture_keys": p.capture_keys,
+                    "manifest": _built(manifest_class, dataclasses.asdict(p.manifest)),
+                    "staging_keys": p.staging_keys,
+                },
+            )
+            for p in value.participants
         )
-        for p in value.participants
-    )
-    return types.GymCheckpointCommitSummary(
-        exported_episodes=tuple(episode(e) for e in value.exported_episodes),
-        staging_keys=value.staging_keys,
-        participants=participants,
-        staging_keys_by_episode={episode(e): keys for e, keys in value.staging_keys_by_episode.items()},
-        unowned_live_episodes=tuple(episode(e) for e in value.unowned_live_episodes),
+    return _built(
+        types.GymCheckpointCommitSummary,
+        {
+            "exported_episodes": tuple(episode(e) for e in value.exported_episodes),
+            "staging_keys": value.staging_keys,
+            "participants": participants,
+            "staging_keys_by_episode": {
+                episode(e): keys for e, keys in value.staging_keys_by_episode.items()
+            },
+            "unowned_live_episodes": tuple(episode(e) for e in value.unowned_live_episodes),
+        },
     )
 
 

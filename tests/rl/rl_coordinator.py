@@ -290,3 +290,20 @@ class RLCoordinator:
             raise error
         else:
             await self.resume(checkpoint_id)
+
+
+class RLNightlyTypes:
+    """The nightly shape of RL's adapter values (docs.nvidia.com/nemo/rl/nightly): the episode is
+    the backend-neutral `EnvironmentEpisode`, a commit summary's participants are server names,
+    and the module has no participant or manifest class."""
+
+    GymCheckpointUnavailable = RLTypes.GymCheckpointUnavailable
+    GymCheckpointEpisode = RLTypes.GymCheckpointEpisode
+    GymCheckpointPrepareSummary = RLTypes.GymCheckpointPrepareSummary
+
+    @dataclass(frozen=True)
+    class GymCheckpointCommitSummary:
+        exported_episodes: tuple[Any, ...]
+        staging_keys: tuple[str, ...]
+        participants: tuple[str, ...]
+        staging_keys_by_episode: Mapping[Any, tuple[str, ...]] = field(default_factory=dict)

@@ -52,7 +52,7 @@ from quiesce.tools.audit.cli import check_ledger
 from quiesce.tools.gymsim.v2.trainer import expected_results, make_tasks
 from tests.cli.helpers import json_of, quiesce
 from tests.rl.conftest import ROOT, ShardSet, StartActors, env_handles
-from tests.rl.rl_coordinator import NotReady, OperationError, RLCoordinator, RLTypes
+from tests.rl.rl_coordinator import NotReady, OperationError, RLCoordinator, RLNightlyTypes, RLTypes
 from tests.rl.test_host import events, ledger_of, phases, started, write_config
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300), pytest.mark.usefixtures("ray_local")]
@@ -162,6 +162,10 @@ def test_values_are_rebuilt_as_rls_own_classes_with_every_field() -> None:
         ("r1",),
         ("k1", "k2"),
     )
+    nightly = as_rl(ours, RLNightlyTypes)  # participants as names; no unowned_live_episodes field
+    assert type(nightly) is RLNightlyTypes.GymCheckpointCommitSummary
+    assert nightly.participants == ("policy_model",)
+    assert nightly.staging_keys_by_episode == theirs.staging_keys_by_episode
     prepared = as_rl(PrepareSummary(False, {"environment": ("b0",)}), RLTypes)
     assert prepared == RLTypes.GymCheckpointPrepareSummary(False, {"environment": ("b0",)})
     assert as_rl(None, RLTypes) is None  # renew, retire, restore and resume answer nothing
