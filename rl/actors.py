@@ -600,28 +600,31 @@ class ActorCheckpointHost:
                 "restore",
                 every,
                 float(deadline_ts),
-                lambda parts: self._restore(op, parts, source_checkpoint_id, deadline_ts),
+                lambda parts: self._restore(op, parts, deadline_ts),
             )
         elif op.kind != "restore" or "restore" not in op.joins:
             raise _fail(
                 "restore",
                 f"restore: {restore_id} is already the id of a checkpoint; give each restore a new id",
             )
-        await op.joins["restore"].join(instance_id, (os.fspath(checkpoint_root), saved))
+        await op.joins["restore"].join(instance_id, (os.fspath(checkpoint_root), saved, source_checkpoint_id))
 
     async def _restore(
         self,
         op: _Op,
-        parts: dict[str, tuple[str, tuple[Episode, ...]]],
-        source_checkpoint_id: str,
+        parts: dict[str, tuple[str, tuple[Episode, ...], str]],
         deadline_ts: float,
     ) -> dict[str, None]:
-        roots = {root for root, _ in parts.values()}
-        if len(roots) != 1:
+        roots = {root for root, _, _ in parts.values()}
+        sources = {source for _, _, source in parts.values()}
+        if len(roots) != 1 or len(sources) != 1:
             raise _fail(
-                "restore", f"restore: the instances named different checkpoint roots: {sorted(roots)}"
+                "restore",
+                "restore: the instances named different checkpoint roots or sources:"
+                f" {sorted(roots)}, {sorted(sources)}",
             )
         root = absolute_folder(roots.pop())
+        source_checkpoint_id = sources.pop()
         try:
             named = await anyio.to_thread.run_sync(_manifest_in, root)
         except (OSError, ValueError) as error:

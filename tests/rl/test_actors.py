@@ -523,3 +523,21 @@ async def test_renewals_during_a_slow_commit_keep_every_deployment_and_a_spent_i
     await run.host.close.remote()
     report = await check_ledger(url)
     assert [v for v in report.violations if not v.rule.startswith("lineage")] == []
+
+
+async def test_a_restore_whose_instances_name_different_sources_is_refused_before_any_request(
+    gym_actors: StartActors, tmp_path: Path, token: str
+) -> None:
+    run = await rl_over_quiesce(gym_actors, tmp_path, token, "step_10")
+    deadline = time.time() + 10
+    calls = [
+        run.host.checkpoint_restore.remote(
+            instance, "rl-restore-10", str(run.root), (), source_checkpoint_id=source, deadline_ts=deadline
+        )
+        for instance, source in zip(INSTANCES, ("rl-step-1", "rl-step-2"), strict=True)
+    ]
+    for call in calls:
+        with pytest.raises(ray.exceptions.RayTaskError, match="different checkpoint roots or sources"):
+            await call
+    assert not any(e.kind == "attempt.started" for e in await events(ledger_of(run.config)))
+    await run.host.close.remote()
