@@ -255,6 +255,11 @@ class ActorCheckpointHost:
         )
         return {"attempts": attempts, "instances": list(await self.instances())}
 
+    @property
+    def coordinator(self) -> Coordinator:
+        """The host's coordinator, once started."""
+        return self._backend.coordinator
+
     async def instances(self) -> tuple[str, ...]:
         """The RL instance ids of the run's deployments, sorted."""
         return tuple(sorted({instance_of(m) for m in await self._members()}))

@@ -21,6 +21,13 @@ One run (``run_snapshots``, a fresh process), two sides on that one cluster:
   await snap.check_against_cut(cut)`` — the same save plus what the backend adds: its own
   bookkeeping, RL's ``gym_checkpoint.json`` (written atomically, fsynced, folder fsynced) and the
   cut check.
+- **actors** (reported, not judged): RL's own cross-actor coordinator's calls over quiesce's
+  per-actor methods (``quiesce.rl.actors.ActorCheckpointHost``, in the same process, its handles
+  called directly): every instance's ``checkpoint_prepare``, one round of ``checkpoint_renew``
+  (RL renews once right after the prepare), every instance's ``checkpoint_commit`` (each given
+  every parked episode as its candidates), ``gym_checkpoint.json`` written as RL's coordinator
+  writes it, every instance's ``checkpoint_resume`` — the calls of each step concurrent, as RL
+  sends them. Its extra over the embedded save is the joins, the renewal round and the manifest.
 
 Rules both sides keep: each its own SQLite ledger file in the run's folder, durability "full"
 (the default); the same servers, token, deadline and scope (given explicitly to both); a fresh
@@ -53,8 +60,10 @@ from quiesce.coordinator.config import ClusterConfig
 from quiesce.coordinator.protocol import TOKEN_ENV
 from quiesce.coordinator.protocol_v2 import EpisodeId
 from quiesce.coordinator.publish import IN_PLACE_MANIFEST
+from quiesce.rl.actors import ActorCheckpointHost, instance_handles
 from quiesce.rl.backend import QuiesceEnvironmentCheckpoint
-from quiesce.rl.gym_manifest import MANIFEST_FILENAME
+from quiesce.rl.episodes import Episode
+from quiesce.rl.gym_manifest import MANIFEST_FILENAME, GymCheckpointManifest
 from quiesce.tools.bench.cycle import interval_text, pooled_difference
 from quiesce.tools.bench.episodes import running_episodes
 from quiesce.tools.bench.harness import Context, Result, Stats, bootstrap_difference, run_child, stats_of
@@ -74,7 +83,7 @@ PAUSE_S = 0.02
 DEADLINE_S = 30.0
 #: The judged goal: the backend's extra wall time per save.
 GOAL_S = 0.010
-SIDES = ("embedded", "backend")
+SIDES = ("embedded", "backend", "actors")
 
 
 def replica_of(index: int) -> str:
@@ -115,8 +124,9 @@ def side_config(servers: list[dict[str, Any]], folder: Path, side: str) -> Clust
 @asynccontextmanager
 async def open_sides(
     servers: list[dict[str, Any]], token: str, folder: Path, scope: list[EpisodeId]
-) -> AsyncIterator[tuple[Coordinator, QuiesceEnvironmentCheckpoint]]:
-    """The embedded coordinator and the backend, each discovered and started, closed on exit."""
+) -> AsyncIterator[tuple[Coordinator, QuiesceEnvironmentCheckpoint, ActorCheckpointHost]]:
+    """The embedded coordinator, the backend and the per-actor host, each discovered and started,
+    closed on exit."""
     episodes = list(scope)
     async with Coordinator.open(side_config(servers, folder, "embedded"), token=token) as coord:
         await coord.discover()
@@ -127,8 +137,14 @@ async def open_sides(
             scope=lambda: episodes,
             expected=lambda cut: episodes,
         )
-        async with backend:
-            yield coord, backend
+        host = ActorCheckpointHost(side_config(servers, folder, "actors"), token=token)
+        try:
+            async with backend:
+                await host.start()
+                yield coord, backend, host
+        finally:
+            with anyio.CancelScope(shield=True):
+                await host.close()
 
 
 async def embedded_save(coord: Coordinator, into: Path, scope: list[EpisodeId]) -> None:
@@ -143,6 +159,43 @@ async def backend_save(backend: QuiesceEnvironmentCheckpoint, into: Path) -> Non
     async with backend.snapshot(into) as snap:
         await snap.check_against_cut(cut)
         cut.held = False
+
+
+async def actors_save(host: ActorCheckpointHost, into: Path, name: str, scope: list[EpisodeId]) -> None:
+    """One snapshot as RL's cross-actor coordinator takes it over the per-actor methods (module
+    docstring): prepare, renew, commit, RL's ``gym_checkpoint.json``, resume."""
+    handles = instance_handles(host, await host.instances())
+    candidates = tuple(sorted(Episode.from_episode_id(e) for e in scope))
+    checkpoint_id = f"rl-{name}"
+
+    async def each(call: Any) -> dict[str, Any]:
+        results: dict[str, Any] = {}
+
+        async def one(instance: str, handle: Any) -> None:
+            results[instance] = await call(handle)
+
+        async with anyio.create_task_group() as tg:
+            for instance, handle in handles.items():
+                tg.start_soon(one, instance, handle)
+        return results
+
+    def deadline() -> float:
+        return time.time() + DEADLINE_S
+
+    ts = deadline()
+    prepared = await each(lambda h: h.checkpoint_prepare.remote(checkpoint_id, deadline_ts=ts))
+    if not all(p.prepared for p in prepared.values()):
+        raise RuntimeError(f"not prepared: {prepared}")
+    ts = deadline()
+    await each(lambda h: h.checkpoint_renew.remote(checkpoint_id, deadline_ts=ts))
+    ts = deadline()
+    summaries = await each(
+        lambda h: h.checkpoint_commit.remote(checkpoint_id, str(into), candidates, deadline_ts=ts)
+    )
+    manifest = GymCheckpointManifest.from_commit(checkpoint_id, summaries)
+    await anyio.to_thread.run_sync(manifest.write, into)
+    ts = deadline()
+    await each(lambda h: h.checkpoint_resume.remote(checkpoint_id, deadline_ts=ts))
 
 
 def folder_files(folder: Path) -> tuple[int, int]:
@@ -161,7 +214,7 @@ async def run_snapshots(
     saves.mkdir()
     took: dict[str, list[float]] = {side: [] for side in SIDES}
     cpu: dict[str, list[float]] = {side: [] for side in SIDES}
-    async with open_sides(servers, token, folder, episodes) as (coord, backend):
+    async with open_sides(servers, token, folder, episodes) as (coord, backend, host):
 
         async def one(side: str, name: str) -> tuple[float, float, Path]:
             into = saves / f"{side}-{name}"
@@ -170,8 +223,10 @@ async def run_snapshots(
             start, begun = time.perf_counter(), time.process_time()
             if side == "embedded":
                 await embedded_save(coord, into, episodes)
-            else:
+            elif side == "backend":
                 await backend_save(backend, into)
+            else:
+                await actors_save(host, into, name, episodes)
             wall, used = time.perf_counter() - start, time.process_time() - begun
             if not (into / IN_PLACE_MANIFEST).is_file():
                 raise RuntimeError(f"{side} save into {into} was not published")
@@ -179,12 +234,17 @@ async def run_snapshots(
 
         warm = {side: (await one(side, "warmup"))[2] for side in SIDES}
         for i in range(rounds):
-            for side in SIDES if i % 2 == 0 else SIDES[::-1]:
+            for side in SIDES[i % len(SIDES) :] + SIDES[: i % len(SIDES)]:  # each side first in turn
                 wall, used, _ = await one(side, f"{i:04d}")
                 took[side].append(wall)
                 cpu[side].append(used)
         events: dict[str, int] = {}
-        for side, ledger in (("embedded", coord.ledger), ("backend", backend.coordinator.ledger)):
+        ledgers = {
+            "embedded": coord.ledger,
+            "backend": backend.coordinator.ledger,
+            "actors": host.coordinator.ledger,
+        }
+        for side, ledger in ledgers.items():
             head = await ledger.head()
             events[side] = head.seq if head is not None else 0
     manifest = warm["backend"] / MANIFEST_FILENAME
@@ -200,6 +260,9 @@ async def run_snapshots(
     out["extra_s"] = out["backend_s"] - out["embedded_s"]
     out["extra_ci"] = bootstrap_difference(took["backend"], took["embedded"])
     out["extra_cpu_s"] = out["backend_cpu_s"] - out["embedded_cpu_s"]
+    out["actors_extra_s"] = out["actors_s"] - out["embedded_s"]
+    out["actors_extra_cpu_s"] = out["actors_cpu_s"] - out["embedded_cpu_s"]
+    out["actors_ratio"] = out["actors_s"] / out["embedded_s"]
     # for reference only: the two saves of one round ran back to back
     out["paired_s"] = statistics.median(
         [b - e for b, e in zip(took["backend"], took["embedded"], strict=True)]
@@ -266,12 +329,14 @@ def measure(ctx: Context) -> Result:
     names = {
         "backend_s": "backend_s", "embedded_s": "embedded_s", "extra_s": "extra_s", "ratio": "ratio",
         "backend_cpu_s": "backend_cpu_s", "embedded_cpu_s": "embedded_cpu_s", "extra_cpu_s": "extra_cpu_s",
-        "paired_s": "paired_s",
+        "paired_s": "paired_s", "actors_s": "actors_s", "actors_cpu_s": "actors_cpu_s",
+        "actors_extra_s": "actors_extra_s", "actors_extra_cpu_s": "actors_extra_cpu_s",
+        "actors_ratio": "actors_ratio",
     }  # fmt: skip
     f: dict[str, Stats] = {}
     for metric, key in names.items():
         f[metric] = stats_of(runs, key)
-        result.metric(metric, f[metric], "x" if metric == "ratio" else "s")
+        result.metric(metric, f[metric], "x" if metric.endswith("ratio") else "s")
     pooled = pooled_difference(runs, "backend", "embedded")
     result.metric("extra_pooled_s", pooled, "s (median difference [95% bootstrap interval])")
     result.metric("peak_rss_mb", stats_of(runs, "peak_rss_mb"), "MB")
@@ -308,10 +373,20 @@ def measure(ctx: Context) -> Result:
         "files written per save": f"+1 ({MANIFEST_FILENAME})",
         "ledger events per save": "",
     })  # fmt: skip
+    actors_pooled = pooled_difference(runs, "actors", "embedded")
+    result.metric("actors_extra_pooled_s", actors_pooled, "s (median difference [95% bootstrap interval])")
+    result.rows.append({
+        "side": "actors - embedded (reported, not judged)",
+        "wall (ms per save)": f"{f['actors_extra_s'].fmt(1e3, 2)} (pooled: {interval_text(actors_pooled)});"
+        f" ratio {f['actors_ratio'].fmt(1, 3)}",
+        "CPU (ms per save)": f["actors_extra_cpu_s"].fmt(1e3, 2),
+        "files written per save": f"+1 ({MANIFEST_FILENAME})",
+        "ledger events per save": "",
+    })  # fmt: skip
     common = {
         "durability": "full (SQLite WAL, its own ledger file in the run's folder)",
         "transport": "loopback HTTP, coordinator/http.py, to the same 8 servers",
-        "order": "one warm-up each, then rounds of one save per side, the side going first alternating;"
+        "order": "one warm-up each, then rounds of one save per side, each side first in turn;"
         f" {PAUSE_S * 1e3:.0f} ms untimed pause before every save",
         "cluster": f"a fresh one per run: {DEPLOYMENTS} gymsim v2 deployments (own processes, shared instance"
         f" names, folders gym-instances/nemo_gym/replica-<i>), {EPISODES} episodes each parked after"
@@ -324,6 +399,14 @@ def measure(ctx: Context) -> Result:
         **{
             **common,
             "call": "async with backend.snapshot(fresh folder) as snap: await snap.check_against_cut(cut)",
+        },
+    )
+    result.side(
+        "actors (quiesce.rl.actors.ActorCheckpointHost, in-process, RL's coordinator's calls)",
+        **{
+            **common,
+            "call": "every instance's checkpoint_prepare, one checkpoint_renew round, every"
+            " checkpoint_commit, gym_checkpoint.json, every checkpoint_resume (each step's calls concurrent)",
         },
     )
     result.side(
@@ -351,11 +434,19 @@ def measure(ctx: Context) -> Result:
         " runs in the process that times it, as on RL's driver; a backend hosted in a Ray actor"
         " (quiesce.rl.host) adds Ray's calls (begin, check, finish), not measured here"
     )
+    result.notes.append(
+        "actors (reported, not judged): RL's cross-actor coordinator's calls over quiesce's per-actor"
+        " host, in process, its handles called directly (RL calls them across Ray: a round trip per call"
+        " more, not measured here). Its extra over the embedded save is the host's joins, the renewal"
+        " round RL sends right after every prepare, and gym_checkpoint.json; ledger events per save"
+        f" (first run): actors {first['actors_events_per_save']:.1f}"
+    )
     return result
 
 
 __all__ = [
     "Cut",
+    "actors_save",
     "backend_save",
     "deployment_spec",
     "embedded_save",
