@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -37,12 +38,25 @@ class Cut:
         return None
 
 
+async def turned(shards: Any) -> None:
+    """Wait (up to a minute) until every rollout of every deployment has finished a turn, so it has
+    called its deployment's model."""
+    for handle in shards.checkpoint_handles.values():
+        for _ in range(1200):
+            if all(v["turns_done"] >= 1 for v in (await handle.rollouts.remote()).values()):
+                break
+            await anyio.sleep(0.05)
+        else:
+            raise AssertionError("a rollout finished no turn within a minute")
+
+
 async def test_two_v1_deployments_snapshot_each_into_its_folder_and_restore_into_fresh_ones(
     gym_actors: StartActors, tmp_path: Path, backends: list[QuiesceEnvironmentCheckpoint]
 ) -> None:
     shards = await gym_actors("v1")
     for instance, handle in shards.checkpoint_handles.items():
         await handle.start_rollouts.remote(ROLLOUTS[instance])
+    await turned(shards)  # every rollout's model calls have begun: each model has a ledger to save
     backend = backend_over(shards, settings(tmp_path, "v1"), backends, expected=lambda cut: [])
     await backend.start()
     discovery = backend.coordinator.discovery
