@@ -158,9 +158,11 @@ def tree_digests(
     return {rel: sums[rel] for rel, _, _ in files}
 
 
-def make_staging(staging: Path) -> tuple[int, int]:
-    """Create `<snapshots>/.staging/<id>/` (and its parents), durably; returns its identity
-    (device, inode), which `staging_problem` checks before anything is published from it.
+def make_staging(staging: Path, folders: Iterable[str] = ()) -> tuple[int, int]:
+    """Create `<snapshots>/.staging/<id>/` (and its parents), durably, then each of the servers'
+    `folders` in it (`make_folders`: each server is handed its folder ready, as Gym's own callers
+    do); returns the staging folder's identity (device, inode), which `staging_problem` checks
+    before anything is published from it.
 
     An entry already there is taken only if it is a real folder (a retried commit); a symlink or
     anything else raises `SnapshotError`."""
@@ -176,6 +178,8 @@ def make_staging(staging: Path) -> tuple[int, int]:
         )
     fsync_dir(staging.parent)
     fsync_dir(staging.parent.parent)
+    for folder in sorted(set(folders)):
+        make_folders(staging, folder)
     return (found.st_dev, found.st_ino)
 
 

@@ -97,7 +97,6 @@ from quiesce.coordinator.publish import (
     apply_retention,
     build_manifest,
     fsync_dir,
-    make_folders,
     make_staging,
     rename_into_place,
     staging_problem,
@@ -457,17 +456,11 @@ async def commit(ctx: Context, attempt: Attempt) -> None:
     require_state(attempt, ("prepared",), "commit")
     assert attempt.staging_dir is not None
     staging = attempt.staging_dir
-    folders = sorted({m.folder for m in attempt.participants if m.folder})
-
-    def make() -> tuple[int, int]:
-        identity = make_staging(staging)
-        for folder in folders:  # each server is handed its folder ready, as on the unified plane
-            make_folders(staging, folder)
-        return identity
+    folders = [m.folder for m in attempt.participants if m.folder]
 
     async def body() -> None:
         try:
-            attempt.staging_identity = await anyio.to_thread.run_sync(make)
+            attempt.staging_identity = await anyio.to_thread.run_sync(make_staging, staging, folders)
         except SnapshotError as error:
             raise PhaseFailure("commit", None, str(error)) from None
         except OSError as error:

@@ -72,7 +72,7 @@ from quiesce.coordinator.protocol_v2 import (
     participant_dir,
     unique_episodes,
 )
-from quiesce.coordinator.publish import make_folders, make_staging
+from quiesce.coordinator.publish import make_staging
 from quiesce.coordinator.resume import rolled_back_on_failure
 from quiesce.coordinator.wording import count
 
@@ -255,17 +255,11 @@ async def commit(
     staging = attempt.staging_dir
     attempt.stop = stop
 
-    folders = sorted({m.folder for m in attempt.participants if m.folder})
-
-    def make() -> tuple[int, int]:
-        identity = make_staging(staging)
-        for folder in folders:  # each server is handed its folder ready, as Gym's own callers do
-            make_folders(staging, folder)
-        return identity
+    folders = [m.folder for m in attempt.participants if m.folder]
 
     async def made() -> None:
         try:
-            attempt.staging_identity = await anyio.to_thread.run_sync(make)
+            attempt.staging_identity = await anyio.to_thread.run_sync(make_staging, staging, folders)
         except SnapshotError as error:
             raise PhaseFailure("commit", None, str(error)) from None
         except OSError as error:
