@@ -60,7 +60,6 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -74,6 +73,7 @@ from quiesce.coordinator.discovery import Member
 from quiesce.coordinator.errors import PhaseError
 from quiesce.coordinator.protocol_v2 import episode_of_key
 from quiesce.rl.backend import QuiesceEnvironmentCheckpoint, absolute_folder, instance_of
+from quiesce.rl.deployments import parse_quiesce_name
 from quiesce.rl.episodes import (
     CommitSummary,
     Episode,
@@ -105,8 +105,6 @@ METHODS: Final = (
 )
 #: Ids of finished operations kept, so a late call of one is answered, not refused.
 KEPT: Final = 64
-#: A server name `quiesce.rl.deployments.quiesce_name` made: `<shard>.r<i>.<gym name>`.
-_PREFIXED: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*\.r(?:0|[1-9][0-9]{0,5})\.(.+)$")
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -114,8 +112,8 @@ R = TypeVar("R")
 
 def server_name(member: Member) -> str:
     """The server's name inside its deployment (Gym's config name), as RL's summaries name it."""
-    named = _PREFIXED.match(member.name)
-    return named.group(1) if named is not None else member.name
+    named = parse_quiesce_name(member.name)
+    return named[2] if named is not None else member.name
 
 
 def _fail(

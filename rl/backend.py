@@ -42,7 +42,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -57,6 +56,7 @@ from quiesce.coordinator.discovery import Member
 from quiesce.coordinator.protocol_v2 import episode_of_key
 from quiesce.coordinator.publish import write_json_durably
 from quiesce.coordinator.recovery import RecoveryReport
+from quiesce.rl.deployments import parse_quiesce_name
 from quiesce.rl.episodes import Episode, FrozenMap, RestoredRollouts, sorted_episodes
 from quiesce.rl.errors import EnvironmentCheckpointError, from_quiesce
 from quiesce.rl.gym_manifest import MANIFEST_FILENAME, GymCheckpointManifest
@@ -73,8 +73,6 @@ __all__ = [
 POINTER: Final = "quiesce-snapshot.json"
 #: The RL instance id of a server without a `gym-instances/<shard>/replica-<i>` folder.
 DEFAULT_INSTANCE: Final = "nemo_gym/replica-0"
-#: A server name `quiesce.rl.deployments.quiesce_name` made: `<shard>.r<i>.<gym name>`.
-_NAMED_REPLICA: Final = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_-]*)\.r(0|[1-9][0-9]{0,5})\.")
 #: Episodes named in an error (the rest are counted).
 NAMED: Final = 5
 
@@ -91,9 +89,9 @@ def instance_of(member: Member) -> str:
     prefix = "gym-instances/"
     if member.folder.startswith(prefix) and member.folder.count("/") == 2:
         return member.folder.removeprefix(prefix)
-    named = _NAMED_REPLICA.match(member.name)
+    named = parse_quiesce_name(member.name)
     if named is not None:
-        return f"{named.group(1)}/replica-{int(named.group(2))}"
+        return f"{named[0]}/replica-{named[1]}"
     return DEFAULT_INSTANCE
 
 

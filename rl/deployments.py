@@ -30,7 +30,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 from urllib.parse import urlsplit
 
 import httpx
@@ -107,6 +107,16 @@ def quiesce_name(shard: str, replica: int, gym_name: str) -> str:
     if len(name) > _MAX_NAME:
         name = name[: _MAX_NAME - 13] + "-" + hashlib.sha256(raw.encode()).hexdigest()[:12]
     return name
+
+
+#: A name `quiesce_name` made: `<shard>.r<i>.<gym name>`.
+_QUIESCE_NAME: Final = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_-]*)\.r(0|[1-9][0-9]{0,5})\.(.+)$")
+
+
+def parse_quiesce_name(name: str) -> tuple[str, int, str] | None:
+    """`(shard, replica, gym name)` of a server name `quiesce_name` made; None for any other name."""
+    match = _QUIESCE_NAME.match(name)
+    return None if match is None else (match.group(1), int(match.group(2)), match.group(3))
 
 
 def cluster_servers(
