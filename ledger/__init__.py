@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from quiesce.ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
     from quiesce.ledger.errors import BrokenChainError, FencedError, LedgerError, LedgerUrlError, QuiesceError
     from quiesce.ledger.events import KINDS, PAYLOADS, AppendItem, Event, Payload, event_from_raw
-    from quiesce.ledger.projections import AttemptRow, fold
+    from quiesce.ledger.projections import AttemptRow, fold, fold_events
     from quiesce.ledger.redact import BODY_CAP_BYTES, REDACTED
     from quiesce.ledger.replay import ReplayReport, replay_url
     from quiesce.ledger.store import (
@@ -54,6 +54,7 @@ _EXPORTS: dict[str, str] = {
     "downgrade_schema": "quiesce.ledger.store",
     "event_from_raw": "quiesce.ledger.events",
     "fold": "quiesce.ledger.projections",
+    "fold_events": "quiesce.ledger.projections",
     "replay_url": "quiesce.ledger.replay",
     "restore_triggers": "quiesce.ledger.store",
     "row_bytes": "quiesce.ledger.canonical",
@@ -94,6 +95,7 @@ __all__ = [
     "downgrade_schema",
     "event_from_raw",
     "fold",
+    "fold_events",
     "replay_url",
     "restore_triggers",
     "row_bytes",

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple, Protocol, TypeAlias
 
 from quiesce.ledger.errors import FencedError, LedgerError
 from quiesce.ledger.events import Event
-from quiesce.ledger.projections import AttemptRow, fold, touched
+from quiesce.ledger.projections import COUNTED_KIND, AttemptRow, fold, touched
 from quiesce.ledger.rollout_refs import REF_KINDS, rollout_ids
 
 if TYPE_CHECKING:
@@ -76,7 +76,11 @@ class Tx(Protocol):
         """Insert ``rows`` if the stored head seq is ``last`` (0: empty); False, inserting nothing, if not."""
         ...
 
-    def get_attempt(self, checkpoint_id: str) -> AttemptRow | None: ...
+    def get_attempt(self, checkpoint_id: str) -> tuple[AttemptRow, int] | None:
+        """The stored row and how many ``call.sent`` events of its id, committed before this
+        transaction's rows, follow its ``last_seq`` (None: no row)."""
+        ...
+
     def put_attempt(self, row: AttemptRow, before: AttemptRow | None) -> None:
         """Store ``row``; ``before`` is the row stored under its checkpoint id now (None: none is)."""
         ...
@@ -93,9 +97,16 @@ def fenced_message(where: str, detail: str) -> str:
     )
 
 
+#: What ``apply_append`` folded: the rows of the ids its events touched (None: no row), and per
+#: id the ``call.sent`` events left uncounted after them (for an id it did not touch: its batch's).
+Folded: TypeAlias = tuple[dict[str, AttemptRow | None], dict[str, int]]
+
+
 class ProjectionCache:
     """The writer's copy of recently folded ``attempts`` rows, saving a read per append.
 
+    ``rows[cid]`` is the stored row and ``sent[cid]`` (absent: 0) the committed ``call.sent``
+    events of that id after its ``last_seq``, which the next event touching the row counts.
     Valid only for the writer that holds writership (no one else changes ``attempts``); updated
     only after a commit succeeded, cleared after any failure or a projection rebuild.
     """
@@ -104,30 +115,43 @@ class ProjectionCache:
 
     def __init__(self) -> None:
         self.rows: dict[str, AttemptRow] = {}
+        self.sent: dict[str, int] = {}
 
-    def committed(self, rows: dict[str, AttemptRow | None]) -> None:
+    def committed(self, written: Folded) -> None:
+        rows, sent = written
         if len(self.rows) + len(rows) > self.MAX_ROWS:
-            self.rows.clear()
+            self.clear()
         for cid, row in rows.items():
             if row is not None:
                 self.rows[cid] = row
+                self.sent[cid] = sent.get(cid, 0)
+            else:
+                self.rows.pop(cid, None)
+                self.sent.pop(cid, None)
+        for cid, n in sent.items():
+            if cid not in rows and cid in self.rows:
+                self.sent[cid] = self.sent.get(cid, 0) + n
 
     def clear(self) -> None:
         self.rows.clear()
+        self.sent.clear()
 
 
-def apply_append(tx: Tx, batch: Batch, cache: ProjectionCache) -> dict[str, AttemptRow | None]:
+def apply_append(tx: Tx, batch: Batch, cache: ProjectionCache) -> Folded:
     """Check the head, insert the rows, fold the projections: the body of every append transaction.
 
-    Projections written in it: the ``attempts`` rows the events change (``fold``) and the
+    Projections written in it: the ``attempts`` rows the events touch (``fold``) and the
     ``rollout_refs`` rows of its lineage events (``quiesce.ledger.rollout_refs.rollout_ids``); an
-    event of any other kind costs one membership test there.
+    event of any other kind costs one membership test there. A ``call.sent`` writes no row: it is
+    counted (``fold``'s ``sent``) by the next event touching its row, in this batch or a later
+    one — from the cache, or for a row not cached, from the events stored after its ``last_seq``
+    (``Tx.get_attempt``). A recorded call is thus the events row and its index entry, nothing more.
 
     The head check is the insert's own condition: the rows go in only after the writer's last
     known seq. A head that matches is one this writer wrote or loaded, so its epoch was checked
     by the writer already; a newer epoch can only sit at a seq the writer does not know.
 
-    Returns the projection rows written, for ``cache.committed`` once the transaction committed.
+    Returns what was folded, for ``cache.committed`` once the transaction committed.
     """
     if not tx.insert_after(batch.expected_last, batch.rows):
         head = tx.head()
@@ -140,29 +164,43 @@ def apply_append(tx: Tx, batch: Batch, cache: ProjectionCache) -> dict[str, Atte
             detail = f"its head (seq {last}) is not the row this writer chained seq {last + 1} on"
         raise FencedError(fenced_message(batch.where, detail))
     pending: dict[str, AttemptRow | None] = {}
+    sent: dict[
+        str, int
+    ] = {}  # per id: call.sent of this batch not yet counted (+ the stored ones, once read)
     stored: dict[str, AttemptRow] = {}
-    cached = cache.rows
+    cached, cached_sent = cache.rows, cache.sent
     refs: list[tuple[str, int]] = []
     for event in batch.events:
-        if event.kind in REF_KINDS:
+        kind = event.kind
+        if kind == COUNTED_KIND:
+            cid = event.checkpoint_id
+            if cid is not None:
+                sent[cid] = sent.get(cid, 0) + 1
+            continue
+        if kind in REF_KINDS:
             seq = event.seq
-            refs.extend((rollout_id, seq) for rollout_id in rollout_ids(event.kind, event.data))
+            refs.extend((rollout_id, seq) for rollout_id in rollout_ids(kind, event.data))
         for cid in touched(event):
             if cid in pending:
                 row = pending[cid]
+                before = sent.pop(cid, 0)
             else:
                 row = cached.get(cid)
-                if row is None:
-                    row = tx.get_attempt(cid)
+                if row is not None:
+                    before = cached_sent.get(cid, 0) + sent.pop(cid, 0)
+                else:
+                    got = tx.get_attempt(cid)
+                    row, before = got if got is not None else (None, 0)
+                    before += sent.pop(cid, 0)
                 if row is not None:
                     stored[cid] = row
-            pending[cid] = fold(row, event, cid)
+            pending[cid] = fold(row, event, cid, before)
     for cid, new in pending.items():
         if new is not None:
             tx.put_attempt(new, stored.get(cid))
     if refs:
         tx.put_refs(refs)
-    return pending
+    return pending, sent
 
 
 class InlineAppend(ABC):
@@ -310,6 +348,11 @@ class Backend(ABC):
 
     @abstractmethod
     async def attempt(self, checkpoint_id: str) -> AttemptRow | None: ...
+
+    @abstractmethod
+    async def calls_after(self, marks: Sequence[tuple[str, int]]) -> list[int]:
+        """Per ``(checkpoint_id, seq)``: how many ``call.sent`` events of that id have a larger seq
+        (the calls its projection row does not count yet; one range of ``ix_events_checkpoint_id``)."""
 
     @abstractmethod
     async def unfinished_attempts(self) -> list[AttemptRow]:

@@ -13,7 +13,7 @@ from typing import Final
 VERSION_TABLE: Final = "quiesce_alembic_version"
 #: The head revision of `migrations/versions` (checked against alembic by the tests). Opening a
 #: ledger whose stored revision equals it skips alembic entirely — the common case, kept cheap.
-HEAD_REVISION: Final = "0006"
+HEAD_REVISION: Final = "0007"
 
 #: The triggers on ``events`` that make it append-only at the head revision, per dialect (revision
 #: 0001: no UPDATE, DELETE or TRUNCATE; revision 0003: inserts only at the head of the chain). A

@@ -121,7 +121,18 @@ def append_statement(behind: bool, one_row: bool, puts: int, refs: bool = False)
 
 
 _A_HEAD = "SELECT seq, epoch FROM events ORDER BY seq DESC LIMIT 1"
-_A_GET = f"SELECT {', '.join(COLUMNS)} FROM attempts WHERE checkpoint_id = ANY($1::varchar[])"
+#: The rows, each with the ``call.sent`` events of its id after its ``last_seq`` (``Tx.get_attempt``).
+_A_GET = (
+    f"SELECT {', '.join(f'a.{c}' for c in COLUMNS)}, (SELECT count(*) FROM events e"
+    " WHERE e.checkpoint_id = a.checkpoint_id AND e.seq > a.last_seq AND e.kind = 'call.sent')"
+    " FROM attempts a WHERE a.checkpoint_id = ANY($1::varchar[])"
+)
+#: ``Backend.calls_after``: per (id, seq) pair, in order.
+_CALLS_AFTER = text(
+    "SELECT m.i, (SELECT count(*) FROM events e WHERE e.checkpoint_id = m.cid AND e.seq > m.after"
+    " AND e.kind = 'call.sent') FROM unnest(CAST(:cids AS VARCHAR[]), CAST(:afters AS BIGINT[]))"
+    " WITH ORDINALITY AS m(cid, after, i) ORDER BY m.i"
+)
 
 
 class _Prefetched:
@@ -131,7 +142,7 @@ class _Prefetched:
 
     __slots__ = ("found", "puts", "refs")
 
-    def __init__(self, found: dict[str, AttemptRow]) -> None:
+    def __init__(self, found: dict[str, tuple[AttemptRow, int]]) -> None:
         self.found = found
         self.puts: list[AttemptRow] = []
         self.refs: list[tuple[str, int]] = []
@@ -142,7 +153,7 @@ class _Prefetched:
     def insert_after(self, last: int, rows: list[RawEvent]) -> bool:
         return True
 
-    def get_attempt(self, checkpoint_id: str) -> AttemptRow | None:
+    def get_attempt(self, checkpoint_id: str) -> tuple[AttemptRow, int] | None:
         return self.found.get(checkpoint_id)
 
     def put_attempt(self, row: AttemptRow, before: AttemptRow | None) -> None:
@@ -300,11 +311,11 @@ class PostgresBackend(Backend):
         cached = self._cache.rows
         behind = not batch.durable and self._durability == "full"
         try:
-            found: dict[str, AttemptRow] = {}
+            found: dict[str, tuple[AttemptRow, int]] = {}
             missing = [cid for e in batch.events for cid in touched(e) if cid not in cached]
             if missing:  # the writer's cache lacks them: read before the statement (only this writer writes)
                 fetched = await conn.fetch(_A_GET, sorted(set(missing)))
-                found = {r[0]: from_columns(tuple(r)) for r in fetched}
+                found = {r[0]: (from_columns(tuple(r)[:-1]), int(r[-1])) for r in fetched}
             tx = _Prefetched(found)
             written = apply_append(tx, batch, self._cache)
             puts, refs = tx.puts, tx.refs
@@ -641,6 +652,12 @@ class PostgresBackend(Backend):
     async def attempt(self, checkpoint_id: str) -> AttemptRow | None:
         rows = await self._rows(select(*_ATTEMPT_COLS).where(attempts.c.checkpoint_id == checkpoint_id))
         return from_columns(rows[0]) if rows else None
+
+    async def calls_after(self, marks: Sequence[tuple[str, int]]) -> list[int]:
+        if not marks:
+            return []
+        statement = _CALLS_AFTER.bindparams(cids=[c for c, _ in marks], afters=[a for _, a in marks])
+        return [int(row[1]) for row in await self._rows(statement)]
 
     async def unfinished_attempts(self) -> list[AttemptRow]:
         statement = select(*_ATTEMPT_COLS).where(attempts.c.outcome.is_(None)).order_by(attempts.c.last_seq)

@@ -17,11 +17,18 @@ Rules (``fold(row, event)``, for each checkpoint id in ``touched(event)``):
   (state ``completed``, outcome from the payload: published, restored or resumed).
   A ``recovery.completed`` whose ``outcomes`` maps the id to ``abandoned`` makes it terminal with
   state and outcome ``abandoned`` (an interrupted restore). Terminal events set ``ended_at``.
-- Always: ``call.sent`` counts in ``calls``, ``call.failed`` in ``failures``; ``recovery.settled``
-  for the id, and ``recovery.completed`` naming it, set ``recovered_by`` to the event's epoch.
-- ``last_seq`` is the seq of the last event that *changed* the row. A ``call.replied`` changes
-  nothing (``touched`` returns no id for it), so a recorded call costs one projection write, not two;
-  the attempt's last event of any kind is one indexed query away in ``events``.
+- Always: ``call.failed`` counts in ``failures``; ``recovery.settled`` for the id, and
+  ``recovery.completed`` naming it, set ``recovered_by`` to the event's epoch.
+- ``call.sent`` changes no row by itself: it is counted in ``calls`` by the next event that
+  touches its attempt's row (``fold``'s ``sent``). A recorded call therefore writes no projection
+  row at all (``call.replied`` never touches one either): its append is the events row and its
+  index entry only. ``calls`` counts the ``call.sent`` events of the attempt up to ``last_seq``; the
+  live count adds those after it (``Ledger.attempts`` does, one indexed range per row), so a
+  reader sees every call made, and a row folded here equals the stored one whatever call came
+  last. A ``call.sent`` before its attempt's ``attempt.started`` is never counted.
+- ``last_seq`` is the seq of the last event that touched the row (``touched``); neither
+  ``call.sent`` nor ``call.replied`` does. The attempt's last event of any kind is one indexed
+  query away in ``events``.
 """
 
 from __future__ import annotations
@@ -148,8 +155,11 @@ def replace(row: AttemptRow, **changes: Any) -> AttemptRow:
     return _row(*[get(name, value) for name, value in zip(COLUMNS, _columns_of(row), strict=True)])
 
 
+#: The kind counted, not folded: the next event touching its row adds it to ``calls`` (``fold``'s ``sent``).
+COUNTED_KIND: Final = "call.sent"
+
 #: Kinds that never change a projection row (so appending them writes no projection row).
-UNTOUCHING_KINDS: Final = frozenset({"call.replied"})
+UNTOUCHING_KINDS: Final = frozenset({"call.replied", COUNTED_KIND})
 
 
 def touched(event: Event) -> tuple[str, ...]:
@@ -170,32 +180,36 @@ def touched_by(kind: str, checkpoint_id: str | None, data: dict[str, Any]) -> tu
     return () if checkpoint_id is None else (checkpoint_id,)
 
 
-#: The kind whose only effect is to count: ``fold`` of it is ``count_calls(row, 1, seq)``.
-COUNTED_KIND: Final = "call.sent"
-
-
-def count_calls(row: AttemptRow | None, n: int, last_seq: int) -> AttemptRow | None:
-    """The row after ``n`` consecutive ``call.sent`` events for it, the last one at ``last_seq``.
-
-    Equal to ``fold`` applied ``n`` times (the definition ``fold`` itself uses): ``calls`` grows by
-    ``n`` and ``last_seq`` becomes ``last_seq`` whatever the state; no row stays no row.
-    """
-    if row is None:
-        return None
-    return _row(
-        row.checkpoint_id, row.kind, row.state, row.outcome, row.started_at, row.ended_at,
-        row.deadline_ts, row.participants, row.epoch, row.calls + n, row.failures, row.recovered_by, last_seq,
-    )  # fmt: skip
-
-
-def fold(row: AttemptRow | None, event: Event, checkpoint_id: str | None = None) -> AttemptRow | None:
-    """The projection row after ``event``. Pure; never mutates its arguments.
+def fold(
+    row: AttemptRow | None, event: Event, checkpoint_id: str | None = None, sent: int = 0
+) -> AttemptRow | None:
+    """The projection row after ``event``, for an id ``touched(event)`` returns. Pure; never
+    mutates its arguments.
 
     ``checkpoint_id`` names the row being folded when it differs from ``event.checkpoint_id``
-    (``recovery.completed`` touches several); it defaults to ``event.checkpoint_id``.
+    (``recovery.completed`` touches several); it defaults to ``event.checkpoint_id``. ``sent`` is
+    the number of ``call.sent`` events of that id since the row's ``last_seq`` (since the start, for
+    no row): this event counts them. ``fold_events`` is the whole definition over a stream.
     """
     cid = checkpoint_id if checkpoint_id is not None else event.checkpoint_id
-    return fold_columns(row, cid, event.seq, event.at, event.kind, event.epoch, event.data)
+    return fold_columns(row, cid, event.seq, event.at, event.kind, event.epoch, event.data, sent)
+
+
+def fold_events(events: Iterable[Event]) -> dict[str, AttemptRow]:
+    """The ``attempts`` rows of a stream of events in seq order: the projection's definition, which
+    the writer's appends, replay (``FoldFeed``/``fold_items``) and migrations all keep."""
+    rows: dict[str, AttemptRow] = {}
+    sent: dict[str, int] = {}
+    for event in events:
+        if event.kind == COUNTED_KIND:
+            if event.checkpoint_id is not None:
+                sent[event.checkpoint_id] = sent.get(event.checkpoint_id, 0) + 1
+            continue
+        for cid in touched(event):
+            new = fold(rows.get(cid), event, cid, sent.pop(cid, 0))
+            if new is not None:
+                rows[cid] = new
+    return rows
 
 
 def fold_columns(
@@ -206,6 +220,7 @@ def fold_columns(
     kind: str,
     epoch: int,
     data: dict[str, Any],
+    sent: int = 0,
 ) -> AttemptRow | None:
     """``fold`` of an event given by the only columns it reads (the rules; see the module docstring).
 
@@ -231,8 +246,8 @@ def fold_columns(
                 seq,
             )
         return None
-    if kind == COUNTED_KIND:  # the most frequent event
-        return count_calls(row, 1, seq)
+    if kind in UNTOUCHING_KINDS:  # touches no row (``touched``): the row as it is
+        return row
     # The columns an event can change; every other one is carried over.
     state, outcome, ended_at, failures, recovered_by = (
         row.state, row.outcome, row.ended_at, row.failures, row.recovered_by
@@ -264,15 +279,15 @@ def fold_columns(
         ended_at = at
     return _row(
         row.checkpoint_id, row.kind, state, outcome, row.started_at, ended_at, row.deadline_ts,
-        row.participants, row.epoch, row.calls, failures, recovered_by, seq,
+        row.participants, row.epoch, row.calls + sent, failures, recovered_by, seq,
     )  # fmt: skip
 
 
 #: What ``fold_items`` folds, as made by ``FoldFeed``: ``(seq, at, kind, checkpoint_id, epoch,
 #: payload)`` for one event (``payload``: ``payload_read_by_fold`` of its stored data text), or
-#: ``(checkpoint_id, n, last_seq)`` standing for ``n`` consecutive ``call.sent`` events of that id
-#: (``count_calls``). Plain tuples of the columns ``fold`` reads and no others: they cross process
-#: boundaries cheaply.
+#: ``(checkpoint_id, n)`` standing for ``n`` consecutive ``call.sent`` events of that id (counted by
+#: the next item touching the id: ``fold``'s ``sent``). Plain tuples of the columns ``fold`` reads
+#: and no others: they cross process boundaries cheaply.
 FoldItem: TypeAlias = tuple[Any, ...]
 
 _NO_PAYLOAD: Final[dict[str, Any]] = {}  # read by nobody: fold reads no payload of those kinds
@@ -310,7 +325,7 @@ class FoldFeed:
 
     def __init__(self) -> None:
         self.items: list[FoldItem] = []
-        self._counts: dict[str, list[int]] = {}
+        self._counts: dict[str, int] = {}
 
     def add(self, rows: Iterable[Sequence[Any]]) -> None:
         """Take stored rows (in ``quiesce.ledger.layout.EVENT_COLUMNS`` order) following those added."""
@@ -322,12 +337,7 @@ class FoldFeed:
             if kind == counted:
                 cid = row[3]
                 if cid is not None:
-                    pending = counts.get(cid)
-                    if pending is None:
-                        counts[cid] = [1, row[0]]
-                    else:
-                        pending[0] += 1
-                        pending[1] = row[0]
+                    counts[cid] = counts.get(cid, 0) + 1
             elif kind not in untouching:
                 cid = row[3]
                 if kind == "recovery.completed":
@@ -337,13 +347,13 @@ class FoldFeed:
                 else:
                     pending = counts.pop(cid, None)
                     if pending is not None:
-                        items.append((cid, pending[0], pending[1]))
+                        items.append((cid, pending))
                 payload = payload_read_by_fold(kind, row[7]) if kind in read else None
                 items.append((row[0], row[1], kind, cid, row[6], payload))
 
     def flush(self) -> None:
         """Turn every pending count into an item."""
-        self.items.extend((cid, n, last) for cid, (n, last) in self._counts.items())
+        self.items.extend(self._counts.items())
         self._counts.clear()
 
     def take(self) -> list[FoldItem]:
@@ -353,20 +363,23 @@ class FoldFeed:
         return items
 
 
-def fold_items(rows: dict[str, AttemptRow], items: Iterable[FoldItem]) -> None:
-    """Fold ``items`` (from ``FoldFeed``, in order) into ``rows`` (checkpoint id -> row), in place."""
+def fold_items(rows: dict[str, AttemptRow], items: Iterable[FoldItem], sent: dict[str, int]) -> None:
+    """Fold ``items`` (from ``FoldFeed``, in order) into ``rows`` (checkpoint id -> row), in place.
+
+    ``sent`` holds, per id, the ``call.sent`` events not yet counted by a touching event: kept by
+    the caller from one call to the next (a stream folded in parts folds as a whole); what is
+    left in it at the end is what no stored row counts yet."""
     get = rows.get
     for item in items:
-        if len(item) == 3:
-            cid, n, last_seq = item
-            counted = count_calls(get(cid), n, last_seq)
-            if counted is not None:
-                rows[cid] = counted
+        if len(item) == 2:
+            cid, n = item
+            sent[cid] = sent.get(cid, 0) + n
             continue
         seq, at, kind, cid, epoch, payload = item
         data = _NO_PAYLOAD if payload is None else payload
         for touched_id in touched_by(kind, cid, data):
-            new = fold_columns(get(touched_id), touched_id, seq, at, kind, epoch, data)
+            count = sent.pop(touched_id, 0) if sent else 0
+            new = fold_columns(get(touched_id), touched_id, seq, at, kind, epoch, data, count)
             if new is not None:
                 rows[touched_id] = new
 

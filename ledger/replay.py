@@ -120,6 +120,7 @@ class Replayer:
         self._last_seq = 0
         self._last_hash = GENESIS_HASH
         self._feed = FoldFeed()
+        self._sent: dict[str, int] = {}  # call.sent not yet counted by a touching event
 
     def _bad(self, seq: int, problem: str) -> None:
         report = self.report
@@ -139,7 +140,7 @@ class Replayer:
                 self._bad(*problem)
         self._advance(len(rows), rows[-1][0], rows[-1][9])
         self._feed.add(rows)
-        fold_items(self.rows, self._feed.take())
+        fold_items(self.rows, self._feed.take(), self._sent)
 
     def feed_chunk(self, chunk: Chunk) -> None:
         """Take the next range of rows, as checked and reduced by a worker (``ledger.replay_worker``)."""
@@ -150,7 +151,7 @@ class Replayer:
             if problem is not None:
                 self._bad(*problem)
         self._advance(chunk.count, *chunk.last)
-        fold_items(self.rows, chunk.items)
+        fold_items(self.rows, chunk.items, self._sent)
 
     def _advance(self, count: int, last_seq: int, last_hash: str) -> None:
         self._last_seq, self._last_hash = last_seq, last_hash

@@ -67,6 +67,11 @@ _AT_COLS = ", ".join(COLUMNS)
 _INSERT_EVENT = f"INSERT INTO events ({_EV_COLS}) VALUES ({', '.join('?' * len(EVENT_COLUMNS))})"
 _PUT_ATTEMPT = f"INSERT OR REPLACE INTO attempts ({_AT_COLS}) VALUES ({', '.join('?' * len(COLUMNS))})"
 _GET_ATTEMPT = f"SELECT {_AT_COLS} FROM attempts WHERE checkpoint_id = ?"
+_SEQ_MAX = 2**63 - 1
+#: The ``call.sent`` events of an id in a seq range (``ix_events_checkpoint_id``: one range).
+_CALLS_BETWEEN = (
+    "SELECT count(*) FROM events WHERE checkpoint_id = ? AND seq > ? AND seq <= ? AND kind = 'call.sent'"
+)
 _UNFINISHED = f"SELECT {_AT_COLS} FROM attempts WHERE outcome IS NULL ORDER BY last_seq"
 _HEAD_SEQ_EPOCH = "SELECT seq, epoch FROM events ORDER BY seq DESC LIMIT 1"
 _HEAD_ROW = f"SELECT {_EV_COLS} FROM events ORDER BY seq DESC LIMIT 1"
@@ -105,10 +110,11 @@ def read_last_sql(kind: str) -> str:
 
 
 class _SqliteTx:
-    __slots__ = ("_c",)
+    __slots__ = ("_c", "_last")
 
     def __init__(self, connection: sqlite3.Connection) -> None:
         self._c = connection
+        self._last = 0  # the head seq before this transaction's rows
 
     def head(self) -> tuple[int, int] | None:
         row = self._c.execute(_HEAD_SEQ_EPOCH).fetchone()
@@ -120,14 +126,22 @@ class _SqliteTx:
         # seq alone). The batch's later rows are chained on the first, so a refusal comes at the
         # first row and nothing is inserted; the caller rolls the transaction back either way.
         try:
-            self._c.executemany(_INSERT_EVENT, rows)
+            if len(rows) == 1:
+                self._c.execute(_INSERT_EVENT, rows[0])
+            else:
+                self._c.executemany(_INSERT_EVENT, rows)
         except sqlite3.IntegrityError:
             return False
+        self._last = last
         return True
 
-    def get_attempt(self, checkpoint_id: str) -> AttemptRow | None:
-        row = self._c.execute(_GET_ATTEMPT, (checkpoint_id,)).fetchone()
-        return from_columns(row) if row is not None else None
+    def get_attempt(self, checkpoint_id: str) -> tuple[AttemptRow, int] | None:
+        found = self._c.execute(_GET_ATTEMPT, (checkpoint_id,)).fetchone()
+        if found is None:
+            return None
+        row = from_columns(found)
+        sent = self._c.execute(_CALLS_BETWEEN, (checkpoint_id, row.last_seq, self._last)).fetchone()[0]
+        return row, int(sent)
 
     def put_attempt(self, row: AttemptRow, before: AttemptRow | None) -> None:
         values = stored_values(row)
@@ -525,3 +539,21 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
 
     async def unfinished_attempts(self) -> list[AttemptRow]:
         return [from_columns(row) for row in await self._query(_UNFINISHED, ())]
+
+    async def calls_after(self, marks: Sequence[tuple[str, int]]) -> list[int]:
+        if not marks:
+            return []
+
+        def run() -> list[int]:
+            conn = self._r
+            if conn is None:
+                raise LedgerError(f"ledger {self.where} is closed")
+            try:
+                return [
+                    int(conn.execute(_CALLS_BETWEEN, (cid, after, _SEQ_MAX)).fetchone()[0])
+                    for cid, after in marks
+                ]
+            except sqlite3.Error as error:
+                raise self._problem(error, "read") from error
+
+        return await anyio.to_thread.run_sync(run, limiter=self._rlimiter)

@@ -70,7 +70,7 @@ from quiesce.ledger.chain import check_rows, truncation
 from quiesce.ledger.errors import BrokenChainError, FencedError, LedgerError, require_extra
 from quiesce.ledger.events import COLUMN_RULES, KINDS, AppendItem, Event, event_from_raw, new_event
 from quiesce.ledger.layout import APPEND_ONLY_TRIGGERS, HEAD_REVISION, indexed_kind
-from quiesce.ledger.projections import AttemptRow
+from quiesce.ledger.projections import AttemptRow, replace
 from quiesce.ledger.redact import Redactor
 from quiesce.ledger.urls import SQLITE_PREFIX, parse, plain_sqlite_path, safe
 
@@ -1049,6 +1049,7 @@ class Ledger:
         *,
         limit: int = 0,
         before: tuple[str, str] | None = None,
+        stored: bool = False,
     ) -> list[AttemptRow]:
         """Rows of the ``attempts`` projection, oldest first by ``(started_at, checkpoint_id)``.
 
@@ -1056,6 +1057,11 @@ class Ledger:
         or ``"open"`` (no terminal event yet); ``before`` a ``(started_at, checkpoint_id)`` key that
         every row precedes (the keyset of the next page back); ``limit`` > 0 keeps the newest that
         many, and costs that many rows of the index (``ix_attempts_started``), not the history.
+
+        ``calls`` is every ``call.sent`` of the attempt so far: the stored count plus those after
+        the row's ``last_seq`` (``quiesce.ledger.projections``; one indexed range per row, empty
+        for a finished attempt). ``stored=True``: the rows exactly as stored, for comparing them
+        with a fold of the events (``check``, ``replay``).
         """
         if isinstance(since, datetime):
             since = since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -1063,12 +1069,25 @@ class Ledger:
             raise ValueError(f"limit must be >= 0, not {limit}")
         chosen = outcome if outcome is None or isinstance(outcome, str) else tuple(outcome)
         await self._flush_staged()
-        return await self._backend.attempts(AttemptQuery(since, chosen, before, limit))
+        rows = await self._backend.attempts(AttemptQuery(since, chosen, before, limit))
+        return rows if stored else await self._live_calls(rows)
 
-    async def attempt(self, checkpoint_id: str) -> AttemptRow | None:
-        """The projection row of one attempt, or ``None``."""
+    async def attempt(self, checkpoint_id: str, *, stored: bool = False) -> AttemptRow | None:
+        """The projection row of one attempt, or ``None``; ``calls`` and ``stored`` as in ``attempts``."""
         await self._flush_staged()
-        return await self._backend.attempt(checkpoint_id)
+        row = await self._backend.attempt(checkpoint_id)
+        if row is None or stored:
+            return row
+        return (await self._live_calls([row]))[0]
+
+    async def _live_calls(self, rows: list[AttemptRow]) -> list[AttemptRow]:
+        """``rows`` with the ``call.sent`` events after each one's ``last_seq`` counted in ``calls``."""
+        if not rows:
+            return rows
+        later = await self._backend.calls_after([(row.checkpoint_id, row.last_seq) for row in rows])
+        return [
+            row if n == 0 else replace(row, calls=row.calls + n) for row, n in zip(rows, later, strict=True)
+        ]
 
     async def start_key(self, checkpoint_id: str) -> tuple[str, str] | None:
         """Attempt ``checkpoint_id``'s place in ``attempts``' order, ``(started_at, checkpoint_id)``:

@@ -153,7 +153,9 @@ async def test_a_lone_append_cancelled_during_its_commit_lands_whole(
     assert stored[-2:] == [returned[0], after]
     assert after.prev_hash == returned[0].hash
     assert row is not None
-    assert (row.calls, row.last_seq) == (1, returned[0].seq)
+    # the call is counted (live); the row's last change is still its attempt.started
+    assert (row.calls, row.last_seq) == (1, stored[-3].seq)
+    assert stored[-3].kind == "attempt.started"
     assert (await replay_url(ledger_url)).ok
 
 

@@ -1,33 +1,38 @@
-"""An append writes only the projection columns it changes, so it rewrites no index entry it leaves alone.
+"""What an append writes to the ``attempts`` projection, and that the rows stay what replay rebuilds.
 
-SQLite rewrites an index's entry whenever an ``UPDATE`` names one of the index's columns, even when
-the value stays the same. A recorded call changes ``calls`` and ``last_seq`` of its attempt's row;
-were every column set, each ``call.sent`` commit would also write a page of ``ix_attempts_started``
-(5 WAL frames instead of 4). The rows stored must still be exactly what replay rebuilds.
+A recorded call (``call.sent`` + ``call.replied``) writes no projection row: each append is the
+events row and its checkpoint index entry (2 WAL frames on SQLite), and the next event touching
+the attempt's row counts the calls sent since its ``last_seq``. Readers still see every call
+(``Ledger.attempts`` adds those after ``last_seq``). When a row is written, only the columns it
+changes are named, so SQLite rewrites no index entry the append leaves alone.
 """
 
 from __future__ import annotations
 
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from quiesce.ledger import Ledger, replay_url
+from quiesce.ledger import AppendItem, Ledger, downgrade_schema, replay_url, upgrade_schema
+from quiesce.ledger.layout import HEAD_REVISION
 from quiesce.ledger.projections import COLUMNS
 from quiesce.ledger.sqlite import update_sql
 from quiesce.tools.bench.ledger import wal_frames
-from tests.ledger.helpers import COORDINATOR, FAILED, REPLIED, SENT, started
+from tests.ledger.helpers import COORDINATOR, FAILED, REPLIED, SENT, raw_sql, started
 
 pytestmark = pytest.mark.anyio
 
 
 def test_the_update_names_only_the_changed_columns() -> None:
-    calls, last = COLUMNS.index("calls"), COLUMNS.index("last_seq")
-    assert update_sql((calls, last)) == "UPDATE attempts SET calls = ?, last_seq = ? WHERE checkpoint_id = ?"
+    calls, failures, last = COLUMNS.index("calls"), COLUMNS.index("failures"), COLUMNS.index("last_seq")
+    assert update_sql((calls, failures, last)) == (
+        "UPDATE attempts SET calls = ?, failures = ?, last_seq = ? WHERE checkpoint_id = ?"
+    )
 
 
-async def test_a_recorded_call_writes_no_page_of_an_index_it_leaves_alone(tmp_path: Path) -> None:
+async def test_a_recorded_call_writes_no_projection_page(tmp_path: Path) -> None:
     database = tmp_path / "l.db"
     url = f"sqlite+aiosqlite:///{database}"
     frames: dict[str, list[int]] = {"call.sent": [], "call.replied": []}
@@ -43,15 +48,92 @@ async def test_a_recorded_call_writes_no_page_of_an_index_it_leaves_alone(tmp_pa
                 assert after is not None
                 assert after > before
                 frames[kind].append(after - before)
+        stored = await ledger.attempt("c1", stored=True)
+        live = await ledger.attempt("c1")
+        assert stored is not None
+        assert live is not None
+        assert (stored.calls, live.calls, live.last_seq) == (0, 21, stored.last_seq)
+        assert [row.calls for row in await ledger.attempts()] == [21]
         await ledger.append("call.sent", checkpoint_id="c1", server="agent", call_id="c1/x", data=SENT)
         await ledger.append("call.failed", checkpoint_id="c1", server="agent", call_id="c1/x", data=FAILED)
+        failed = await ledger.attempt("c1", stored=True)
+        await ledger.append("call.sent", checkpoint_id="c1", server="agent", call_id="c1/y", data=SENT)
         await ledger.append("phase.started", checkpoint_id="c1", data={"phase": "commit"})
-        row = await ledger.attempt("c1")
-    # call.sent: the events page, its checkpoint index page, the attempt's row, its last_seq entry
-    assert statistics.median(frames["call.sent"]) == 4
-    # call.replied changes no projection row: the events page and its checkpoint index page
+        row = await ledger.attempt("c1", stored=True)
+    # each: the events page and its checkpoint index page, no projection page
+    assert statistics.median(frames["call.sent"]) == 2
     assert statistics.median(frames["call.replied"]) == 2
+    assert failed is not None
+    assert (failed.calls, failed.failures) == (22, 1), "the failure's event counted the 22 calls before it"
     assert row is not None
-    assert (row.calls, row.failures, row.state) == (22, 1, "commit")
+    assert (row.calls, row.failures, row.state) == (23, 1, "commit")
     report = await replay_url(url)
     assert report.ok, report.problem
+
+
+async def test_calls_a_dead_writer_left_uncounted_are_counted_by_the_next_one(ledger_url: str) -> None:
+    """A new writer has no cache: the calls stored after the row's ``last_seq`` are read from the
+    events (SQLite: inside the append's transaction; PostgreSQL: with the row, before it)."""
+    async with Ledger.open(ledger_url) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        await ledger.append("attempt.started", checkpoint_id="c1", data=started())
+        await ledger.append("attempt.started", checkpoint_id="c2", data=started())
+        for i in range(3):
+            await ledger.append("call.sent", checkpoint_id="c1", server="agent", call_id=f"c1/{i}", data=SENT)
+        await ledger.append("call.sent", checkpoint_id="c2", server="agent", call_id="c2/0", data=SENT)
+    async with Ledger.open(ledger_url) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        assert [(r.checkpoint_id, r.calls) for r in await ledger.attempts()] == [("c1", 3), ("c2", 1)]
+        assert [r.calls for r in await ledger.attempts(stored=True)] == [0, 0]
+        # in one batch: a call of the batch before the touching event counts too, one after it waits
+        await ledger.append_many(
+            [
+                _item("call.sent", "c1", "c1/3", SENT),
+                _item("phase.started", "c1", None, {"phase": "commit"}),
+                _item("call.sent", "c1", "c1/4", SENT),
+            ]
+        )
+        stored = await ledger.attempt("c1", stored=True)
+        await ledger.append("attempt.aborting", checkpoint_id="c2", data={"reason": "test"})
+        c2 = await ledger.attempt("c2", stored=True)
+    assert stored is not None
+    assert (stored.calls, stored.state) == (4, "commit")
+    assert c2 is not None
+    assert c2.calls == 1
+    report = await replay_url(ledger_url)
+    assert report.ok, (report.problem, report.differences)
+
+
+def _item(kind: str, cid: str, call_id: str | None, data: dict[str, Any]) -> AppendItem:
+    return AppendItem(kind, cid, "agent" if call_id else None, call_id, data)
+
+
+async def test_the_migration_rewrites_the_rows_whose_last_change_was_a_call(ledger_url: str) -> None:
+    """0006 counted each ``call.sent`` in its row at once; 0007 with the next touching event. The
+    downgrade gives the old rule's rows, the upgrade this rule's, and replay agrees at head."""
+    async with Ledger.open(ledger_url) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        for cid in ("done", "dead"):
+            await ledger.append("attempt.started", checkpoint_id=cid, data=started())
+            await ledger.append("phase.started", checkpoint_id=cid, data={"phase": "prepare"})
+            for i in range(3):
+                await ledger.append(
+                    "call.sent", checkpoint_id=cid, server="agent", call_id=f"{cid}/{i}", data=SENT
+                )
+                await ledger.append(
+                    "call.replied", checkpoint_id=cid, server="agent", call_id=f"{cid}/{i}", data=REPLIED
+                )
+        await ledger.append("phase.completed", checkpoint_id="done", data={"phase": "prepare"})
+        at_head = {r.checkpoint_id: r for r in await ledger.attempts(stored=True)}
+        last_call = (await ledger.checkpoint_events(["dead"], ["call.sent"]))[-1].seq
+    query = "SELECT checkpoint_id, calls, last_seq FROM attempts ORDER BY checkpoint_id"
+    await downgrade_schema(ledger_url, "0006")
+    old = {str(c): (int(n), int(s)) for c, n, s in await raw_sql(ledger_url, query)}
+    assert old["dead"] == (3, last_call), "the old rule: every call counted, last_seq at the last one"
+    assert old["done"] == (at_head["done"].calls, at_head["done"].last_seq) == (3, at_head["done"].last_seq)
+    assert (await upgrade_schema(ledger_url))[1] == HEAD_REVISION
+    new = {str(c): (int(n), int(s)) for c, n, s in await raw_sql(ledger_url, query)}
+    assert new == {cid: (row.calls, row.last_seq) for cid, row in at_head.items()}
+    assert new["dead"][0] == 0
+    report = await replay_url(ledger_url)
+    assert report.ok, (report.problem, report.differences)

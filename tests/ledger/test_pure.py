@@ -12,7 +12,16 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from quiesce.ledger import BODY_CAP_BYTES, GENESIS_HASH, REDACTED, Event, chain_hash, fold, row_bytes
+from quiesce.ledger import (
+    BODY_CAP_BYTES,
+    GENESIS_HASH,
+    REDACTED,
+    Event,
+    chain_hash,
+    fold,
+    fold_events,
+    row_bytes,
+)
 from quiesce.ledger.canonical import canonical
 from quiesce.ledger.events import KINDS, new_event
 from quiesce.ledger.payloads import PAYLOADS
@@ -186,13 +195,7 @@ def _strip(event: Event) -> Event:
 
 
 def _fold_all(events: list[Event]) -> dict[str, AttemptRow]:
-    rows: dict[str, AttemptRow] = {}
-    for event in events:
-        for cid in touched(event):
-            new = fold(rows.get(cid), event, cid)
-            if new is not None:
-                rows[cid] = new
-    return rows
+    return fold_events(events)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -335,8 +338,9 @@ def test_fold_lifecycle() -> None:
     row = fold(row, ev(2, "phase.started", {"phase": "prepare"}))
     assert row is not None
     assert row.state == "prepare"
-    row = fold(row, ev(3, "call.sent", {}))
-    row = fold(row, ev(4, "call.failed", {}))
+    assert touched(ev(3, "call.sent", {})) == ()  # counted by the next event that touches the row:
+    assert fold(row, ev(3, "call.sent", {})) is row
+    row = fold(row, ev(4, "call.failed", {}), sent=1)
     assert row is not None
     assert (row.calls, row.failures, row.last_seq) == (1, 1, 4)
     assert touched(ev(5, "call.replied", {})) == ()
@@ -350,6 +354,19 @@ def test_fold_lifecycle() -> None:
     assert row is not None
     assert (row.outcome, row.recovered_by) == ("published", 2)
     assert fold(None, ev(9, "call.sent", {}, cid="nobody")) is None
+    # a stream: calls before the start are never counted; those after the last touch wait for one
+    stream = [
+        ev(20, "call.sent", {}, cid="c3"),
+        ev(21, "attempt.started", {"kind": "save", "participants": []}, cid="c3"),
+        ev(22, "call.sent", {}, cid="c3"),
+        ev(23, "call.sent", {}, cid="c3"),
+        ev(24, "call.replied", {}, cid="c3"),
+        ev(25, "phase.started", {"phase": "commit"}, cid="c3"),
+        ev(26, "call.sent", {}, cid="c3"),
+    ]
+    folded = fold_events(stream)["c3"]
+    assert (folded.calls, folded.last_seq, folded.state) == (2, 25, "commit")
+    assert fold_events(stream[:4])["c3"].calls == 0
 
     restore = fold(
         None, ev(10, "attempt.started", {"kind": "restore", "deadline_ts": 1, "participants": []}, cid="r1")

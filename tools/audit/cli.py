@@ -30,8 +30,9 @@ async def check_ledger(url: str, expect: Sequence[tuple[str, int]] | None = None
     chain = ChainCheck()
     feed = FoldFeed()
     rebuilt: dict[str, AttemptRow] = {}
+    sent: dict[str, int] = {}
     async with open_readonly(url) as ledger:
-        live = await ledger.attempts()
+        live = await ledger.attempts(stored=True)
         upto = max((row.last_seq for row in live), default=0)
         async for page in ledger.read_pages():
             chain.feed(page)
@@ -42,7 +43,7 @@ async def check_ledger(url: str, expect: Sequence[tuple[str, int]] | None = None
             folded = page if int(page[-1][0]) <= upto else [row for row in page if int(row[0]) <= upto]
             if folded:
                 feed.add(folded)
-                fold_items(rebuilt, feed.take())
+                fold_items(rebuilt, feed.take(), sent)
         problem = chain.finish(await ledger.recorded_last_seq())
         refs = await compare_rollout_refs(ledger, upto)
     report = checker.finish()
@@ -72,7 +73,7 @@ def attempt_projection(
     feed = FoldFeed()
     feed.add([row for row in rows if int(row[0]) <= upto])
     rebuilt: dict[str, AttemptRow] = {}
-    fold_items(rebuilt, feed.take())
+    fold_items(rebuilt, feed.take(), {})
     mine = {checkpoint_id: rebuilt[checkpoint_id]} if checkpoint_id in rebuilt else {}
     compared = [live] if live is not None else []
     return ProjectionVerdict(True, len(compared), compare_projection(compared, mine))

@@ -58,7 +58,7 @@ async def check_one(url: str, checkpoint_id: str) -> CheckReport:
     """`quiesce check ID`: one attempt's events and their context, each row's hash, its projection row."""
     async with open_readonly(url) as ledger:
         checkpoint_id = await resolve_attempt_id(ledger, checkpoint_id)
-        live = await ledger.attempt(checkpoint_id)  # before its events: see `attempt_projection`
+        live = await ledger.attempt(checkpoint_id, stored=True)  # before its events: see `attempt_projection`
         events, chain, rows = await checked_attempt_events(ledger, checkpoint_id)
     report = check_events(events).for_attempt(checkpoint_id)
     report.chain = chain
