@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple, Protocol, TypeAlias
 
 from quiesce.ledger.errors import FencedError, LedgerError
 from quiesce.ledger.events import Event
-from quiesce.ledger.projections import COUNTED_KIND, AttemptRow, fold, touched
+from quiesce.ledger.projections import COUNTED_KIND, UNTOUCHING_KINDS, AttemptRow, fold, touched
 from quiesce.ledger.rollout_refs import REF_KINDS, rollout_ids
 
 if TYPE_CHECKING:
@@ -132,9 +132,41 @@ class ProjectionCache:
             if cid not in rows and cid in self.rows:
                 self.sent[cid] = self.sent.get(cid, 0) + n
 
+    def record_alone(self, event: Event) -> None:
+        """After a committed ``record_alone`` batch: its ``call.sent`` waits in ``sent`` for the
+        next event touching its row (only for a cached row: an uncached one reads its own)."""
+        cid = event.checkpoint_id
+        if event.kind == COUNTED_KIND and cid is not None and cid in self.rows:
+            self.sent[cid] = self.sent.get(cid, 0) + 1
+
     def clear(self) -> None:
         self.rows.clear()
         self.sent.clear()
+
+
+assert not UNTOUCHING_KINDS & REF_KINDS, "a record alone names no rollout"
+
+
+def record_alone(batch: Batch) -> bool:
+    """Whether ``batch`` is one ``call.sent`` or ``call.replied`` (``UNTOUCHING_KINDS``): it writes
+    no projection row and names no rollout, so its insert is the whole append, one statement
+    (SQLite runs it in its own transaction, without BEGIN and COMMIT: a recorded call's two
+    appends are the commonest). The cache then takes it through ``ProjectionCache.record_alone``."""
+    events = batch.events
+    return len(events) == 1 and events[0].kind in UNTOUCHING_KINDS
+
+
+def refusal(head: tuple[int, int] | None, batch: Batch) -> FencedError:
+    """Why the stored chain refused ``batch``, given its head ``(seq, epoch)`` (None: empty) read
+    after the refusal: what the head is now, against the writer's view."""
+    last, head_epoch = head if head is not None else (0, 0)
+    if head_epoch > batch.epoch:
+        detail = f"epoch {head_epoch} exists, newer than this writer's epoch {batch.epoch}"
+    elif last != batch.expected_last:
+        detail = f"its head is seq {last}, but this writer's last known seq is {batch.expected_last}"
+    else:  # the seq is where this writer left it, the row there is not (the trigger checks the hash)
+        detail = f"its head (seq {last}) is not the row this writer chained seq {last + 1} on"
+    return FencedError(fenced_message(batch.where, detail))
 
 
 def apply_append(tx: Tx, batch: Batch, cache: ProjectionCache) -> Folded:
@@ -154,15 +186,7 @@ def apply_append(tx: Tx, batch: Batch, cache: ProjectionCache) -> Folded:
     Returns what was folded, for ``cache.committed`` once the transaction committed.
     """
     if not tx.insert_after(batch.expected_last, batch.rows):
-        head = tx.head()
-        last, head_epoch = head if head is not None else (0, 0)
-        if head_epoch > batch.epoch:
-            detail = f"epoch {head_epoch} exists, newer than this writer's epoch {batch.epoch}"
-        elif last != batch.expected_last:
-            detail = f"its head is seq {last}, but this writer's last known seq is {batch.expected_last}"
-        else:  # the seq is where this writer left it, the row there is not (the trigger checks the hash)
-            detail = f"its head (seq {last}) is not the row this writer chained seq {last + 1} on"
-        raise FencedError(fenced_message(batch.where, detail))
+        raise refusal(tx.head(), batch)
     pending: dict[str, AttemptRow | None] = {}
     sent: dict[
         str, int

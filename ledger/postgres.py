@@ -54,7 +54,7 @@ from quiesce.ledger.backend import (
     ProjectionCache,
     RawEvent,
     apply_append,
-    fenced_message,
+    refusal,
 )
 from quiesce.ledger.errors import FencedError, LedgerError
 from quiesce.ledger.layout import MARKER_WHERE_POSTGRESQL, VERSION_TABLE, indexed_kind
@@ -339,23 +339,17 @@ class PostgresBackend(Backend):
             except asyncpg.IntegrityConstraintViolationError:  # the 0003 trigger or the seq key refused it
                 inserted = None
             if inserted != len(rows):  # nothing was written: the head is not where this writer left it
-                raise FencedError(fenced_message(batch.where, await self._refusal(conn, batch)))
+                raise await self._refusal(conn, batch)
         except BaseException:
             self._cache.clear()
             raise
         self._cache.committed(written)
         self._unsynced = behind
 
-    async def _refusal(self, conn: Any, batch: Batch) -> str:
-        """Why the stored chain refused ``batch``: what its head is now, against the writer's view."""
+    async def _refusal(self, conn: Any, batch: Batch) -> FencedError:
+        """Why the stored chain refused ``batch`` (``refusal``), its head read now."""
         head = await conn.fetchrow(_A_HEAD)
-        last, head_epoch = (int(head[0]), int(head[1])) if head is not None else (0, 0)
-        if head_epoch > batch.epoch:
-            return f"epoch {head_epoch} exists, newer than this writer's epoch {batch.epoch}"
-        known = batch.expected_last
-        if last != known:
-            return f"its head is seq {last}, but this writer's last known seq is {known}"
-        return f"its head (seq {last}) is not the row this writer chained seq {known + 1} on"
+        return refusal((int(head[0]), int(head[1])) if head is not None else None, batch)
 
     async def append(self, batch: Batch) -> None:
         if self._writer is None:

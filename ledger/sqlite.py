@@ -49,6 +49,8 @@ from quiesce.ledger.backend import (
     ProjectionCache,
     RawEvent,
     apply_append,
+    record_alone,
+    refusal,
 )
 from quiesce.ledger.errors import FencedError, LedgerError
 from quiesce.ledger.layout import EVENT_COLUMNS, MARKER_WHERE_SQLITE, VERSION_TABLE, indexed_kind
@@ -308,10 +310,17 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
         if conn is None:
             raise LedgerError(f"ledger {self.where} is not open for writing")
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            written = apply_append(_SqliteTx(conn), batch, self._cache)
-            conn.execute("COMMIT")
-            self._cache.committed(written)
+            if record_alone(batch):  # one statement, its own transaction
+                try:
+                    conn.execute(_INSERT_EVENT, batch.rows[0])
+                except sqlite3.IntegrityError:  # the insert-at-head trigger (revision 0003)
+                    raise refusal(_SqliteTx(conn).head(), batch) from None
+                self._cache.record_alone(batch.events[0])
+            else:
+                conn.execute("BEGIN IMMEDIATE")
+                written = apply_append(_SqliteTx(conn), batch, self._cache)
+                conn.execute("COMMIT")
+                self._cache.committed(written)
             self._committed(durable=batch.durable)
         except BaseException as error:
             self._cache.clear()

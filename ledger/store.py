@@ -574,7 +574,7 @@ class Ledger:
         self._check_writable()
         if new_epoch:
             return (await self._commit_groups([items], durable=True, new_epoch=True))[0]
-        if not (self._leading or self._queue or self._stale or self._lock.locked() or _others_ready()):
+        if self._lone():
             events = self._commit_now(items, durable)
             if events is None:
                 events = await self._commit_alone(items, durable)
@@ -613,6 +613,11 @@ class Ledger:
             raise waiter.error
         self._check_lease()  # committed, but a caller must not act on it once the lease ran out
         return waiter.events
+
+    def _lone(self) -> bool:
+        """Whether an append would be alone now: nothing queued, leading, stale or holding the
+        lock, and no other callback ready in the loop to join it."""
+        return not (self._leading or self._queue or self._stale or self._lock.locked() or _others_ready())
 
     async def _commit_alone(self, items: list[_Encoded], durable: bool) -> list[Event]:
         """Commit a lone append at once: the lead of an empty queue, without a waiter of its own.
@@ -815,9 +820,15 @@ class Ledger:
         Raises ``LedgerError`` for an unknown kind or an invalid payload (nothing is written) and
         ``FencedError`` when another writer owns the ledger.
         """
-        return (
-            await self._commit([self._encode(kind, checkpoint_id, server, call_id, data)], durable=durable)
-        )[0]
+        items = [self._encode(kind, checkpoint_id, server, call_id, data)]
+        self._check_writable()
+        if self._lone():
+            # ``_commit``'s lone path, without its coroutine: nothing awaited before the commit
+            done = self._commit_now(items, durable)
+            if done is not None:
+                self._check_lease()  # committed, but a caller must not act on it once the lease ran out
+                return done[0]
+        return (await self._commit(items, durable=durable))[0]
 
     async def append_many(self, items: Sequence[AppendItem], *, durable: bool = True) -> list[Event]:
         """Commit ``items`` in one transaction (consecutive seqs).
