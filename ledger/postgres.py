@@ -32,6 +32,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -206,6 +207,10 @@ _FLUSH_WAL: Final = (
 )
 
 
+#: What a statement on a session of the writer's may raise when the session or the server fails.
+_CONNECTION_ERRORS: Final = (DBAPIError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError)
+
+
 class PostgresBackend(Backend):
     dialect = "postgresql"
 
@@ -218,6 +223,10 @@ class PostgresBackend(Backend):
         self._cache = ProjectionCache()
         self._unsynced = False  # the last append was write-behind (not yet flushed for sure)
         self._driver: Any = None  # the writer session's asyncpg connection (appends)
+        #: a session of its own for ``sync`` (held once used), so appends go on while it waits
+        self._syncer: AsyncConnection | None = None
+        self._sync_driver: Any = None
+        self._sync_lock = anyio.Lock()
         self._shield_scope: type[anyio.CancelScope] = anyio.CancelScope
         #: ``pg_backend_pid()`` of the writer session once writership is claimed.
         self.writer_pid: int | None = None
@@ -279,6 +288,7 @@ class PostgresBackend(Backend):
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):
+            await self._drop_syncer()
             writer, self._writer = self._writer, None
             if writer is not None:
                 try:
@@ -459,22 +469,35 @@ class PostgresBackend(Backend):
             raise self._error("ending the previous writer's session", error) from None
 
     async def sync(self) -> None:
-        # on a pooled session, not the writer's: appends go on meanwhile. A transaction that
-        # wrote WAL commits synchronously (set here: whatever the server's default), and WAL is
-        # flushed in order: every earlier write-behind commit is on disk once it has committed
+        # On a session of its own, not the writer's: appends go on meanwhile. One statement in its
+        # own transaction (one round trip) that writes WAL and commits synchronously (set by the
+        # statement: whatever the server's default); WAL is flushed in order, so every earlier
+        # write-behind commit is on disk once it has committed.
         if not self._unsynced:
             return
         self._unsynced = False
         try:
             with anyio.CancelScope(shield=True):
-                async with self._engine.begin() as conn:
-                    await conn.execute(text(_FLUSH_WAL))
-        except (DBAPIError, OSError) as error:
+                async with self._sync_lock:
+                    if self._sync_driver is None:
+                        self._syncer = await self._engine.connect()
+                        self._sync_driver = (await self._syncer.get_raw_connection()).driver_connection
+                    await self._sync_driver.execute(_FLUSH_WAL)
+        except _CONNECTION_ERRORS as error:
             self._unsynced = True
+            await self._drop_syncer(failed=True)
             raise LedgerError(
                 f"ledger {self.where}: making the last commits durable failed:"
                 f" {getattr(error, 'orig', error)}"
             ) from None
+
+    async def _drop_syncer(self, *, failed: bool = False) -> None:
+        """Let go of ``sync``'s session, at close or after it ``failed`` (then it is discarded, not
+        pooled again); the next sync opens another."""
+        syncer, self._syncer, self._sync_driver = self._syncer, None, None
+        if syncer is not None:
+            with anyio.CancelScope(shield=True), contextlib.suppress(*_CONNECTION_ERRORS):
+                await (syncer.invalidate() if failed else syncer.close())
 
     async def _rows(self, statement: Any) -> list[tuple[Any, ...]]:
         try:

@@ -10,7 +10,7 @@ import uuid
 import anyio
 import pytest
 
-from quiesce.ledger import AppendItem, FencedError, Ledger, replay_url
+from quiesce.ledger import AppendItem, FencedError, Ledger, LedgerError, replay_url
 from quiesce.tools.pgtemp import TempPostgres
 from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, random_items, raw_sql, started
 
@@ -209,3 +209,28 @@ async def test_an_append_racing_another_sessions_row_at_the_same_seq_commits_onl
             (0, first.seq)  # neither the call.sent nor its reply changes the row: counted later
         ]
         assert (await replay_url(pg_url)).ok
+
+
+async def test_a_sync_whose_session_died_fails_clearly_and_the_next_one_opens_another(pg_url: str) -> None:
+    """``sync`` runs on a session of its own: when the server ends it, that sync says so (the
+    commits it was to flush stay owed) and the next sync flushes them on a new session."""
+    async with Ledger.open(pg_url) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        await ledger.append("attempt.started", checkpoint_id="c1", data=started())
+        await ledger.append(
+            "call.sent", checkpoint_id="c1", server="a", call_id="k1", data=SENT, durable=False
+        )
+        await ledger.sync()
+        driver = ledger.backend._sync_driver  # type: ignore[attr-defined]
+        pid = driver.get_server_pid()
+        assert pid != ledger.backend.writer_pid  # type: ignore[attr-defined]
+        await raw_sql(pg_url, f"SELECT pg_terminate_backend({int(pid)})")
+        await ledger.append(
+            "call.sent", checkpoint_id="c1", server="a", call_id="k2", data=SENT, durable=False
+        )
+        with pytest.raises(LedgerError, match="making the last commits durable failed"):
+            await ledger.sync()
+        await ledger.sync()  # still owed: a new session flushes it
+        assert ledger.backend._sync_driver.get_server_pid() != pid  # type: ignore[attr-defined]
+        await ledger.sync()  # nothing owed now
+    assert (await replay_url(pg_url)).ok
