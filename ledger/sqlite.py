@@ -69,7 +69,21 @@ _AT_COLS = ", ".join(COLUMNS)
 _INSERT_EVENT = f"INSERT INTO events ({_EV_COLS}) VALUES ({', '.join('?' * len(EVENT_COLUMNS))})"
 _PUT_ATTEMPT = f"INSERT OR REPLACE INTO attempts ({_AT_COLS}) VALUES ({', '.join('?' * len(COLUMNS))})"
 _GET_ATTEMPT = f"SELECT {_AT_COLS} FROM attempts WHERE checkpoint_id = ?"
-_SEQ_MAX = 2**63 - 1
+#: (checkpoint id, seq) pairs per query of ``calls_after``.
+_MARKS_PER_QUERY = 500
+
+
+@functools.cache
+def _calls_after_sql(n: int) -> str:
+    """``calls_after`` of ``n`` pairs in one statement: per pair, in order, the ``call.sent`` events
+    of its id after its seq (one range of ``ix_events_checkpoint_id`` each)."""
+    pairs = ", ".join(["(?, ?)"] * n)
+    return (
+        f"WITH m(cid, after) AS (VALUES {pairs}) SELECT (SELECT count(*) FROM events e"
+        " WHERE e.checkpoint_id = m.cid AND e.seq > m.after AND e.kind = 'call.sent') FROM m"
+    )
+
+
 #: The ``call.sent`` events of an id in a seq range (``ix_events_checkpoint_id``: one range).
 _CALLS_BETWEEN = (
     "SELECT count(*) FROM events WHERE checkpoint_id = ? AND seq > ? AND seq <= ? AND kind = 'call.sent'"
@@ -557,12 +571,14 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
             conn = self._r
             if conn is None:
                 raise LedgerError(f"ledger {self.where} is closed")
+            out: list[int] = []
             try:
-                return [
-                    int(conn.execute(_CALLS_BETWEEN, (cid, after, _SEQ_MAX)).fetchone()[0])
-                    for cid, after in marks
-                ]
+                for at in range(0, len(marks), _MARKS_PER_QUERY):
+                    part = marks[at : at + _MARKS_PER_QUERY]
+                    params = [value for mark in part for value in mark]
+                    out.extend(int(n) for (n,) in conn.execute(_calls_after_sql(len(part)), params))
             except sqlite3.Error as error:
                 raise self._problem(error, "read") from error
+            return out
 
         return await anyio.to_thread.run_sync(run, limiter=self._rlimiter)

@@ -137,3 +137,24 @@ async def test_the_migration_rewrites_the_rows_whose_last_change_was_a_call(ledg
     assert new["dead"][0] == 0
     report = await replay_url(ledger_url)
     assert report.ok, (report.problem, report.differences)
+
+
+async def test_every_row_read_counts_its_later_calls_over_many_attempts(ledger_url: str) -> None:
+    """``attempts()`` adds each row's calls after its ``last_seq``, whatever the number of rows (the
+    SQLite reads go 500 rows a query): attempt i has i % 4 calls not yet counted, and i % 3 counted."""
+    count = 1203
+    items: list[AppendItem] = []
+    for i in range(count):
+        cid = f"a{i:05d}"
+        items.append(AppendItem("attempt.started", cid, None, None, started()))
+        items += [_item("call.sent", cid, f"{cid}/c{k}", SENT) for k in range(i % 3)]
+        items.append(AppendItem("phase.started", cid, None, None, {"phase": "prepare"}))
+        items += [_item("call.sent", cid, f"{cid}/p{k}", SENT) for k in range(i % 4)]
+    async with Ledger.open(ledger_url) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        for at in range(0, len(items), 997):
+            await ledger.append_many(items[at : at + 997])
+        rows = await ledger.attempts()
+        stored = await ledger.attempts(stored=True)
+    assert [r.calls for r in rows] == [i % 3 + i % 4 for i in range(count)]
+    assert [r.calls for r in stored] == [i % 3 for i in range(count)]
