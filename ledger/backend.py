@@ -188,9 +188,8 @@ def apply_append(tx: Tx, batch: Batch, cache: ProjectionCache) -> Folded:
     if not tx.insert_after(batch.expected_last, batch.rows):
         raise refusal(tx.head(), batch)
     pending: dict[str, AttemptRow | None] = {}
-    sent: dict[
-        str, int
-    ] = {}  # per id: call.sent of this batch not yet counted (+ the stored ones, once read)
+    # per id: the call.sent events of this batch not yet counted by a touching event
+    sent: dict[str, int] = {}
     stored: dict[str, AttemptRow] = {}
     cached, cached_sent = cache.rows, cache.sent
     refs: list[tuple[str, int]] = []

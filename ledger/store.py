@@ -574,10 +574,11 @@ class Ledger:
         self._check_writable()
         if new_epoch:
             return (await self._commit_groups([items], durable=True, new_epoch=True))[0]
-        if self._lone():
-            events = self._commit_now(items, durable)
-            if events is None:
-                events = await self._commit_alone(items, durable)
+        events = self._try_now(items, durable)
+        if events is not None:
+            return events
+        if self._lone():  # alone, but the backend cannot commit on this thread now
+            events = await self._commit_alone(items, durable)
             self._check_lease()  # committed, but a caller must not act on it once the lease ran out
             return events
         waiter = _Waiter(items, durable)
@@ -613,6 +614,17 @@ class Ledger:
             raise waiter.error
         self._check_lease()  # committed, but a caller must not act on it once the lease ran out
         return waiter.events
+
+    def _try_now(self, items: list[_Encoded], durable: bool) -> list[Event] | None:
+        """The lone append's commit on this thread, without awaiting (``_commit_now``) when the
+        append is alone (``_lone``) and the backend can; None, nothing written, otherwise. The
+        caller has just checked that this writer may write."""
+        if not self._lone():
+            return None
+        events = self._commit_now(items, durable)
+        if events is not None:
+            self._check_lease()  # committed, but a caller must not act on it once the lease ran out
+        return events
 
     def _lone(self) -> bool:
         """Whether an append would be alone now: nothing queued, leading, stale or holding the
@@ -822,13 +834,10 @@ class Ledger:
         """
         items = [self._encode(kind, checkpoint_id, server, call_id, data)]
         self._check_writable()
-        if self._lone():
-            # ``_commit``'s lone path, without its coroutine: nothing awaited before the commit
-            done = self._commit_now(items, durable)
-            if done is not None:
-                self._check_lease()  # committed, but a caller must not act on it once the lease ran out
-                return done[0]
-        return (await self._commit(items, durable=durable))[0]
+        done = self._try_now(items, durable)  # ``_commit``'s first step, without its coroutine
+        if done is None:
+            done = await self._commit(items, durable=durable)
+        return done[0]
 
     async def append_many(self, items: Sequence[AppendItem], *, durable: bool = True) -> list[Event]:
         """Commit ``items`` in one transaction (consecutive seqs).
