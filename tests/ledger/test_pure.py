@@ -60,6 +60,32 @@ def test_canonical_is_sorted_compact_utf8() -> None:
 
 
 @given(
+    value=json_values | st.integers() | st.tuples(st.text(), st.floats(allow_nan=False, allow_infinity=False))
+)
+@example(value={"a": 1e300, "b": -0.0, "c": 2**70, "d": '\u2028"\\\x01😀'})
+def test_canonical_is_exactly_the_documented_json_dumps(value: Any) -> None:
+    # the definition auditors reimplement (canonical.py's docstring), byte for byte
+    documented = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    assert canonical(value) == documented.encode("utf-8")
+
+
+def test_canonical_refuses_what_json_dumps_refuses_and_is_not_left_broken_by_it() -> None:
+    cycle: list[Any] = []
+    cycle.append(cycle)
+    for bad, error, message in (
+        (float("inf"), ValueError, "JSON compliant"),
+        ({"a": object()}, TypeError, "not JSON serializable"),
+        ({1: "x", "a": "y"}, TypeError, "not supported"),
+        (cycle, ValueError, "Circular reference"),
+    ):
+        with pytest.raises(error, match=message):
+            canonical(bad)
+    # nothing of a refused value stays behind: the same containers encode afterwards
+    shared = {"k": [1, 2]}
+    assert canonical([shared, shared]) == b'[{"k":[1,2]},{"k":[1,2]}]'
+
+
+@given(
     data=st.dictionaries(st.text(max_size=8), json_values, max_size=5),
     at=st.text(),
     kind=st.text(),
