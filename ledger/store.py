@@ -233,6 +233,8 @@ class Ledger:
 
     def __init__(self, backend: Backend, *, where: str, secrets: Sequence[str], readonly: bool) -> None:
         self._backend = backend
+        #: the backend again when it can commit on this thread (``InlineAppend``), else None
+        self._inline = backend if isinstance(backend, InlineAppend) else None
         self.url = where  #: the ledger URL with any password hidden
         self.readonly = readonly
         self._redactor = Redactor(secrets)
@@ -660,21 +662,23 @@ class Ledger:
     def _commit_now(self, items: list[_Encoded], durable: bool) -> list[Event] | None:
         """Commit ``items`` on this thread, without awaiting; None (nothing written) if the backend
         cannot. The caller has just checked that this writer may write (nothing awaited since)."""
-        backend = self._backend
-        if not isinstance(backend, InlineAppend) or not backend.can_append_now():
-            return None
+        backend = self._inline
+        if backend is None or backend is not self._backend or not backend.can_append_now():
+            return None  # (a backend swapped in after opening takes the awaiting path)
         batch, carried = self._batch(items, durable=durable, new_epoch=False)
         if not batch.rows:
             return []
-        began = time.perf_counter()
+        observed = self.on_commit is not None
+        began = time.perf_counter() if observed else 0.0
         try:
             backend.append_now(batch)
         except BaseException as error:
             self._commit_failed(error, carried)
             raise
-        took = time.perf_counter() - began
+        took = time.perf_counter() - began if observed else 0.0
         done = self._committed(batch, carried, [items], new_epoch=False)[0]
-        self._observe_commit(took, len(batch.rows))
+        if observed:
+            self._observe_commit(took, len(batch.rows))
         return done
 
     def _commit_failed(self, error: BaseException, carried: int) -> None:
@@ -758,6 +762,10 @@ class Ledger:
         self._last_seq, self._last_hash, self._head_epoch = last.seq, last.hash, batch.epoch
         if new_epoch:
             self.epoch = batch.epoch
+        if not carried and len(groups) == 1:  # the commonest: one append, nothing staged before it
+            if self.after_append is not None:
+                self.after_append(batch.events)
+            return [batch.events]
         if self.after_append is not None:
             for event in batch.events[:carried]:
                 self.after_append([event])
@@ -792,15 +800,17 @@ class Ledger:
         )
         if not batch.rows:
             return [[] for _ in groups]
-        began = time.perf_counter()
+        observed = self.on_commit is not None
+        began = time.perf_counter() if observed else 0.0
         try:
             await self._backend.append(batch)  # shields itself while it awaits
         except BaseException as error:
             self._commit_failed(error, carried)
             raise
-        took = time.perf_counter() - began
+        took = time.perf_counter() - began if observed else 0.0
         done = self._committed(batch, carried, groups, new_epoch=new_epoch)
-        self._observe_commit(took, len(batch.rows))
+        if observed:
+            self._observe_commit(took, len(batch.rows))
         return done
 
     def _observe_commit(self, seconds: float, rows: int) -> None:
