@@ -695,8 +695,10 @@ class Ledger:
             return
         self._stale = True
         if lost and self._lost is None:
+            # the cause is named here too: a commit in the background (``flush``) raises to nobody
+            cause = str(error) if isinstance(error, LedgerError) else type(error).__name__
             self._lost = LedgerError(
-                f"ledger {self.url}: an append failed and {lost} staged"
+                f"ledger {self.url}: an append failed ({cause}) and {lost} staged"
                 f" event{'' if lost == 1 else 's'} of this writer {'was' if lost == 1 else 'were'}"
                 " lost with it; close and reopen the ledger (a new coordinator recovers from the"
                 " servers' own state)"

@@ -250,7 +250,10 @@ async def test_a_failed_transaction_loses_its_staged_events_and_stops_the_writer
         await ledger.stage("phase.started", checkpoint_id="c", data={"phase": "prepare"})
         with _failing_commits(ledger.backend), pytest.raises(LedgerError, match="injected"):
             await ledger.append("call.sent", checkpoint_id="c", server="s", call_id="k", data=SENT)
-        with pytest.raises(LedgerError, match=r"1 staged event of this writer was lost.*reopen"):
+        with pytest.raises(
+            LedgerError,
+            match=r"an append failed \(.*injected.*\) and 1 staged event of this writer was lost.*reopen",
+        ):
             await ledger.append("call.sent", checkpoint_id="c", server="s", call_id="k", data=SENT)
         with pytest.raises(LedgerError, match="reopen"):
             await ledger.stage("phase.started", checkpoint_id="c", data={"phase": "prepare"})
