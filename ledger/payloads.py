@@ -444,9 +444,25 @@ def _check_for(annotation: Any) -> _Check | None:
     return None
 
 
-#: kind -> (name, check, required) per field in model order, and the field names; a kind whose
-#: model has a field of another type (or any validator) has no entry and always goes to pydantic.
-_SPECS: dict[str, tuple[tuple[tuple[str, _Check, bool], ...], frozenset[str]]] = {}
+#: A field's default as pydantic's ``get_default(call_default_factory=True)`` gives it: a new
+#: object each call for a mutable one (nothing is shared between two payloads).
+_Default: TypeAlias = Callable[[], Any]
+#: kind -> (name, check, required, default) per field in model order, and the field names; a kind
+#: whose model has a field of another type (or any validator) has no entry and always goes to
+#: pydantic.
+_SPECS: dict[str, tuple[tuple[tuple[str, _Check, bool, _Default], ...], frozenset[str]]] = {}
+
+
+def _default_of(info: Any) -> _Default:
+    """The default of a field without pydantic's call per use: an immutable value as it is, an
+    empty list or dict anew (what pydantic's copy of it is); anything else through pydantic."""
+    if info.default_factory is None:
+        value = info.default
+        if value is None or type(value) in (str, int, float, bool):
+            return lambda: value
+        if type(value) in (list, dict) and not value:
+            return type(value)
+    return lambda: info.get_default(call_default_factory=True)
 
 
 def _build_specs() -> None:
@@ -461,7 +477,7 @@ def _build_specs() -> None:
             check = _check_for(info.annotation)
             if check is None or info.alias is not None:
                 break
-            fields.append((name, check, info.is_required()))
+            fields.append((name, check, info.is_required(), _default_of(info)))
         else:
             _SPECS[kind] = (tuple(fields), frozenset(model.model_fields))
 
@@ -478,7 +494,7 @@ def _fast(kind: str, data: dict[Any, Any]) -> Any:
     if not names.issuperset(data):  # a key the model does not have
         return _DECLINE
     out: dict[str, Any] = {}
-    for name, check, required in fields:
+    for name, check, required, default in fields:
         if name in data:
             try:
                 value = check(data[name])
@@ -490,7 +506,7 @@ def _fast(kind: str, data: dict[Any, Any]) -> Any:
         elif required:
             return _DECLINE
         else:
-            out[name] = PAYLOADS[kind].model_fields[name].get_default(call_default_factory=True)
+            out[name] = default()
     return out
 
 
