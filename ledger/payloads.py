@@ -7,6 +7,7 @@ name. ``PAYLOADS`` covers exactly ``quiesce.ledger.events.KINDS`` (checked by th
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable, Mapping
 from math import isfinite
@@ -441,7 +442,26 @@ def _check_for(annotation: Any) -> _Check | None:
             if type(value) is not dict or (values_str and any(type(v) is not str for v in value.values()))
             else _plain(value)
         )
+    if origin is dict and len(args) == 2 and args[0] is str and get_origin(args[1]) is list:
+        each = _check_for(args[1])  # e.g. dict[str, list[str]]: lists of episode ids per server
+        if each is not None:
+            return functools.partial(_dict_of, each)
     return None
+
+
+def _dict_of(each: _Check, value: Any) -> Any:
+    """A new dict of ``value``'s str keys to ``each(item)``, or ``_DECLINE``."""
+    if type(value) is not dict:
+        return _DECLINE
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        if type(key) is not str:
+            return _DECLINE
+        checked = each(item)
+        if checked is _DECLINE:
+            return _DECLINE
+        out[key] = checked
+    return out
 
 
 #: A field's default as pydantic's ``get_default(call_default_factory=True)`` gives it: a new
