@@ -133,8 +133,8 @@ class ProjectionCache:
                 self.sent[cid] = self.sent.get(cid, 0) + n
 
     def record_alone(self, event: Event) -> None:
-        """After a committed ``record_alone`` batch: its ``call.sent`` waits in ``sent`` for the
-        next event touching its row (only for a cached row: an uncached one reads its own)."""
+        """After a committed ``records_alone`` batch, per event: a ``call.sent`` waits in ``sent``
+        for the next event touching its row (only for a cached row: an uncached one reads its own)."""
         cid = event.checkpoint_id
         if event.kind == COUNTED_KIND and cid is not None and cid in self.rows:
             self.sent[cid] = self.sent.get(cid, 0) + 1
@@ -147,13 +147,21 @@ class ProjectionCache:
 assert not UNTOUCHING_KINDS & REF_KINDS, "a record alone names no rollout"
 
 
-def record_alone(batch: Batch) -> bool:
-    """Whether ``batch`` is one ``call.sent`` or ``call.replied`` (``UNTOUCHING_KINDS``): it writes
-    no projection row and names no rollout, so its insert is the whole append, one statement
-    (SQLite runs it in its own transaction, without BEGIN and COMMIT: a recorded call's two
-    appends are the commonest). The cache then takes it through ``ProjectionCache.record_alone``."""
+#: The most rows ``records_alone`` takes: one statement's host parameters (10 a row) stay far
+#: below SQLite's limit (32,766).
+RECORDS_ALONE_MAX: Final = 100
+
+
+def records_alone(batch: Batch) -> bool:
+    """Whether ``batch`` holds only ``call.sent`` and ``call.replied`` events (``UNTOUCHING_KINDS``),
+    ``RECORDS_ALONE_MAX`` at most: they write no projection row and name no rollout, so their
+    insert is the whole append, one statement (SQLite runs it in its own transaction, without
+    BEGIN and COMMIT). The commonest appends: a recorded call's two, and a reply carried by the
+    next request's record. The cache then takes each event through ``ProjectionCache.record_alone``."""
     events = batch.events
-    return len(events) == 1 and events[0].kind in UNTOUCHING_KINDS
+    if len(events) > RECORDS_ALONE_MAX:
+        return False
+    return all(event.kind in UNTOUCHING_KINDS for event in events)
 
 
 def refusal(head: tuple[int, int] | None, batch: Batch) -> FencedError:

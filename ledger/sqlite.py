@@ -42,6 +42,7 @@ import anyio.to_thread
 from quiesce.ledger import sqlitefile
 from quiesce.ledger.backend import (
     OPEN,
+    RECORDS_ALONE_MAX,
     AttemptQuery,
     Backend,
     Batch,
@@ -49,7 +50,7 @@ from quiesce.ledger.backend import (
     ProjectionCache,
     RawEvent,
     apply_append,
-    record_alone,
+    records_alone,
     refusal,
 )
 from quiesce.ledger.errors import FencedError, LedgerError
@@ -117,6 +118,31 @@ def update_sql(changed: tuple[int, ...]) -> str:
     return f"UPDATE attempts SET {', '.join(f'{COLUMNS[i]} = ?' for i in changed)} WHERE checkpoint_id = ?"
 
 
+@functools.cache
+def _insert_events_sql(n: int) -> str:
+    """One ``INSERT`` of ``n`` events rows: a single statement, so outside a transaction it is one
+    of its own, all of its rows or none (the insert-at-head trigger checks each row in order)."""
+    row = f"({', '.join('?' * len(EVENT_COLUMNS))})"
+    return f"INSERT INTO events ({_EV_COLS}) VALUES {', '.join([row] * n)}"
+
+
+def _insert_rows(conn: sqlite3.Connection, rows: list[RawEvent]) -> None:
+    """Insert ``rows`` in one statement (``executemany`` would run one per row); up to
+    ``_ROWS_PER_INSERT`` rows a statement."""
+    if len(rows) == 1:
+        conn.execute(_INSERT_EVENT, rows[0])
+        return
+    for start in range(0, len(rows), _ROWS_PER_INSERT):
+        part = rows[start : start + _ROWS_PER_INSERT]
+        conn.execute(_insert_events_sql(len(part)), [value for row in part for value in row])
+
+
+#: Rows per statement of ``_insert_rows``: 1,000 parameters, far below SQLite's limit. A
+#: ``records_alone`` batch, committed without BEGIN, must be one statement to be atomic.
+_ROWS_PER_INSERT = 100
+assert RECORDS_ALONE_MAX <= _ROWS_PER_INSERT
+
+
 def read_last_sql(kind: str) -> str:
     """The query of ``read_last`` for ``kind``: one lookup in the marker index for an indexed kind
     (whatever the history's length); a backward scan of the seq order for a ``call.*`` or
@@ -142,10 +168,7 @@ class _SqliteTx:
         # seq alone). The batch's later rows are chained on the first, so a refusal comes at the
         # first row and nothing is inserted; the caller rolls the transaction back either way.
         try:
-            if len(rows) == 1:
-                self._c.execute(_INSERT_EVENT, rows[0])
-            else:
-                self._c.executemany(_INSERT_EVENT, rows)
+            _insert_rows(self._c, rows)
         except sqlite3.IntegrityError:
             return False
         self._last = last
@@ -324,12 +347,13 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
         if conn is None:
             raise LedgerError(f"ledger {self.where} is not open for writing")
         try:
-            if record_alone(batch):  # one statement, its own transaction
+            if records_alone(batch):  # one statement, its own transaction
                 try:
-                    conn.execute(_INSERT_EVENT, batch.rows[0])
+                    _insert_rows(conn, batch.rows)
                 except sqlite3.IntegrityError:  # the insert-at-head trigger (revision 0003)
                     raise refusal(_SqliteTx(conn).head(), batch) from None
-                self._cache.record_alone(batch.events[0])
+                for event in batch.events:
+                    self._cache.record_alone(event)
             else:
                 conn.execute("BEGIN IMMEDIATE")
                 written = apply_append(_SqliteTx(conn), batch, self._cache)

@@ -158,3 +158,56 @@ async def test_every_row_read_counts_its_later_calls_over_many_attempts(ledger_u
         stored = await ledger.attempts(stored=True)
     assert [r.calls for r in rows] == [i % 3 + i % 4 for i in range(count)]
     assert [r.calls for r in stored] == [i % 3 for i in range(count)]
+
+
+async def test_records_alone_are_one_statement_each_and_atomic(tmp_path: Path) -> None:
+    """A batch of call records only (a reply staged, carried by the next request's record) is one
+    INSERT outside any explicit transaction: all of its rows or none. Past ``RECORDS_ALONE_MAX``
+    rows, or with any other kind in it, the batch is a transaction as before."""
+    import sqlite3
+
+    from quiesce.ledger import FencedError
+    from quiesce.ledger.backend import RECORDS_ALONE_MAX
+
+    path = tmp_path / "q.db"
+    statements: list[str] = []
+    async with Ledger.open(f"sqlite+aiosqlite:///{path}") as writer:
+        await writer.start_epoch(COORDINATOR)
+        await writer.append("attempt.started", checkpoint_id="c1", data=started())
+        writer.backend._w.set_trace_callback(statements.append)  # type: ignore[attr-defined]
+        await writer.stage("call.replied", checkpoint_id="c1", server="a", call_id="c1/0", data=REPLIED)
+        await writer.append("call.sent", checkpoint_id="c1", server="b", call_id="c1/1", data=SENT)
+        # one statement (traced again for each firing of the insert-at-head trigger), two rows
+        assert len(set(statements)) == 1, statements
+        assert statements[0].startswith("INSERT INTO events")
+        assert statements[0].count("), (") == 1
+        statements.clear()
+        for i in range(RECORDS_ALONE_MAX + 1):  # one row too many for a statement of its own
+            await writer.stage(
+                "call.replied", checkpoint_id="c1", server="a", call_id=f"c1/r{i}", data=REPLIED
+            )
+        await writer.append("call.sent", checkpoint_id="c1", server="b", call_id="c1/2", data=SENT)
+        assert statements[0] == "BEGIN IMMEDIATE"
+        assert statements[-1] == "COMMIT"
+        statements.clear()
+        await writer.stage("phase.started", checkpoint_id="c1", data={"phase": "commit"})
+        await writer.append("call.sent", checkpoint_id="c1", server="b", call_id="c1/3", data=SENT)
+        assert statements[0] == "BEGIN IMMEDIATE", "a phase event touches the attempt's row"
+        writer.backend._w.set_trace_callback(None)  # type: ignore[attr-defined]
+        head = await writer.head()
+        assert head is not None
+        # another writer's row at the head, chained correctly: the next batch of records is refused whole
+        raw = sqlite3.connect(path, isolation_level=None)
+        raw.execute(
+            "INSERT INTO events (seq, at, kind, checkpoint_id, server, call_id, epoch, data, prev_hash, hash)"
+            " VALUES (?, ?, 'call.sent', 'c1', 'x', 'x/1', ?, '{}', ?, ?)",
+            (head.seq + 1, head.at, head.epoch, head.hash, "e" * 64),
+        )
+        raw.close()
+        await writer.stage("call.replied", checkpoint_id="c1", server="b", call_id="c1/3", data=REPLIED)
+        with pytest.raises(FencedError):
+            await writer.append("call.sent", checkpoint_id="c1", server="b", call_id="c1/4", data=SENT)
+    stored = (
+        sqlite3.connect(path).execute("SELECT seq, call_id FROM events WHERE seq > ?", (head.seq,)).fetchall()
+    )
+    assert stored == [(head.seq + 1, "x/1")], "neither row of the refused batch went in"
