@@ -118,6 +118,12 @@ def update_sql(changed: tuple[int, ...]) -> str:
     return f"UPDATE attempts SET {', '.join(f'{COLUMNS[i]} = ?' for i in changed)} WHERE checkpoint_id = ?"
 
 
+#: Rows per statement of ``_insert_rows``: 1,000 parameters, far below SQLite's limit. A
+#: ``records_alone`` batch, committed without BEGIN, must be one statement to be atomic.
+_ROWS_PER_INSERT = 100
+assert RECORDS_ALONE_MAX <= _ROWS_PER_INSERT
+
+
 @functools.cache
 def _insert_events_sql(n: int) -> str:
     """One ``INSERT`` of ``n`` events rows: a single statement, so outside a transaction it is one
@@ -135,12 +141,6 @@ def _insert_rows(conn: sqlite3.Connection, rows: list[RawEvent]) -> None:
     for start in range(0, len(rows), _ROWS_PER_INSERT):
         part = rows[start : start + _ROWS_PER_INSERT]
         conn.execute(_insert_events_sql(len(part)), [value for row in part for value in row])
-
-
-#: Rows per statement of ``_insert_rows``: 1,000 parameters, far below SQLite's limit. A
-#: ``records_alone`` batch, committed without BEGIN, must be one statement to be atomic.
-_ROWS_PER_INSERT = 100
-assert RECORDS_ALONE_MAX <= _ROWS_PER_INSERT
 
 
 def read_last_sql(kind: str) -> str:

@@ -695,7 +695,7 @@ class Ledger:
             return
         self._stale = True
         if lost and self._lost is None:
-            # the cause is named here too: a commit in the background (``flush``) raises to nobody
+            # named in every later refusal too: the append that failed is not the one told
             cause = str(error) if isinstance(error, LedgerError) else type(error).__name__
             self._lost = LedgerError(
                 f"ledger {self.url}: an append failed ({cause}) and {lost} staged"
