@@ -39,19 +39,25 @@ _encoder = json.JSONEncoder(
     sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False, check_circular=True
 )
 _encode_str: Any = encode_basestring
-#: ``json``'s C encoder, when this Python has it: ``_encoder.encode`` builds one per call anyway;
-#: building it here skips that method's Python frames (a third of a small payload's encoding)
-_c_make_encoder: Any = c_make_encoder
+#: ``json``'s C encoder, when this Python has it, built once without the markers dict that finds
+#: cycles: ``_encoder.encode`` builds one per call anyway, and a cycle (or a value nested deeper
+#: than the stack) only ever ends in ``RecursionError`` here, after which the checked path below
+#: gives the error ``json.dumps`` gives. Immutable once built, so threads may share it.
+_fast_encoder: Any = (
+    None
+    if c_make_encoder is None
+    else c_make_encoder(None, _encoder.default, encode_basestring, None, ":", ",", True, False, False)
+)
 
 
 def _dumps(value: Any) -> str:
-    if _c_make_encoder is None:
+    if _fast_encoder is None:
         return _encoder.encode(value)
-    # the arguments of the encoder ``JSONEncoder.iterencode`` makes for ``_encoder`` (a fresh
-    # markers dict per call: cycles are refused, and nothing is shared between threads)
-    return "".join(
-        _c_make_encoder({}, _encoder.default, encode_basestring, None, ":", ",", True, False, False)(value, 0)
-    )
+    try:
+        return "".join(_fast_encoder(value, 0))
+    except RecursionError:
+        # a cycle (refused with json's ValueError) or nesting too deep (RecursionError, as json.dumps)
+        return _encoder.encode(value)
 
 
 def canonical_text(value: Any) -> str:

@@ -72,12 +72,21 @@ def test_canonical_is_exactly_the_documented_json_dumps(value: Any) -> None:
 def test_canonical_refuses_what_json_dumps_refuses_and_is_not_left_broken_by_it() -> None:
     cycle: list[Any] = []
     cycle.append(cycle)
+    loop: dict[str, Any] = {"a": [1]}
+    loop["a"].append({"b": loop})
+    deep: list[Any] = []
+    for _ in range(100_000):  # acyclic, nested deeper than any stack
+        deep = [deep]
     for bad, error, message in (
         (float("inf"), ValueError, "JSON compliant"),
         ({"a": object()}, TypeError, "not JSON serializable"),
         ({1: "x", "a": "y"}, TypeError, "not supported"),
         (cycle, ValueError, "Circular reference"),
+        (loop, ValueError, "Circular reference"),
+        (deep, RecursionError, "recursion"),
     ):
+        with pytest.raises(error, match=message):
+            json.dumps(bad, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
         with pytest.raises(error, match=message):
             canonical(bad)
     # nothing of a refused value stays behind: the same containers encode afterwards
