@@ -159,6 +159,8 @@ def records_alone(batch: Batch) -> bool:
     BEGIN and COMMIT). The commonest appends: a recorded call's two, and a reply carried by the
     next request's record. The cache then takes each event through ``ProjectionCache.record_alone``."""
     events = batch.events
+    if len(events) == 1:  # the commonest: one append, nothing staged before it
+        return events[0].kind in UNTOUCHING_KINDS
     if len(events) > RECORDS_ALONE_MAX:
         return False
     return all(event.kind in UNTOUCHING_KINDS for event in events)

@@ -375,13 +375,6 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
                 raise self._problem(error, "fsync the WAL") from error
             raise
 
-    def _timed_append(self, batch: Batch) -> None:
-        start = time.perf_counter()
-        try:
-            self._append_sync(batch)
-        finally:
-            self._commit_avg_s = 0.8 * self._commit_avg_s + 0.2 * (time.perf_counter() - start)
-
     def can_append_now(self) -> bool:
         # A hop to a worker thread costs about as much as a fast commit (0.1-0.2 ms on a VM), so
         # while commits are fast they run right here, blocking the event loop for at most about
@@ -389,14 +382,19 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
         return self._commit_avg_s <= INLINE_COMMIT_MAX_S
 
     def append_now(self, batch: Batch) -> None:
-        self._timed_append(batch)
+        # timed, here or on the writer's thread: the moving average ``can_append_now`` reads
+        start = time.perf_counter()
+        try:
+            self._append_sync(batch)
+        finally:
+            self._commit_avg_s = 0.8 * self._commit_avg_s + 0.2 * (time.perf_counter() - start)
 
     async def append(self, batch: Batch) -> None:
         if self.can_append_now():
             self.append_now(batch)
         else:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._timed_append, batch, limiter=self._wlimiter)
+                await anyio.to_thread.run_sync(self.append_now, batch, limiter=self._wlimiter)
 
     async def sync(self) -> None:
         # on a worker thread of its own, not the writer's: commits go on while the WAL is synced
@@ -428,12 +426,14 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
         The file is opened once, after the first commit created it, and kept open: SQLite keeps
         the same WAL file (it is reset and rewritten in place, never replaced) while any
         connection — this writer's, at least — is open."""
-        with self._wal_fd_lock:  # `sync` and a durable commit may both get here first
-            fd = self._wal_fd
-            if fd is None:
-                fd = self._wal_fd = os.open(
-                    self._path.with_name(self._path.name + "-wal"), os.O_RDONLY | os.O_CLOEXEC
-                )
+        fd = self._wal_fd
+        if fd is None:
+            with self._wal_fd_lock:  # `sync` and a durable commit may both get here first
+                fd = self._wal_fd
+                if fd is None:
+                    fd = self._wal_fd = os.open(
+                        self._path.with_name(self._path.name + "-wal"), os.O_RDONLY | os.O_CLOEXEC
+                    )
         os.fdatasync(fd)
 
     async def _rebuild(self, body: Callable[[sqlite3.Connection], _T]) -> _T:

@@ -618,15 +618,30 @@ class Ledger:
         return waiter.events
 
     def _try_now(self, items: list[_Encoded], durable: bool) -> list[Event] | None:
-        """The lone append's commit on this thread, without awaiting (``_commit_now``) when the
-        append is alone (``_lone``) and the backend can; None, nothing written, otherwise. The
-        caller has just checked that this writer may write."""
-        if not self._lone():
+        """Commit ``items`` on this thread, without awaiting, when the append is alone (``_lone``)
+        and the backend can commit inline now; None (nothing chained or written) otherwise. The
+        caller has just checked that this writer may write (nothing awaited since)."""
+        backend = self._inline
+        if backend is None or backend is not self._backend:
+            return None  # (a backend swapped in after opening takes the awaiting path)
+        if not self._lone() or not backend.can_append_now():
             return None
-        events = self._commit_now(items, durable)
-        if events is not None:
-            self._check_lease()  # committed, but a caller must not act on it once the lease ran out
-        return events
+        batch, carried = self._batch(items, durable=durable, new_epoch=False)
+        if not batch.rows:
+            return []
+        observed = self.on_commit is not None
+        began = time.perf_counter() if observed else 0.0
+        try:
+            backend.append_now(batch)
+        except BaseException as error:
+            self._commit_failed(error, carried)
+            raise
+        took = time.perf_counter() - began if observed else 0.0
+        done = self._committed(batch, carried, [items], new_epoch=False)[0]
+        if observed:
+            self._observe_commit(took, len(batch.rows))
+        self._check_lease()  # committed, but a caller must not act on it once the lease ran out
+        return done
 
     def _lone(self) -> bool:
         """Whether an append would be alone now: nothing queued, leading, stale or holding the
@@ -658,28 +673,6 @@ class Ledger:
             self._queue[0].done.set()
         else:
             self._leading = False
-
-    def _commit_now(self, items: list[_Encoded], durable: bool) -> list[Event] | None:
-        """Commit ``items`` on this thread, without awaiting; None (nothing written) if the backend
-        cannot. The caller has just checked that this writer may write (nothing awaited since)."""
-        backend = self._inline
-        if backend is None or backend is not self._backend or not backend.can_append_now():
-            return None  # (a backend swapped in after opening takes the awaiting path)
-        batch, carried = self._batch(items, durable=durable, new_epoch=False)
-        if not batch.rows:
-            return []
-        observed = self.on_commit is not None
-        began = time.perf_counter() if observed else 0.0
-        try:
-            backend.append_now(batch)
-        except BaseException as error:
-            self._commit_failed(error, carried)
-            raise
-        took = time.perf_counter() - began if observed else 0.0
-        done = self._committed(batch, carried, [items], new_epoch=False)[0]
-        if observed:
-            self._observe_commit(took, len(batch.rows))
-        return done
 
     def _commit_failed(self, error: BaseException, carried: int) -> None:
         """After a backend commit raised ``error``: a ``FencedError`` fences this writer for good;
