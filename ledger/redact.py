@@ -105,23 +105,22 @@ class Redactor:
         """``(stored, canonical_text(stored))`` with ``stored = self.apply(value)``.
 
         Fast path: when the canonical text of ``value`` shows nothing to redact (no configured
-        secret in it, no ``authorization`` in any case) and is within the body cap as a whole,
-        ``value`` is stored as it is. Secrets whose JSON encoding differs from their text (quotes,
-        backslashes, control characters) always take the full walk.
+        secret in it, no ``authorization`` in any case, no URL password), redaction would return
+        ``value`` unchanged, so only the body cap applies: a text within the cap as a whole is
+        stored as it is, and a longer one is only capped (its text encoded again only when a body
+        was). Secrets whose JSON encoding differs from their text (quotes, backslashes, control
+        characters) always take the full walk.
         """
         text = canonical_text(value)
-        small = len(text) * 4 <= BODY_CAP_BYTES or len(text.encode("utf-8")) <= BODY_CAP_BYTES
-        if (
-            small
-            and self._plain_secrets
-            and "authorization" not in text.lower()
-            and mask_url_passwords(text) is text
-        ):
+        if self._plain_secrets and "authorization" not in text.lower() and mask_url_passwords(text) is text:
             for secret in self._secrets:
                 if secret in text:
                     break
             else:
-                return value, text
+                if len(text) * 4 <= BODY_CAP_BYTES or len(text.encode("utf-8")) <= BODY_CAP_BYTES:
+                    return value, text  # no body can exceed the cap: each is a part of this text
+                stored = cap_bodies(value)
+                return (value, text) if stored is value else (stored, canonical_text(stored))
         stored = self.apply(value)
         return stored, canonical_text(stored)
 
@@ -140,9 +139,12 @@ def cap_body(body: Any) -> Any:
 
 
 def cap_bodies(value: Any) -> Any:
-    """A copy of ``value`` where every value under a ``body`` key is capped (see ``cap_body``)."""
+    """``value`` with every value under a ``body`` key capped (see ``cap_body``). Never mutates:
+    a container holding a capped body is copied; one holding none is returned as it is."""
     if isinstance(value, dict):
-        return {k: (cap_body(v) if k == "body" else cap_bodies(v)) for k, v in value.items()}
+        out = {k: (cap_body(v) if k == "body" else cap_bodies(v)) for k, v in value.items()}
+        return value if all(out[k] is v for k, v in value.items()) else out
     if isinstance(value, list):
-        return [cap_bodies(item) for item in value]
+        items = [cap_bodies(item) for item in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
     return value
