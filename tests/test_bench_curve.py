@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
+
 from quiesce.tools.bench.curve import save_ratio
 
 
@@ -52,3 +54,17 @@ def test_the_interval_covers_the_spread_between_runs() -> None:
     assert lo <= value <= hi
     assert lo < 1.05  # as low as the first run alone (1.0)
     assert hi > 1.25  # as high as the second run alone (1.3)
+
+
+def test_runs_are_resampled_as_pairs() -> None:
+    """The i-th runs of both sizes shared a process and a cluster: a run effect that moves both alike
+    (5 ms in one run, 6.5 ms in the other, at either size) leaves their ratio at 1.0, and the
+    interval stays near it (about 0.94-1.13 from the saves' own noise) — drawing each size's runs
+    on their own would mix a 5 ms run with a 6.5 ms one and span 0.78-1.36."""
+    rng = random.Random(4)
+    low = _runs(0.005, rng, runs=1) + _runs(0.0065, rng, runs=1)
+    high = _runs(0.005, rng, runs=1) + _runs(0.0065, rng, runs=1)
+    value, lo, hi = save_ratio(low, high)
+    assert 0.88 < lo <= value <= hi < 1.2
+    with pytest.raises(ValueError, match="not paired"):
+        save_ratio(low, high[:1])

@@ -6,21 +6,23 @@ and *4-server* (4-server cycles only — many small attempts: about 4× as many 
 a new ledger created at the schema head. Each (shape, size) has a private copy of its ledger,
 reused by every run (each run adds one save through the CLI and the saves of the save-cost part).
 
-Each run takes every (shape, size), sizes interleaved, ascending in even runs and descending in odd
-ones (so over an even number of runs every size is as often early as late: a drift of the machine
-within a run spreads over all of them), each on a fresh 4-server reference cluster (measure #3's,
-rollouts running). Per (shape, size):
+Each run takes each shape on a fresh 4-server reference cluster (measure #3's, rollouts running),
+its sizes interleaved, ascending in even runs and descending in odd ones (so over an even number of
+runs every size is as often early as late: a drift of the machine within a run spreads over all of
+them). Per (shape, size):
 
 - **Cold-process latency** of the commands a user runs (``harness.run_cli``: a new interpreter,
   timed from spawn to exit): ``quiesce checkpoint`` (first: a size-0 ledger then has an attempt
   for ``show latest``), ``history``, ``history --limit 20``, ``status``, ``show latest`` and
   ``recover`` (nothing left to recover: its cost is the ledger's look for unfinished attempts).
-- **Save cost**: ``cycle.run_cycles`` in a child, the real ledger (this copy) against a null
-  ledger in the same process, ``CYCLES`` saves each after a warm-up. The ledger's CPU per save is
-  counted where it runs (``ledgercpu.LedgerCpu``: the thread CPU of the ledger's own code, on the
-  event loop and on worker threads) — judged; the difference of the two sides' median CPU per save
-  (``real − null``, which also holds what the ledger leaves to other code, but spans ±30% over
-  hundreds of saves) is shown beside it.
+- **Save cost**: ``cycle.run_cycles`` in one child per shape and run: a coordinator on each
+  size's copy and one on a null ledger, all in that process on that run's cluster, ``CYCLES``
+  saves each after a warm-up, every round running them in the next of their rotating orders (so
+  what moves a process or a cluster — seen: ±15% between two runs of one size — moves every size
+  alike). The ledger's CPU per save is counted where it runs (``ledgercpu.LedgerCpu``: the thread
+  CPU of the ledger's own code, on the event loop and on worker threads) — judged; the difference
+  of a size's and the null side's median CPU per save (``real − null``, which also holds what the
+  ledger leaves to other code, but spans ±30% over hundreds of saves) is shown beside it.
 
 Goals (the issue's): from 0 to 1M events, ``history --limit 20`` and ``status`` within 1.2× and
 the save's ledger CPU within 1.1×, on both shapes (judged on the worse). ``history`` without
@@ -86,8 +88,8 @@ def _ledger(ctx: Context, shape: str, size: int) -> Path:
     return copy_ledger(history(ctx, size, SHAPES[shape]), folder)
 
 
-def _one(ctx: Context, running: Any, token: str, path: Path, tag: str, cycles: int) -> dict[str, Any]:
-    """One (shape, size) of one run: the commands' wall times, then the save cost."""
+def _commands(running: Any, token: str, path: Path, tag: str) -> dict[str, Any]:
+    """One (shape, size) of one run: its counts and the commands' cold-process wall times."""
     url = f"sqlite+aiosqlite:///{path}"
     folder = path.parent / tag
     folder.mkdir()
@@ -97,16 +99,33 @@ def _one(ctx: Context, running: Any, token: str, path: Path, tag: str, cycles: i
     for label, args in COMMANDS.items():
         done = run_cli([*args, "--config", str(config), "--json"], env={TOKEN_ENV: token})
         out["wall_s"][label] = done["wall_s"]
-    saves = folder / "saves"
-    saves.mkdir()
-    params = {"config": running.config(), "token": token, "cycles": cycles, "dir": str(saves),
-              "ledger_url": url, "sides": ["real", "null"], "meter": True}  # fmt: skip
+    return out
+
+
+def _saves(
+    running: Any, token: str, paths: dict[int, Path], folder: Path, cycles: int
+) -> dict[int, dict[str, Any]]:
+    """The save cost of every size of one shape in one run: one child, one coordinator per size's
+    ledger and a null one, all on this cluster, in rotating order round after round."""
+    folder.mkdir()
+    ledgers = {f"size-{size}": f"sqlite+aiosqlite:///{path}" for size, path in paths.items()}
+    params = {"config": running.config(), "token": token, "cycles": cycles, "dir": str(folder),
+              "ledgers": ledgers, "sides": [*ledgers, "null"], "meter": True}  # fmt: skip
     cycled = run_child("cycle:run_cycles", params)
-    out["save_ledger_cpu_s"] = cycled["real_ledger_cpu_s"]
-    out["save_added_cpu_s"] = cycled["real_added_cpu_s"]
-    out["save_wall_s"] = cycled["real_s"]
-    out["save_cpu_samples"] = {side: cycled["samples"][side]["cpu_s"] for side in ("real", "null")}
-    out["save_cpu_samples"]["ledger"] = cycled["samples"]["real"]["ledger_cpu_s"]
+    out: dict[int, dict[str, Any]] = {}
+    for size in paths:
+        side = f"size-{size}"
+        samples = cycled["samples"][side]
+        out[size] = {
+            "save_ledger_cpu_s": cycled[f"{side}_ledger_cpu_s"],
+            "save_added_cpu_s": cycled[f"{side}_added_cpu_s"],
+            "save_wall_s": cycled[f"{side}_s"],
+            "save_cpu_samples": {
+                "real": samples["cpu_s"],
+                "null": cycled["samples"]["null"]["cpu_s"],
+                "ledger": samples["ledger_cpu_s"],
+            },
+        }
     return out
 
 
@@ -125,24 +144,32 @@ def save_ratio(
 ) -> tuple[float, float, float]:
     """The median of the ledger's own CPU per save (``LedgerCpu``) at the largest size over that at
     the smallest, every run's saves pooled per size, and the 95% interval of that ratio by a
-    two-level bootstrap (a fixed seed): each size's runs are resampled, then each chosen run's saves.
+    two-level bootstrap (a fixed seed): the runs are resampled, then each chosen run's saves.
     A run's saves are not independent of each other — a fresh cluster and process per run moves all
     of them together (seen: 5.8 against 6.4 ms in two runs of one size) — so resampling the pooled
-    saves alone would give an interval narrower than what another pair of runs would show."""
+    saves alone would give an interval narrower than what another pair of runs would show. The
+    i-th run of ``low`` and of ``high`` shared a process and a cluster, so a resample draws runs
+    as pairs: the same run indices for both sizes."""
     rng = random.Random(seed)
 
     def ledger_samples(runs: list[dict[str, Any]]) -> list[list[float]]:
         return [list(r["save_cpu_samples"]["ledger"]) for r in runs]
 
     top, bottom = ledger_samples(high), ledger_samples(low)
+    if len(top) != len(bottom):
+        raise ValueError(f"{len(bottom)} runs at the smallest size, {len(top)} at the largest: not paired")
 
     def ratio(a: list[float], b: list[float]) -> float:
         return float(statistics.median(a)) / max(float(statistics.median(b)), FLOOR_S)
 
-    def resample(runs: list[list[float]]) -> list[float]:
-        return [x for run in rng.choices(runs, k=len(runs)) for x in rng.choices(run, k=len(run))]
+    def resample(runs: list[list[float]], picks: list[int]) -> list[float]:
+        return [x for i in picks for x in rng.choices(runs[i], k=len(runs[i]))]
 
-    ratios = sorted(ratio(resample(top), resample(bottom)) for _ in range(resamples))
+    ratios: list[float] = []
+    for _ in range(resamples):
+        picks = rng.choices(range(len(top)), k=len(top))
+        ratios.append(ratio(resample(top, picks), resample(bottom, picks)))
+    ratios.sort()
     value = ratio([x for run in top for x in run], [x for run in bottom for x in run])
     low_end, high_end = ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples)]
     return value, min(low_end, value), max(high_end, value)
@@ -175,23 +202,30 @@ def measure(ctx: Context) -> Result:
     # would otherwise slow whatever runs first
     os.sync()
     for index in range(ctx.runs):
-        # ascending sizes in even runs, descending in odd ones (each rotated by a further case every
-        # two runs): over an even number of runs every size is as often early as late in a run
-        ordered = cases if index % 2 == 0 else cases[::-1]
-        shift = (index // 2) % len(cases)
-        for shape, size in ordered[shift:] + ordered[:shift]:
-            # a fresh cluster per case: the null ledger's checkpoint ids start over in every save-cost
-            # child, and a server that saw an id refuses it the second time
+        # sizes ascending in even runs, descending in odd ones (each rotated by a further size every
+        # two runs): over an even number of runs every size is as often early as late in a run; the
+        # shapes alternate which goes first
+        ordered = list(sizes) if index % 2 == 0 else list(sizes)[::-1]
+        shift = (index // 2) % len(sizes)
+        for shape in shapes if index % 2 == 0 else shapes[::-1]:
+            # a fresh cluster per shape and run: the null ledger's checkpoint ids start over in every
+            # save-cost child, and a server that saw an id refuses it the second time
             with cluster(SPEC, token, ctx.work) as running:
                 anyio.run(start_rollouts, running.urls, ["simple_agent"], 4, 1_000_000)
-                run = _one(ctx, running, token, ledgers[(shape, size)], f"run-{index}", cycles)
-                table[(shape, size)].append(run)
-                ctx.log(
-                    f"  run {index + 1}/{ctx.runs} ({shape}, {size:,}): {run['attempts']:,} attempts,"
-                    f" history --limit 20 {run['wall_s']['history --limit 20']:.2f} s,"
-                    f" status {run['wall_s']['status']:.2f} s,"
-                    f" save's ledger CPU {run['save_ledger_cpu_s'] * 1e3:.2f} ms"
-                )
+                timed: dict[int, dict[str, Any]] = {}
+                for size in ordered[shift:] + ordered[:shift]:
+                    timed[size] = _commands(running, token, ledgers[(shape, size)], f"run-{index}")
+                paths = {size: ledgers[(shape, size)] for size in ordered[shift:] + ordered[:shift]}
+                folder = ctx.work / f"curve-{shape}-saves-{index}"
+                for size, saved in _saves(running, token, paths, folder, cycles).items():
+                    run = {**timed[size], **saved}
+                    table[(shape, size)].append(run)
+                    ctx.log(
+                        f"  run {index + 1}/{ctx.runs} ({shape}, {size:,}): {run['attempts']:,} attempts,"
+                        f" history --limit 20 {run['wall_s']['history --limit 20']:.2f} s,"
+                        f" status {run['wall_s']['status']:.2f} s,"
+                        f" save's ledger CPU {run['save_ledger_cpu_s'] * 1e3:.2f} ms"
+                    )
     for (shape, size), runs in table.items():
         row: dict[str, Any] = {
             "history": shape,
@@ -228,8 +262,9 @@ def measure(ctx: Context) -> Result:
     result.side(
         "each size",
         durability="full",
-        transport="loopback HTTP (commands and saves against a fresh 4-server cluster per case)",
-        order="every (history, size), sizes interleaved, ascending and descending in turn per run",
+        transport="loopback HTTP (commands and saves against a fresh 4-server cluster per shape and run)",
+        order="commands: sizes interleaved, ascending and descending in turn per run; saves: every size's"
+        " coordinator and a null one in one process, in rotating order round after round",
         ledger="a private copy of the cached history (recorded real cycles); 0: new, at the schema head",
     )
     result.notes.append(
@@ -239,10 +274,11 @@ def measure(ctx: Context) -> Result:
     )
     result.notes.append(
         f"save's ledger CPU: the thread CPU of the ledger's own code per save, counted where it runs (on"
-        f" the event loop, between its awaits, and on worker threads), {cycles} saves per run (measure"
-        " #3's cluster and settle time); judged on the median of every run's saves pooled per size, with"
-        " a 95% interval of the ratio by a two-level bootstrap — runs, then each run's saves (as min–max"
-        " in the JSON). real − null (the same"
+        f" the event loop, between its awaits, and on worker threads), {cycles} saves per size and run"
+        " (measure #3's cluster and settle time), every size's saves interleaved in one process per shape"
+        " and run; judged on the median of every run's saves pooled per size, with a 95% interval of the"
+        " ratio by a two-level bootstrap — runs (as pairs: the sizes of a run shared its process), then"
+        " each run's saves (as min–max in the JSON). real − null (the same"
         " process's CPU per save with a null ledger subtracted: it also holds what the ledger's work"
         " costs other code, but its interval spans about ±30%) is shown beside, not judged"
     )

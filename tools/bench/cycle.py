@@ -199,6 +199,7 @@ async def run_cycles(
     clock: bool = False,
     episodes: list[dict[str, Any]] | None = None,
     meter: bool = False,
+    ledgers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One run of #3: ``cycles`` measured cycles per side (after one warm-up each), rotating order.
 
@@ -207,9 +208,11 @@ async def run_cycles(
     ``ledger_url`` (an empty database: #7 runs this on PostgreSQL). ``clock`` (measure #3 only)
     times the real side's ledger calls (``LedgerClock``); its wrapper then runs on that side
     alone, so a measure comparing two real ledgers (#9) leaves it off. ``episodes`` (a v2
-    cluster): every save's commit scope, ``{"rollout_id", "attempt"}`` each. ``meter`` (#12) counts
-    the real ledger's own CPU per save (``ledgercpu.LedgerCpu``): ``real_ledger_cpu_s`` and the
-    real side's ``ledger_cpu_s`` samples."""
+    cluster): every save's commit scope, ``{"rollout_id", "attempt"}`` each. ``ledgers`` (#12): more
+    real sides, name → ledger URL, each a coordinator of its own on the same cluster, in the same
+    rotation (then ``sides`` names them, and "real" may be left out). ``meter`` (#12) counts each real
+    ledger's own CPU per save (``ledgercpu.LedgerCpu``): ``<side>_ledger_cpu_s`` and the side's
+    ``ledger_cpu_s`` samples."""
     folder = Path(dir)
     scope = None if episodes is None else [EpisodeId.model_validate(e) for e in episodes]
     chosen = sides or ["real", "null", "bare"]
@@ -217,7 +220,9 @@ async def run_cycles(
     extra: dict[str, dict[str, Any]] = {
         "real": {"ledger": ledger_url},
         "lazy": {"ledger": f"sqlite+aiosqlite:///{folder / 'process.db'}", "durability": "process"},
+        **{side: {"ledger": url} for side, url in (ledgers or {}).items()},
     }
+    real_sides = [side for side in chosen if side == "real" or side in (ledgers or {})]
     configs = {
         side: parse_config(
             {**config, **extra.get(side, {}), "snapshots": str(folder / side)}, base_dir=folder
@@ -238,7 +243,7 @@ async def run_cycles(
     async with contextlib.AsyncExitStack() as stack:
         coords: dict[str, Coordinator] = {}
         for side in chosen:
-            if side in ("real", "lazy"):
+            if side in ("real", "lazy") or side in real_sides:
                 coords[side] = await stack.enter_async_context(Coordinator.open(configs[side], token=token))
             elif side == "null":
                 coords[side] = await stack.enter_async_context(open_null(configs[side], token))
@@ -250,26 +255,29 @@ async def run_cycles(
             await coord.discover()
             await timed_cycle(coord, scope)
         timer = LedgerClock(coords["real"].ledger) if clock and "real" in coords else None
-        counter = LedgerCpu(coords["real"].ledger) if meter and "real" in coords else None
+        # one meter per real ledger; their thread hooks nest, and only the side whose save runs counts
+        counters = {side: LedgerCpu(coords[side].ledger) for side in real_sides} if meter else {}
         in_ledger: list[float] = []
-        ledger_cpu: list[float] = []
-        with counter if counter is not None else contextlib.nullcontext():
+        ledger_cpu: dict[str, list[float]] = {side: [] for side in counters}
+        with contextlib.ExitStack() as metering:
+            for counter in counters.values():
+                metering.enter_context(counter)
             for i in range(cycles):
                 settle_s = SETTLE_S + rng.random() * SETTLE_JITTER_S
                 for side in orders[i % len(orders)]:
                     await anyio.sleep(settle_s)
                     start = time.process_time()
                     before = timer.total if timer is not None and side == "real" else 0.0
-                    counted = counter.total if counter is not None else 0.0
+                    counted = counters[side].total if side in counters else 0.0
                     took[side].append(await timed_cycle(coords[side], scope))
                     cpu[side].append(time.process_time() - start)
                     if timer is not None and side == "real":
                         in_ledger.append(timer.total - before)
-                    if counter is not None and side == "real":
-                        ledger_cpu.append(counter.total - counted)
+                    if side in counters:
+                        ledger_cpu[side].append(counters[side].total - counted)
         counts: dict[str, int] = {}
         for side, coord in coords.items():
-            if side in ("real", "lazy"):
+            if side in ("real", "lazy") or side in real_sides:
                 head = await coord.ledger.head()
                 counts[side] = head.seq if head is not None else 0
             elif side == "bare":
@@ -293,14 +301,15 @@ async def run_cycles(
             out[f"{side}_overhead"] = out[f"{side}_s"] / statistics.median(took["null"]) - 1
     if in_ledger:
         out["real_in_ledger_s"] = statistics.median(in_ledger)
-    if ledger_cpu:
-        out["real_ledger_cpu_s"] = statistics.median(ledger_cpu)
-        out["samples"]["real"]["ledger_cpu_s"] = ledger_cpu
-    # the names measure #3 and #7 report
-    out["added_s"], out["added_cpu_s"] = out["real_added_s"], out["real_added_cpu_s"]
-    out["added_ci"], out["paired_s"] = out["real_added_ci"], out["real_paired_s"]
-    out["overhead"] = out["real_overhead"]
-    out["events_per_cycle"] = out.get("real_events_per_cycle", 0)
+    for side, samples in ledger_cpu.items():
+        if samples:
+            out[f"{side}_ledger_cpu_s"] = statistics.median(samples)
+            out["samples"][side]["ledger_cpu_s"] = samples
+    if "real" in chosen:  # the names measure #3 and #7 report
+        out["added_s"], out["added_cpu_s"] = out["real_added_s"], out["real_added_cpu_s"]
+        out["added_ci"], out["paired_s"] = out["real_added_ci"], out["real_paired_s"]
+        out["overhead"] = out["real_overhead"]
+        out["events_per_cycle"] = out.get("real_events_per_cycle", 0)
     return out
 
 
