@@ -38,21 +38,25 @@ Invariants:
 - `open` then runs recovery (`quiesce.coordinator.recovery`) of whatever a dead coordinator left, unless
   `recover=False`; `recover()` runs it on demand. On PostgreSQL the open coordinator holds the
   lease and renews it in the background (`quiesce.coordinator.lease`); `open(standby=True)` waits to take
-  it over. The test-only crash points (`quiesce.coordinator.crashpoints`) are read once, here.
+  it over. When a renewal finds the lease taken, every step running in this coordinator is
+  stopped at once and raises `FencedError` (`LeaseGuard`), a call waiting on its reply included;
+  so does every step started later. The test-only crash points
+  (`quiesce.coordinator.crashpoints`) are read once, here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -76,7 +80,7 @@ from quiesce.coordinator.discovery import Discovery, Member, discover
 from quiesce.coordinator.errors import AcknowledgementError, ConfigError, PhaseError, QuiesceError
 from quiesce.coordinator.heap import frozen_step, heap_frozen
 from quiesce.coordinator.http import HttpClient
-from quiesce.coordinator.lease import holder_text, keep_lease
+from quiesce.coordinator.lease import LeaseGuard, holder_text, keep_lease
 from quiesce.coordinator.phases import COMPONENT_OF_ROLE, V2_ROLE_OF_KIND
 from quiesce.coordinator.preflight import preflight
 from quiesce.coordinator.protocol import (
@@ -111,11 +115,14 @@ from quiesce.coordinator.resume import finish_resume, release_unrecorded, roll_b
 from quiesce.coordinator.retire import RetireOutcome
 from quiesce.coordinator.status import ClusterStatus, Fence, read_status, refuse_if_held, status_from
 from quiesce.coordinator.version import VERSION
-from quiesce.ledger import AfterAppend, AttemptRow, Event, LeaseTerms, Ledger, LedgerError
+from quiesce.ledger import AfterAppend, AttemptRow, Event, FencedError, LeaseTerms, Ledger, LedgerError
 from quiesce.ledger.lineage import STATES, Rollout
 from quiesce.ledger.rollout_refs import read_lineage_of
 
 __all__ = ["Coordinator", "quiesce_version", "read_history"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def quiesce_version() -> str:
@@ -131,11 +138,33 @@ def _as_config(config: ClusterConfig | str | os.PathLike[str]) -> ClusterConfig:
     return load_config(config)
 
 
+def stops_when_fenced(
+    fn: Callable[Concatenate[Coordinator, _P], Awaitable[_R]],
+) -> Callable[Concatenate[Coordinator, _P], Awaitable[_R]]:
+    """A step of the `Coordinator` that the loss of its lease stops at once (`LeaseGuard`): it then
+    raises the ledger's `FencedError`, whatever the cancellation made of it on the way out."""
+
+    @functools.wraps(fn)
+    async def step(coord: Coordinator, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with coord._lease_guard.guard():
+            try:
+                return await fn(coord, *args, **kwargs)
+            except Exception as error:
+                if coord._lease_guard.is_lost and not isinstance(error, FencedError):
+                    raise coord._fenced() from None
+                raise
+        raise coord._fenced()  # the guard's scope caught the cancellation it was stopped by
+
+    return step
+
+
 class Coordinator:
     """One coordinator: one ledger writer with one epoch. Create with `Coordinator.open(...)`."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, lease_guard: LeaseGuard | None = None) -> None:
         self._ctx = ctx
+        #: the steps running now, stopped together when the lease is found lost
+        self._lease_guard = lease_guard if lease_guard is not None else LeaseGuard()
         self._discovery: Discovery | None = None
         self._current: Attempt | None = None
         self._last_recovery: recovery.RecoveryReport | None = None
@@ -240,11 +269,12 @@ class Coordinator:
         ) as ledger:
             await ledger.start_epoch({"coordinator": identity, "version": quiesce_version()})
             caller = Caller(ledger, secret, epoch=ledger.epoch, client=client, no_token=missing_token(cfg))
+            guard = LeaseGuard()
             try:
-                async with _lease_kept(ledger, cfg.lease_s / 3):
+                async with _lease_kept(ledger, cfg.lease_s / 3, guard):
                     path = os.fspath(source) if source is not None else None
                     coord = cls(
-                        Context(cfg, ledger, caller, on_progress, config_path=path, service=advertise)
+                        Context(cfg, ledger, caller, on_progress, config_path=path, service=advertise), guard
                     )
                     if recover and secret is not None:
                         with heap_frozen():
@@ -254,6 +284,17 @@ class Coordinator:
                 with anyio.CancelScope(shield=True):
                     await caller.aclose()
 
+    def _fenced(self) -> FencedError:
+        """The error a step stopped by the lease's loss raises (the ledger's own, when it has one)."""
+        error = self._ctx.ledger.fenced_error
+        if error is not None:
+            return FencedError(str(error))
+        return FencedError(
+            f"ledger {self._ctx.ledger.url}: the coordinator lease was taken over by another"
+            " coordinator; this coordinator is fenced and must stop making calls"
+        )
+
+    @stops_when_fenced
     @frozen_step
     async def recover(self) -> recovery.RecoveryReport:
         """Run recovery now (`quiesce recover`): always records `recovery.started`/`completed`."""
@@ -303,6 +344,7 @@ class Coordinator:
 
     # -- discovery -----------------------------------------------------------------------------
 
+    @stops_when_fenced
     @frozen_step
     async def discover(self, *, strict: bool = True) -> Discovery:
         """Capabilities of every configured server → participants (see `discovery.py`).
@@ -400,6 +442,7 @@ class Coordinator:
 
     # -- save, step-wise -----------------------------------------------------------------------
 
+    @stops_when_fenced
     @frozen_step
     async def prepare(
         self,
@@ -477,6 +520,7 @@ class Coordinator:
             raise QuiesceError(problem)
         return folder
 
+    @stops_when_fenced
     @frozen_step
     async def commit(
         self,
@@ -538,6 +582,7 @@ class Coordinator:
             await saving.commit(self._ctx, chosen)
         return chosen
 
+    @stops_when_fenced
     async def renew(self, attempt: Attempt | None = None, *, horizon_s: float | None = None) -> Attempt:
         """Renew the leases of a unified-plane attempt's servers once (for callers driving
         prepare → commit → publish step by step; `save()` renews on its own): each is kept for
@@ -553,6 +598,7 @@ class Coordinator:
             raise QuiesceError(chosen.lease_lost)
         return chosen
 
+    @stops_when_fenced
     @frozen_step
     async def publish(self, attempt: Attempt | None = None) -> Path:
         """Publish a committed attempt (manifest, rename, LATEST, retention); returns the snapshot
@@ -562,6 +608,7 @@ class Coordinator:
         await self._ctx.ledger.sync()
         return published
 
+    @stops_when_fenced
     @frozen_step
     async def abort(
         self, target: Attempt | str | None = None, *, reason: str = "aborted by request"
@@ -599,6 +646,7 @@ class Coordinator:
             )
         )
 
+    @stops_when_fenced
     @frozen_step
     async def resume(self, target: Attempt | str | None = None) -> Outcome:
         """Resume the servers an attempt left paused (a published save, a restore, a rollback).
@@ -776,6 +824,7 @@ class Coordinator:
         attempt.state = "completed"
         self._clean = False
 
+    @stops_when_fenced
     async def publish_and_resume(
         self, attempt: Attempt | None = None, *, renew_horizon: float | None = None
     ) -> Path:
@@ -815,6 +864,7 @@ class Coordinator:
             raise unsynced[0]
         return published
 
+    @stops_when_fenced
     async def checkpoint(
         self,
         *,
@@ -831,6 +881,7 @@ class Coordinator:
 
     # -- restore -------------------------------------------------------------------------------
 
+    @stops_when_fenced
     @frozen_step
     async def restore(
         self,
@@ -960,6 +1011,7 @@ class Coordinator:
         assert op_id is not None
         return retiring.operation_attempt(op_id, discovery.participants, seconds)
 
+    @stops_when_fenced
     async def retire(
         self, episodes: Sequence[EpisodeId], *, deadline_s: float | None = None
     ) -> RetireOutcome:
@@ -976,6 +1028,7 @@ class Coordinator:
         )
         return self._operation_done(outcome)
 
+    @stops_when_fenced
     async def forget(self, rollout_ids: Sequence[str], *, deadline_s: float | None = None) -> RetireOutcome:
         """Drop the retire marks of these rollouts everywhere (once a rollout is finished for good);
         the same rules as `retire`."""
@@ -1012,6 +1065,7 @@ class Coordinator:
 
     # -- completed results ---------------------------------------------------------------------
 
+    @stops_when_fenced
     async def acknowledge_completed(
         self, server: str, executions: Sequence[tuple[str, int]]
     ) -> list[tuple[str, int]]:
@@ -1304,14 +1358,20 @@ def _chained(first: AfterAppend | None, second: AfterAppend | None) -> AfterAppe
 
 
 @asynccontextmanager
-async def _lease_kept(ledger: Ledger, interval_s: float) -> AsyncIterator[None]:
-    """Renew `ledger`'s lease in the background while the block runs (nothing without a lease)."""
+async def _lease_kept(ledger: Ledger, interval_s: float, guard: LeaseGuard) -> AsyncIterator[None]:
+    """Renew `ledger`'s lease in the background while the block runs (nothing without a lease);
+    once a renewal finds it taken, `guard` stops every step."""
     if ledger.lease is None:
         yield
         return
+
+    async def keep() -> None:
+        await keep_lease(ledger, interval_s)  # returns only when the lease is lost
+        guard.lost()
+
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(keep_lease, ledger, interval_s)
+            tg.start_soon(keep)
             try:
                 yield
             finally:

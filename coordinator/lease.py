@@ -8,6 +8,8 @@ the `quiesce serve` behind a ledger someone else holds.
   later append raises `FencedError`, so no further control call can be sent (calls are recorded
   before they are sent). A database error is retried at the next tick; if it lasts longer than the
   lease, a standby takes over, and the next renewal reports it.
+- `LeaseGuard`: the operations the coordinator runs, stopped together when that renewal finds the
+  lease lost — a call still waiting on its reply is not waited for up to its deadline.
 - The lease row's holder names the process (`host/pid/uuid`) and, for a coordinator that serves
   (`quiesce serve`), the address it serves at after one space: `holder_text` writes it and
   `advertised_address` reads it back, so a standby can send callers to the active one.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -33,6 +36,7 @@ from quiesce.coordinator.errors import LedgerError, QuiesceError
 from quiesce.ledger import Ledger
 
 __all__ = [
+    "LeaseGuard",
     "LedgerWriter",
     "advertised_address",
     "holder_text",
@@ -58,6 +62,43 @@ async def keep_lease(ledger: Ledger, interval_s: float) -> None:
                 return
         except LedgerError:
             continue
+
+
+class LeaseGuard:
+    """The operations a coordinator runs, stopped together the moment its lease is found lost.
+
+    Rule: once `lost()` is called, every operation running under `guard()` is cancelled at its
+    next await (a control call waiting on its reply included), and one that starts later is
+    cancelled before its first await. Nothing it did after the loss is recorded — the ledger is
+    fenced and refuses every append — and the coordinator that took the lease recovers whatever
+    these operations left, so stopping them at once loses nothing; waiting would only hold
+    connections and servers' attention up to the attempt's deadline. The caller of `guard()` turns
+    the cancellation into the ledger's `FencedError`.
+    """
+
+    def __init__(self) -> None:
+        self._scopes: set[anyio.CancelScope] = set()
+        self.is_lost = False
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[anyio.CancelScope]:
+        """Run the block as an operation that the lease's loss cancels (the scope is yielded: its
+        `cancelled_caught` tells that it was)."""
+        scope = anyio.CancelScope()
+        if self.is_lost:
+            scope.cancel()
+        self._scopes.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._scopes.discard(scope)
+
+    def lost(self) -> None:
+        """The lease was found taken: cancel every guarded operation, now and from now on."""
+        self.is_lost = True
+        for scope in list(self._scopes):
+            scope.cancel()
 
 
 def holder_text(identity: dict[str, object], advertise: str | None = None) -> str:

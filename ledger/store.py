@@ -460,6 +460,11 @@ class Ledger:
         return False
 
     @property
+    def fenced_error(self) -> FencedError | None:
+        """Why this writer may no longer append (a newer epoch, or its lease taken), once it may not."""
+        return self._fenced
+
+    @property
     def backend(self) -> Backend:
         """The database backend (for ``quiesce.ledger.replay``; not for callers outside ``ledger``)."""
         return self._backend

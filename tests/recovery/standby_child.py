@@ -1,7 +1,7 @@
 """A coordinator process for the standby tests: `python -m tests.recovery.standby_child ROLE CONFIG`.
 
 - `active`: open (takes the lease), discover, checkpoint; prints `{"event": "open", ...}` first. A
-  `FencedError` prints `{"event": "fenced"}` and exits 3.
+  `FencedError` prints `{"event": "fenced", "at": <time>, "error"}` and exits 3.
 - `standby`: `Coordinator.open(config, standby=True)`: waits for the lease, takes over, recovers;
   prints `{"event": "took_over", "at": <time>, "epoch", "holder", "took_over_from", "recovery"}`.
 """
@@ -31,7 +31,7 @@ async def active(config: str) -> int:
             await coord.discover()
             await coord.checkpoint(deadline_s=60)
     except FencedError as error:
-        say({"event": "fenced", "error": str(error)})
+        say({"event": "fenced", "at": time.time(), "error": str(error)})
         return 3
     say({"event": "done"})
     return 0

@@ -4,7 +4,8 @@ An active coordinator (a child process) is stuck in prepare — a model request 
 never ends — when it is SIGKILLed (or SIGSTOPped). A standby coordinator (another process,
 `Coordinator.open(config, standby=True)`) takes the lease once it has expired, ends the old
 holder's writer session, takes the next epoch and recovers: every server is accepting again.
-A SIGSTOPped zombie, continued after the takeover, appends nothing and sends nothing.
+A SIGSTOPped zombie, continued after the takeover, appends nothing and sends nothing, and stops
+at once (its call in flight not waited for).
 
 No wall-clock limits are asserted: the order is (the standby's epoch starts after the old lease's
 expiry, on one clock), and the measured takeover time is printed.
@@ -150,6 +151,22 @@ async def test_sigstopped_zombie_is_fenced_after_takeover(
             rollouts = await client.wait_finished(http, cluster.urls["simple_agent"], timeout_s=60)
     assert client.turn_log_problems(rollouts) == []
     assert took["epoch"] == opened["epoch"] + 1
+    # woken, the zombie stopped at once — its lease renewal found the lease taken — and did not
+    # wait for its prepare call to the draining agent: that call was still unanswered when the
+    # zombie had exited (it ends only with the agent's own drain deadline)
+    assert "taken over by another coordinator" in woke["error"]
+    zombie_id = next(
+        ev.checkpoint_id
+        for ev in events_before
+        if ev.kind == "attempt.started" and ev.epoch == opened["epoch"]
+    )
+    unanswered = [
+        e["path"]
+        for log in logs_after.values()
+        for e in log
+        if e["checkpoint_id"] == zombie_id and e["status"] is None
+    ]
+    assert any(path.endswith("/prepare") for path in unanswered), unanswered
     # the zombie sent nothing after waking, and appended nothing
     # (a request the zombie sent before it was stopped may finish later: its status is filled in
     # then, so requests are compared, not their outcomes)
