@@ -209,7 +209,16 @@ _FLUSH_WAL: Final = (
 
 
 #: What a statement on a session of the writer's may raise when the session or the server fails.
-_CONNECTION_ERRORS: Final = (DBAPIError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError)
+#: ``InternalClientError``: asyncpg's own state machine refusing a statement on a session the server
+#: ended while it sat idle (seen after ``pg_terminate_backend``: "cannot switch to state 15; another
+#: operation (2) is in progress"), a lost session like any other.
+_CONNECTION_ERRORS: Final = (
+    DBAPIError,
+    OSError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+)
 
 
 async def _connect_unbroken(*args: Any, **kwargs: Any) -> Any:
@@ -405,7 +414,7 @@ class PostgresBackend(Backend):
             ) from None
         except FencedError:
             raise
-        except (DBAPIError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
+        except _CONNECTION_ERRORS as error:
             self._driver = None
             if await self._writer_lost():
                 cause = getattr(error, "orig", error)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import random
 import uuid
+from typing import Any
 
 import anyio
+import asyncpg
 import pytest
 
 from quiesce.ledger import AppendItem, FencedError, Ledger, LedgerError, replay_url
@@ -233,4 +235,41 @@ async def test_a_sync_whose_session_died_fails_clearly_and_the_next_one_opens_an
         await ledger.sync()  # still owed: a new session flushes it
         assert ledger.backend._sync_driver.get_server_pid() != pid  # type: ignore[attr-defined]
         await ledger.sync()  # nothing owed now
+    assert (await replay_url(pg_url)).ok
+
+
+class _RefusedByAsyncpg:
+    """The sync session's driver connection, whose next statement asyncpg's own state machine
+    refuses (as it does when the server's end of the session reached it while idle)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    async def execute(self, *args: object, **kwargs: object) -> None:
+        raise asyncpg.InternalClientError("cannot switch to state 15; another operation (2) is in progress")
+
+
+async def test_a_sync_refused_by_asyncpgs_own_state_machine_fails_clearly_too(pg_url: str) -> None:
+    """The race the test above can meet: the server's end of the session reaches asyncpg while it
+    sits idle, and the next statement is refused by asyncpg's own state machine
+    (``InternalClientError``) instead of a connection error. That too is a lost session: the same
+    clear ``LedgerError``, the commits stay owed, and the next sync flushes them on a new session.
+    (The refusal is forced here — it depends on timing — in front of a real session of a real server.)"""
+    async with Ledger.open(pg_url) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        await ledger.append("attempt.started", checkpoint_id="c1", data=started())
+        await ledger.append(
+            "call.sent", checkpoint_id="c1", server="a", call_id="k0", data=SENT, durable=False
+        )
+        await ledger.sync()  # opens the sync session
+        backend: Any = ledger.backend
+        pid = backend._sync_driver.get_server_pid()
+        backend._sync_driver = _RefusedByAsyncpg(backend._sync_driver)
+        await ledger.append(
+            "call.sent", checkpoint_id="c1", server="a", call_id="k1", data=SENT, durable=False
+        )
+        with pytest.raises(LedgerError, match="making the last commits durable failed: cannot switch"):
+            await ledger.sync()
+        await ledger.sync()  # still owed: a new session flushes it
+        assert backend._sync_driver.get_server_pid() != pid
     assert (await replay_url(pg_url)).ok
