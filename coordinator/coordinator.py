@@ -146,14 +146,16 @@ def stops_when_fenced(
 
     @functools.wraps(fn)
     async def step(coord: Coordinator, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with coord._lease_guard.guard():
+        guard = coord._lease_guard
+        with guard.guard():
             try:
                 return await fn(coord, *args, **kwargs)
             except Exception as error:
-                if coord._lease_guard.is_lost and not isinstance(error, FencedError):
-                    raise coord._fenced() from None
+                if guard.error is not None and not isinstance(error, FencedError):
+                    raise FencedError(str(guard.error)) from None
                 raise
-        raise coord._fenced()  # the guard's scope caught the cancellation it was stopped by
+        assert guard.error is not None  # only the lease's loss cancels the guard's scope
+        raise FencedError(str(guard.error))
 
     return step
 
@@ -283,16 +285,6 @@ class Coordinator:
             finally:
                 with anyio.CancelScope(shield=True):
                     await caller.aclose()
-
-    def _fenced(self) -> FencedError:
-        """The error a step stopped by the lease's loss raises (the ledger's own, when it has one)."""
-        error = self._ctx.ledger.fenced_error
-        if error is not None:
-            return FencedError(str(error))
-        return FencedError(
-            f"ledger {self._ctx.ledger.url}: the coordinator lease was taken over by another"
-            " coordinator; this coordinator is fenced and must stop making calls"
-        )
 
     @stops_when_fenced
     @frozen_step
@@ -1366,8 +1358,9 @@ async def _lease_kept(ledger: Ledger, interval_s: float, guard: LeaseGuard) -> A
         return
 
     async def keep() -> None:
-        await keep_lease(ledger, interval_s)  # returns only when the lease is lost
-        guard.lost()
+        await keep_lease(ledger, interval_s)  # returns only when the lease is lost: the ledger is fenced
+        error = ledger.fenced_error
+        guard.lost(error if error is not None else FencedError(f"ledger {ledger.url}: the lease was lost"))
 
     try:
         async with anyio.create_task_group() as tg:

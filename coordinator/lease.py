@@ -33,7 +33,7 @@ import anyio
 import anyio.to_thread
 
 from quiesce.coordinator.errors import LedgerError, QuiesceError
-from quiesce.ledger import Ledger
+from quiesce.ledger import FencedError, Ledger
 
 __all__ = [
     "LeaseGuard",
@@ -73,12 +73,17 @@ class LeaseGuard:
     fenced and refuses every append — and the coordinator that took the lease recovers whatever
     these operations left, so stopping them at once loses nothing; waiting would only hold
     connections and servers' attention up to the attempt's deadline. The caller of `guard()` turns
-    the cancellation into the ledger's `FencedError`.
+    the cancellation into `error`.
     """
 
     def __init__(self) -> None:
         self._scopes: set[anyio.CancelScope] = set()
-        self.is_lost = False
+        #: why the steps were stopped (the ledger's own error), once they were
+        self.error: FencedError | None = None
+
+    @property
+    def is_lost(self) -> bool:
+        return self.error is not None
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[anyio.CancelScope]:
@@ -94,9 +99,10 @@ class LeaseGuard:
         finally:
             self._scopes.discard(scope)
 
-    def lost(self) -> None:
-        """The lease was found taken: cancel every guarded operation, now and from now on."""
-        self.is_lost = True
+    def lost(self, error: FencedError) -> None:
+        """The lease was found taken (`error`, the ledger's): cancel every guarded operation, now
+        and from now on."""
+        self.error = error
         for scope in list(self._scopes):
             scope.cancel()
 
