@@ -35,10 +35,10 @@ def _spy(ledger: Ledger, record: Callable[[Any], None]) -> None:
 
         backend.append_now = now
 
+    if inline:  # its ``append`` commits through ``append_now`` too (here or on its thread)
+        return
+
     async def later(batch: Any) -> None:
-        if inline and backend.can_append_now():  # commits through append_now, recorded there
-            await real_append(batch)
-            return
         await real_append(batch)
         record(batch)
 
