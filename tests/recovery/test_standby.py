@@ -13,14 +13,9 @@ expiry, on one clock), and the measured takeover time is printed.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,46 +23,16 @@ import anyio
 import httpx
 import pytest
 
-from quiesce.coordinator.protocol import TOKEN_ENV
-from quiesce.ledger import Event, Ledger
+from quiesce.ledger import Ledger
 from quiesce.tools.gymsim import client
-from quiesce.tools.gymsim.cluster import IMPORT_ROOT
 from quiesce.tools.pgtemp import TempPostgres
 from tests.coordinator.helpers import assert_all_accepting, control_logs, read_events
+from tests.recovery.standby_procs import event_time, line, requests_of, spawn, wait_for
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres, pytest.mark.timeout(180)]
 
 LEASE_S = 2.0
 ROLLOUTS = {f"r{i}": 4 for i in range(3)}
-
-
-def _spawn(role: str, config: Path, token: str) -> subprocess.Popen[str]:
-    env = {**os.environ, TOKEN_ENV: token, "PYTHONPATH": str(IMPORT_ROOT)}
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.recovery.standby_child", role, str(config)],
-        cwd=str(IMPORT_ROOT),
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _line(process: subprocess.Popen[str]) -> dict[str, Any]:
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    assert line, process.stderr.read() if process.stderr else "no output"
-    document: dict[str, Any] = json.loads(line)
-    return document
-
-
-async def _wait_for(predicate: Any, timeout_s: float = 60.0) -> None:
-    import anyio
-
-    give_up = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < give_up, "timed out"
-        await anyio.sleep(0.05)
 
 
 async def _stuck_in_prepare(http: httpx.AsyncClient, cluster: Any, config: Path, token: str) -> Any:
@@ -76,14 +41,14 @@ async def _stuck_in_prepare(http: httpx.AsyncClient, cluster: Any, config: Path,
     faults = f"{cluster.urls['policy_model']}/gymsim/admin/faults"
     (await http.post(faults, json={"faults": [fault]})).raise_for_status()
     await client.start_rollouts(http, cluster.urls["simple_agent"], ROLLOUTS)
-    active = _spawn("active", config, token)
-    opened = _line(active)
+    active = spawn("active", config, token)
+    opened = line(active)
 
     async def paused() -> bool:
         log = (await control_logs(http, cluster))["policy_model"]
         return any(entry["path"].endswith("/pause") for entry in log)
 
-    await _wait_for(paused)
+    await wait_for(paused)
     return active, opened
 
 
@@ -95,13 +60,13 @@ async def test_standby_takes_over_after_sigkill_mid_prepare(
         config = cluster.write_config(tmp_path / "cluster.yaml", url, tmp_path / "snaps", lease_s=LEASE_S)
         async with httpx.AsyncClient() as http:
             active, opened = await _stuck_in_prepare(http, cluster, config, token)
-            standby = _spawn("standby", config, token)
+            standby = spawn("standby", config, token)
             await anyio.sleep(LEASE_S)  # the active one renews: the standby keeps waiting
             assert standby.poll() is None
             killed_at = time.time()
             active.send_signal(signal.SIGKILL)
             active.wait()
-            took = _line(standby)
+            took = line(standby)
             assert standby.wait(timeout=60) == 0
             await assert_all_accepting(http, cluster)
             await http.delete(f"{cluster.urls['policy_model']}/gymsim/admin/faults")
@@ -114,9 +79,9 @@ async def test_standby_takes_over_after_sigkill_mid_prepare(
     events = await read_events(url)
     started = next(ev for ev in events if ev.kind == "coordinator.started" and ev.epoch == took["epoch"])
     # the takeover happened after the old holder's lease expired (one host, one clock)
-    assert _at(started) >= took["took_over_from"]["expires_at"]
+    assert event_time(started) >= took["took_over_from"]["expires_at"]
     print(
-        f"\nstandby: new epoch {_at(started) - killed_at:.2f}s after SIGKILL (lease {LEASE_S:g}s),"
+        f"\nstandby: new epoch {event_time(started) - killed_at:.2f}s after SIGKILL (lease {LEASE_S:g}s),"
         f" recovered {took['at'] - killed_at:.2f}s after it"
     )
     async with Ledger.open(url, readonly=True) as ledger:
@@ -135,15 +100,15 @@ async def test_sigstopped_zombie_is_fenced_after_takeover(
             zombie, opened = await _stuck_in_prepare(http, cluster, config, token)
             zombie.send_signal(signal.SIGSTOP)
             try:
-                standby = _spawn("standby", config, token)
-                took = _line(standby)
+                standby = spawn("standby", config, token)
+                took = line(standby)
                 assert standby.wait(timeout=60) == 0
                 await assert_all_accepting(http, cluster)
                 logs_before = await control_logs(http, cluster)
                 events_before = await read_events(url)
             finally:
                 zombie.send_signal(signal.SIGCONT)
-            woke = _line(zombie)
+            woke = line(zombie)
             assert zombie.wait(timeout=60) == 3
             assert woke["event"] == "fenced"
             logs_after = await control_logs(http, cluster)
@@ -170,18 +135,10 @@ async def test_sigstopped_zombie_is_fenced_after_takeover(
     # the zombie sent nothing after waking, and appended nothing
     # (a request the zombie sent before it was stopped may finish later: its status is filled in
     # then, so requests are compared, not their outcomes)
-    assert _requests(logs_after) == _requests(logs_before)
+    assert requests_of(logs_after) == requests_of(logs_before)
     events_after = await read_events(url)
     assert events_after == events_before
     started = next(
         ev for ev in events_after if ev.kind == "coordinator.started" and ev.epoch == took["epoch"]
     )
     assert [ev for ev in events_after if ev.seq > started.seq and ev.epoch == opened["epoch"]] == []
-
-
-def _requests(logs: dict[str, list[dict[str, Any]]]) -> dict[str, list[tuple[Any, ...]]]:
-    return {name: [(e["method"], e["path"], e["checkpoint_id"]) for e in log] for name, log in logs.items()}
-
-
-def _at(event: Event) -> float:
-    return datetime.strptime(event.at, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
