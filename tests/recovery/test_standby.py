@@ -23,15 +23,20 @@ import anyio
 import httpx
 import pytest
 
-from quiesce.ledger import Ledger
 from quiesce.tools.gymsim import client
 from quiesce.tools.pgtemp import TempPostgres
 from tests.coordinator.helpers import assert_all_accepting, control_logs, read_events
-from tests.recovery.standby_procs import event_time, line, requests_of, spawn, wait_for
+from tests.recovery.standby_procs import (
+    LEASE_S,
+    assert_took_over,
+    assert_zombie_silent,
+    line,
+    spawn,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres, pytest.mark.timeout(180)]
 
-LEASE_S = 2.0
 ROLLOUTS = {f"r{i}": 4 for i in range(3)}
 
 
@@ -72,22 +77,7 @@ async def test_standby_takes_over_after_sigkill_mid_prepare(
             await http.delete(f"{cluster.urls['policy_model']}/gymsim/admin/faults")
             rollouts = await client.wait_finished(http, cluster.urls["simple_agent"], timeout_s=60)
     assert client.turn_log_problems(rollouts) == []
-    assert took["took_over_from"]["holder"] == opened["holder"]
-    assert took["epoch"] == opened["epoch"] + 1
-    recovered = took["recovery"]["attempts"]
-    assert [(a["found"], a["action"]) for a in recovered] == [("prepare", "resumed")]
-    events = await read_events(url)
-    started = next(ev for ev in events if ev.kind == "coordinator.started" and ev.epoch == took["epoch"])
-    # the takeover happened after the old holder's lease expired (one host, one clock)
-    assert event_time(started) >= took["took_over_from"]["expires_at"]
-    print(
-        f"\nstandby: new epoch {event_time(started) - killed_at:.2f}s after SIGKILL (lease {LEASE_S:g}s),"
-        f" recovered {took['at'] - killed_at:.2f}s after it"
-    )
-    async with Ledger.open(url, readonly=True) as ledger:
-        row = await ledger.attempt(recovered[0]["checkpoint_id"])
-    assert row is not None
-    assert (row.outcome, row.recovered_by) == ("aborted", took["epoch"])
+    await assert_took_over(url, opened, took, killed_at, LEASE_S)
 
 
 async def test_sigstopped_zombie_is_fenced_after_takeover(
@@ -115,7 +105,6 @@ async def test_sigstopped_zombie_is_fenced_after_takeover(
             await http.delete(f"{cluster.urls['policy_model']}/gymsim/admin/faults")
             rollouts = await client.wait_finished(http, cluster.urls["simple_agent"], timeout_s=60)
     assert client.turn_log_problems(rollouts) == []
-    assert took["epoch"] == opened["epoch"] + 1
     # woken, the zombie stopped at once — its lease renewal found the lease taken — and did not
     # wait for its prepare call to the draining agent: that call was still unanswered when the
     # zombie had exited (it ends only with the agent's own drain deadline)
@@ -132,13 +121,4 @@ async def test_sigstopped_zombie_is_fenced_after_takeover(
         if e["checkpoint_id"] == zombie_id and e["status"] is None
     ]
     assert any(path.endswith("/prepare") for path in unanswered), unanswered
-    # the zombie sent nothing after waking, and appended nothing
-    # (a request the zombie sent before it was stopped may finish later: its status is filled in
-    # then, so requests are compared, not their outcomes)
-    assert requests_of(logs_after) == requests_of(logs_before)
-    events_after = await read_events(url)
-    assert events_after == events_before
-    started = next(
-        ev for ev in events_after if ev.kind == "coordinator.started" and ev.epoch == took["epoch"]
-    )
-    assert [ev for ev in events_after if ev.seq > started.seq and ev.epoch == opened["epoch"]] == []
+    await assert_zombie_silent(url, opened, took, (logs_before, logs_after), events_before)
