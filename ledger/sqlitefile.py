@@ -30,6 +30,7 @@ import fcntl
 import os
 import sqlite3
 import stat
+import time
 from pathlib import Path
 from typing import Final
 
@@ -172,18 +173,41 @@ def writer_lock(path: Path, where: str) -> int:
         check_stat(path, st, where)
         if st.st_size:
             check_header(path, os.pread(fd, len(SQLITE_HEADER), 0), where)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = lock_holder(st) or "unknown"
-            raise FencedError(
-                f"ledger {where} already has a writer (process {holder} holds the writer lock on {path});"
-                " only one coordinator may write a ledger: stop the other one, or open this ledger readonly"
-            ) from None
+        _take_lock(fd, st, path, where)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+#: How long a writer waits for a lock whose holder ``/proc/locks`` no longer shows, and how often
+#: it tries again: such a lock is being released (its process has just died, and the kernel closes
+#: a dead process's files as it reaps it), so it is free a moment later.
+RELEASING_WAIT_S: Final = 1.0
+_RETRY_S: Final = 0.02
+
+
+def _take_lock(fd: int, st: os.stat_result, path: Path, where: str) -> None:
+    """``flock`` ``fd`` exclusively, or raise ``FencedError`` naming the process that holds it.
+
+    A lock held by a process ``/proc/locks`` shows is refused at once. One whose holder it does not
+    show (the lock was released between the two looks: a writer that just died, e.g. SIGKILLed
+    right before ``quiesce recover`` runs) is tried again for up to ``RELEASING_WAIT_S``; where
+    ``/proc/locks`` cannot be read that is the only wait before the refusal."""
+    give_up = time.monotonic() + RELEASING_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            holder = lock_holder(st)
+        if holder is not None or time.monotonic() >= give_up:
+            raise FencedError(
+                f"ledger {where} already has a writer (process {holder or 'unknown'} holds the writer"
+                f" lock on {path}); only one coordinator may write a ledger: stop the other one, or open"
+                " this ledger readonly"
+            )
+        time.sleep(_RETRY_S)
 
 
 def release(fd: int) -> None:

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import pytest
 
 from quiesce.coordinator import Coordinator, parse_config
 from quiesce.coordinator.stranded import LedgerStranded
-from quiesce.ledger import FencedError, Ledger, LedgerError, replay_url
+from quiesce.ledger import FencedError, Ledger, LedgerError, replay_url, sqlitefile
 from quiesce.tools.gymsim.cluster import RunningCluster
 from tests.coordinator.helpers import assert_all_accepting, read_events
 from tests.hostile.conftest import Mounts, fill
@@ -120,6 +121,34 @@ async def test_the_writer_lock_is_the_files_identity_whatever_the_path(tmp_path:
         await writer.start_epoch(COORDINATOR)
     leftovers = await anyio.to_thread.run_sync(lambda: list(tmp_path.glob("**/*.writer-lock")))
     assert leftovers == []  # no lock file beside the ledger
+
+
+async def test_a_writer_lock_being_released_is_waited_for_briefly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lock whose holder `/proc/locks` no longer shows is being released — its writer has just
+    died, as when `quiesce recover` follows a SIGKILL — so the next writer tries again for up to
+    `RELEASING_WAIT_S` instead of refusing with "process unknown". The lock here is a real writer's
+    in a real process; only the lookup of its holder is hidden, as it is in that moment."""
+    path = tmp_path / "q.db"
+    proc = await anyio.to_thread.run_sync(_hold_writer, _url(path))
+    monkeypatch.setattr(sqlitefile, "lock_holder", lambda st: None)
+    try:
+        # released 0.2 s into the new writer's wait: it gets the lock
+        killer = threading.Timer(0.2, proc.kill)
+        killer.start()
+        async with Ledger.open(_url(path)) as writer:
+            await writer.start_epoch(COORDINATOR)
+        killer.join()
+        # never released: refused once the wait is over, saying the holder is unknown
+        proc.wait()
+        proc = await anyio.to_thread.run_sync(_hold_writer, _url(path))
+        with pytest.raises(FencedError, match="process unknown holds the writer lock"):
+            await Ledger.connect(_url(path))
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 # -- where the file is, what it is ------------------------------------------------------------------
