@@ -23,10 +23,8 @@ pytestmark = pytest.mark.anyio
 def _spy(ledger: Ledger, record: Callable[[Any], None]) -> None:
     """Call ``record(batch)`` after each of the backend's transactions commits (both commit paths)."""
     backend: Any = ledger.backend
-    inline = isinstance(backend, InlineAppend)  # SQLite: commits on the calling thread too
-    real_append = backend.append
-
-    if inline:
+    if isinstance(ledger.backend, InlineAppend):
+        # SQLite: both commit paths go through ``append_now`` (here, or on the writer's thread)
         real_now = backend.append_now
 
         def now(batch: Any) -> None:
@@ -34,9 +32,8 @@ def _spy(ledger: Ledger, record: Callable[[Any], None]) -> None:
             record(batch)
 
         backend.append_now = now
-
-    if inline:  # its ``append`` commits through ``append_now`` too (here or on its thread)
         return
+    real_append = backend.append
 
     async def later(batch: Any) -> None:
         await real_append(batch)

@@ -73,8 +73,9 @@ class Matrices:
 
     def finish(self, name: str) -> tuple[int, str]:
         """Wait for matrix `name` to end; its exit code and its whole output (the tail is printed)."""
-        if name not in self.started():
-            raise LookupError(f"crash matrix {name!r} was not started (started: {self.started()})")
+        started = self.started()
+        if name not in started:
+            raise LookupError(f"crash matrix {name!r} was not started (started: {started})")
         code_file = self.folder / f"{name}.code"
         while not code_file.exists():
             time.sleep(1.0)
