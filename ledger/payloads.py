@@ -10,11 +10,12 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable, Mapping
-from math import isfinite
 from typing import Annotated, Any, Final, Literal, TypeAlias, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from quiesce.ledger.canonical import FIXED_FLOAT_HI as _FIXED_HI
+from quiesce.ledger.canonical import FIXED_FLOAT_LO as _FIXED_LO
 from quiesce.ledger.errors import LedgerError
 
 __all__ = [
@@ -365,20 +366,24 @@ def _format_validation(kind: str, error: ValidationError) -> str:
 # for a float field, a bool for an int, a str subclass, a tuple in a body all go to pydantic) —
 # and hands everything else to pydantic, which gives the result or the error it always gave.
 # ``tests/ledger/test_payloads.py`` checks the two agree on generated payloads.
+#
+# It also accepts only floats that are 0 or that ``repr`` writes without an exponent (pydantic
+# decides the rest: the same copy, more slowly), so that what it accepts is, as it is, a value
+# whose canonical text orjson writes (``quiesce.ledger.canonical.canonical_text_of_plain``).
 
 _Check: TypeAlias = Callable[[Any], Any]
 _DECLINE: Final = object()  # a check's "not sure": pydantic decides
 
 
 def _plain(value: Any) -> Any:
-    """A copy of ``value`` if it is plain JSON (dict with str keys, list, str, int, finite float,
-    bool, None: exact types), else ``_DECLINE``. (pydantic dumps an infinite or NaN float as
-    null: that conversion stays pydantic's.)"""
+    """A copy of ``value`` if it is plain JSON (dict with str keys, list, str, int, float, bool,
+    None: exact types; every float 0 or written without an exponent), else ``_DECLINE``. (pydantic
+    dumps an infinite or NaN float as null: that conversion stays pydantic's.)"""
     kind = type(value)
     if kind is str or kind is int or kind is bool or value is None:
         return value
     if kind is float:
-        return value if isfinite(value) else _DECLINE
+        return value if value == 0.0 or _FIXED_LO <= abs(value) < _FIXED_HI else _DECLINE
     # containers: their scalar items are checked in place (most of a reply body's values are
     # scalars: a call per value would cost more than the copy)
     if kind is dict:
@@ -412,7 +417,11 @@ def _plain(value: Any) -> Any:
 
 def _exact(expected: type) -> _Check:
     if expected is float:
-        return lambda value: value if type(value) is float and isfinite(value) else _DECLINE
+        return lambda value: (
+            value
+            if type(value) is float and (value == 0.0 or _FIXED_LO <= abs(value) < _FIXED_HI)
+            else _DECLINE
+        )
     return lambda value: value if type(value) is expected else _DECLINE
 
 
@@ -500,13 +509,56 @@ def _build_specs() -> None:
             fields.append((name, check, info.is_required(), _default_of(info)))
         else:
             _SPECS[kind] = (tuple(fields), frozenset(model.model_fields))
+            _VALIDATORS[kind] = _compile(kind, model)
+
+
+#: kind -> its fast path (``_compile``), for the kinds of ``_SPECS``.
+_VALIDATORS: dict[str, _Check] = {}
+_MISSING: Final = object()
+
+
+#: The test of a field's value ``x`` written inline by ``_compile``, per exact annotation.
+_INLINE: Final[dict[Any, str]] = {
+    str: "type(x) is str",
+    int: "type(x) is int",
+    bool: "type(x) is bool",
+    float: "type(x) is float and (x == 0.0 or _LO <= abs(x) < _HI)",
+}
+
+
+def _compile(kind: str, model: type[BaseModel]) -> _Check:
+    """The fast path of ``kind`` as one function, generated from ``_SPECS[kind]``: the same checks
+    in the same field order as the loop over the spec (``_fast_by_spec``, which the tests hold it
+    to), with the exact-type tests of str, int, bool and float fields written inline, which costs
+    about a fifth less per payload than the loop's call per field."""
+    fields, names = _SPECS[kind]
+    env: dict[str, Any] = {"_D": _DECLINE, "_M": _MISSING, "_names": names}
+    env["_LO"], env["_HI"] = _FIXED_LO, _FIXED_HI
+    lines = ["def validate(data):", "    if not _names.issuperset(data):", "        return _D"]
+    lines.append("    out = {}")
+    for index, (name, check, required, default) in enumerate(fields):
+        env[f"_check{index}"], env[f"_default{index}"] = check, default
+        key = repr(name)
+        missing = "return _D" if required else f"out[{key}] = _default{index}()"
+        lines += [f"    x = data.get({key}, _M)", "    if x is _M:", f"        {missing}"]
+        inline = _INLINE.get(model.model_fields[name].annotation)
+        if inline is not None:
+            lines += [f"    elif {inline}:", f"        out[{key}] = x", "    else:", "        return _D"]
+        else:
+            lines += ["    else:", f"        x = _check{index}(x)", "        if x is _D:"]
+            lines += ["            return _D", f"        out[{key}] = x"]
+    lines.append("    return out")
+    exec(compile("\n".join(lines), f"<fast path of {kind}>", "exec"), env)
+    validate: _Check = env["validate"]
+    return validate
 
 
 _build_specs()
 
 
-def _fast(kind: str, data: dict[Any, Any]) -> Any:
-    """What pydantic's validate-and-dump would return for ``data``, or ``_DECLINE``."""
+def _fast_by_spec(kind: str, data: dict[Any, Any]) -> Any:
+    """What pydantic's validate-and-dump would return for ``data``, or ``_DECLINE``: the spec's
+    checks in a loop (the definition ``_compile``'s functions are held to)."""
     spec = _SPECS.get(kind)
     if spec is None:
         return _DECLINE
@@ -530,23 +582,47 @@ def _fast(kind: str, data: dict[Any, Any]) -> Any:
     return out
 
 
+def _fast(kind: str, data: dict[Any, Any]) -> Any:
+    """What pydantic's validate-and-dump would return for ``data``, or ``_DECLINE``: the compiled
+    fast path (``validate_plain``'s first step)."""
+    validate = _VALIDATORS.get(kind)
+    if validate is None:
+        return _DECLINE
+    try:
+        return validate(data)
+    except RecursionError:  # nested deeper than the stack allows: as deep as pydantic goes
+        return _DECLINE
+
+
 def validate_payload(kind: str, data: Any) -> Any:
     """``data`` (a mapping or a pydantic model) validated against the model of ``kind`` (one of
     ``PAYLOADS``), as JSON-ready data; ``LedgerError`` when it does not fit.
 
     The result is always a new object (nothing of ``data`` is shared with it)."""
-    model = PAYLOADS[kind]
+    return validate_plain(kind, data)[0]
+
+
+def validate_plain(kind: str, data: Any) -> tuple[Any, bool]:
+    """``validate_payload(kind, data)``, and whether the fast path gave it: then it is plain JSON
+    of exact types whose every float is 0 or written without an exponent, which
+    ``quiesce.ledger.canonical.canonical_text_of_plain`` may encode as it is."""
     if type(data) is dict:
-        fast = _fast(kind, data)
-        if fast is not _DECLINE:
-            return fast
+        validate = _VALIDATORS.get(kind)
+        if validate is not None:
+            try:
+                fast = validate(data)
+            except RecursionError:  # nested deeper than the stack allows: as deep as pydantic goes
+                fast = _DECLINE
+            if fast is not _DECLINE:
+                return fast, True
+    model = PAYLOADS[kind]
     try:
         if isinstance(data, model):
-            return data.model_dump(mode="json")
+            return data.model_dump(mode="json"), False
         if isinstance(data, BaseModel):
-            return model.model_validate(data.model_dump(mode="json")).model_dump(mode="json")
+            return model.model_validate(data.model_dump(mode="json")).model_dump(mode="json"), False
         if isinstance(data, Mapping):
-            return model.model_validate(data).model_dump(mode="json")
+            return model.model_validate(data).model_dump(mode="json"), False
         raise LedgerError(
             f"a {kind} payload must be a mapping or a {model.__name__}, not {type(data).__name__}"
         )

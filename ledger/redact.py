@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Final
 
-from quiesce.ledger.canonical import canonical_text
+from quiesce.ledger.canonical import canonical_text, canonical_text_of_plain
 
 REDACTED: Final = "<redacted>"
 #: ``scheme://user:`` then the password, up to the ``@`` of the userinfo (RFC 3986: no ``/``,
@@ -101,8 +101,10 @@ class Redactor:
         """Redaction, then body capping: what gets stored for payload ``value``."""
         return cap_bodies(self.redact(value))
 
-    def encode(self, value: Any) -> tuple[Any, str]:
-        """``(stored, canonical_text(stored))`` with ``stored = self.apply(value)``.
+    def encode(self, value: Any, *, plain: bool = False) -> tuple[Any, str]:
+        """``(stored, canonical_text(stored))`` with ``stored = self.apply(value)``. ``plain``: the
+        value is one ``canonical_text_of_plain`` may encode (so is what redaction and capping make
+        of it: they only replace strings and bodies with strings and plain objects).
 
         Fast path: when the canonical text of ``value`` shows nothing to redact (no configured
         secret in it, no ``authorization`` in any case, no URL password), redaction would return
@@ -111,7 +113,8 @@ class Redactor:
         was). Secrets whose JSON encoding differs from their text (quotes, backslashes, control
         characters) always take the full walk.
         """
-        text = canonical_text(value)
+        encode = canonical_text_of_plain if plain else canonical_text
+        text = encode(value)
         if self._plain_secrets and "authorization" not in text.lower() and mask_url_passwords(text) is text:
             for secret in self._secrets:
                 if secret in text:
@@ -120,9 +123,9 @@ class Redactor:
                 if len(text) * 4 <= BODY_CAP_BYTES or len(text.encode("utf-8")) <= BODY_CAP_BYTES:
                     return value, text  # no body can exceed the cap: each is a part of this text
                 stored = cap_bodies(value)
-                return (value, text) if stored is value else (stored, canonical_text(stored))
+                return (value, text) if stored is value else (stored, encode(stored))
         stored = self.apply(value)
-        return stored, canonical_text(stored)
+        return stored, encode(stored)
 
 
 def cap_body(body: Any) -> Any:

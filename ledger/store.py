@@ -65,7 +65,7 @@ import anyio
 import anyio.lowlevel
 
 from quiesce.ledger.backend import AttemptQuery, Backend, Batch, InlineAppend, LeaseState, RawEvent
-from quiesce.ledger.canonical import GENESIS_HASH, chain_hash, row_bytes
+from quiesce.ledger.canonical import GENESIS_HASH, next_hash
 from quiesce.ledger.chain import check_rows, truncation
 from quiesce.ledger.errors import BrokenChainError, FencedError, LedgerError, require_extra
 from quiesce.ledger.events import COLUMN_RULES, KINDS, AppendItem, Event, event_from_raw, new_event
@@ -238,7 +238,7 @@ class Ledger:
         self.url = where  #: the ledger URL with any password hidden
         self.readonly = readonly
         self._redactor = Redactor(secrets)
-        self._validate: Callable[[str, Any], Any] | None = None
+        self._validate: Callable[[str, Any], tuple[Any, bool]] | None = None
         self._secrets = tuple(s for s in secrets if s)
         self._lock = anyio.Lock(fast_acquire=True)
         self._queue: list[_Waiter] = []
@@ -530,12 +530,12 @@ class Ledger:
         validate = self._validate
         if validate is None:
             # the payload models (pydantic): loaded by the first append, so readers never build them
-            from quiesce.ledger.payloads import validate_payload
+            from quiesce.ledger.payloads import validate_plain
 
-            validate = self._validate = validate_payload
-        obj = validate(kind, data)
+            validate = self._validate = validate_plain
+        obj, plain = validate(kind, data)
         try:
-            stored, text = self._redactor.encode(obj)
+            stored, text = self._redactor.encode(obj, plain=plain)
         except (ValueError, TypeError) as error:
             raise LedgerError(f"invalid {kind} payload: not storable as JSON ({error})") from None
         if self._secrets:
@@ -733,20 +733,7 @@ class Ledger:
             seq += 1
             kind, cid, server, call_id, text = (item.kind, item.checkpoint_id, item.server, item.call_id,
                                                 item.text)  # fmt: skip
-            digest = chain_hash(
-                prev,
-                row_bytes(
-                    seq=seq,
-                    at=at,
-                    kind=kind,
-                    checkpoint_id=cid,
-                    server=server,
-                    call_id=call_id,
-                    epoch=epoch,
-                    data_text=text,
-                    prev_hash=prev,
-                ),
-            )
+            digest = next_hash(prev, seq, at, kind, cid, server, call_id, epoch, text)
             rows.append((seq, at, kind, cid, server, call_id, epoch, text, prev, digest))
             events.append(new_event(seq, at, kind, cid, server, call_id, epoch, item.data, prev, digest))
             prev = digest

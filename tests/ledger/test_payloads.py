@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 import re
 from typing import Any, Literal, get_args, get_origin
@@ -12,8 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quiesce.ledger import LedgerError
-from quiesce.ledger.canonical import canonical_text
-from quiesce.ledger.payloads import _DECLINE, _SPECS, PAYLOADS, _fast, validate_payload
+from quiesce.ledger.canonical import canonical_text, canonical_text_of_plain
+from quiesce.ledger.payloads import (
+    _DECLINE,
+    _SPECS,
+    PAYLOADS,
+    _fast,
+    _fast_by_spec,
+    validate_payload,
+    validate_plain,
+)
 
 
 class Colour(enum.StrEnum):
@@ -110,6 +119,8 @@ def payloads(draw: st.DrawFn) -> tuple[str, dict[Any, Any]]:
 def test_fast_path_agrees_with_pydantic(case: tuple[str, dict[Any, Any]]) -> None:
     kind, data = case
     fast = _fast(kind, data)
+    by_spec = _fast_by_spec(kind, data)  # the loop the compiled function is generated from
+    assert fast is by_spec if by_spec is _DECLINE else same_tree(fast, by_spec)
     try:
         expected = pydantic_result(kind, data)
     except Exception:  # pydantic refuses it: the fast path must have stepped aside
@@ -118,15 +129,22 @@ def test_fast_path_agrees_with_pydantic(case: tuple[str, dict[Any, Any]]) -> Non
             validate_payload(kind, data)
         return
     if fast is _DECLINE:
+        assert validate_plain(kind, data)[1] is False
         return
     assert same_tree(fast, expected)
+    assert validate_plain(kind, data)[1] is True
     try:
         text = canonical_text(expected)
     except (TypeError, ValueError):
         with pytest.raises((TypeError, ValueError)):
             canonical_text(fast)
+        with pytest.raises((TypeError, ValueError)):
+            canonical_text_of_plain(fast)
     else:
         assert canonical_text(fast) == text
+        # what the fast path accepts, orjson writes as it is: the documented encoding, byte for byte
+        documented = json.dumps(fast, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        assert canonical_text_of_plain(fast) == documented == text
 
 
 @settings(max_examples=300, deadline=None)
@@ -195,6 +213,26 @@ def test_the_coordinators_payloads_take_the_fast_path() -> None:
         "rollouts.acknowledged",
         "rollouts.continued",
     }
+
+
+def test_floats_that_json_writes_with_an_exponent_go_to_pydantic_and_come_back_the_same() -> None:
+    """The fast path accepts only floats that orjson writes as json does (0, or 1e-4 <= |x| < 1e16);
+    the others are pydantic's, which gives the same copy, encoded by json."""
+    for value in (1e16, -1e16, 1.5e300, 5e-324, 9.999999999999999e-05, -1e-05, 1e22):
+        data = {"status": 200, "body": {"t": value}, "elapsed_s": 0.5}
+        assert _fast("call.replied", data) is _DECLINE, value
+        stored, plain = validate_plain("call.replied", data)
+        assert plain is False
+        assert stored == data
+        assert canonical_text(stored) == json.dumps(stored, sort_keys=True, separators=(",", ":"))
+        data = {"status": 200, "body": None, "elapsed_s": value}
+        assert _fast("call.replied", data) is _DECLINE, value
+    for value in (0.0, -0.0, 1e-4, 9999999999999998.0, 1760000000.25, 0.1):
+        data = {"status": 200, "body": {"t": [value]}, "elapsed_s": value}
+        fast = _fast("call.replied", data)
+        assert fast is not _DECLINE, value
+        assert fast == data
+        assert canonical_text_of_plain(fast) == json.dumps(fast, sort_keys=True, separators=(",", ":"))
 
 
 def test_near_misses_go_to_pydantic_and_come_back_converted() -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import enum
 import hashlib
 import json
 import random
+import uuid
 from typing import Any
 
 import pytest
@@ -22,7 +25,7 @@ from quiesce.ledger import (
     fold_events,
     row_bytes,
 )
-from quiesce.ledger.canonical import canonical
+from quiesce.ledger.canonical import canonical, next_hash
 from quiesce.ledger.events import KINDS, new_event
 from quiesce.ledger.payloads import PAYLOADS
 from quiesce.ledger.projections import (
@@ -67,6 +70,81 @@ def test_canonical_is_exactly_the_documented_json_dumps(value: Any) -> None:
     # the definition auditors reimplement (canonical.py's docstring), byte for byte
     documented = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     assert canonical(value) == documented.encode("utf-8")
+
+
+def _documented(value: Any) -> bytes:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return text.encode()
+
+
+@settings(max_examples=3000, deadline=None)
+@given(number=st.floats(allow_nan=False, allow_infinity=False))
+@example(number=1e16)
+@example(number=9999999999999998.0)
+@example(number=1e-4)
+@example(number=9.999999999999999e-05)
+@example(number=5e-324)
+@example(number=-0.0)
+@example(number=1.7976931348623157e308)
+def test_canonical_writes_every_float_as_json_does(number: float) -> None:
+    # orjson writes some floats otherwise (1e16, 0.00001): those must take json's path
+    assert canonical(number) == _documented(number)
+    assert canonical({"x": [number, {"y": number}]}) == _documented({"x": [number, {"y": number}]})
+
+
+class _Colour(enum.Enum):
+    RED = 1
+
+
+class _Label(str):
+    pass
+
+
+@dataclasses.dataclass
+class _Point:
+    x: int
+
+
+def test_canonical_takes_json_s_path_for_whatever_orjson_would_write_otherwise() -> None:
+    """orjson writes dates, UUIDs, enums and dataclasses, which json refuses; sorts and writes str
+    subclasses and tuples as json does only by chance; refuses lone surrogates and big ints:
+    canonical() is json's answer for each, as before."""
+    refused = [
+        datetime.datetime(2026, 1, 2, tzinfo=datetime.UTC),
+        uuid.UUID(int=1),
+        _Colour.RED,
+        _Point(1),
+        {"a": float("nan")},
+        {1: "x", "a": "y"},
+    ]
+    for value in refused:
+        with pytest.raises((TypeError, ValueError)):
+            json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        with pytest.raises((TypeError, ValueError)):
+            canonical(value)
+        with pytest.raises((TypeError, ValueError)):
+            canonical({"nested": [value]})
+    written = [(1, "a"), _Label("b"), {"k": _Label("v")}, {1: "x"}, {2.5: 1}, 2**64, -(2**63) - 1]
+    written += [[[[[["deep"]]]]], True, None]
+    for value in written:
+        assert canonical(value) == _documented(value), value
+    deep: Any = "x"
+    for _ in range(300):  # deeper than orjson goes
+        deep = {"d": deep}
+    assert canonical(deep) == _documented(deep)
+    with pytest.raises(UnicodeEncodeError):
+        canonical({"s": "\ud800"})
+
+
+def test_canonical_without_orjson_is_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process without orjson (the replay workers run ``python -S``) writes the same bytes."""
+    from quiesce.ledger import canonical as module
+
+    values = [{"b": 1.5, "a": ["é", None, 10**30, 1e16]}, "x", [0.1, -0.0]]
+    before = [canonical(v) for v in values]
+    monkeypatch.setattr(module, "_ORJSON_DUMPS", None)
+    assert [canonical(v) for v in values] == before == [_documented(v) for v in values]
+    assert [module.canonical_text_of_plain(v).encode() for v in values] == before
 
 
 def test_canonical_refuses_what_json_dumps_refuses_and_is_not_left_broken_by_it() -> None:
@@ -140,6 +218,11 @@ def test_row_bytes_equals_canonical_of_the_row(
         prev_hash=GENESIS_HASH,
     )
     assert fast == canonical(row)
+    # the append path's hash of the same row, with a prev hash that is not genesis
+    prev = hashlib.sha256(fast).hexdigest()
+    row["prev_hash"] = prev
+    expected = hashlib.sha256(prev.encode("ascii") + canonical(row)).hexdigest()
+    assert next_hash(prev, seq, at, kind, cid, server, call_id, epoch, text) == expected
 
 
 def test_chain_hash_is_sha256_of_prev_hash_then_row() -> None:
