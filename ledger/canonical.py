@@ -34,7 +34,7 @@ import hashlib
 import json
 from json.encoder import c_make_encoder, encode_basestring  # type: ignore[attr-defined]
 from types import ModuleType
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 _orjson_module: ModuleType | None
 try:
@@ -196,20 +196,16 @@ def chain_hash(prev_hash: str, row: bytes) -> str:
     return hashlib.sha256(prev_hash.encode("ascii") + row).hexdigest()
 
 
-def next_hash(
-    prev_hash: str,
-    seq: int,
-    at: str,
-    kind: str,
-    checkpoint_id: str | None,
-    server: str | None,
-    call_id: str | None,
-    epoch: int,
-    data_text: str,
-) -> str:
-    """``chain_hash(prev_hash, row_bytes(...))`` of a row the ledger chains: ``prev_hash`` lowercase
-    hex (a hash of the chain, which needs no escaping) and ``seq``, ``epoch`` plain ints, as the
-    append path has them; one string built and encoded once, not two joined."""
+#: A row of ``events`` without its hash, in table order: seq, at, kind, checkpoint_id, server,
+#: call_id, epoch, data (the stored text), prev_hash.
+UnhashedRow: TypeAlias = tuple[int, str, str, str | None, str | None, str | None, int, str, str]
+
+
+def next_hash(row: UnhashedRow) -> str:
+    """``chain_hash(prev_hash, row_bytes(...))`` of a row the ledger chains: its ``prev_hash``
+    lowercase hex (a hash of the chain, which needs no escaping) and its seq and epoch plain ints,
+    as the append path has them; one string built and encoded once, not two joined."""
+    seq, at, kind, checkpoint_id, server, call_id, epoch, data_text, prev_hash = row
     return _sha256(
         f'{prev_hash}{{"at":{_encode_str(at)},'
         f'"call_id":{"null" if call_id is None else _encode_str(call_id)},'

@@ -733,8 +733,9 @@ class Ledger:
             seq += 1
             kind, cid, server, call_id, text = (item.kind, item.checkpoint_id, item.server, item.call_id,
                                                 item.text)  # fmt: skip
-            digest = next_hash(prev, seq, at, kind, cid, server, call_id, epoch, text)
-            rows.append((seq, at, kind, cid, server, call_id, epoch, text, prev, digest))
+            unhashed = (seq, at, kind, cid, server, call_id, epoch, text, prev)
+            digest = next_hash(unhashed)
+            rows.append((*unhashed, digest))
             events.append(new_event(seq, at, kind, cid, server, call_id, epoch, item.data, prev, digest))
             prev = digest
         self._tail_seq, self._tail_hash = seq, prev

@@ -223,7 +223,7 @@ def test_row_bytes_equals_canonical_of_the_row(
     prev = hashlib.sha256(fast).hexdigest()
     row["prev_hash"] = prev
     expected = hashlib.sha256(prev.encode("ascii") + canonical(row)).hexdigest()
-    assert next_hash(prev, seq, at, kind, cid, server, call_id, epoch, text) == expected
+    assert next_hash((seq, at, kind, cid, server, call_id, epoch, text, prev)) == expected
 
 
 def test_chain_hash_is_sha256_of_prev_hash_then_row() -> None:
