@@ -41,9 +41,7 @@ async def test_not_ready_by_the_deadline_names_the_blockers_and_rolls_back(
         trainer = Trainer(running.urls["environment"], http=http)
         await trainer.start(tasks, paced=True)
         await trainer.wait_parked()
-        await trainer.hold(["r1"])
-        await trainer.advance(1, ["r1"])
-        await trainer.wait_mid_turn(["r1"])
+        await trainer.hold_mid_turn(["r1"])
         async with Coordinator.open(config_of(running, sqlite_url)) as coord:
             with pytest.raises(DeadlineExceeded) as caught:
                 await coord.checkpoint(deadline_s=1.5)

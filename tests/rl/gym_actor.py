@@ -205,10 +205,7 @@ class NemoGym:
 
     async def hold_mid_turn(self, rollout_ids: list[str]) -> None:
         """Start these rollouts' next turn and hold them in it (a prepare blocker) until `release`."""
-        trainer = self._trainer()
-        await trainer.hold(rollout_ids)
-        await trainer.advance(1, rollout_ids)
-        await trainer.wait_mid_turn(rollout_ids)
+        await self._trainer().hold_mid_turn(rollout_ids)
 
     async def release(self) -> None:
         await self._trainer().release()

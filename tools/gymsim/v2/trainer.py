@@ -159,6 +159,14 @@ class Trainer:
         """Stop these rollouts' next turn mid-turn (a prepare blocker) until `release`."""
         await self._admin("episodes/hold", {"rollout_ids": list(rollout_ids)})
 
+    async def hold_mid_turn(self, rollout_ids: Iterable[str]) -> None:
+        """Start these paced rollouts' next turn and hold them in it (a prepare blocker) until
+        `release`: returns once each is mid-turn."""
+        held = list(rollout_ids)
+        await self.hold(held)
+        await self.advance(1, held)
+        await self.wait_mid_turn(held)
+
     async def release(self, rollout_ids: Iterable[str] | None = None) -> None:
         await self._admin("episodes/release", {"rollout_ids": _list(rollout_ids)})
 
