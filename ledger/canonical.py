@@ -65,8 +65,6 @@ _fast_encoder: Any = (
 #: it the two differ (``1e+16`` against ``1e16``, ``1e-05`` against ``0.00001``).
 FIXED_FLOAT_LO: Final = 1e-4
 FIXED_FLOAT_HI: Final = 1e16
-_FIXED_LO: Final = FIXED_FLOAT_LO
-_FIXED_HI: Final = FIXED_FLOAT_HI
 #: orjson's own limit is 254 levels; deeper values take json's path (which gives its errors too).
 _ORJSON_MAX_DEPTH: Final = 200
 _ORJSON_DUMPS: Final[Any] = None if _orjson_module is None else _orjson_module.dumps
@@ -92,8 +90,8 @@ def _orjson_same(value: Any, depth: int = 0) -> bool:
             inner = type(item)
             if inner is str or inner is int or inner is bool or item is None:
                 continue
-            if inner is float:  # (checked here: most floats are an object's values)
-                if not (item == 0.0 or _FIXED_LO <= abs(item) < _FIXED_HI):  # NaN, infinities: refused
+            if inner is float:  # (checked here: most floats are an object's values; NaN fails)
+                if not (item == 0.0 or FIXED_FLOAT_LO <= abs(item) < FIXED_FLOAT_HI):
                     return False
             elif not _orjson_same(item, depth + 1):
                 return False
@@ -112,7 +110,7 @@ def _orjson_same(value: Any, depth: int = 0) -> bool:
         return True
     if kind is float:
         number: float = value
-        return number == 0.0 or _FIXED_LO <= abs(number) < _FIXED_HI
+        return number == 0.0 or FIXED_FLOAT_LO <= abs(number) < FIXED_FLOAT_HI
     return False
 
 
@@ -129,8 +127,11 @@ def _orjson(value: Any) -> bytes | None:
 
 def _dumps(value: Any) -> str:
     fast = _orjson(value)
-    if fast is not None:
-        return fast.decode()
+    return fast.decode() if fast is not None else _json_text(value)
+
+
+def _json_text(value: Any) -> str:
+    """The definition's own encoder: ``json``'s, for every value orjson is not used for."""
     if _fast_encoder is None:
         return _encoder.encode(value)
     try:
@@ -155,13 +156,13 @@ def canonical_text_of_plain(value: Any) -> str:
             return _ORJSON_DUMPS(value, option=_SORT_KEYS).decode()  # type: ignore[no-any-return]
         except _ORJSON_ERROR:  # a lone surrogate, an int past 64 bits, too deep: json's path decides
             pass
-    return _dumps(value)
+    return _json_text(value)
 
 
 def canonical(value: Any) -> bytes:
     """The canonical encoding of ``value`` as bytes (UTF-8)."""
     fast = _orjson(value)
-    return fast if fast is not None else _dumps(value).encode("utf-8")
+    return fast if fast is not None else _json_text(value).encode("utf-8")
 
 
 def _opt(value: str | None) -> str:

@@ -607,14 +607,9 @@ def validate_plain(kind: str, data: Any) -> tuple[Any, bool]:
     of exact types whose every float is 0 or written without an exponent, which
     ``quiesce.ledger.canonical.canonical_text_of_plain`` may encode as it is."""
     if type(data) is dict:
-        validate = _VALIDATORS.get(kind)
-        if validate is not None:
-            try:
-                fast = validate(data)
-            except RecursionError:  # nested deeper than the stack allows: as deep as pydantic goes
-                fast = _DECLINE
-            if fast is not _DECLINE:
-                return fast, True
+        fast = _fast(kind, data)
+        if fast is not _DECLINE:
+            return fast, True
     model = PAYLOADS[kind]
     try:
         if isinstance(data, model):
