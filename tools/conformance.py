@@ -51,17 +51,14 @@ import hashlib
 import json
 import math
 import secrets
-import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
 
 import anyio
 import httpx
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from quiesce.coordinator.errors import ConfigError
 from quiesce.coordinator.protocol import (
@@ -100,6 +97,8 @@ from quiesce.tools.conformance_report import (
     first_error,
     transport_error,
 )
+from quiesce.tools.conformance_run import CheckRun, Fail, Reply, Skip, Warn, expect, send, validated
+from quiesce.tools.conformance_run import work_dir as scratch_dir
 
 __all__ = [
     "CHECKS",
@@ -118,7 +117,6 @@ DEFAULT_TIMEOUT_S: Final = 30.0
 AGENT_PREPARE_RETRY_S: Final = 0.1
 #: One model status long-poll asks for at most this long (repeated until paused).
 STATUS_POLL_S: Final = 2.0
-_BODY_PREVIEW: Final = 160
 
 
 async def run_conformance(
@@ -141,81 +139,16 @@ async def run_conformance(
         raise ConfigError("the control-plane token is empty")
     base = url.rstrip("/")
     client = httpx.AsyncClient(timeout=timeout_s, transport=transport)
-    with _work_dir(work_dir) as folder:
+    with scratch_dir(work_dir, "conformance") as folder:
         async with client:
             checker = _Checker(client, base, token, timeout_s, folder)
             await checker.run()
             return checker.report
 
 
-@contextmanager
-def _work_dir(parent: Path | None) -> Iterator[Path]:
-    if parent is not None:
-        parent.mkdir(parents=True, exist_ok=True)
-        yield Path(tempfile.mkdtemp(prefix="conformance-", dir=parent))
-        return
-    with tempfile.TemporaryDirectory(prefix="quiesce-conformance-") as tmp:
-        yield Path(tmp)
-
-
 # ---------------------------------------------------------------------------------------------
 # Plumbing
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Reply:
-    status: int
-    body: Any
-    text: str
-
-    @property
-    def code(self) -> str | None:
-        """The 409 rejection code (`{"error": {"code": ...}}`), if the body has one."""
-        if isinstance(self.body, dict):
-            error = self.body.get("error")
-            if isinstance(error, dict) and isinstance(error.get("code"), str):
-                return str(error["code"])
-        return None
-
-    @property
-    def ok(self) -> bool:
-        return 200 <= self.status < 300
-
-    def describe(self) -> str:
-        """`HTTP 409 stale_checkpoint` or `HTTP 200 {"state": ...}` — short, for a row's detail."""
-        if self.code is not None:
-            return f"HTTP {self.status} {self.code}"
-        text = self.text if len(self.text) <= _BODY_PREVIEW else self.text[:_BODY_PREVIEW] + "…"
-        return f"HTTP {self.status} {text}".rstrip()
-
-
-class _Fail(Exception):
-    """Raised inside a check: the check failed with this reason."""
-
-
-class _Skip(Exception):
-    """Raised inside a check: the check does not apply, with this reason."""
-
-
-class _Warn(Exception):
-    """Raised inside a check: the rule holds, but in a way worth a warning (this reason)."""
-
-
-def _expect(reply: _Reply, status: int, code: str | None = None) -> None:
-    if reply.status != status or (code is not None and reply.code != code):
-        wanted = f"{status} {code}" if code else str(status)
-        raise _Fail(f"expected {wanted}, got {reply.describe()}")
-
-
-def _validate(model: type[BaseModel], reply: _Reply, what: str) -> Any:
-    _expect(reply, 200)
-    if reply.body is None:
-        raise _Fail(f"{what} reply is not JSON: {reply.describe()}")
-    try:
-        return model.model_validate(reply.body)
-    except ValidationError as exc:
-        raise _Fail(f"{what} reply does not match {model.__name__}: {first_error(exc)}") from exc
 
 
 def _sha256_file(path: Path) -> str:
@@ -226,7 +159,7 @@ def _check_artifact(folder: Path, ref: ArtifactRef, what: str) -> bytes:
     """The file `ref` names exists under `folder` and matches its sha256, bytes and line count."""
     path = folder / ref.relative_path
     if not path.is_file():
-        raise _Fail(f"{what} {ref.relative_path!r} not found under the checkpoint dir")
+        raise Fail(f"{what} {ref.relative_path!r} not found under the checkpoint dir")
     data = path.read_bytes()
     problems: list[str] = []
     if hashlib.sha256(data).hexdigest() != ref.sha256:
@@ -237,7 +170,7 @@ def _check_artifact(folder: Path, ref: ArtifactRef, what: str) -> bytes:
     if len(lines) != ref.records:
         problems.append(f"records {ref.records} but the file has {len(lines)} lines")
     if problems:
-        raise _Fail(f"{what}: " + "; ".join(problems))
+        raise Fail(f"{what}: " + "; ".join(problems))
     return data
 
 
@@ -245,18 +178,17 @@ def _check_artifact(folder: Path, ref: ArtifactRef, what: str) -> bytes:
 _MODEL_POSTS: Final = ("pause", "commit", "restore", "resume")
 
 
-class _Checker:
+class _Checker(CheckRun):
     """One run against one server. Checks append to `report.results` in order."""
 
     def __init__(
         self, client: httpx.AsyncClient, base: str, token: str, timeout_s: float, folder: Path
     ) -> None:
+        super().__init__(ConformanceReport(url=base), token, timeout_s, CHECKS)
         self.client = client
         self.base = base
-        self.token = token
         self.timeout_s = timeout_s
         self.folder = folder
-        self.report = ConformanceReport(url=base)
         self.run_id = f"qc-{secrets.token_hex(4)}"
         self._serial = 0
         # Ids a POST may have activated on the server, not yet resumed: resumed in `_cleanup`.
@@ -281,9 +213,6 @@ class _Checker:
             **extra,
         }
 
-    def headers(self, token: str | None) -> dict[str, str]:
-        return {} if token is None else {"Authorization": f"Bearer {token}"}
-
     async def request(
         self,
         method: str,
@@ -294,34 +223,17 @@ class _Checker:
         raw_body: bytes | None = None,
         params: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
-    ) -> _Reply:
-        headers = self.headers(token)
-        content: bytes | None = raw_body
-        if raw_body is None and json_body is not None:
-            content = json.dumps(json_body, allow_nan=True).encode("utf-8")
-        if content is not None:
-            headers["Content-Type"] = "application/json"
-        for attempt in (1, 2):
-            try:
-                response = await self.client.request(
-                    method,
-                    self.base + path,
-                    headers=headers,
-                    content=content,
-                    params=params,
-                    timeout=timeout_s if timeout_s is not None else self.timeout_s,
-                )
-                break
-            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-                # A kept-alive connection the server had closed (FastAPI does so after a 500 its
-                # error handler raised, without `connection: close`): the pool opens a new one.
-                if attempt == 2:
-                    raise
-        try:
-            parsed: Any = response.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            parsed = None
-        return _Reply(response.status_code, parsed, response.text)
+    ) -> Reply:
+        return await send(
+            self.client,
+            method,
+            self.base + path,
+            token=token,
+            json_body=json_body,
+            raw=raw_body,
+            params=params,
+            timeout_s=timeout_s if timeout_s is not None else self.timeout_s,
+        )
 
     async def post(
         self,
@@ -330,7 +242,7 @@ class _Checker:
         *,
         token: str | Literal["default"] | None = "default",
         raw_body: bytes | None = None,
-    ) -> _Reply:
+    ) -> Reply:
         """POST to `op` of this server's component; a 2xx for a non-resume op marks its id for cleanup."""
         r = self._route(op)
         reply = await self.request(
@@ -355,7 +267,7 @@ class _Checker:
         *,
         token: str | Literal["default"] | None = "default",
         poll_s: float | None = None,
-    ) -> _Reply:
+    ) -> Reply:
         params = {"checkpoint_id": checkpoint_id}
         component = self.component
         if component in (MODEL, RESOURCES):
@@ -371,7 +283,7 @@ class _Checker:
             timeout_s=(poll_s or 0.0) + self.timeout_s,
         )
 
-    async def capabilities(self) -> _Reply:
+    async def capabilities(self) -> Reply:
         return await self.request("GET", CAPABILITIES_PATH, token=None)
 
     def _route(self, op: str) -> Route:
@@ -386,41 +298,6 @@ class _Checker:
     def first_op(self) -> str:
         """The operation that opens a checkpoint: model pause, agent/resources prepare."""
         return "pause" if self.component == MODEL else "prepare"
-
-    # -- rows -------------------------------------------------------------------------------------
-
-    def _add(self, name: str, status: CheckStatus, detail: str = "") -> CheckResult:
-        assert name in CHECKS, f"undocumented check {name!r}"
-        detail = detail.replace(self.token, "***") if self.token else detail
-        result = CheckResult(name, status, detail)
-        self.report.results.append(result)
-        return result
-
-    def skip(self, names: Iterable[str], why: str) -> None:
-        for name in names:
-            self._add(name, "skip", why)
-
-    async def check(self, name: str, fn: Callable[[], Awaitable[str | None]]) -> bool:
-        """Run one check; True when it passed. Exceptions become a failed row, never escape."""
-        try:
-            detail = await fn()
-        except _Fail as exc:
-            self._add(name, "fail", str(exc))
-            return False
-        except _Skip as exc:
-            self._add(name, "skip", str(exc))
-            return False
-        except _Warn as exc:
-            self._add(name, "warn", str(exc))
-            return True
-        except httpx.TimeoutException as exc:
-            self._add(name, "fail", f"no reply within {self.timeout_s:g}s ({type(exc).__name__})")
-            return False
-        except httpx.HTTPError as exc:
-            self._add(name, "fail", f"request failed: {transport_error(exc)}")
-            return False
-        self._add(name, "pass", detail or "")
-        return True
 
     # -- the run ----------------------------------------------------------------------------------
 
@@ -470,8 +347,8 @@ class _Checker:
 
     # -- capabilities -------------------------------------------------------------------------
 
-    async def _check_capabilities(self, reply: _Reply) -> str:
-        caps = _validate(Capabilities, reply, "capabilities")
+    async def _check_capabilities(self, reply: Reply) -> str:
+        caps = validated(Capabilities, reply, "capabilities")
         assert isinstance(caps, Capabilities)
         problems: list[str] = []
         if caps.schema_version != SCHEMA_VERSION:
@@ -483,7 +360,7 @@ class _Checker:
             problems.append("a model server must set instance_role (policy or auxiliary)")
         self.caps = caps  # usable even with problems: the other checks still run
         if problems:
-            raise _Fail("; ".join(problems))
+            raise Fail("; ".join(problems))
         role = f", role {caps.instance_role}" if caps.instance_role else ""
         return f"{caps.component} {caps.name!r}, {caps.checkpoint_mode}{role}"
 
@@ -491,7 +368,7 @@ class _Checker:
         caps = self.caps
         assert caps is not None
         if caps.phase != "idle" or caps.active_checkpoint_id is not None:
-            raise _Fail(
+            raise Fail(
                 f"phase {caps.phase}, active id {caps.active_checkpoint_id!r}: another checkpoint "
                 "is in progress; the cycle checks are skipped"
             )
@@ -499,7 +376,7 @@ class _Checker:
 
     async def _fresh_caps(self) -> Capabilities:
         reply = await self.capabilities()
-        caps = _validate(Capabilities, reply, "capabilities")
+        caps = validated(Capabilities, reply, "capabilities")
         assert isinstance(caps, Capabilities)
         return caps
 
@@ -523,22 +400,22 @@ class _Checker:
         await self.check("auth.status_missing_token", lambda: status_with(None))
         await self.check("auth.status_wrong_token", lambda: status_with(WRONG_TOKEN))
 
-    def _expect_401(self, reply: _Reply, what: str) -> str:
+    def _expect_401(self, reply: Reply, what: str) -> str:
         if reply.status != 401:
-            raise _Fail(f"{what}: expected 401, got {reply.describe()}")
+            raise Fail(f"{what}: expected 401, got {reply.describe()}")
         detail = reply.body.get("detail") if isinstance(reply.body, dict) else None
         if detail != UNAUTHORIZED_DETAIL:
-            raise _Fail(
+            raise Fail(
                 f"{what}: 401 body should be {{'detail': {UNAUTHORIZED_DETAIL!r}}}, got {reply.describe()}"
             )
         return f"{what} → 401"
 
-    async def _repair(self, reply: _Reply, checkpoint_id: str | None) -> None:
+    async def _repair(self, reply: Reply, checkpoint_id: str | None) -> None:
         """A probe that should have been refused was accepted: resume it at once so later checks run."""
         if reply.ok and checkpoint_id is not None:
             await self._resume_quietly(checkpoint_id)
 
-    async def _resume_quietly(self, checkpoint_id: str) -> _Reply | None:
+    async def _resume_quietly(self, checkpoint_id: str) -> Reply | None:
         try:
             return await self.post("resume", self.body(checkpoint_id))
         except httpx.HTTPError:
@@ -565,15 +442,15 @@ class _Checker:
                     bad.append(f"{op}: {reply.describe()}")
                 await self._repair(reply, checkpoint_id if op != "resume" else None)
             if bad:
-                raise _Fail(f"expected 409 {NOT_A_POLICY_INSTANCE} on every control POST; " + "; ".join(bad))
+                raise Fail(f"expected 409 {NOT_A_POLICY_INSTANCE} on every control POST; " + "; ".join(bad))
             return "pause, commit, restore, resume → 409 " + NOT_A_POLICY_INSTANCE
 
         async def status_allowed() -> str:
             reply = await self.status(self.new_id("aux"))
             if reply.code == NOT_A_POLICY_INSTANCE:
-                raise _Fail(f"status must not answer {NOT_A_POLICY_INSTANCE} on an auxiliary instance")
+                raise Fail(f"status must not answer {NOT_A_POLICY_INSTANCE} on an auxiliary instance")
             if reply.status in (401, 404, 405) or reply.status >= 500:
-                raise _Fail(f"status route: {reply.describe()}")
+                raise Fail(f"status route: {reply.describe()}")
             return f"status answers {reply.describe()}"
 
         await self.check("auxiliary.not_a_policy_instance", refused)
@@ -601,9 +478,9 @@ class _Checker:
                 bad.append(f"{label}: {reply.describe()}")
             await self._repair(reply, repair_id)
         if bad:
-            raise _Fail("expected 422; " + "; ".join(bad))
+            raise Fail("expected 422; " + "; ".join(bad))
         if warned:
-            raise _Warn(
+            raise Warn(
                 f"{count(len(cases), 'case')} refused; {', '.join(warned)} answered 500 instead of 422 — the"
                 " server's validation error body could not be rendered as JSON (a server-side bug"
                 " worth fixing; still refused)"
@@ -652,10 +529,10 @@ class _Checker:
             body = {"checkpoint_id": checkpoint_id, "deadline_ts": self.deadline()}
             reply = await self._open(body)
             if not reply.ok:
-                raise _Fail(f"{self.first_op} without schema_version: expected 200, got {reply.describe()}")
+                raise Fail(f"{self.first_op} without schema_version: expected 200, got {reply.describe()}")
             resumed = await self.post("resume", dict(body))
             if not resumed.ok:
-                raise _Fail(f"resume without schema_version: expected 200, got {resumed.describe()}")
+                raise Fail(f"resume without schema_version: expected 200, got {resumed.describe()}")
             return f"{self.first_op} and resume accepted without schema_version"
 
         await self.check("validation.extra_field", extra_field)
@@ -664,7 +541,7 @@ class _Checker:
         await self.check("validation.schema_version", schema_two)
         await self.check("validation.schema_version_optional", schema_omitted)
 
-    async def _open(self, body: dict[str, Any]) -> _Reply:
+    async def _open(self, body: dict[str, Any]) -> Reply:
         """Model pause, agent prepare (retrying `agent_prepare_incomplete`), or resources prepare."""
         op = self.first_op
         give_up = time.monotonic() + self.timeout_s
@@ -685,28 +562,28 @@ class _Checker:
             checkpoint_id = self.new_id("early")
             reply = await self.post("commit", self._commit_body(checkpoint_id, "early-commit"))
             await self._repair(reply, checkpoint_id)
-            _expect(reply, 409, INVALID_PHASE)
+            expect(reply, 409, INVALID_PHASE)
             return f"commit at idle → 409 {INVALID_PHASE}"
 
         async def status_at_idle() -> str:
             if self.component == AGENT:
                 reply = await self.status(self.new_id("idle"))
-                _expect(reply, 200)
+                expect(reply, 200)
                 return "agent status at idle → 200 (allowed from any phase)"
             reply = await self.status(self.new_id("idle"))
-            _expect(reply, 409, INVALID_PHASE)
+            expect(reply, 409, INVALID_PHASE)
             return f"status at idle → 409 {INVALID_PHASE}"
 
         async def resume_at_idle() -> str:
             checkpoint_id = self.new_id("idle")
             reply = await self.post("resume", self.body(checkpoint_id))
             if self.component == MODEL:
-                _expect(reply, 409, INVALID_PHASE)
+                expect(reply, 409, INVALID_PHASE)
                 return f"model resume at idle → 409 {INVALID_PHASE}"
-            _expect(reply, 200)
+            expect(reply, 200)
             caps = await self._fresh_caps()
             if caps.phase != "idle" or caps.active_checkpoint_id is not None:
-                raise _Fail(f"after resume at idle: phase {caps.phase}, active {caps.active_checkpoint_id!r}")
+                raise Fail(f"after resume at idle: phase {caps.phase}, active {caps.active_checkpoint_id!r}")
             return "resume at idle → 200 (allowed from idle), server still idle"
 
         await self.check("phase.commit_before_prepare", commit_at_idle)
@@ -733,9 +610,9 @@ class _Checker:
         async def open_() -> str:
             reply = await self._open(open_body)
             model = self._route(self.first_op).reply
-            parsed = _validate(model, reply, self.first_op)
+            parsed: Any = validated(model, reply, self.first_op)
             if self.component == AGENT and not parsed.ready_to_commit:
-                raise _Fail("prepare answered 200 without ready_to_commit")
+                raise Fail("prepare answered 200 without ready_to_commit")
             state["open"] = reply.body
             return f"{self.first_op} → 200 " + _summary(reply.body, ("state", "ready_to_commit", "sessions"))
 
@@ -755,7 +632,7 @@ class _Checker:
         async def conflict() -> str:
             other = self.new_id("other")
             reply = await self.post(self.first_op, self.body(other))
-            _expect(reply, 409, CHECKPOINT_CONFLICT)
+            expect(reply, 409, CHECKPOINT_CONFLICT)
             return f"{self.first_op} of a second id → 409 {CHECKPOINT_CONFLICT}"
 
         async def status() -> str:
@@ -763,7 +640,7 @@ class _Checker:
 
         async def commit() -> str:
             reply = await self.post("commit", commit_body)
-            parsed = _validate(self._route("commit").reply, reply, "commit")
+            parsed = validated(self._route("commit").reply, reply, "commit")
             state["commit"] = reply.body
             state["commit_parsed"] = parsed
             return "commit → 200 " + _summary(reply.body, ("records", "rows", "rollouts", "sessions"))
@@ -820,7 +697,7 @@ class _Checker:
 
             async def resume() -> str:
                 reply = await self.post("resume", resume_body)
-                _validate(self._route("resume").reply, reply, "resume")
+                validated(self._route("resume").reply, reply, "resume")
                 state["resume"] = reply.body
                 return "resume → 200 " + _summary(reply.body, ("state", "released", "released_waiters"))
 
@@ -838,7 +715,7 @@ class _Checker:
         async def stale() -> str:
             reply = await self.post(self.first_op, self.body(checkpoint_id))
             await self._repair(reply, checkpoint_id)
-            _expect(reply, 409, STALE_CHECKPOINT)
+            expect(reply, 409, STALE_CHECKPOINT)
             return f"{self.first_op} with the retired id → 409 {STALE_CHECKPOINT}"
 
         await self.check("fence.replay_resume", replay_resume)
@@ -847,17 +724,17 @@ class _Checker:
     async def _cycle_status(self, checkpoint_id: str) -> str:
         if self.component != MODEL:
             reply = await self.status(checkpoint_id)
-            parsed = _validate(self._route("status").reply, reply, "status")
+            parsed: Any = validated(self._route("status").reply, reply, "status")
             if self.component == RESOURCES:
                 if parsed.checkpoint_id != checkpoint_id:
-                    raise _Fail(f"status checkpoint_id {parsed.checkpoint_id!r}, expected {checkpoint_id!r}")
+                    raise Fail(f"status checkpoint_id {parsed.checkpoint_id!r}, expected {checkpoint_id!r}")
                 if parsed.state != "paused":
-                    raise _Fail(
+                    raise Fail(
                         f"status state {parsed.state!r} after prepare, expected 'paused' (the admission"
                         " state, not the fence phase)"
                     )
             elif not parsed.ready_to_commit:
-                raise _Fail("agent status after prepare: ready_to_commit is false")
+                raise Fail("agent status after prepare: ready_to_commit is false")
             return "status → 200 " + _summary(reply.body, ("state", "admission_state", "ready_to_commit"))
         # Model: long-poll until paused with nothing in flight (the spec: never an error for "not yet").
         give_up = time.monotonic() + self.timeout_s
@@ -865,15 +742,15 @@ class _Checker:
         while True:
             polls += 1
             reply = await self.status(checkpoint_id, poll_s=STATUS_POLL_S)
-            parsed = _validate(ModelStatusReply, reply, "status")
+            parsed = validated(ModelStatusReply, reply, "status")
             assert isinstance(parsed, ModelStatusReply)
             self._last_status = parsed
             if parsed.checkpoint_id is not None and parsed.checkpoint_id != checkpoint_id:
-                raise _Fail(f"status checkpoint_id {parsed.checkpoint_id!r}, expected {checkpoint_id!r}")
+                raise Fail(f"status checkpoint_id {parsed.checkpoint_id!r}, expected {checkpoint_id!r}")
             if parsed.not_drained() is None:
                 return f"status long-poll → paused, 0 in flight ({count(polls, 'poll')})"
             if time.monotonic() >= give_up:
-                raise _Fail(
+                raise Fail(
                     f"not paused within {self.timeout_s:g}s: state {parsed.state}, "
                     f"{parsed.inflight_total} in flight"
                 )
@@ -883,15 +760,15 @@ class _Checker:
         caps = self.caps
         assert caps is not None
         if self.component != MODEL:
-            raise _Skip("only a model reports workers")
+            raise Skip("only a model reports workers")
         status = self._last_status
         if status is None:
-            raise _Skip("needs cycle.status")
+            raise Skip("needs cycle.status")
         expected = caps.multi_process.num_workers
         if caps.multi_process.mode == "coordinator":
             workers = status.workers
             if workers is None or status.missing_workers is None:
-                raise _Fail("a coordinator-mode status must report workers and missing_workers")
+                raise Fail("a coordinator-mode status must report workers and missing_workers")
             problems: list[str] = []
             if (workers.expected, workers.live, workers.acknowledged) != (expected, expected, expected):
                 problems.append(
@@ -906,13 +783,13 @@ class _Checker:
                     f"per_worker has {len(shapes)} connected workers with acked_seq, expected {expected}"
                 )
             if problems:
-                raise _Fail("; ".join(problems))
+                raise Fail("; ".join(problems))
             return f"coordinator shape: {expected} workers acknowledged, live, none missing"
         if status.checkpoint_id != checkpoint_id:
-            raise _Fail(f"a single-worker status must name its checkpoint_id, got {status.checkpoint_id!r}")
+            raise Fail(f"a single-worker status must name its checkpoint_id, got {status.checkpoint_id!r}")
         unpaused = [k for k, w in status.per_worker.items() if w.state != "paused"]
         if not status.per_worker or unpaused:
-            raise _Fail(f"per_worker must show every worker paused when drained: {status.per_worker}")
+            raise Fail(f"per_worker must show every worker paused when drained: {status.per_worker}")
         return f"single-worker shape: checkpoint_id, {count(len(status.per_worker), 'worker')} paused"
 
     async def _check_acknowledge(self) -> None:
@@ -940,7 +817,7 @@ class _Checker:
         }
         known: list[dict[str, Any]] = []
 
-        async def ack(body: Any, token: str | None = "default", raw: bytes | None = None) -> _Reply:
+        async def ack(body: Any, token: str | None = "default", raw: bytes | None = None) -> Reply:
             return await self.request(
                 "POST", path, token=self.token if token == "default" else token, json_body=body, raw_body=raw
             )
@@ -994,13 +871,13 @@ class _Checker:
             if duplicate.status != 422 and duplicate.code != COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR:
                 bad.append(f"a duplicate: {duplicate.describe()}")
             if bad:
-                raise _Fail("expected 422 (a duplicate: 422 or 409); " + "; ".join(bad))
+                raise Fail("expected 422 (a duplicate: 422 or 409); " + "; ".join(bad))
             return f"{len(cases) + 1} malformed batch(es) of {form(execution)}s refused"
 
         async def unknown_refused() -> str:
             execution = await own()
             reply = await ack({"schema_version": SCHEMA_VERSION, "executions": [execution]})
-            _expect(reply, 409, COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR)
+            expect(reply, 409, COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR)
             return (
                 f"{form(execution)} of an execution it never finished → 409"
                 f" {COMPLETED_EXECUTION_ACKNOWLEDGEMENT_ERROR}"
@@ -1018,16 +895,16 @@ class _Checker:
             rel = manifest_path(caps.component, caps.name)
             path = folder / rel
             if not path.is_file():
-                raise _Fail(
+                raise Fail(
                     f"{rel} not found under the checkpoint dir (the server must share this filesystem)"
                 )
             digest = _sha256_file(path)
             if digest != reply.manifest_digest:
-                raise _Fail(f"sha256 of {rel} is {digest[:12]}…, reply says {reply.manifest_digest[:12]}…")
+                raise Fail(f"sha256 of {rel} is {digest[:12]}…, reply says {reply.manifest_digest[:12]}…")
             try:
                 json.loads(path.read_bytes())
             except ValueError as exc:
-                raise _Fail(f"{rel} is not JSON: {exc}") from exc
+                raise Fail(f"{rel} is not JSON: {exc}") from exc
             return f"sha256({rel}) = manifest_digest"
 
         async def index() -> str:
@@ -1035,9 +912,9 @@ class _Checker:
                 ref = reply.continuation_index
                 expected = f"{agent_instance_dir(caps.name)}/continuations.jsonl"
                 if ref.relative_path != expected:
-                    raise _Fail(f"continuation_index path {ref.relative_path!r}, expected {expected!r}")
+                    raise Fail(f"continuation_index path {ref.relative_path!r}, expected {expected!r}")
                 if ref.records > reply.records:  # one row per record with a model call id (Gym)
-                    raise _Fail(
+                    raise Fail(
                         f"continuation_index records {ref.records}, more than the reply's {reply.records}"
                     )
                 data = _check_artifact(folder, ref, "continuation_index")
@@ -1047,16 +924,16 @@ class _Checker:
                 declared = EXTERNAL_STORAGE_REFERENCE_INDEX in caps.features
                 if reply.storage_reference_index is None:
                     if declared:
-                        raise _Fail(
+                        raise Fail(
                             f"the model declares {EXTERNAL_STORAGE_REFERENCE_INDEX} but its commit reply has"
                             " no storage_reference_index"
                         )
-                    raise _Skip(f"the model does not declare {EXTERNAL_STORAGE_REFERENCE_INDEX}")
+                    raise Skip(f"the model does not declare {EXTERNAL_STORAGE_REFERENCE_INDEX}")
                 ref = reply.storage_reference_index
                 data = _check_artifact(folder, ref, "storage_reference_index")
                 _check_storage_rows(data)
                 return f"storage_reference_index matches the file ({ref.records} records)"
-            raise _Skip("a resources commit names no index file")
+            raise Skip("a resources commit names no index file")
 
         await self.check("artifacts.manifest_digest", manifest)
         await self.check("artifacts.index", index)
@@ -1072,7 +949,7 @@ class _Checker:
             active = caps.active_checkpoint_id
             if active is not None and active.startswith(self.run_id):
                 await self._resume_quietly(active)
-        except (_Fail, httpx.HTTPError):
+        except (Fail, httpx.HTTPError):
             pass
 
         async def idle() -> str:
@@ -1082,10 +959,10 @@ class _Checker:
                 # Busy at start (someone else's checkpoint): it must be exactly as found.
                 now, then = (caps.phase, caps.active_checkpoint_id), (found.phase, found.active_checkpoint_id)
                 if now != then:
-                    raise _Fail(f"server found at {then}, left at {now}")
+                    raise Fail(f"server found at {then}, left at {now}")
                 return f"server left as found: phase {caps.phase}, active id {caps.active_checkpoint_id!r}"
             if caps.phase != "idle" or caps.active_checkpoint_id is not None:
-                raise _Fail(
+                raise Fail(
                     f"server left at phase {caps.phase}, active id {caps.active_checkpoint_id!r}"
                     + (f"; could not resume {', '.join(self._maybe_active)}" if self._maybe_active else "")
                 )
@@ -1101,15 +978,15 @@ def _summary(body: Any, keys: tuple[str, ...]) -> str:
     return f"({', '.join(parts)})" if parts else ""
 
 
-def _same_reply(reply: _Reply, first: Any, what: str) -> str:
-    _expect(reply, 200)
+def _same_reply(reply: Reply, first: Any, what: str) -> str:
+    expect(reply, 200)
     if reply.body != first:
         changed = sorted(
             k
             for k in set(first or {}) | set(reply.body or {})
             if (first or {}).get(k) != (reply.body or {}).get(k)
         )
-        raise _Fail(f"repeated {what} replied a different body (fields {', '.join(changed) or '?'})")
+        raise Fail(f"repeated {what} replied a different body (fields {', '.join(changed) or '?'})")
     return f"repeated {what} → the recorded reply, unchanged"
 
 
@@ -1124,7 +1001,7 @@ def _fence_snapshot(
     if caps.deadline_ts is None or not math.isclose(caps.deadline_ts, deadline_ts, abs_tol=1e-3):
         problems.append(f"deadline_ts {caps.deadline_ts!r}, expected {deadline_ts!r}")
     if problems:
-        raise _Fail("capabilities fence snapshot: " + "; ".join(problems))
+        raise Fail("capabilities fence snapshot: " + "; ".join(problems))
     return f"capabilities: phase {caps.phase}, active id and deadline as sent"
 
 
@@ -1136,12 +1013,12 @@ def _check_continuation_rows(data: bytes) -> None:
         try:
             row = ContinuationRow.model_validate_json(line)
         except ValidationError as exc:
-            raise _Fail(f"continuations.jsonl line {number}: {first_error(exc)}") from exc
+            raise Fail(f"continuations.jsonl line {number}: {first_error(exc)}") from exc
         if line != json.dumps(json.loads(line), separators=(",", ":")).encode():
-            raise _Fail(f"continuations.jsonl line {number} is not compact JSON")
+            raise Fail(f"continuations.jsonl line {number} is not compact JSON")
         keys.append(row.capture_key)
     if keys != sorted(keys):
-        raise _Fail("continuations.jsonl rows are not sorted by capture key")
+        raise Fail("continuations.jsonl rows are not sorted by capture key")
 
 
 def _check_storage_rows(data: bytes) -> None:
@@ -1152,10 +1029,10 @@ def _check_storage_rows(data: bytes) -> None:
         try:
             row = StorageReference.model_validate_json(line)
         except ValidationError as exc:
-            raise _Fail(f"storage-references.jsonl line {number}: {first_error(exc)}") from exc
+            raise Fail(f"storage-references.jsonl line {number}: {first_error(exc)}") from exc
         keys.append(row.key)
     if len(keys) != len(set(keys)):
-        raise _Fail("storage-references.jsonl repeats a key")
+        raise Fail("storage-references.jsonl repeats a key")
 
 
 #: Every row the checker can emit, and what its passing proves (spec sections in brackets).

@@ -27,13 +27,11 @@ import hashlib
 import json
 import math
 import secrets
-import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from contextlib import suppress
 from pathlib import Path
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal
 
 import anyio
 import httpx
@@ -72,14 +70,14 @@ from quiesce.coordinator.protocol_v2 import (
 from quiesce.coordinator.wording import count
 from quiesce.tools.conformance import run_conformance
 from quiesce.tools.conformance_report import (
-    CheckResult,
-    CheckStatus,
     ConformanceReport,
     Plane,
     ServerUnreachable,
     first_error,
     transport_error,
 )
+from quiesce.tools.conformance_run import CheckRun, Fail, Reply, Skip, Warn, expect, send, validated
+from quiesce.tools.conformance_run import work_dir as scratch_dir
 
 __all__ = [
     "CHECKS",
@@ -100,11 +98,8 @@ LEASE_CHECK_MAX_GRACE_S: Final = 15.0
 #: How far ahead the lease check's prepare sets its deadline.
 LEASE_CHECK_DEADLINE_S: Final = 1.0
 _POLL_S: Final = 0.2
-_BODY_PREVIEW: Final = 160
 #: Floats that went through JSON and a subtraction: equal within this.
 _TOLERANCE_S: Final = 0.01
-
-_T = TypeVar("_T", bound=BaseModel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,21 +188,11 @@ async def run_conformance_v2(
         raise ConfigError("the control-plane token is empty")
     base = url.rstrip("/")
     client = httpx.AsyncClient(timeout=timeout_s + _REPLY_SLACK_S, transport=transport)
-    with _work_dir(work_dir) as folder:
+    with scratch_dir(work_dir, "conformance-v2") as folder:
         async with client:
             checker = _Checker(client, base, token, timeout_s, folder, lease_check=lease_check)
             await checker.run(plane_reason)
             return checker.report
-
-
-@contextmanager
-def _work_dir(parent: Path | None) -> Iterator[Path]:
-    if parent is not None:
-        parent.mkdir(parents=True, exist_ok=True)
-        yield Path(tempfile.mkdtemp(prefix="conformance-v2-", dir=parent))
-        return
-    with tempfile.TemporaryDirectory(prefix="quiesce-conformance-v2-") as tmp:
-        yield Path(tmp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,60 +200,7 @@ def _work_dir(parent: Path | None) -> Iterator[Path]:
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Reply:
-    status: int
-    body: Any
-    text: str
-
-    @property
-    def code(self) -> str | None:
-        """The envelope's code (`{"error": {"code": ...}}`), if the body has one."""
-        if isinstance(self.body, dict):
-            error = self.body.get("error")
-            if isinstance(error, dict) and isinstance(error.get("code"), str):
-                return str(error["code"])
-        return None
-
-    @property
-    def ok(self) -> bool:
-        return 200 <= self.status < 300
-
-    def describe(self) -> str:
-        """`HTTP 409 stale_checkpoint` or `HTTP 200 {...}`: short, for a row's detail."""
-        if self.code is not None:
-            return f"HTTP {self.status} {self.code}"
-        text = self.text if len(self.text) <= _BODY_PREVIEW else self.text[:_BODY_PREVIEW] + "…"
-        return f"HTTP {self.status} {text}".rstrip()
-
-
-class _Fail(Exception):
-    """Raised inside a check: it failed, with this reason."""
-
-
-class _Skip(Exception):
-    """Raised inside a check: it does not apply, with this reason."""
-
-
-class _Warn(Exception):
-    """Raised inside a check: the rule holds, in a way worth a warning."""
-
-
-def _expect(reply: _Reply, status: int, code: str | None = None, what: str = "") -> None:
-    if reply.status != status or (code is not None and reply.code != code):
-        wanted = f"{status} {code}" if code else str(status)
-        raise _Fail(f"{what}{': ' if what else ''}expected {wanted}, got {reply.describe()}")
-
-
-def _validate(model: type[_T], reply: _Reply, what: str) -> _T:
-    _expect(reply, 200, what=what)
-    try:
-        return model.model_validate(reply.body)
-    except ValidationError as exc:
-        raise _Fail(f"{what} reply does not match {model.__name__}: {first_error(exc)}") from exc
-
-
-def _refused_by_validation(reply: _Reply) -> bool:
+def _refused_by_validation(reply: Reply) -> bool:
     """FastAPI's 422 (`{"detail": [...]}`, no envelope): the body was refused before anything ran."""
     return reply.status == 422 and reply.code is None
 
@@ -280,7 +212,7 @@ def _episode(rollout_id: str, attempt: int = 0) -> dict[str, Any]:
 _Case = tuple[str, str, Any, bytes | None]  # label, operation, json body, raw body
 
 
-class _Checker:
+class _Checker(CheckRun):
     """One run against one v2 participant. Checks append rows to `report.results` in order."""
 
     def __init__(
@@ -293,13 +225,12 @@ class _Checker:
         *,
         lease_check: bool,
     ) -> None:
+        super().__init__(ConformanceReport(url=base, plane="v2"), token, timeout_s + _REPLY_SLACK_S, CHECKS)
         self.client = client
         self.base = base
-        self.token = token
         self.timeout_s = timeout_s
         self.folder = folder
         self.lease_check = lease_check
-        self.report = ConformanceReport(url=base, plane="v2")
         self.run_id = f"qc-{secrets.token_hex(4)}"
         self._serial = 0
         #: Ids a POST may have made active and not yet resumed (resumed in `_cleanup`).
@@ -334,28 +265,8 @@ class _Checker:
 
     async def request(
         self, method: str, path: str, *, token: str | None, json_body: Any = None, raw: bytes | None = None
-    ) -> _Reply:
-        """One request; sent once more on a fresh connection when the server closed the one it went on."""
-        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
-        content = raw
-        if content is None and json_body is not None:
-            content = json.dumps(json_body, allow_nan=True).encode("utf-8")
-        if content is not None:
-            headers["Content-Type"] = "application/json"
-        for attempt in (1, 2):
-            try:
-                response = await self.client.request(
-                    method, self.base + path, headers=headers, content=content
-                )
-                break
-            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-                if attempt == 2:
-                    raise
-        try:
-            parsed: Any = response.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            parsed = None
-        return _Reply(response.status_code, parsed, response.text)
+    ) -> Reply:
+        return await send(self.client, method, self.base + path, token=token, json_body=json_body, raw=raw)
 
     async def post(
         self,
@@ -364,7 +275,7 @@ class _Checker:
         *,
         token: str | Literal["default"] | None = "default",
         raw: bytes | None = None,
-    ) -> _Reply:
+    ) -> Reply:
         """POST one operation; remembers what it may have left active or marked, for `_cleanup`."""
         reply = await self.request(
             "POST",
@@ -388,54 +299,25 @@ class _Checker:
                 self._maybe_active.append(checkpoint_id)
         return reply
 
-    async def status(self, *, token: str | Literal["default"] | None = "default") -> _Reply:
+    async def status(self, *, token: str | Literal["default"] | None = "default") -> Reply:
         return await self.request("GET", STATUS_PATH, token=self.token if token == "default" else token)
 
     async def fresh_status(self) -> StatusReply:
-        return _validate(StatusReply, await self.status(), "status")
+        return validated(StatusReply, await self.status(), "status")
 
     async def resume_quietly(self, checkpoint_id: str) -> None:
         with suppress(httpx.HTTPError):
             await self.post("resume", self.body(checkpoint_id))
 
-    async def undo(self, reply: _Reply, checkpoint_id: str | None) -> None:
+    async def undo(self, reply: Reply, checkpoint_id: str | None) -> None:
         """A probe that should have been refused was accepted: resume its id so later checks run."""
         if reply.ok and checkpoint_id is not None:
             await self.resume_quietly(checkpoint_id)
 
-    # -- rows ---------------------------------------------------------------------------------
-
-    def _add(self, name: str, status: CheckStatus, detail: str = "") -> None:
-        assert name in CHECKS, f"undocumented check {name!r}"
-        self.report.results.append(CheckResult(name, status, detail.replace(self.token, "***")))
-
-    def skip(self, names: Iterable[str], why: str) -> None:
-        for name in names:
-            self._add(name, "skip", why)
-
-    async def check(self, name: str, fn: Callable[[], Awaitable[str | None]]) -> bool:
-        """Run one check; True when it passed (or warned). Nothing it raises escapes."""
-        try:
-            detail = await fn()
-        except _Fail as exc:
-            self._add(name, "fail", str(exc))
-            return False
-        except _Skip as exc:
-            self._add(name, "skip", str(exc))
-            return False
-        except _Warn as exc:
-            self._add(name, "warn", str(exc))
-            return True
-        except httpx.HTTPError as exc:
-            self._add(name, "fail", f"request failed: {transport_error(exc)}")
-            return False
-        self._add(name, "pass", detail or "")
-        return True
-
     # -- the run ------------------------------------------------------------------------------
 
     async def run(self, plane_reason: str) -> None:
-        self._add("plane.detected", "pass", f"unified plane: {plane_reason}")
+        self.add("plane.detected", "pass", f"unified plane: {plane_reason}")
         try:
             first = await self.status()
         except (httpx.TransportError, httpx.InvalidURL) as exc:
@@ -466,12 +348,12 @@ class _Checker:
 
     # -- status --------------------------------------------------------------------------------
 
-    async def _check_shape(self, reply: _Reply) -> str:
-        status = _validate(StatusReply, reply, "status")
+    async def _check_shape(self, reply: Reply) -> str:
+        status = validated(StatusReply, reply, "status")
         self.start = status  # usable even with problems: the other checks still run
         problems = _extras_problems(status.kind, reply.body)
         if problems:
-            raise _Fail("; ".join(problems))
+            raise Fail("; ".join(problems))
         extras = ", ".join(sorted(_KIND_EXTRAS[status.kind]))
         return f"{status.kind} {status.instance!r}: {extras} as the kind requires"
 
@@ -479,11 +361,11 @@ class _Checker:
         start = self.start
         assert start is not None
         if start.phase != "idle" or start.checkpoint_id is not None:
-            raise _Fail(
+            raise Fail(
                 f"phase {start.phase}, checkpoint_id {start.checkpoint_id!r}: another checkpoint is open"
             )
         if start.lease_expires_at is not None:
-            raise _Fail(f"idle with a lease ({start.lease_expires_at!r}): an idle participant holds none")
+            raise Fail(f"idle with a lease ({start.lease_expires_at!r}): an idle participant holds none")
         return "phase idle, no checkpoint id, no lease"
 
     # -- auth ------------------------------------------------------------------------------------
@@ -514,7 +396,7 @@ class _Checker:
             if reply.status != 401 or reply.code != UNAUTHORIZED:
                 bad.append(f"GET status: {reply.describe()}")
             if bad:
-                raise _Fail(f"expected 401 {UNAUTHORIZED}; " + "; ".join(bad))
+                raise Fail(f"expected 401 {UNAUTHORIZED}; " + "; ".join(bad))
             return f"7 POST routes and GET status → 401 {UNAUTHORIZED}"
 
         async def malformed_first() -> str:
@@ -525,7 +407,7 @@ class _Checker:
                 return "a malformed body without a token → 422 (validated before auth, as real Gym does)"
             if reply.status == 401 and reply.code == UNAUTHORIZED:
                 return f"a malformed body without a token → 401 {UNAUTHORIZED}"
-            raise _Fail(f"a malformed body without a token: expected 422 or 401, got {reply.describe()}")
+            raise Fail(f"a malformed body without a token: expected 422 or 401, got {reply.describe()}")
 
         await self.check("auth.missing_token", lambda: refused_with(None))
         await self.check("auth.wrong_token", lambda: refused_with(WRONG_TOKEN))
@@ -556,9 +438,9 @@ class _Checker:
             ):
                 await self.undo(reply, body["checkpoint_id"])
         if bad:
-            raise _Fail("expected 422 (FastAPI's, before anything ran); " + "; ".join(bad))
+            raise Fail("expected 422 (FastAPI's, before anything ran); " + "; ".join(bad))
         if warned:
-            raise _Warn(
+            raise Warn(
                 f"{count(len(cases), 'case')} refused; {', '.join(warned)} answered 500 instead of 422 — the"
                 " validation error could not be rendered as JSON (real Gym does this; still refused)"
             )
@@ -671,18 +553,18 @@ class _Checker:
             extra = {"checkpoint_dir": self.dir_for("early"), "episode_ids": []} if op == "commit" else {}
             reply = await self.post(op, self.body(checkpoint_id, **extra))
             await self.undo(reply, checkpoint_id)
-            _expect(reply, 409, INVALID_PHASE, f"{op} at idle")
+            expect(reply, 409, INVALID_PHASE, f"{op} at idle")
             return f"{op} at idle → 409 {INVALID_PHASE}"
 
         async def resume_at_idle() -> str:
             checkpoint_id = self.new_id("idle")
             reply = await self.post("resume", self.body(checkpoint_id))
-            resumed = _validate(ResumeReply, reply, "resume at idle")
+            resumed = validated(ResumeReply, reply, "resume at idle")
             if not resumed.idempotent:
-                raise _Fail("resume of an id never prepared, at idle: expected idempotent true")
+                raise Fail("resume of an id never prepared, at idle: expected idempotent true")
             late = await self.post("prepare", self.body(checkpoint_id))
             await self.undo(late, checkpoint_id)
-            _expect(late, 409, STALE_CHECKPOINT, "a prepare after that resume")
+            expect(late, 409, STALE_CHECKPOINT, "a prepare after that resume")
             return f"resume at idle → idempotent true, and fences the id: prepare → 409 {STALE_CHECKPOINT}"
 
         await self.check("phase.commit_at_idle", lambda: refused_at_idle("commit"))
@@ -691,20 +573,20 @@ class _Checker:
 
     # -- one cycle --------------------------------------------------------------------------------------
 
-    async def prepare_until_ready(self, body: dict[str, Any]) -> tuple[_Reply, PrepareReply]:
+    async def prepare_until_ready(self, body: dict[str, Any]) -> tuple[Reply, PrepareReply]:
         """Prepare, and again while `preparing` (the same body), until `prepared` or the deadline."""
         while True:
             reply = await self.post("prepare", body)
-            parsed = _validate(PrepareReply, reply, "prepare")
+            parsed = validated(PrepareReply, reply, "prepare")
             if parsed.phase == "prepared":
                 if not parsed.report.ready:
-                    raise _Fail("prepare answered phase prepared with report.ready false")
+                    raise Fail("prepare answered phase prepared with report.ready false")
                 return reply, parsed
             if parsed.phase != "preparing":
-                raise _Fail(f"prepare answered phase {parsed.phase!r} (nothing resumed it)")
+                raise Fail(f"prepare answered phase {parsed.phase!r} (nothing resumed it)")
             if time.time() >= body["deadline_ts"]:
                 blockers = ", ".join(parsed.report.blockers[:5]) or "none listed"
-                raise _Fail(
+                raise Fail(
                     f"still preparing at the deadline: {parsed.report.blocker_count} blockers ({blockers})"
                 )
             await anyio.sleep(_POLL_S)
@@ -756,7 +638,7 @@ class _Checker:
             if not status.report.ready:
                 problems.append("report.ready false")
             if problems:
-                raise _Fail("status after prepare: " + "; ".join(problems))
+                raise Fail("status after prepare: " + "; ".join(problems))
             return f"status: prepared, the id, ready, lease = deadline + {self.grace_s:g}s grace"
 
         async def replay_prepare() -> str:
@@ -766,7 +648,7 @@ class _Checker:
             other = self.new_id("other")
             reply = await self.post("prepare", self.body(other))
             await self.undo(reply, other)
-            _expect(reply, 409, CHECKPOINT_CONFLICT, "prepare of a second id")
+            expect(reply, 409, CHECKPOINT_CONFLICT, "prepare of a second id")
             return f"prepare of a second id → 409 {CHECKPOINT_CONFLICT}"
 
         async def restore_conflict() -> str:
@@ -776,14 +658,14 @@ class _Checker:
             )
             reply = await self.post("restore", body)
             await self.undo(reply, other)
-            _expect(reply, 409, CHECKPOINT_CONFLICT, "restore of another id while one is active")
+            expect(reply, 409, CHECKPOINT_CONFLICT, "restore of another id while one is active")
             return f"restore of another id while one is active → 409 {CHECKPOINT_CONFLICT}"
 
         async def retire_or_forget_prepared(op: str) -> str:
             rollout = f"{self.run_id}-phase"
             extra = {"episode_ids": [_episode(rollout)]} if op == "retire" else {"rollout_ids": [rollout]}
             reply = await self.post(op, self.body(checkpoint_id, **extra))
-            _expect(reply, 409, INVALID_PHASE, f"{op} while prepared")
+            expect(reply, 409, INVALID_PHASE, f"{op} while prepared")
             return f"{op} while prepared → 409 {INVALID_PHASE} (resume first)"
 
         async def renew() -> str:
@@ -791,11 +673,11 @@ class _Checker:
 
         async def commit() -> str:
             reply = await self.post("commit", commit_body)
-            parsed = _validate(CommitReply, reply, "commit")
+            parsed = validated(CommitReply, reply, "commit")
             problems = self._commit_problems(parsed, reply.body, checkpoint_id)
             state["commit"], state["commit_parsed"] = reply.body, parsed
             if problems:
-                raise _Fail("; ".join(problems))
+                raise Fail("; ".join(problems))
             scope = commit_body["episode_ids"]
             return (
                 f"commit (scope of {count(len(scope), 'episode')}) → committed, "
@@ -809,7 +691,7 @@ class _Checker:
             other_dir = self.dir_for("commit-other")
             reply = await self.post("commit", {**commit_body, "checkpoint_dir": other_dir})
             if _manifests_under(Path(other_dir)):
-                raise _Fail(
+                raise Fail(
                     f"a commit retry into another dir wrote a second manifest there ({reply.describe()})"
                 )
             if reply.status == 409 and reply.code == CHECKPOINT_CONFLICT:
@@ -819,7 +701,7 @@ class _Checker:
                     "commit retry into another dir → the recorded reply (real Gym after success), nothing"
                     " written"
                 )
-            raise _Fail(
+            raise Fail(
                 f"commit retry into another dir: expected 409 {CHECKPOINT_CONFLICT} or the recorded reply, "
                 f"got {reply.describe()}"
             )
@@ -827,7 +709,7 @@ class _Checker:
         async def status_committed() -> str:
             problems = _phase_problems(await self.fresh_status(), "committed", checkpoint_id)
             if problems:
-                raise _Fail("status after commit: " + "; ".join(problems))
+                raise Fail("status after commit: " + "; ".join(problems))
             return "status: committed, the id"
 
         committed = False
@@ -864,11 +746,11 @@ class _Checker:
             return
 
         async def resume_again() -> str:
-            parsed = _validate(
+            parsed = validated(
                 ResumeReply, await self.post("resume", self.body(checkpoint_id)), "resume again"
             )
             if not parsed.idempotent:
-                raise _Fail("a second resume of the same id: expected idempotent true")
+                raise Fail("a second resume of the same id: expected idempotent true")
             return "resume again → idle, idempotent true"
 
         async def stale() -> str:
@@ -879,54 +761,54 @@ class _Checker:
                 if reply.status != 409 or reply.code != STALE_CHECKPOINT:
                     bad.append(f"{op}: {reply.describe()}")
             if bad:
-                raise _Fail(f"the resumed id: expected 409 {STALE_CHECKPOINT}; " + "; ".join(bad))
+                raise Fail(f"the resumed id: expected 409 {STALE_CHECKPOINT}; " + "; ".join(bad))
             return f"prepare and renew of the resumed id → 409 {STALE_CHECKPOINT}"
 
         await self.check("fence.resume_again", resume_again)
         await self.check("fence.stale_after_resume", stale)
 
     async def _resume_to_idle(self, checkpoint_id: str) -> str:
-        parsed = _validate(ResumeReply, await self.post("resume", self.body(checkpoint_id)), "resume")
+        parsed = validated(ResumeReply, await self.post("resume", self.body(checkpoint_id)), "resume")
         if parsed.idempotent:
-            raise _Fail("the first resume of an active id answered idempotent true")
+            raise Fail("the first resume of an active id answered idempotent true")
         status = await self.fresh_status()
         problems = _phase_problems(status, "idle", None)
         if status.lease_expires_at is not None:
             problems.append(f"lease_expires_at {status.lease_expires_at!r}, expected null")
         if problems:
-            raise _Fail("status after resume: " + "; ".join(problems))
+            raise Fail("status after resume: " + "; ".join(problems))
         return "resume → idle, idempotent false; status idle, no id, no lease"
 
     async def _check_renew(self, checkpoint_id: str, prepared_deadline: float) -> str:
         grace = self.grace_s
         if grace is None:
-            raise _Skip("needs the grace measured by cycle.status_prepared")
+            raise Skip("needs the grace measured by cycle.status_prepared")
         if grace <= 0:
-            raise _Fail(f"lease grace {grace:g}s: the lease must outlast the deadline (grace > 0)")
+            raise Fail(f"lease grace {grace:g}s: the lease must outlast the deadline (grace > 0)")
         later = prepared_deadline + 5.0
-        renewed = _validate(
+        renewed = validated(
             RenewReply,
             await self.post("renew", {"checkpoint_id": checkpoint_id, "deadline_ts": later}),
             "renew",
         )
         if not math.isclose(renewed.lease_expires_at, later + grace, abs_tol=_TOLERANCE_S):
-            raise _Fail(
+            raise Fail(
                 f"renew to deadline+5s: lease_expires_at {renewed.lease_expires_at!r}, expected deadline"
                 f" + grace = {later + grace!r}"
             )
         earlier = prepared_deadline - 5.0
-        kept = _validate(
+        kept = validated(
             RenewReply,
             await self.post("renew", {"checkpoint_id": checkpoint_id, "deadline_ts": earlier}),
             "renew",
         )
         if not math.isclose(kept.lease_expires_at, renewed.lease_expires_at, abs_tol=_TOLERANCE_S):
-            raise _Fail(f"renew to an earlier deadline shrank the lease to {kept.lease_expires_at!r}")
+            raise Fail(f"renew to an earlier deadline shrank the lease to {kept.lease_expires_at!r}")
         status = await self.fresh_status()
         if status.lease_expires_at is None or not math.isclose(
             status.lease_expires_at, renewed.lease_expires_at, abs_tol=_TOLERANCE_S
         ):
-            raise _Fail(f"status lease_expires_at {status.lease_expires_at!r} differs from renew's")
+            raise Fail(f"status lease_expires_at {status.lease_expires_at!r} differs from renew's")
         return "renew → lease = deadline + grace; an earlier deadline never shrinks it; status agrees"
 
     def _commit_problems(self, reply: CommitReply, body: Any, checkpoint_id: str) -> list[str]:
@@ -961,7 +843,7 @@ class _Checker:
         async def manifest() -> str:
             path = folder / MANIFEST
             if not path.is_file():
-                raise _Fail(
+                raise Fail(
                     f"{path.relative_to(checkpoint_dir)} not found (the server must share this filesystem)"
                 )
             data = path.read_bytes()
@@ -970,7 +852,7 @@ class _Checker:
                 document = json.loads(data)
             except (ValidationError, ValueError) as exc:
                 detail = first_error(exc) if isinstance(exc, ValidationError) else str(exc)
-                raise _Fail(f"manifest.json does not validate: {detail}") from exc
+                raise Fail(f"manifest.json does not validate: {detail}") from exc
             problems: list[str] = []
             if data != manifest_bytes(document):
                 problems.append("not written with sorted keys and indent 1")
@@ -981,7 +863,7 @@ class _Checker:
                     f"kind/instance {parsed.kind}/{parsed.instance}, expected {start.kind}/{start.instance}"
                 )
             if problems:
-                raise _Fail("manifest.json: " + "; ".join(problems))
+                raise Fail("manifest.json: " + "; ".join(problems))
             return (
                 f"gym/{start.kind}/{start.instance}/manifest.json: schema 1, sorted keys, as the reply says"
             )
@@ -989,12 +871,12 @@ class _Checker:
         async def records() -> str:
             name = reply.manifest.records_file
             if name == LEGACY_RECORDS:
-                raise _Fail(f"records file {name!r}: a writer names it records-<sha256>.jsonl")
+                raise Fail(f"records file {name!r}: a writer names it records-<sha256>.jsonl")
             if not RECORDS_PATTERN.match(name):
-                raise _Fail(f"records file {name!r} is not records-<sha256>.jsonl")
+                raise Fail(f"records file {name!r} is not records-<sha256>.jsonl")
             path = folder / name
             if not path.is_file():
-                raise _Fail(f"{name} not found beside the manifest")
+                raise Fail(f"{name} not found beside the manifest")
             data = path.read_bytes()
             problems: list[str] = []
             if hashlib.sha256(data).hexdigest() != reply.manifest.records_sha256:
@@ -1023,7 +905,7 @@ class _Checker:
             if leftovers:
                 problems.append(f"temporary files left: {', '.join(leftovers)}")
             if problems:
-                raise _Fail(f"{name}: " + "; ".join(problems))
+                raise Fail(f"{name}: " + "; ".join(problems))
             return (
                 f"{count(len(lines), 'record')}, digest and count as the manifest says, episode ids objects"
             )
@@ -1036,7 +918,7 @@ class _Checker:
     async def _check_commit_scope(self) -> None:
         async def null_scope() -> str:
             if self.kind != "model":
-                raise _Skip(f"only a model requires a commit scope ({_a(self.kind)} exports all it holds)")
+                raise Skip(f"only a model requires a commit scope ({_a(self.kind)} exports all it holds)")
             checkpoint_id = self.new_id("noscope")
             try:
                 await self.prepare_until_ready(self.body(checkpoint_id))
@@ -1044,7 +926,7 @@ class _Checker:
                 reply = await self.post(
                     "commit", self.body(checkpoint_id, checkpoint_dir=target, episode_ids=None)
                 )
-                _expect(reply, 409, CHECKPOINT_ERROR, "a model commit with episode_ids null")
+                expect(reply, 409, CHECKPOINT_ERROR, "a model commit with episode_ids null")
                 return f"a model commit with episode_ids null → 409 {CHECKPOINT_ERROR}"
             finally:
                 with anyio.CancelScope(shield=True):
@@ -1071,16 +953,16 @@ class _Checker:
             finally:
                 with anyio.CancelScope(shield=True):
                     await self.resume_quietly(checkpoint_id)
-            _expect(reply, 409, DEADLINE_EXCEEDED, "commit with a passed deadline")
+            expect(reply, 409, DEADLINE_EXCEEDED, "commit with a passed deadline")
             if _manifests_under(target):
-                raise _Fail("commit with a passed deadline published a manifest")
+                raise Fail("commit with a passed deadline published a manifest")
             return f"commit (prepared) with a passed deadline → 409 {DEADLINE_EXCEEDED}, nothing published"
 
         async def late(op: str, extra: dict[str, Any]) -> str:
             checkpoint_id = self.new_id("late")
             reply = await self.post(op, self._late(checkpoint_id, **extra))
             await self.undo(reply, checkpoint_id if op == "restore" else None)
-            _expect(reply, 409, DEADLINE_EXCEEDED, f"{op} with a passed deadline")
+            expect(reply, 409, DEADLINE_EXCEEDED, f"{op} with a passed deadline")
             return f"{op} (idle) with a passed deadline → 409 {DEADLINE_EXCEEDED}"
 
         await self.check("deadline.commit", commit)
@@ -1097,30 +979,30 @@ class _Checker:
             before = (await self.fresh_status()).retired_rollouts
             first, second = f"{self.run_id}-ra", f"{self.run_id}-rb"
             episodes = [_episode(second, 2), _episode(first)]
-            retired = _validate(
+            retired = validated(
                 RetireReply,
                 await self.post("retire", self.body(self.new_id("retire"), episode_ids=episodes)),
                 "retire",
             )
             wanted = [capture_key_of(second, 2), first]
             if retired.retired != wanted:
-                raise _Fail(
+                raise Fail(
                     f"retire answered {retired.retired}, expected the capture keys in request order {wanted}"
                 )
             marked = (await self.fresh_status()).retired_rollouts
             if marked != before + 2:
-                raise _Fail(f"retired_rollouts {marked} after retiring 2 rollouts, expected {before + 2}")
-            forgotten = _validate(
+                raise Fail(f"retired_rollouts {marked} after retiring 2 rollouts, expected {before + 2}")
+            forgotten = validated(
                 ForgetReply,
                 await self.post("forget", self.body(self.new_id("forget"), rollout_ids=[second, first])),
                 "forget",
             )
             if forgotten.forgotten != sorted([first, second]):
-                raise _Fail(f"forget answered {forgotten.forgotten}, expected the rollout ids sorted")
+                raise Fail(f"forget answered {forgotten.forgotten}, expected the rollout ids sorted")
             self._maybe_marked -= {first, second}
             after = (await self.fresh_status()).retired_rollouts
             if after != before:
-                raise _Fail(
+                raise Fail(
                     f"retired_rollouts {after} after forget, expected {before}: a mark was left behind"
                 )
             return f"retire → capture keys in request order, 2 marks; forget → sorted, marks back to {before}"
@@ -1132,23 +1014,21 @@ class _Checker:
     async def _check_lease_expiry(self) -> None:
         async def expiry() -> str:
             if not self.lease_check:
-                raise _Skip(
-                    "pass --lease-check to wait out a lease (needs a server with a short lease grace)"
-                )
+                raise Skip("pass --lease-check to wait out a lease (needs a server with a short lease grace)")
             grace = self.grace_s
             if grace is None:
-                raise _Skip("needs the grace measured by cycle.status_prepared")
+                raise Skip("needs the grace measured by cycle.status_prepared")
             if grace > LEASE_CHECK_MAX_GRACE_S:
-                raise _Skip(
+                raise Skip(
                     f"the server's lease grace is {grace:g}s; start it with one of at most"
                     f" {LEASE_CHECK_MAX_GRACE_S:g}s to check that a lease expires"
                 )
             checkpoint_id = self.new_id("lease")
             deadline = time.time() + LEASE_CHECK_DEADLINE_S
             reply = await self.post("prepare", {"checkpoint_id": checkpoint_id, "deadline_ts": deadline})
-            parsed = _validate(PrepareReply, reply, "prepare with a near deadline")
+            parsed = validated(PrepareReply, reply, "prepare with a near deadline")
             if parsed.phase not in ("prepared", "preparing"):
-                raise _Fail(f"prepare with a near deadline answered phase {parsed.phase!r}")
+                raise Fail(f"prepare with a near deadline answered phase {parsed.phase!r}")
             give_up = deadline + grace + 5.0
             while True:
                 status = await self.fresh_status()
@@ -1159,17 +1039,17 @@ class _Checker:
             if status.lease_expires_at is not None:
                 problems.append(f"lease_expires_at {status.lease_expires_at!r}")
             if problems:
-                raise _Fail(
+                raise Fail(
                     f"{grace + 5:g}s after the deadline the lease had not resumed it: " + "; ".join(problems)
                 )
             if checkpoint_id in self._maybe_active:
                 self._maybe_active.remove(checkpoint_id)
             late = await self.post("prepare", self.body(checkpoint_id))
             await self.undo(late, checkpoint_id)
-            _expect(late, 409, STALE_CHECKPOINT, "prepare of the expired id")
-            resumed = _validate(ResumeReply, await self.post("resume", self.body(checkpoint_id)), "resume")
+            expect(late, 409, STALE_CHECKPOINT, "prepare of the expired id")
+            resumed = validated(ResumeReply, await self.post("resume", self.body(checkpoint_id)), "resume")
             if not resumed.idempotent:
-                raise _Fail("resume of the expired id: expected idempotent true")
+                raise Fail("resume of the expired id: expected idempotent true")
             return f"the lease expired ({grace:g}s grace): idle, no lease, the id stale, resume idempotent"
 
         await self.check("lease.expiry", expiry)
@@ -1191,7 +1071,7 @@ class _Checker:
                     forget["checkpoint_id"] = status.checkpoint_id
                 if (await self.post("forget", forget)).ok:
                     self._maybe_marked.clear()
-        except (_Fail, httpx.HTTPError):
+        except (Fail, httpx.HTTPError):
             pass
 
         async def idle() -> str:
@@ -1200,7 +1080,7 @@ class _Checker:
             if found is not None and found.phase != "idle":
                 now, then = (status.phase, status.checkpoint_id), (found.phase, found.checkpoint_id)
                 if now != then:
-                    raise _Fail(f"server found at {then}, left at {now}")
+                    raise Fail(f"server found at {then}, left at {now}")
                 return f"server left as found: phase {status.phase}, checkpoint id {status.checkpoint_id!r}"
             problems = _phase_problems(status, "idle", None)
             if status.lease_expires_at is not None:
@@ -1211,7 +1091,7 @@ class _Checker:
                     " a mark was left"
                 )
             if problems:
-                raise _Fail("server left " + "; ".join(problems))
+                raise Fail("server left " + "; ".join(problems))
             return "server back at idle: no checkpoint id, no lease, no mark of this run"
 
         await self.check("cleanup.idle", idle)
@@ -1262,13 +1142,13 @@ def _phase_problems(status: StatusReply, phase: str, checkpoint_id: str | None) 
     return problems
 
 
-def _same(reply: _Reply, first: Any, what: str) -> str:
-    _expect(reply, 200, what=f"repeated {what}")
+def _same(reply: Reply, first: Any, what: str) -> str:
+    expect(reply, 200, what=f"repeated {what}")
     if reply.body != first:
         changed = sorted(
             k for k in set(first) | set(reply.body or {}) if first.get(k) != (reply.body or {}).get(k)
         )
-        raise _Fail(f"repeated {what} answered a different body (fields {', '.join(changed) or '?'})")
+        raise Fail(f"repeated {what} answered a different body (fields {', '.join(changed) or '?'})")
     return f"repeated {what} → the recorded reply, unchanged"
 
 

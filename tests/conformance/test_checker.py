@@ -263,5 +263,5 @@ async def test_a_url_that_is_no_gym_server_fails_capabilities_and_skips_the_rest
     rows = statuses(report)
     assert rows.pop("capabilities.shape") == "fail"
     assert set(rows.values()) == {"skip"}
-    assert report.results[0].detail.startswith("expected 200, got HTTP 404")
+    assert report.results[0].detail.startswith("capabilities: expected 200, got HTTP 404")
     assert not report.passed
