@@ -62,9 +62,11 @@ __all__ = [
     "Rollout",
     "Step",
     "StepKind",
+    "as_list",
     "episode_of_capture_key",
     "expect_difference",
     "read_lineage",
+    "rollout_pairs",
 ]
 
 State = Literal["live", "restarted", "retired", "finished", "lost"]
@@ -275,7 +277,7 @@ class LineageFold:
     # -- handlers ---------------------------------------------------------------------------
 
     def _discovered(self, event: Event) -> None:
-        for p in _list(event.data.get("participants")):
+        for p in as_list(event.data.get("participants")):
             if isinstance(p, Mapping) and isinstance(p.get("name"), str):
                 name = p["name"]
                 self._kinds[name] = str(p.get("component"))
@@ -289,18 +291,18 @@ class LineageFold:
         if data.get("kind") == "save" and event.checkpoint_id is not None:
             self._saves[event.checkpoint_id] = _Save(
                 str(data.get("plane", "v1")),
-                participants=tuple(str(p) for p in _list(data.get("participants"))),
+                participants=tuple(str(p) for p in as_list(data.get("participants"))),
             )
 
     def _scoped(self, event: Event) -> None:
         save = self._saves.get(event.checkpoint_id or "")
         if save is None:
             return
-        save.scope = {episode_of_capture_key(str(k)) for k in _list(event.data.get("scope"))}
+        save.scope = {episode_of_capture_key(str(k)) for k in as_list(event.data.get("scope"))}
         restarts = event.data.get("restarts")
         if isinstance(restarts, Mapping):
             for server, keys in restarts.items():
-                for key in _list(keys):
+                for key in as_list(keys):
                     save.restarts.setdefault(episode_of_capture_key(str(key)), []).append(str(server))
 
     def _exported(self, event: Event) -> None:
@@ -310,7 +312,7 @@ class LineageFold:
             return
         for server, keys in exported.items():
             save.exported.setdefault(str(server), set()).update(
-                episode_of_capture_key(str(k)) for k in _list(keys)
+                episode_of_capture_key(str(k)) for k in as_list(keys)
             )
         save.known = save.scope is not None  # the scope, then what was exported of it
 
@@ -321,7 +323,7 @@ class LineageFold:
             return
         save.known = True
         for agent, pairs in captured.items():
-            for pair in _pairs(pairs):
+            for pair in rollout_pairs(pairs):
                 save.captured.setdefault(pair, []).append(str(agent))
 
     def _aborted(self, event: Event) -> None:
@@ -465,13 +467,13 @@ class LineageFold:
         if event.kind == "episodes.restored":
             restored = data.get("restored")
             for server, keys in restored.items() if isinstance(restored, Mapping) else ():
-                for key in _list(keys):
+                for key in as_list(keys):
                     continued.setdefault(episode_of_capture_key(str(key)), []).append(str(server))
         else:
             for name, target in (("continued", continued), ("discarded", discarded)):
                 groups = data.get(name)
                 for agent, pairs in groups.items() if isinstance(groups, Mapping) else ():
-                    for pair in _pairs(pairs):
+                    for pair in rollout_pairs(pairs):
                         target.setdefault(pair, []).append(str(agent))
         source = data.get("source_checkpoint_id")
         # the run is back at the snapshot: what was live is either continued below or gone with
@@ -518,8 +520,8 @@ class LineageFold:
 
     def _retired(self, event: Event) -> None:
         data = event.data
-        servers = tuple(str(s) for s in _list(data.get("servers")))
-        for key in _list(data.get("episodes")):
+        servers = tuple(str(s) for s in as_list(data.get("servers")))
+        for key in as_list(data.get("episodes")):
             rollout_id, attempt = episode_of_capture_key(str(key))
             rollout = self._rollout(rollout_id)
             rollout.mark = attempt if rollout.mark is None else max(rollout.mark, attempt)
@@ -536,8 +538,8 @@ class LineageFold:
             )
 
     def _forgotten(self, event: Event) -> None:
-        servers = tuple(str(s) for s in _list(event.data.get("servers")))
-        for rollout_id in _list(event.data.get("rollout_ids")):
+        servers = tuple(str(s) for s in as_list(event.data.get("servers")))
+        for rollout_id in as_list(event.data.get("rollout_ids")):
             rollout = self._rollout(str(rollout_id))
             rollout.owed, rollout.mark, rollout.state = None, None, "finished"
             self._marked.discard(rollout.rollout_id)
@@ -546,7 +548,7 @@ class LineageFold:
 
     def _acknowledged(self, event: Event) -> None:
         server = (event.server,) if event.server else ()
-        for rollout_id, attempt in _pairs(event.data.get("executions")):
+        for rollout_id, attempt in rollout_pairs(event.data.get("executions")):
             rollout = self._rollout(rollout_id)
             if rollout.owed is not None and rollout.owed[0] <= attempt:
                 rollout.owed = None
@@ -573,12 +575,15 @@ _HANDLERS: Final = {
 assert set(_HANDLERS) == set(LINEAGE_KINDS)
 
 
-def _list(value: Any) -> list[Any]:
+def as_list(value: Any) -> list[Any]:
+    """``value`` if it is a list, else empty: how every lineage parser reads a list field."""
     return value if isinstance(value, list) else []
 
 
-def _pairs(value: Any) -> Iterable[tuple[str, int]]:
-    for item in _list(value):
+def rollout_pairs(value: Any) -> Iterable[tuple[str, int]]:
+    """The ``(rollout_id, attempt)`` of a list of ``{"rollout_id", "attempt"}`` items: a str id
+    and an int attempt, else the item is skipped (the lineage fold and ``rollout_refs`` agree)."""
+    for item in as_list(value):
         if isinstance(item, Mapping):
             rollout_id, attempt = item.get("rollout_id"), item.get("attempt")
             if isinstance(rollout_id, str) and type(attempt) is int:

@@ -44,8 +44,10 @@ from quiesce.ledger.lineage import (
     LINEAGE_KINDS,
     LineageFold,
     LineageReport,
+    as_list,
     episode_of_capture_key,
     read_lineage,
+    rollout_pairs,
 )
 
 __all__ = [
@@ -73,15 +75,11 @@ _SAVE_KINDS: Final = (
 _DISCOVERY: Final = "discovery.completed"
 
 
-def _list(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else []
-
-
 def _keys(groups: Any) -> Iterator[Any]:
     """The capture keys of ``{server: [key, ...]}``."""
     if isinstance(groups, Mapping):
         for keys in groups.values():
-            yield from _list(keys)
+            yield from as_list(keys)
 
 
 def _pair_ids(groups: Any) -> Iterator[str]:
@@ -93,18 +91,14 @@ def _pair_ids(groups: Any) -> Iterator[str]:
 
 
 def _pairs(pairs: Any) -> Iterator[str]:
-    for item in _list(pairs):
-        if isinstance(item, Mapping):
-            rollout_id, attempt = item.get("rollout_id"), item.get("attempt")
-            if isinstance(rollout_id, str) and type(attempt) is int:
-                yield rollout_id
+    return (rollout_id for rollout_id, _ in rollout_pairs(pairs))
 
 
 def _mentions(kind: str, data: Mapping[str, Any]) -> Iterator[str]:
     """Every rollout id an event of ``kind`` names, as ``quiesce.ledger.lineage`` parses that kind
     (repeats included): one parser per kind."""
     if kind == "episodes.scoped":
-        keys: Iterable[Any] = _list(data.get("scope"))
+        keys: Iterable[Any] = as_list(data.get("scope"))
         yield from (episode_of_capture_key(str(k))[0] for k in keys)
         yield from (episode_of_capture_key(str(k))[0] for k in _keys(data.get("restarts")))
     elif kind == "episodes.exported":
@@ -112,9 +106,9 @@ def _mentions(kind: str, data: Mapping[str, Any]) -> Iterator[str]:
     elif kind == "episodes.restored":
         yield from (episode_of_capture_key(str(k))[0] for k in _keys(data.get("restored")))
     elif kind == "episodes.retired":
-        yield from (episode_of_capture_key(str(k))[0] for k in _list(data.get("episodes")))
+        yield from (episode_of_capture_key(str(k))[0] for k in as_list(data.get("episodes")))
     elif kind == "rollouts.forgotten":
-        yield from (str(r) for r in _list(data.get("rollout_ids")))
+        yield from (str(r) for r in as_list(data.get("rollout_ids")))
     elif kind == "rollouts.captured":
         yield from _pair_ids(data.get("captured"))
     elif kind == "rollouts.acknowledged":
@@ -285,7 +279,7 @@ async def read_rollout_lineage(ledger: _Reads, rollout_ids: Iterable[str]) -> Li
     for cid in referenced:
         for event in saves[cid]:
             if event.kind == "attempt.started":
-                starts.setdefault(cid, set()).update(str(p) for p in _list(event.data.get("participants")))
+                starts.setdefault(cid, set()).update(str(p) for p in as_list(event.data.get("participants")))
     needs: dict[int, set[str]] = {}
     for seq in published:
         servers = starts.get(events[seq].checkpoint_id or "", set())
@@ -319,7 +313,7 @@ def _continuing(event: Event) -> set[str]:
 def _listed(discovery: Event) -> set[str]:
     return {
         str(p["name"])
-        for p in _list(discovery.data.get("participants"))
+        for p in as_list(discovery.data.get("participants"))
         if isinstance(p, Mapping) and isinstance(p.get("name"), str)
     }
 
