@@ -268,6 +268,8 @@ class Attempt:
     #: save: (device, inode) of the staging folder this attempt made (`publish.make_staging`);
     #: publication takes that very folder only (`publish.staging_problem`)
     staging_identity: tuple[int, int] | None = None
+    #: save: why the staging folder could not be made (`staging.made_for_commit` fails the commit)
+    staging_problem: str | None = None
     snapshot: Path | None = None
     source_checkpoint_id: str | None = None
     #: restore: the sha256 of the snapshot's manifest when the restore began (recorded in

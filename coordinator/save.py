@@ -97,7 +97,6 @@ from quiesce.coordinator.publish import (
     apply_retention,
     build_manifest,
     fsync_dir,
-    make_staging,
     rename_into_place,
     staging_problem,
     sweep_staging,
@@ -109,6 +108,7 @@ from quiesce.coordinator.publish import (
 )
 from quiesce.coordinator.restore import continuation_rows
 from quiesce.coordinator.resume import rolled_back_on_failure
+from quiesce.coordinator.staging import beside_prepare, made_for_commit
 from quiesce.coordinator.wording import count
 from quiesce.ledger import utc_now
 
@@ -187,7 +187,9 @@ async def prepare(ctx: Context, attempt: Attempt) -> None:
     require_state(attempt, ("started",), "prepare")
 
     async def body() -> None:
-        await run_phase(ctx, attempt, "prepare", lambda: _prepare_body(ctx, attempt))
+        await run_phase(
+            ctx, attempt, "prepare", lambda: beside_prepare(attempt, lambda: _prepare_body(ctx, attempt))
+        )
 
     await rolled_back_on_failure(ctx, attempt, "prepare", body)
     attempt.state = "prepared"
@@ -450,23 +452,14 @@ async def commit(ctx: Context, attempt: Attempt) -> None:
     each role group's manifest digests and artifact references are verified before the next group
     is called.
 
-    The staging folder is created (durably) first, and each server's folder in it; a failure rolls
-    back and removes it.
+    The staging folder (durable, with each server's folder in it: made beside the prepare phase,
+    `staging.py`) is there first; a failure rolls back and removes it.
     """
     require_state(attempt, ("prepared",), "commit")
     assert attempt.staging_dir is not None
-    staging = attempt.staging_dir
-    folders = [m.folder for m in attempt.participants if m.folder]
 
     async def body() -> None:
-        try:
-            attempt.staging_identity = await anyio.to_thread.run_sync(make_staging, staging, folders)
-        except SnapshotError as error:
-            raise PhaseFailure("commit", None, str(error)) from None
-        except OSError as error:
-            raise PhaseFailure(
-                "commit", None, f"cannot create the staging folder {staging}: {error}"
-            ) from None
+        await made_for_commit(attempt)
         await run_phase(ctx, attempt, "commit", lambda: _commit_body(ctx, attempt))
 
     await rolled_back_on_failure(ctx, attempt, "commit", body)

@@ -56,7 +56,7 @@ from quiesce.coordinator.attempt import (
 from quiesce.coordinator.calls import Body, encode_body
 from quiesce.coordinator.digests import RACY_S, DigestCache, regular_bytes, regular_facts
 from quiesce.coordinator.discovery import Member
-from quiesce.coordinator.errors import QuiesceError, SnapshotError
+from quiesce.coordinator.errors import QuiesceError
 from quiesce.coordinator.phases import V2_STAGES
 from quiesce.coordinator.protocol_v2 import (
     LEGACY_RECORDS,
@@ -72,8 +72,8 @@ from quiesce.coordinator.protocol_v2 import (
     participant_dir,
     unique_episodes,
 )
-from quiesce.coordinator.publish import make_staging
 from quiesce.coordinator.resume import rolled_back_on_failure
+from quiesce.coordinator.staging import beside_prepare, made_for_commit
 from quiesce.coordinator.wording import count
 
 #: Blockers named per server in an error (the rest are counted).
@@ -118,7 +118,12 @@ async def prepare(ctx: Context, attempt: Attempt, *, budget_s: float) -> None:
     require_state(attempt, ("started",), "prepare")
 
     async def body() -> None:
-        await run_phase(ctx, attempt, "prepare", lambda: _prepare_body(ctx, attempt, budget_s))
+        await run_phase(
+            ctx,
+            attempt,
+            "prepare",
+            lambda: beside_prepare(attempt, lambda: _prepare_body(ctx, attempt, budget_s)),
+        )
 
     await rolled_back_on_failure(ctx, attempt, "prepare", body)
     attempt.state = "prepared"
@@ -252,23 +257,10 @@ async def commit(
     if into is not None:
         attempt.staging_dir = into
     assert attempt.staging_dir is not None
-    staging = attempt.staging_dir
     attempt.stop = stop
 
-    folders = [m.folder for m in attempt.participants if m.folder]
-
-    async def made() -> None:
-        try:
-            attempt.staging_identity = await anyio.to_thread.run_sync(make_staging, staging, folders)
-        except SnapshotError as error:
-            raise PhaseFailure("commit", None, str(error)) from None
-        except OSError as error:
-            raise PhaseFailure(
-                "commit", None, f"cannot create the staging folder {staging}: {error}"
-            ) from None
-
     async def made_then_committed() -> dict[str, Any]:
-        await made()
+        await made_for_commit(attempt)
         return await _commit_body(ctx, attempt, episodes, stop)
 
     async def body() -> None:
@@ -276,7 +268,7 @@ async def commit(
         if into is not None:  # recorded first, then created
             await run_phase(ctx, attempt, "commit", made_then_committed, staging_dir=into, own_budget=own)
             return
-        await made()
+        await made_for_commit(attempt)
         await run_phase(
             ctx, attempt, "commit", lambda: _commit_body(ctx, attempt, episodes, stop), own_budget=own
         )
