@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import json
 import os
+import select
 import shutil
 import subprocess
 import time
@@ -33,6 +34,9 @@ from tests.audit.test_report import CHROMIUM_FLAGS
 
 #: where a loopback-only browser sends every request to another host: a port nothing listens on
 DEAD_PROXY = "127.0.0.1:9"
+#: The longest one DevTools call may go unanswered (a hang guard: a stuck Chromium fails the test
+#: instead of blocking its thread, and with it the event loop's teardown, for good)
+CALL_TIMEOUT_S = 90.0
 
 
 def chromium() -> str:
@@ -95,8 +99,11 @@ class Browser:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
-    def _message(self) -> dict[str, Any]:
+    def _message(self, give_up: float, method: str) -> dict[str, Any]:
         while b"\0" not in self._buffer:
+            left = give_up - time.monotonic()
+            if left <= 0 or not select.select([self._from_chromium], [], [], left)[0]:
+                raise TimeoutError(f"chromium did not answer {method} within {CALL_TIMEOUT_S:g}s")
             chunk = os.read(self._from_chromium, 1 << 16)
             if not chunk:
                 raise RuntimeError("chromium closed its DevTools pipe")
@@ -111,8 +118,9 @@ class Browser:
         if session and self._session is not None:
             request["sessionId"] = self._session
         os.write(self._to_chromium, json.dumps(request).encode() + b"\0")
+        give_up = time.monotonic() + CALL_TIMEOUT_S
         while True:
-            message = self._message()
+            message = self._message(give_up, method)
             if "method" in message and "id" not in message:
                 self.events.append(message)
                 continue
