@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -12,6 +14,7 @@ import anyio.abc
 import httpx
 from anyio.streams.tls import TLSListener
 
+from quiesce.coordinator import Attempt
 from quiesce.coordinator.protocol import CAPABILITIES_PATH
 from quiesce.ledger import Event, Ledger
 from quiesce.tools.audit.cli import check_ledger
@@ -56,6 +59,18 @@ async def server_states(http: httpx.AsyncClient, running: RunningCluster) -> dic
 async def assert_all_accepting(http: httpx.AsyncClient, running: RunningCluster) -> None:
     states = await server_states(http, running)
     assert states == {name: ("idle", "accepting") for name in running.urls}, states
+
+
+def assert_staging_made(attempt: Attempt) -> Path:
+    """The attempt's staging folder is there, a real folder, and the very one it made (its identity
+    recorded: `coordinator/staging.py`); returns it."""
+    staging = attempt.staging_dir
+    assert staging is not None
+    assert staging.is_dir()
+    assert not staging.is_symlink()
+    found = os.lstat(staging)
+    assert attempt.staging_identity == (found.st_dev, found.st_ino)
+    return staging
 
 
 async def read_events(ledger_url: str, checkpoint_id: str | None = None) -> list[Event]:

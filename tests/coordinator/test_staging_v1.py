@@ -6,7 +6,6 @@ cannot be used: `tests/coordinator_v2/test_staging.py`.)
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 
 from quiesce.coordinator import ClusterConfig, Coordinator
 from quiesce.tools.gymsim.cluster import RunningCluster
-from tests.coordinator.helpers import assert_all_accepting, read_events
+from tests.coordinator.helpers import assert_all_accepting, assert_staging_made, read_events
 
 pytestmark = pytest.mark.anyio
 
@@ -28,11 +27,7 @@ async def test_the_staging_folder_is_there_when_the_prepare_returns_and_a_rollba
         Coordinator.open(configure(cluster, sqlite_url)) as coord,
     ):
         attempt = await coord.prepare(deadline_s=20)
-        staging = attempt.staging_dir
-        assert staging is not None
-        assert staging.is_dir()
-        found = os.lstat(staging)
-        assert attempt.staging_identity == (found.st_dev, found.st_ino)
+        staging = assert_staging_made(attempt)
         recorded: list[Any] = await read_events(sqlite_url, attempt.checkpoint_id)
         paths = [ev.data["path"] for ev in recorded if ev.kind == "call.sent"]
         assert paths

@@ -7,7 +7,6 @@ commit phase, not the prepare.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 from quiesce.coordinator import ClusterConfig, Coordinator, PhaseError
 from quiesce.coordinator.attempt import next_checkpoint_id
 from quiesce.tools.gymsim.v2.trainer import Trainer, make_tasks
+from tests.coordinator.helpers import assert_staging_made
 from tests.coordinator_v2.helpers import events, phases, sent
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
@@ -42,11 +42,7 @@ async def test_the_staging_folder_is_there_when_the_prepare_returns_and_a_rollba
         trainer = await _parked(http, running.urls["environment"])
         async with Coordinator.open(config_of(running, sqlite_url)) as coord:
             attempt = await coord.prepare(deadline_s=20)
-            staging = attempt.staging_dir
-            assert staging is not None
-            assert staging.is_dir()
-            found = os.lstat(staging)
-            assert attempt.staging_identity == (found.st_dev, found.st_ino)
+            staging = assert_staging_made(attempt)
             assert await sent(sqlite_url, "commit") == []  # made before any commit request
             assert set((await phases(http, running.urls, token)).values()) == {"prepared"}
             await coord.abort(attempt)
