@@ -6,8 +6,11 @@
   file is fdatasync'ed (what ``synchronous=FULL`` does at each commit, here only for the commits
   that ask for it, without switching the setting back and forth). A write-behind append
   (``durable=False``) is not fsynced; the next durable one fsyncs the same WAL file, which holds
-  it too, and so does closing the ledger. ``durability="process"``: nothing is fsynced but by
-  checkpoints; survives a process crash, not power loss.
+  it too, and so does closing the ledger — or, sooner, the WAL upkeep (``sqlite_upkeep``), which
+  once an operation has synced and the writer has gone quiet fsyncs the commits made since and
+  checkpoints the WAL on its own thread, so neither lands inside a later commit.
+  ``durability="process"``: nothing is fsynced but by checkpoints; survives a process crash, not
+  power loss.
 - The file: its path resolved (symlinks followed), never created in a missing folder, one hard
   link only, a SQLite header (``quiesce.ledger.sqlitefile``). Errors of the filesystem (full, read-only)
   and of SQLite are ``LedgerError`` messages that say what to do.
@@ -58,6 +61,7 @@ from quiesce.ledger.layout import EVENT_COLUMNS, MARKER_WHERE_SQLITE, VERSION_TA
 from quiesce.ledger.projections import COLUMNS, AttemptRow, from_columns, stored_values
 from quiesce.ledger.rollout_refs import REF_KINDS, refs_of_rows
 from quiesce.ledger.sqlite_reads import LineageReads
+from quiesce.ledger.sqlite_upkeep import WalUpkeep
 from quiesce.ledger.urls import parse, plain_sqlite_path
 
 if TYPE_CHECKING:
@@ -222,6 +226,8 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
         self._wal_fd: int | None = None  # the WAL file, for fdatasync after a durable commit
         self._unsynced = False  # a write-behind commit since the last fdatasync ("full" only)
         self._wal_fd_lock = threading.Lock()
+        #: the writer's WAL upkeep between operations (``quiesce.ledger.sqlite_upkeep``)
+        self._upkeep: WalUpkeep | None = None
         self._cache = ProjectionCache()
         self._triggers: frozenset[str] | None = None  # read by the writer when it starts
         if readonly and not sqlitefile.inspect_existing(self._path, where):
@@ -306,6 +312,7 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
                     w.close()
                     raise
                 self._w = w
+                self._upkeep = WalUpkeep(self._path, self._fsync_owed)
                 r = self._connect()
                 r.execute("PRAGMA query_only=ON")
             else:
@@ -321,9 +328,12 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
     async def close(self) -> None:
         w, r = self._w, self._r
         self._w = self._r = None
-        unsynced, self._unsynced = w is not None and self._unsynced, False
+        upkeep, self._upkeep = self._upkeep, None
 
         def close_all() -> None:
+            if upkeep is not None:  # first: it may sync or checkpoint until it stops
+                upkeep.stop()
+            unsynced, self._unsynced = w is not None and self._unsynced, False
             try:
                 if unsynced:
                     self._fsync_wal()
@@ -398,7 +408,10 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
 
     async def sync(self) -> None:
         # on a worker thread of its own, not the writer's: commits go on while the WAL is synced
-        # (a commit made meanwhile may or may not be covered; it stays owed to the next sync)
+        # (a commit made meanwhile may or may not be covered; it stays owed to the next sync).
+        # An operation is ending: what it commits from now on is synced once the writer is quiet.
+        if self._upkeep is not None:
+            self._upkeep.arm()
         if not self._unsynced or self._w is None:
             return
         self._unsynced = False
@@ -412,13 +425,26 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
     def _committed(self, *, durable: bool) -> None:
         """After a COMMIT under durability "full": a durable one fdatasyncs the WAL (every frame in
         it: this commit's, and the write-behind ones before it); a write-behind one is owed to the
-        next durable commit or the close."""
+        next durable commit, the upkeep or the close. Every commit tells the upkeep."""
+        if self._upkeep is not None:
+            self._upkeep.committed()
         if self._durability != "full":
             return
         self._unsynced = True
         if durable:
             self._fsync_wal()
             self._unsynced = False
+
+    def _fsync_owed(self) -> None:
+        """The upkeep's fdatasync (on its thread): the write-behind commits owed to the disk, if
+        any. On failure they stay owed, for the next durable commit or the close to report."""
+        if not self._unsynced or self._w is None:
+            return
+        self._unsynced = False
+        try:
+            self._fsync_wal()
+        except OSError:
+            self._unsynced = True
 
     def _fsync_wal(self) -> None:
         """fdatasync the WAL file: every commit so far is on disk when it returns.

@@ -7,7 +7,8 @@ Invariants:
   caller still waits for the commit to finish, so the writer's view of the head never goes
   stale. An append made with ``durable=False`` (write-behind) is committed when it returns but
   reaches the disk with the next durable append, which holds it too (commit order is seq
-  order), or at close.
+  order), or at close — at the latest (SQLite's WAL upkeep syncs it sooner once the writer has
+  gone quiet after a ``sync``).
 - **Staged events ride with the next commit.** ``stage`` validates and chains an event at once
   (its seq and hash are final) but writes nothing: it is committed at the front of the next
   transaction — the next append's, ``flush``, a read by this writer, or ``aclose`` — in seq

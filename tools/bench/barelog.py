@@ -3,8 +3,10 @@
 It keeps, per event, what any hash-chained SQLite log needs: the payload's canonical JSON, the
 chain hash (``quiesce.ledger.canonical``), and a row in an ``events`` table with the ledger's columns and
 indexes, written by one plain transaction per append (WAL, ``synchronous=NORMAL``), with staged
-events committed in the next append's transaction and the WAL fdatasynced after a commit that is
-durable — the same transactions and fsyncs as the real ledger on the same coordinator calls. It
+events committed in the next append's transaction, the WAL fdatasynced after a commit that is
+durable, and the same upkeep between operations (``quiesce.ledger.sqlite_upkeep``: the tail synced
+and the WAL checkpointed once quiet) — the same transactions and fsyncs as the real ledger on the
+same coordinator calls. It
 does none of the rest: no payload validation, no redaction or body capping, no ``attempts``
 projection, no fencing check, no group commit, no writer lock, no error handling beyond raising.
 
@@ -29,6 +31,7 @@ from pydantic import BaseModel
 from quiesce.ledger import AppendItem, Event, utc_now
 from quiesce.ledger.canonical import GENESIS_HASH, canonical_text, chain_hash, row_bytes
 from quiesce.ledger.layout import MARKER_WHERE_SQLITE
+from quiesce.ledger.sqlite_upkeep import WalUpkeep
 from quiesce.tools.bench.nullledger import NullLedger
 
 _DDL = (
@@ -58,6 +61,7 @@ class BareLog(NullLedger):
         self._staged: list[_Row] = []
         self._staged_durable = False
         self._unsynced = False  # a write-behind commit not fdatasynced yet
+        self._upkeep = WalUpkeep(path, self._fsync_owed)
 
     def _chain(
         self,
@@ -99,6 +103,7 @@ class BareLog(NullLedger):
         self._conn.execute("BEGIN IMMEDIATE")
         self._conn.executemany(_INSERT, rows)
         self._conn.execute("COMMIT")
+        self._upkeep.committed()
         self._unsynced = not durable
         if durable:
             os.fdatasync(self._wal)
@@ -135,7 +140,8 @@ class BareLog(NullLedger):
 
     async def sync(self) -> None:
         """As the real ledger's: staged events committed, then the WAL fdatasynced on a worker
-        thread if a write-behind commit is not on disk yet."""
+        thread if a write-behind commit is not on disk yet; the upkeep is armed."""
+        self._upkeep.arm()
         self._commit(False)
         if self._unsynced:
             self._unsynced = False
@@ -153,7 +159,17 @@ class BareLog(NullLedger):
         """How many events are committed (for the bench's sanity check)."""
         return int(self._conn.execute("SELECT count(*) FROM events").fetchone()[0])
 
+    def _fsync_owed(self) -> None:
+        """The upkeep's fdatasync, as the real ledger's: on failure the debt stays."""
+        if self._unsynced:
+            self._unsynced = False
+            try:
+                os.fdatasync(self._wal)
+            except OSError:
+                self._unsynced = True
+
     async def aclose(self) -> None:
+        await anyio.to_thread.run_sync(self._upkeep.stop)
         self._commit(True)
         os.close(self._wal)
         self._conn.close()

@@ -1,0 +1,178 @@
+"""The SQLite writer's WAL upkeep between operations: the write-behind tail synced and the WAL
+checkpointed once the writer is quiet after a ``sync``, off every commit's path; never before the
+writer is quiet, never after the ledger closed, and a failed fdatasync stays owed.
+
+Real SQLite files; the only stand-ins are a failing ``fdatasync`` (the failure case) and the
+module's thresholds, lowered so one test's handful of commits reaches them."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import pytest
+
+from quiesce.ledger import Ledger, sqlite_upkeep
+from quiesce.ledger.sqlite import SqliteBackend
+from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, started
+
+pytestmark = pytest.mark.anyio
+
+#: Generous bounds for the upkeep thread to act on a loaded test machine (it acts after 10 ms).
+ACT_WITHIN_S = 10.0
+
+
+def _url(tmp_path: Path) -> str:
+    return f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}"
+
+
+def _backend(ledger: Ledger) -> SqliteBackend:
+    backend = ledger.backend
+    assert isinstance(backend, SqliteBackend)
+    return backend
+
+
+async def _write_behind(ledger: Ledger, n: int, checkpoint_id: str = "c1") -> None:
+    for i in range(n):
+        await ledger.append(
+            "call.sent", checkpoint_id=checkpoint_id, server="s", call_id=f"{checkpoint_id}/{i}",
+            data=SENT, durable=False,
+        )  # fmt: skip
+        await ledger.stage(
+            "call.replied", checkpoint_id=checkpoint_id, server="s", call_id=f"{checkpoint_id}/{i}",
+            data=REPLIED,
+        )  # fmt: skip
+
+
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + ACT_WITHIN_S
+    while not condition():
+        assert time.monotonic() < deadline, f"the upkeep did not {what} within {ACT_WITHIN_S}s"
+        await anyio.sleep(0.005)
+
+
+def _events_in_database_file(db: Path, copy: Path) -> int:
+    """Events in the database file alone (its WAL left out): what a checkpoint has copied back."""
+    shutil.copyfile(db, copy)
+    conn = sqlite3.connect(copy)
+    try:
+        return int(conn.execute("SELECT count(*) FROM events").fetchone()[0])
+    finally:
+        conn.close()
+
+
+def _upkeep_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "quiesce-wal-upkeep"]
+
+
+async def test_the_write_behind_tail_after_a_sync_reaches_the_disk_once_the_writer_is_quiet(
+    tmp_path: Path,
+) -> None:
+    async with Ledger.open(_url(tmp_path)) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        backend = _backend(ledger)
+        await ledger.append("attempt.started", checkpoint_id="c1", data=started())
+        await _write_behind(ledger, 3)
+        await ledger.sync()  # an operation tells its outcome: the upkeep is armed
+        await _write_behind(ledger, 3)  # the tail: committed after the sync, owed to the disk
+        await ledger.flush()
+        assert backend._unsynced  # nothing has synced it yet
+        await _until(lambda: not backend._unsynced, "sync the write-behind tail")
+
+
+async def test_a_writer_that_keeps_committing_is_not_synced_under_its_feet(tmp_path: Path) -> None:
+    async with Ledger.open(_url(tmp_path)) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        backend = _backend(ledger)
+        await ledger.append("attempt.started", checkpoint_id="c1", data=started())
+        await ledger.sync()
+        synced_while_busy = 0
+        # commits 2 ms apart for 150 ms: never 10 ms of quiet, so the tail stays owed throughout
+        for i in range(75):
+            await ledger.append(
+                "call.sent", checkpoint_id="c1", server="s", call_id=f"c1/{i}", data=SENT, durable=False
+            )
+            synced_while_busy += not backend._unsynced
+            await anyio.sleep(0.002)
+        # the loop's own sleeps can overrun on a loaded machine; a quiet gap then lets it act once
+        assert synced_while_busy <= 5, f"synced {synced_while_busy} times while commits kept coming"
+        await _until(lambda: not backend._unsynced, "sync once the commits stopped")
+
+
+async def test_the_wal_is_checkpointed_between_operations_not_inside_a_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sqlite_upkeep, "CHECKPOINT_AFTER_COMMITS", 5)
+    db = tmp_path / "ledger.db"
+    async with Ledger.open(_url(tmp_path)) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        upkeep = _backend(ledger)._upkeep
+        assert upkeep is not None
+        await ledger.append("attempt.started", checkpoint_id="c1", data=started())
+        await _write_behind(ledger, 6)
+        await ledger.flush()
+        head = await ledger.head()
+        assert head is not None
+        # SQLite's own checkpoint (1,000 pages) is far off: the database file lacks these events
+        assert _events_in_database_file(db, tmp_path / "before.db") < head.seq
+        await ledger.sync()
+        await _until(lambda: upkeep.checkpoints == 1, "checkpoint the WAL")
+        assert _events_in_database_file(db, tmp_path / "after.db") == head.seq
+        # fewer than the threshold since: the next operation's end does not checkpoint again
+        await _write_behind(ledger, 1, "c2")
+        await ledger.sync()
+        await _until(lambda: not _backend(ledger)._unsynced, "sync the tail")
+        await anyio.sleep(0.05)
+        assert upkeep.checkpoints == 1
+
+
+async def test_a_failed_fdatasync_in_the_upkeep_stays_owed_to_the_next_durable_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with Ledger.open(_url(tmp_path)) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        backend = _backend(ledger)
+        await ledger.append("attempt.started", checkpoint_id="c1", data=started())
+        tried = threading.Event()
+        real_fsync = backend._fsync_wal
+
+        def failing() -> None:
+            if threading.current_thread().name == "quiesce-wal-upkeep":
+                tried.set()
+                raise OSError(5, "Input/output error")
+            real_fsync()
+
+        monkeypatch.setattr(backend, "_fsync_wal", failing)
+        await ledger.sync()
+        await _write_behind(ledger, 2)
+        await ledger.flush()
+        await _until(tried.is_set, "try to sync")
+        await anyio.sleep(0.02)
+        assert backend._unsynced  # still owed: the failure changed nothing it promised
+        await ledger.append("phase.started", checkpoint_id="c1", data={"phase": "commit"})  # durable
+        assert not backend._unsynced
+
+
+async def test_closing_stops_the_upkeep_and_syncs_what_is_owed(tmp_path: Path) -> None:
+    before = set(_upkeep_threads())
+    async with Ledger.open(_url(tmp_path)) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        backend = _backend(ledger)
+        await ledger.append("attempt.started", checkpoint_id="c1", data=started())
+        await ledger.sync()
+        started_threads = set(_upkeep_threads()) - before
+        assert len(started_threads) == 1
+        await _write_behind(ledger, 2)  # closed at once: the upkeep has not had its quiet 10 ms
+    assert not backend._unsynced
+    (thread,) = started_threads
+    assert not thread.is_alive()
+    # a ledger that never syncs never starts the thread
+    async with Ledger.open(_url(tmp_path)) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        await _write_behind(ledger, 1, "c2")
+        assert set(_upkeep_threads()) - before == set()
