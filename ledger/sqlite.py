@@ -435,6 +435,12 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
             self._fsync_wal()
             self._unsynced = False
 
+    def upkeep_settled(self, timeout_s: float) -> bool:
+        """Wait (blocking) until the WAL upkeep has nothing pending or running; False if
+        ``timeout_s`` ran out. For benchmarks and tests: nothing else needs to wait for it."""
+        upkeep = self._upkeep
+        return upkeep.settled(timeout_s) if upkeep is not None else True
+
     def _fsync_owed(self) -> None:
         """The upkeep's fdatasync (on its thread): the write-behind commits owed to the disk, if
         any. On failure they stay owed, for the next durable commit or the close to report."""

@@ -22,6 +22,8 @@ Two pieces of disk work would otherwise fall on some later commit, inside an ope
   or to the close); a failed fdatasync leaves the debt in place, for the next durable commit or the
   close to pay and report (``fsync_owed``). A failed checkpoint changes nothing: the writer's own
   automatic checkpoint stays on as the backstop for a writer that is never quiet.
+- **Observable.** ``settled`` waits until no round is pending or running: a benchmark waits for it
+  after a timed save, so no side's background work overlaps another side's timed window.
 - **Stops with the ledger.** ``stop`` ends the thread (after the work in progress) before the
   connections and the WAL's file descriptor are closed; the thread is a daemon, so a process that
   exits without closing its ledger is not held up by it.
@@ -58,6 +60,9 @@ class WalUpkeep:
         self._commits = 0
         self._checkpointed_at = 0
         self._armed = threading.Event()
+        self._idle = threading.Event()  # no round pending or running
+        self._idle.set()
+        self._round_lock = threading.Lock()  # an arm and the end of a round, one at a time
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -72,12 +77,18 @@ class WalUpkeep:
         """Tend the WAL once the writer is quiet (the thread starts at the first call)."""
         if self._stopping.is_set():
             return
+        with self._round_lock:
+            self._idle.clear()
+            self._armed.set()
         if self._thread is None:
             with self._start_lock:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name=_THREAD_NAME, daemon=True)
                     self._thread.start()
-        self._armed.set()
+
+    def settled(self, timeout_s: float) -> bool:
+        """Wait (blocking) until no round is pending or running; False if ``timeout_s`` ran out."""
+        return self._idle.wait(timeout_s)
 
     def stop(self) -> None:
         """End the thread, once the work in progress is done. Idempotent."""
@@ -87,6 +98,7 @@ class WalUpkeep:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+        self._idle.set()
 
     def _run(self) -> None:
         conn: sqlite3.Connection | None = None
@@ -103,6 +115,9 @@ class WalUpkeep:
                 if self._commits - self._checkpointed_at >= CHECKPOINT_AFTER_COMMITS:
                     self._checkpointed_at = self._commits
                     conn = self._checkpoint(conn)
+                with self._round_lock:
+                    if not self._armed.is_set():
+                        self._idle.set()
         finally:
             if conn is not None:
                 with contextlib.suppress(sqlite3.Error):

@@ -176,3 +176,22 @@ async def test_closing_stops_the_upkeep_and_syncs_what_is_owed(tmp_path: Path) -
         await ledger.start_epoch(COORDINATOR)
         await _write_behind(ledger, 1, "c2")
         assert set(_upkeep_threads()) - before == set()
+
+
+async def test_settled_tells_when_the_upkeep_has_nothing_pending_or_running(tmp_path: Path) -> None:
+    async with Ledger.open(_url(tmp_path)) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        backend = _backend(ledger)
+        assert backend.upkeep_settled(0)  # never armed: nothing to wait for
+        await ledger.append("attempt.started", checkpoint_id="c1", data=started())
+        await ledger.sync()
+        pending = 0
+        for i in range(20):  # commits 2 ms apart: the round waits for quiet, so it stays pending
+            await ledger.append(
+                "call.sent", checkpoint_id="c1", server="s", call_id=f"c1/{i}", data=SENT, durable=False
+            )
+            pending += not backend.upkeep_settled(0)
+            await anyio.sleep(0.002)
+        assert pending >= 15, f"settled while commits kept coming ({20 - pending} of 20)"
+        assert await anyio.to_thread.run_sync(backend.upkeep_settled, ACT_WITHIN_S)
+        assert not backend._unsynced  # settled once the round ran: the tail is on disk

@@ -159,6 +159,10 @@ class BareLog(NullLedger):
         """How many events are committed (for the bench's sanity check)."""
         return int(self._conn.execute("SELECT count(*) FROM events").fetchone()[0])
 
+    def upkeep_settled(self, timeout_s: float) -> bool:
+        """As the real ledger's backend: wait until the upkeep has nothing pending or running."""
+        return self._upkeep.settled(timeout_s)
+
     def _fsync_owed(self) -> None:
         """The upkeep's fdatasync, as the real ledger's: on failure the debt stays."""
         if self._unsynced:

@@ -21,7 +21,9 @@ Both: the same scope (every running episode), the same 120 s deadline, the same 
 ``REUSE_IDLE_S``) and ``fresh`` (one new connection per call) — with saves in pairs, which side
 goes first alternating, each save after the same settle time (the episodes run a random part of
 a turn, untimed). One untimed pair first reads every server's control log to check that both
-sides sent the same control calls (``same_calls``).
+sides sent the same control calls (``same_calls``). After each timed quiesce save the bench
+waits (untimed) until its ledger's WAL upkeep (a background fsync and checkpoint,
+``quiesce.ledger.sqlite_upkeep``) is done, so it never runs in Gym's timed window.
 Goal (N=512): quiesce / Gym ≤ 1.2 in both modes.
 """
 
@@ -46,7 +48,15 @@ from quiesce.coordinator.protocol import TOKEN_ENV
 from quiesce.coordinator.protocol_v2 import EpisodeId
 from quiesce.tools.bench.episodes import running_episodes
 from quiesce.tools.bench.gymcoord import GymCoordination
-from quiesce.tools.bench.harness import Context, Result, Stats, process_cpu_s, run_child, stats_of
+from quiesce.tools.bench.harness import (
+    Context,
+    Result,
+    Stats,
+    process_cpu_s,
+    run_child,
+    stats_of,
+    upkeep_settled,
+)
 from quiesce.tools.gymsim.cluster import ClusterProcess, spawn_cluster
 
 SIZES = (8, 64, 512)
@@ -275,6 +285,7 @@ async def run_gymscale(
                     for side in order:
                         await anyio.sleep(settle_s)
                         await timed(f"{mode}_{side}", actions[side])
+                        await upkeep_settled(coord.ledger)  # untimed: the ledger's upkeep is done
             for client in clients.values():  # discovery, fresh connections
                 client.use("fresh")
             for index in range(cycles):

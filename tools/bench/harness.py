@@ -425,3 +425,23 @@ class TreeRss:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+#: The longest a bench waits for a ledger's background upkeep between two timed windows.
+UPKEEP_WAIT_S = 30.0
+
+
+async def upkeep_settled(ledger: object) -> None:
+    """Wait (untimed) until ``ledger``'s SQLite WAL upkeep has nothing pending or running
+    (``quiesce.ledger.sqlite_upkeep``): called after each timed save of a side whose ledger has
+    one, so that side's background fsync and checkpoint never overlap another side's timed window
+    (which they would slow, flattering the side that caused them) nor its own next one. A ledger
+    without an upkeep (PostgreSQL, the null ledger) returns at once."""
+    backend = getattr(ledger, "backend", ledger)
+    settled = getattr(backend, "upkeep_settled", None)
+    if settled is None:
+        return
+    import anyio.to_thread
+
+    if not await anyio.to_thread.run_sync(settled, UPKEEP_WAIT_S):
+        raise BenchError(f"the ledger's WAL upkeep was still busy {UPKEEP_WAIT_S:.0f} s after a save")
