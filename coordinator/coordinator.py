@@ -837,7 +837,7 @@ class Coordinator:
 
             async def outcome_on_disk() -> None:
                 try:
-                    await self._ctx.ledger.sync()
+                    await self._ctx.ledger.sync(ending=False)  # the resume goes on writing
                 except LedgerError as error:  # the resume goes on; raised once it is done
                     unsynced.append(error)
 
@@ -850,6 +850,8 @@ class Coordinator:
                     await self.resume(chosen)
                 except Exception as error:  # raised once the deleting is done
                     failed = error
+            # the save is over: the ledger's upkeep may run once it is quiet, not during the resume
+            self._ctx.ledger.operation_ended()
         if failed is not None:
             raise failed
         if unsynced:

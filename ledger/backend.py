@@ -302,6 +302,17 @@ class Backend(ABC):
         Not cancellable: once called, it completes (or fails) before returning.
         """
 
+    def staged(self) -> None:
+        """The writer staged an event (``Ledger.stage``): a commit will carry it, so the writer is
+        still at work. A hint for background upkeep (SQLite's); nothing to do by default."""
+        return None
+
+    def operation_ended(self) -> None:
+        """The writer's operation has told its caller the outcome (``Ledger.sync``,
+        ``Ledger.operation_ended``): background upkeep (SQLite's) may tend the database once the
+        writer is quiet. Nothing to do by default."""
+        return None
+
     @abstractmethod
     async def sync(self) -> None:
         """Every transaction committed so far is on disk when this returns (under durability

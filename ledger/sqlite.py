@@ -7,8 +7,9 @@
   that ask for it, without switching the setting back and forth). A write-behind append
   (``durable=False``) is not fsynced; the next durable one fsyncs the same WAL file, which holds
   it too, and so does closing the ledger — or, sooner, the WAL upkeep (``sqlite_upkeep``), which
-  once an operation has synced and the writer has gone quiet fsyncs the commits made since and
-  checkpoints the WAL on its own thread, so neither lands inside a later commit.
+  once an operation is over (``operation_ended``) and the writer has gone quiet fsyncs the
+  commits made since and checkpoints the WAL on its own thread, so neither lands inside a later
+  commit.
   ``durability="process"``: nothing is fsynced but by checkpoints; survives a process crash, not
   power loss.
 - The file: its path resolved (symlinks followed), never created in a missing folder, one hard
@@ -61,7 +62,7 @@ from quiesce.ledger.layout import EVENT_COLUMNS, MARKER_WHERE_SQLITE, VERSION_TA
 from quiesce.ledger.projections import COLUMNS, AttemptRow, from_columns, stored_values
 from quiesce.ledger.rollout_refs import REF_KINDS, refs_of_rows
 from quiesce.ledger.sqlite_reads import LineageReads
-from quiesce.ledger.sqlite_upkeep import WalUpkeep
+from quiesce.ledger.sqlite_upkeep import CHECKPOINT_AFTER_EVENTS, WalUpkeep
 from quiesce.ledger.urls import parse, plain_sqlite_path
 
 if TYPE_CHECKING:
@@ -369,7 +370,7 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
                 written = apply_append(_SqliteTx(conn), batch, self._cache)
                 conn.execute("COMMIT")
                 self._cache.committed(written)
-            self._committed(durable=batch.durable)
+            self._committed(durable=batch.durable, events=len(batch.rows))
         except BaseException as error:
             self._cache.clear()
             if conn.in_transaction:
@@ -408,10 +409,7 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
 
     async def sync(self) -> None:
         # on a worker thread of its own, not the writer's: commits go on while the WAL is synced
-        # (a commit made meanwhile may or may not be covered; it stays owed to the next sync).
-        # An operation is ending: what it commits from now on is synced once the writer is quiet.
-        if self._upkeep is not None:
-            self._upkeep.arm()
+        # (a commit made meanwhile may or may not be covered; it stays owed to the next sync)
         if not self._unsynced or self._w is None:
             return
         self._unsynced = False
@@ -422,18 +420,28 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
             self._unsynced = True
             raise self._problem(error, "fsync the WAL") from error
 
-    def _committed(self, *, durable: bool) -> None:
+    def operation_ended(self) -> None:
+        # what the writer commits from now on is synced, and the WAL checkpointed, once it is quiet
+        if self._upkeep is not None:
+            self._upkeep.arm()
+
+    def _committed(self, *, durable: bool, events: int) -> None:
         """After a COMMIT under durability "full": a durable one fdatasyncs the WAL (every frame in
         it: this commit's, and the write-behind ones before it); a write-behind one is owed to the
         next durable commit, the upkeep or the close. Every commit tells the upkeep."""
         if self._upkeep is not None:
-            self._upkeep.committed()
+            self._upkeep.committed(events)
         if self._durability != "full":
             return
         self._unsynced = True
         if durable:
             self._fsync_wal()
             self._unsynced = False
+
+    def staged(self) -> None:
+        # an operation still at work (a fan-out's replies, staged as they come): not quiet yet
+        if self._upkeep is not None:
+            self._upkeep.busy()
 
     def upkeep_settled(self, timeout_s: float) -> bool:
         """Wait (blocking) until the WAL upkeep has nothing pending or running; False if
@@ -480,7 +488,8 @@ class SqliteBackend(LineageReads, Backend, InlineAppend):
                 conn.execute("BEGIN IMMEDIATE")
                 result = body(conn)
                 conn.execute("COMMIT")
-                self._committed(durable=True)
+                # a projection rewritten whole: pages enough to be checkpointed at the next quiet
+                self._committed(durable=True, events=CHECKPOINT_AFTER_EVENTS)
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")

@@ -8,7 +8,7 @@ Invariants:
   stale. An append made with ``durable=False`` (write-behind) is committed when it returns but
   reaches the disk with the next durable append, which holds it too (commit order is seq
   order), or at close — at the latest (SQLite's WAL upkeep syncs it sooner once the writer has
-  gone quiet after a ``sync``).
+  gone quiet after an operation's end: ``sync``, ``operation_ended``).
 - **Staged events ride with the next commit.** ``stage`` validates and chains an event at once
   (its seq and hash are final) but writes nothing: it is committed at the front of the next
   transaction — the next append's, ``flush``, a read by this writer, or ``aclose`` — in seq
@@ -887,6 +887,7 @@ class Ledger:
         rows, events = self._chain([encoded], self.epoch)
         self._staged.append((rows[0], events[0]))
         self._staged_durable = self._staged_durable or durable
+        self._backend.staged()
         return events[0]
 
     async def flush(self) -> None:
@@ -897,16 +898,26 @@ class Ledger:
         if self._staged or self._leading or self._lock.locked():
             await self._commit([], durable=False)  # durable after all if a staged event asks for it
 
-    async def sync(self) -> None:
+    async def sync(self, *, ending: bool = True) -> None:
         """Everything appended or staged before this call is on disk when it returns (durability
         "full"; under "process" it is committed, which is all that mode promises).
 
         The staged events are committed first; the disk sync itself holds up no other append (it
         runs beside them), so a caller can start it and go on making calls, and await it before
-        telling anyone an outcome."""
+        telling anyone an outcome. ``ending``: the operation is telling its caller the outcome
+        (``operation_ended`` follows the sync); False when it goes on writing (a save syncs its
+        outcome while its servers resume), and calls ``operation_ended`` itself once done."""
         self._check_writable()
         await self.flush()
         await self._backend.sync()
+        if ending:
+            self._backend.operation_ended()
+
+    def operation_ended(self) -> None:
+        """The operation under way is over: the backend may tend the database in the background
+        once the writer is quiet (SQLite: the write-behind tail synced and the WAL checkpointed,
+        ``quiesce.ledger.sqlite_upkeep``), so neither lands inside the next operation's commits."""
+        self._backend.operation_ended()
 
     async def _flush_staged(self) -> None:
         """Commit the staged events, if any and if this writer may still write: a writer's reads

@@ -17,7 +17,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from quiesce.ledger import Ledger, sqlite_upkeep
+from quiesce.ledger import AppendItem, Ledger, sqlite_upkeep
 from quiesce.ledger.sqlite import SqliteBackend
 from tests.ledger.helpers import COORDINATOR, REPLIED, SENT, started
 
@@ -129,6 +129,37 @@ async def test_the_wal_is_checkpointed_between_operations_not_inside_a_commit(
         await _until(lambda: not _backend(ledger)._unsynced, "sync the tail")
         await anyio.sleep(0.05)
         assert upkeep.checkpoints == 1
+
+
+async def test_a_few_large_group_commits_are_checkpointed_like_many_small_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a wide fan-out commits hundreds of events per transaction: counted in commits alone, its
+    # WAL would grow to SQLite's own checkpoint (inside some later commit) before the upkeep's
+    monkeypatch.setattr(sqlite_upkeep, "CHECKPOINT_AFTER_EVENTS", 40)
+    db = tmp_path / "ledger.db"
+    async with Ledger.open(_url(tmp_path)) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        upkeep = _backend(ledger)._upkeep
+        assert upkeep is not None
+
+        def sent(cid: str, n: int) -> list[AppendItem]:
+            return [AppendItem("call.sent", cid, f"s{i}", f"{cid}/{i}", SENT) for i in range(n)]
+
+        await ledger.append("attempt.started", checkpoint_id="c1", data=started())
+        await ledger.append_many(sent("c1", 30), durable=False)  # 32 events in 3 commits: under it
+        await ledger.sync()
+        await _until(lambda: not _backend(ledger)._unsynced, "sync the tail")
+        await anyio.sleep(0.05)
+        assert upkeep.checkpoints == 0
+        replied = [AppendItem("call.replied", "c1", f"s{i}", f"c1/{i}", REPLIED) for i in range(30)]
+        await ledger.append_many(replied, durable=False)  # 62 events in 4 commits: past it
+        head = await ledger.head()
+        assert head is not None
+        assert _events_in_database_file(db, tmp_path / "before.db") < head.seq
+        await ledger.sync()
+        await _until(lambda: upkeep.checkpoints == 1, "checkpoint the WAL")
+        assert _events_in_database_file(db, tmp_path / "after.db") == head.seq
 
 
 async def test_a_failed_fdatasync_in_the_upkeep_stays_owed_to_the_next_durable_commit(

@@ -103,7 +103,7 @@ class BareLog(NullLedger):
         self._conn.execute("BEGIN IMMEDIATE")
         self._conn.executemany(_INSERT, rows)
         self._conn.execute("COMMIT")
-        self._upkeep.committed()
+        self._upkeep.committed(len(rows))
         self._unsynced = not durable
         if durable:
             os.fdatasync(self._wal)
@@ -133,19 +133,25 @@ class BareLog(NullLedger):
         durable: bool = False,
     ) -> Event:
         self._staged_durable = self._staged_durable or durable
+        self._upkeep.busy()  # as the real ledger's: a staged event keeps the upkeep waiting
         return self._chain(kind, checkpoint_id, server, call_id, data)
 
     async def flush(self) -> None:
         self._commit(False)
 
-    async def sync(self) -> None:
-        """As the real ledger's: staged events committed, then the WAL fdatasynced on a worker
-        thread if a write-behind commit is not on disk yet; the upkeep is armed."""
+    def operation_ended(self) -> None:
+        """As the real ledger's: the upkeep is armed."""
         self._upkeep.arm()
+
+    async def sync(self, *, ending: bool = True) -> None:
+        """As the real ledger's: staged events committed, then the WAL fdatasynced on a worker
+        thread if a write-behind commit is not on disk yet; with ``ending``, the upkeep is armed."""
         self._commit(False)
         if self._unsynced:
             self._unsynced = False
             await anyio.to_thread.run_sync(os.fdatasync, self._wal)
+        if ending:
+            self._upkeep.arm()
 
     async def append_many(self, items: Sequence[AppendItem], *, durable: bool = True) -> list[Event]:
         events = [self._chain(i.kind, i.checkpoint_id, i.server, i.call_id, i.data) for i in items]

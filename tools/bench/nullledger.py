@@ -63,7 +63,10 @@ class NullLedger:
     async def flush(self) -> None:
         return None
 
-    async def sync(self) -> None:
+    async def sync(self, *, ending: bool = True) -> None:
+        return None
+
+    def operation_ended(self) -> None:
         return None
 
     async def append_many(self, items: Sequence[AppendItem], *, durable: bool = True) -> list[Event]:
