@@ -129,6 +129,8 @@ class WalUpkeep:
                     if self._stopping.wait(left):
                         return
                 self._armed.clear()  # an arm from now on is tended by the next round
+                if self._stopping.is_set():  # (`stop` may have armed just before that clear)
+                    return
                 self._fsync_owed()
                 commits, events = self._commits, self._events
                 if (

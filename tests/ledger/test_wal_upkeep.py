@@ -226,3 +226,32 @@ async def test_settled_tells_when_the_upkeep_has_nothing_pending_or_running(tmp_
         assert pending >= 15, f"settled while commits kept coming ({20 - pending} of 20)"
         assert await anyio.to_thread.run_sync(backend.upkeep_settled, ACT_WITHIN_S)
         assert not backend._unsynced  # settled once the round ran: the tail is on disk
+
+
+def test_a_stop_that_lands_just_before_a_round_begins_still_ends_the_thread(tmp_path: Path) -> None:
+    # `stop` sets the stopping flag, then arms so the thread wakes; the thread clears the arm as
+    # it begins a round. A stop landing between the end of the quiet wait and that clear must
+    # still end the thread, not leave it waiting for an arm that will never come (seen: a
+    # ledger's close hung in `stop`'s join).
+    db = tmp_path / "plain.db"
+    sqlite3.connect(db).close()
+    rounds: list[int] = []
+    upkeep = sqlite_upkeep.WalUpkeep(db, lambda: rounds.append(1))
+
+    class StopBeforeClear(threading.Event):
+        def clear(self) -> None:
+            upkeep._stopping.set()  # what `stop` does first...
+            self.set()  # ...and then
+            super().clear()
+
+    upkeep._armed = StopBeforeClear()
+    upkeep.arm()
+    stopper = threading.Thread(target=upkeep.stop, daemon=True)
+    deadline = time.monotonic() + ACT_WITHIN_S
+    while upkeep._thread is None or upkeep._thread.is_alive():
+        assert time.monotonic() < deadline, "the upkeep thread did not end after a stop"
+        time.sleep(0.005)
+    stopper.start()
+    stopper.join(ACT_WITHIN_S)
+    assert not stopper.is_alive(), "stop() did not return"
+    assert rounds == []  # the stopped thread began no round: closing syncs what is owed
