@@ -37,6 +37,12 @@ def _backend(ledger: Ledger) -> SqliteBackend:
     return backend
 
 
+def _upkeep_of(ledger: Ledger) -> sqlite_upkeep.WalUpkeep:
+    upkeep = _backend(ledger)._upkeep
+    assert upkeep is not None, "a writing SQLite ledger has a WAL upkeep"
+    return upkeep
+
+
 async def _write_behind(ledger: Ledger, n: int, checkpoint_id: str = "c1") -> None:
     for i in range(n):
         await ledger.append(
@@ -111,8 +117,7 @@ async def test_the_wal_is_checkpointed_between_operations_not_inside_a_commit(
     db = tmp_path / "ledger.db"
     async with Ledger.open(_url(tmp_path)) as ledger:
         await ledger.start_epoch(COORDINATOR)
-        upkeep = _backend(ledger)._upkeep
-        assert upkeep is not None
+        upkeep = _upkeep_of(ledger)
         await ledger.append("attempt.started", checkpoint_id="c1", data=started())
         await _write_behind(ledger, 6)
         await ledger.flush()
@@ -140,8 +145,7 @@ async def test_a_few_large_group_commits_are_checkpointed_like_many_small_ones(
     db = tmp_path / "ledger.db"
     async with Ledger.open(_url(tmp_path)) as ledger:
         await ledger.start_epoch(COORDINATOR)
-        upkeep = _backend(ledger)._upkeep
-        assert upkeep is not None
+        upkeep = _upkeep_of(ledger)
 
         def sent(cid: str, n: int) -> list[AppendItem]:
             return [AppendItem("call.sent", cid, f"s{i}", f"{cid}/{i}", SENT) for i in range(n)]
