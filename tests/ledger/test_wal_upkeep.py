@@ -84,10 +84,12 @@ async def test_the_write_behind_tail_after_a_sync_reaches_the_disk_once_the_writ
         backend = _backend(ledger)
         await ledger.append("attempt.started", checkpoint_id="c1", data=started())
         await _write_behind(ledger, 3)
-        await ledger.sync()  # an operation tells its outcome: the upkeep is armed
+        await ledger.sync(ending=False)  # an operation tells its outcome while it goes on
         await _write_behind(ledger, 3)  # the tail: committed after the sync, owed to the disk
         await ledger.flush()
-        assert backend._unsynced  # nothing has synced it yet
+        await anyio.sleep(0.05)
+        assert backend._unsynced  # quiet, but not armed: nothing has synced it yet
+        ledger.operation_ended()  # the upkeep is armed
         await _until(lambda: not backend._unsynced, "sync the write-behind tail")
 
 
@@ -96,7 +98,7 @@ async def test_a_writer_that_keeps_committing_is_not_synced_under_its_feet(tmp_p
         await ledger.start_epoch(COORDINATOR)
         backend = _backend(ledger)
         await ledger.append("attempt.started", checkpoint_id="c1", data=started())
-        await ledger.sync()
+        await ledger.sync()  # armed: the upkeep waits for the writer to be quiet
         synced_while_busy = 0
         # commits 2 ms apart for 150 ms: never 10 ms of quiet, so the tail stays owed throughout
         for i in range(75):
@@ -107,6 +109,8 @@ async def test_a_writer_that_keeps_committing_is_not_synced_under_its_feet(tmp_p
             await anyio.sleep(0.002)
         # the loop's own sleeps can overrun on a loaded machine; a quiet gap then lets it act once
         assert synced_while_busy <= 5, f"synced {synced_while_busy} times while commits kept coming"
+        # a gap that let it act spent that arm: the commits after it wait for the next one
+        ledger.operation_ended()
         await _until(lambda: not backend._unsynced, "sync once the commits stopped")
 
 
@@ -183,9 +187,10 @@ async def test_a_failed_fdatasync_in_the_upkeep_stays_owed_to_the_next_durable_c
             real_fsync()
 
         monkeypatch.setattr(backend, "_fsync_wal", failing)
-        await ledger.sync()
         await _write_behind(ledger, 2)
         await ledger.flush()
+        assert backend._unsynced
+        ledger.operation_ended()  # armed only now: a round run before the tail has nothing owed
         await _until(tried.is_set, "try to sync")
         await anyio.sleep(0.02)
         assert backend._unsynced  # still owed: the failure changed nothing it promised
@@ -228,6 +233,7 @@ async def test_settled_tells_when_the_upkeep_has_nothing_pending_or_running(tmp_
             pending += not backend.upkeep_settled(0)
             await anyio.sleep(0.002)
         assert pending >= 15, f"settled while commits kept coming ({20 - pending} of 20)"
+        ledger.operation_ended()  # a gap that let a round run spent that arm: arm again
         assert await anyio.to_thread.run_sync(backend.upkeep_settled, ACT_WITHIN_S)
         assert not backend._unsynced  # settled once the round ran: the tail is on disk
 
