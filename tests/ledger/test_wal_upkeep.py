@@ -93,6 +93,23 @@ async def test_the_write_behind_tail_after_a_sync_reaches_the_disk_once_the_writ
         await _until(lambda: not backend._unsynced, "sync the write-behind tail")
 
 
+async def test_a_commit_after_the_round_waits_for_the_next_operations_end(tmp_path: Path) -> None:
+    # one round per arm: what is committed after it is owed to the next durable commit, the next
+    # operation's end or the close, never synced by a round nobody asked for
+    async with Ledger.open(_url(tmp_path)) as ledger:
+        await ledger.start_epoch(COORDINATOR)
+        backend = _backend(ledger)
+        await ledger.append("attempt.started", checkpoint_id="c1", data=started())
+        await ledger.sync()  # armed
+        assert await anyio.to_thread.run_sync(backend.upkeep_settled, ACT_WITHIN_S)  # its round ran
+        await _write_behind(ledger, 2)
+        await ledger.flush()
+        await anyio.sleep(0.05)  # quiet for five times QUIET_S
+        assert backend._unsynced  # no round ran for it
+        ledger.operation_ended()
+        await _until(lambda: not backend._unsynced, "sync the tail once armed again")
+
+
 async def test_a_writer_that_keeps_committing_is_not_synced_under_its_feet(tmp_path: Path) -> None:
     async with Ledger.open(_url(tmp_path)) as ledger:
         await ledger.start_epoch(COORDINATOR)
