@@ -62,6 +62,12 @@ async def _until(condition: Callable[[], bool], what: str) -> None:
         await anyio.sleep(0.005)
 
 
+async def _still_owed_after_quiet(backend: SqliteBackend) -> None:
+    """The writer stays quiet for five times ``QUIET_S``: an unarmed upkeep leaves the tail owed."""
+    await anyio.sleep(5 * sqlite_upkeep.QUIET_S)
+    assert backend._unsynced, "the upkeep synced a tail nobody armed it for"
+
+
 def _events_in_database_file(db: Path, copy: Path) -> int:
     """Events in the database file alone (its WAL left out): what a checkpoint has copied back."""
     shutil.copyfile(db, copy)
@@ -87,8 +93,7 @@ async def test_the_write_behind_tail_after_a_sync_reaches_the_disk_once_the_writ
         await ledger.sync(ending=False)  # an operation tells its outcome while it goes on
         await _write_behind(ledger, 3)  # the tail: committed after the sync, owed to the disk
         await ledger.flush()
-        await anyio.sleep(0.05)
-        assert backend._unsynced  # quiet, but not armed: nothing has synced it yet
+        await _still_owed_after_quiet(backend)  # quiet, but not armed: nothing has synced it yet
         ledger.operation_ended()  # the upkeep is armed
         await _until(lambda: not backend._unsynced, "sync the write-behind tail")
 
@@ -104,8 +109,7 @@ async def test_a_commit_after_the_round_waits_for_the_next_operations_end(tmp_pa
         assert await anyio.to_thread.run_sync(backend.upkeep_settled, ACT_WITHIN_S)  # its round ran
         await _write_behind(ledger, 2)
         await ledger.flush()
-        await anyio.sleep(0.05)  # quiet for five times QUIET_S
-        assert backend._unsynced  # no round ran for it
+        await _still_owed_after_quiet(backend)  # no round ran for it
         ledger.operation_ended()
         await _until(lambda: not backend._unsynced, "sync the tail once armed again")
 
